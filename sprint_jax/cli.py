@@ -1,0 +1,66 @@
+"""The `sprint-jax` command.
+
+Each subcommand lives in its own module, which provides `add_arguments(parser)` and
+`run(args) -> int`; modules are imported only when their subcommand runs, so `--help` is fast.
+User mistakes (bad config, missing file) end with one clear line and exit code 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("sprint_jax.demo", "SPRINT end to end in miniature: curate -> SFT (SPRINT and RFT) -> parallel inference -> report"),
+    "convert": ("sprint_jax.model.convert", "convert between an HF safetensors directory and an orbax checkpoint"),
+    "generate": ("sprint_jax.infer.generate_cli", "generate text from a checkpoint (plain decoding)"),
+    "curate": ("sprint_jax.curation.cli", "curation pipeline: teacher traces -> steps -> DAG -> stages -> SFT examples"),
+    "train": ("sprint_jax.train.cli", "sharded SFT (SPRINT or RFT) from a config"),
+    "infer": ("sprint_jax.infer.infer_cli", "run the SPRINT orchestrator on one query and show the stages live"),
+    "eval": ("sprint_jax.eval.cli", "evaluate a model on math500 / countdown / a jsonl file; `eval compare A B`"),
+    "bench": ("sprint_jax.bench.cli", "benchmarks: decode, kernels, train, train-memory"),
+}
+
+
+class UserError(Exception):
+    """A mistake in the user's input: printed as one line, exit code 2."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="sprint-jax",
+        description="SPRINT in JAX: plan in sequence, execute independent subtasks in parallel.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        if argv and argv[0] not in ("-h", "--help"):
+            parser.print_usage(sys.stderr)
+            print(f"sprint-jax: error: unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}",
+                  file=sys.stderr)
+            return 2
+        parser.print_help()
+        return 0
+    name = argv[0]
+    module_name, help_text = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    cmd_parser = argparse.ArgumentParser(prog=f"sprint-jax {name}", description=getattr(
+        module, "DESCRIPTION", help_text), formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(cmd_parser)
+    args = cmd_parser.parse_args(argv[1:])
+    from sprint_jax.config import ConfigError
+    try:
+        return int(module.run(args) or 0)
+    except (UserError, ConfigError, FileNotFoundError) as e:
+        print(f"sprint-jax {name}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"sprint-jax {name}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

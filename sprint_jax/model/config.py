@@ -1,0 +1,163 @@
+"""Qwen2 model config: built from an HF `config.json`, with presets in configs/.
+
+Only what the architecture needs is kept; HF features we do not implement (sliding-window
+attention switched on, rope scaling) are rejected with an error that names the field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from sprint_jax.config import CONFIG_DIR, ConfigError
+
+DType = Literal["float32", "bfloat16"]
+
+# HF keys that carry no information our port needs (or that we check separately below).
+_IGNORED_HF_KEYS = {
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
+    "initializer_range", "hidden_act", "attention_dropout", "max_window_layers", "sliding_window",
+    "use_sliding_window", "rope_scaling", "rope_parameters", "rope_theta", "bos_token_id",
+    "eos_token_id", "pad_token_id", "layer_types", "_name_or_path", "output_attentions",
+    "output_hidden_states", "return_dict", "use_mrope", "tie_word_embeddings", "quantization_config",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen2Config:
+    vocab_size: int                    # rows of the embedding table (152064 for the 7B models)
+    hidden_size: int                   # model width E
+    intermediate_size: int             # SwiGLU inner width
+    num_hidden_layers: int             # decoder layers L (stacked under lax.scan)
+    num_attention_heads: int           # query heads H
+    num_key_value_heads: int           # KV heads (grouped-query attention: H % Hkv == 0)
+    head_dim: int = 0                  # per-head width; 0 means hidden_size // num_attention_heads
+    rope_theta: float = 10000.0        # RoPE base
+    rms_norm_eps: float = 1e-6         # RMSNorm epsilon
+    tie_word_embeddings: bool = False  # lm_head shares the embedding table
+    max_position_embeddings: int = 32768  # longest position the model was trained for
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    param_dtype: DType = "float32"     # storage dtype of the parameters
+    dtype: DType = "float32"           # compute dtype of activations (bf16 for speed)
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_attention_heads, 1))
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    def replace(self, **kw) -> "Qwen2Config":
+        return dataclasses.replace(self, **kw)
+
+    # ---- HF config.json <-> Qwen2Config ----------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, path_or_dict: str | Path | dict[str, Any], **overrides) -> "Qwen2Config":
+        """Build from an HF config.json (a path to the file or its directory, or the dict)."""
+        if isinstance(path_or_dict, dict):
+            d, where = dict(path_or_dict), "config"
+        else:
+            p = Path(path_or_dict)
+            if p.is_dir():
+                p = p / "config.json"
+            if not p.exists():
+                raise ConfigError(f"no config.json at {p}")
+            try:
+                d = json.loads(p.read_text())
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{p}: not valid JSON: {e}") from e
+            where = str(p)
+        mt = d.get("model_type", "qwen2")
+        if mt != "qwen2":
+            raise ConfigError(f"{where}: model_type must be 'qwen2', got {mt!r}")
+        if d.get("use_sliding_window"):
+            raise ConfigError(f"{where}: use_sliding_window=true is not supported "
+                              "(sliding-window attention is not implemented)")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{where}: hidden_act must be 'silu', got {act!r}")
+        theta = d.get("rope_theta")
+        for key in ("rope_scaling", "rope_parameters"):
+            rp = d.get(key)
+            if rp:
+                rtype = rp.get("rope_type", rp.get("type", "default"))
+                if rtype != "default":
+                    raise ConfigError(f"{where}: {key}.rope_type={rtype!r} is not supported "
+                                      "(only plain RoPE is implemented)")
+                theta = rp.get("rope_theta", theta)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in d if k not in known and k not in _IGNORED_HF_KEYS)
+        kwargs = {k: v for k, v in d.items() if k in known}
+        if theta is not None:
+            kwargs["rope_theta"] = float(theta)
+        kwargs["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
+        if "dtype" in kwargs and kwargs["dtype"] not in ("float32", "bfloat16"):
+            kwargs.pop("dtype")  # HF's storage dtype (e.g. "bfloat16") is not our compute dtype
+        kwargs.update(overrides)
+        del unknown  # extra HF bookkeeping keys are harmless; architectural ones are checked above
+        try:
+            return cls(**kwargs)
+        except TypeError as e:
+            raise ConfigError(f"{where}: {e}") from e
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The config.json transformers needs to load the exported checkpoint."""
+        return {
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "use_sliding_window": False,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+            "torch_dtype": self.param_dtype,
+            "attention_dropout": 0.0,
+        }
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "Qwen2Config":
+        """A model preset from configs/ by name, e.g. 'r1-distill-qwen-7b', 'qwen2.5-7b', 'tiny'."""
+        path = CONFIG_DIR / f"model_{name}.json"
+        if not path.exists():
+            names = sorted(p.stem[len("model_"):] for p in CONFIG_DIR.glob("model_*.json"))
+            raise ConfigError(f"unknown model preset {name!r}; presets: {', '.join(names)}")
+        return cls.from_hf_config(path, **overrides)
+
+
+def resolve_model_config(spec: str | dict, **overrides) -> Qwen2Config:
+    """A preset name, a path to config.json / an HF directory, or a dict."""
+    if isinstance(spec, dict):
+        return Qwen2Config.from_hf_config(spec, **overrides)
+    p = Path(spec)
+    if p.exists():
+        return Qwen2Config.from_hf_config(p, **overrides)
+    return Qwen2Config.preset(spec, **overrides)

@@ -1,0 +1,343 @@
+"""Qwen2 decoder in JAX / flax.nnx (the architecture of DeepSeek-R1-Distill-Qwen-7B).
+
+Parameters are declared once, in `PARAM_SPECS`: shape, logical axes, initialiser and the HF
+tensor name. The nnx module, the abstract tree (`jax.eval_shape`), the trainer's shardings and
+the HF conversion table are all derived from it. Per-layer parameters are stacked on a leading
+"layers" axis and the decoder runs under `lax.scan` (optionally `jax.checkpoint` per layer): one
+compiled layer body, fast compiles at 7B.
+
+`forward` is pure (params dict in, logits out) and takes an `attend` hook, so the KV-cache
+engine (sprint_jax.infer) reuses the same layers with its own cache layouts. There is one
+attention implementation, `attend_partial`, returning the output and its log-sum-exp so that
+partial attentions (shared prefix + per-branch suffix, Hydragen-style) merge exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sprint_jax.model.config import Qwen2Config
+
+Params = dict[str, Any]
+
+
+def dtype_of(name: str):
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameter table (one place per fact)
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    path: tuple[str, ...]                      # position in the params tree
+    shape: Callable[[Qwen2Config], tuple]      # our shape (per layer for layer params)
+    axes: tuple[str, ...]                      # logical axis names (without "layers")
+    init: str                                  # "normal" | "zeros" | "ones"
+    hf_name: str                               # HF tensor name; {i} = layer index
+    transpose: bool                            # HF stores [out, in]: ours = W.T reshaped
+    per_layer: bool = True
+    only_if: Callable[[Qwen2Config], bool] = lambda c: True
+
+    def full_shape(self, c: Qwen2Config) -> tuple:
+        return ((c.num_hidden_layers,) if self.per_layer else ()) + tuple(self.shape(c))
+
+    def full_axes(self) -> tuple[str, ...]:
+        return (("layers",) if self.per_layer else ()) + self.axes
+
+    def hf_shape(self, c: Qwen2Config) -> tuple:
+        s = self.shape(c)
+        if not self.transpose:
+            return (int(np.prod(s)),) if len(s) > 1 and self.axes[-1] == "head_dim" else tuple(s)
+        n_in = 1 if self.axes[0] in ("embed", "mlp") else 2  # o_proj's input is (heads, head_dim)
+        return (int(np.prod(s[n_in:])), int(np.prod(s[:n_in])))
+
+
+_E = lambda c: c.hidden_size  # noqa: E731
+PARAM_SPECS: tuple[ParamSpec, ...] = (
+    ParamSpec(("embed_tokens",), lambda c: (c.vocab_size, c.hidden_size), ("vocab", "embed"),
+              "normal", "model.embed_tokens.weight", False, per_layer=False),
+    ParamSpec(("layers", "input_layernorm", "scale"), lambda c: (_E(c),), ("norm",),
+              "ones", "model.layers.{i}.input_layernorm.weight", False),
+    ParamSpec(("layers", "q_proj", "kernel"), lambda c: (_E(c), c.num_attention_heads, c.head_dim),
+              ("embed", "heads", "head_dim"), "normal", "model.layers.{i}.self_attn.q_proj.weight", True),
+    ParamSpec(("layers", "q_proj", "bias"), lambda c: (c.num_attention_heads, c.head_dim),
+              ("heads", "head_dim"), "zeros", "model.layers.{i}.self_attn.q_proj.bias", False),
+    ParamSpec(("layers", "k_proj", "kernel"), lambda c: (_E(c), c.num_key_value_heads, c.head_dim),
+              ("embed", "kv_heads", "head_dim"), "normal", "model.layers.{i}.self_attn.k_proj.weight", True),
+    ParamSpec(("layers", "k_proj", "bias"), lambda c: (c.num_key_value_heads, c.head_dim),
+              ("kv_heads", "head_dim"), "zeros", "model.layers.{i}.self_attn.k_proj.bias", False),
+    ParamSpec(("layers", "v_proj", "kernel"), lambda c: (_E(c), c.num_key_value_heads, c.head_dim),
+              ("embed", "kv_heads", "head_dim"), "normal", "model.layers.{i}.self_attn.v_proj.weight", True),
+    ParamSpec(("layers", "v_proj", "bias"), lambda c: (c.num_key_value_heads, c.head_dim),
+              ("kv_heads", "head_dim"), "zeros", "model.layers.{i}.self_attn.v_proj.bias", False),
+    ParamSpec(("layers", "o_proj", "kernel"), lambda c: (c.num_attention_heads, c.head_dim, _E(c)),
+              ("heads", "head_dim", "embed"), "normal", "model.layers.{i}.self_attn.o_proj.weight", True),
+    ParamSpec(("layers", "post_attention_layernorm", "scale"), lambda c: (_E(c),), ("norm",),
+              "ones", "model.layers.{i}.post_attention_layernorm.weight", False),
+    ParamSpec(("layers", "gate_proj", "kernel"), lambda c: (_E(c), c.intermediate_size), ("embed", "mlp"),
+              "normal", "model.layers.{i}.mlp.gate_proj.weight", True),
+    ParamSpec(("layers", "up_proj", "kernel"), lambda c: (_E(c), c.intermediate_size), ("embed", "mlp"),
+              "normal", "model.layers.{i}.mlp.up_proj.weight", True),
+    ParamSpec(("layers", "down_proj", "kernel"), lambda c: (c.intermediate_size, _E(c)), ("mlp", "embed"),
+              "normal", "model.layers.{i}.mlp.down_proj.weight", True),
+    ParamSpec(("norm", "scale"), lambda c: (_E(c),), ("norm",), "ones", "model.norm.weight", False,
+              per_layer=False),
+    ParamSpec(("lm_head", "kernel"), lambda c: (_E(c), c.vocab_size), ("embed", "vocab"), "normal",
+              "lm_head.weight", True, per_layer=False, only_if=lambda c: not c.tie_word_embeddings),
+)
+
+
+def param_specs(config: Qwen2Config) -> list[ParamSpec]:
+    return [s for s in PARAM_SPECS if s.only_if(config)]
+
+
+def _tree_set(tree: dict, path: Sequence[str], value) -> None:
+    for p in path[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[path[-1]] = value
+
+
+def tree_get(tree: dict, path: Sequence[str]):
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def init_params(config: Qwen2Config, key: jax.Array, std: float = 0.02) -> Params:
+    """Random parameters (normal(std) kernels, zero biases, unit norms), as a plain dict."""
+    dt = dtype_of(config.param_dtype)
+    params: Params = {}
+    specs = param_specs(config)
+    for spec, k in zip(specs, jax.random.split(key, len(specs))):
+        shape = spec.full_shape(config)
+        if spec.init == "normal":
+            v = (std * jax.random.normal(k, shape, jnp.float32)).astype(dt)
+        elif spec.init == "zeros":
+            v = jnp.zeros(shape, dt)
+        else:
+            v = jnp.ones(shape, dt)
+        _tree_set(params, spec.path, v)
+    return params
+
+
+def logical_axes(config: Qwen2Config) -> Params:
+    """The params tree with each leaf replaced by its logical axis names."""
+    out: Params = {}
+    for spec in param_specs(config):
+        _tree_set(out, spec.path, spec.full_axes())
+    return out
+
+
+def abstract_params(config: Qwen2Config) -> Params:
+    """ShapeDtypeStructs of every parameter; nothing is allocated."""
+    return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+
+
+def param_count(config: Qwen2Config) -> int:
+    """Number of parameters, computed with jax.eval_shape (no allocation)."""
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(abstract_params(config))))
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------------------------
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm as Qwen2 computes it: statistics in fp32, then scale in the input dtype."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return scale.astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, half-split layout (HF `rotate_half`). x [B, T, N, D], positions [B, T]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))      # [D/2]
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq                        # [B, T, D/2]
+    cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], -1)[:, :, None, :]          # [B, T, 1, D]
+    sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], -1)[:, :, None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    rotated = jnp.concatenate([-x2, x1], -1)
+    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+NEG_INF = -1e30
+
+
+def attend_partial(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):
+    """Grouped-query attention over one block of keys, returning (output, log-sum-exp).
+
+    q [B, T, H, D]; k, v [B, S, Hkv, D]; mask [B, T, S] (True = may attend).
+    Returns out [B, T, H, D] (normalised within this block, in q's dtype) and lse [B, T, H]
+    (natural log, fp32). Rows with no visible key give out = 0 and lse = -inf-ish, so they
+    vanish when merged with `merge_partials`.
+    """
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, h // hkv, d)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    s = s / jnp.sqrt(jnp.float32(d))
+    s = jnp.where(mask[:, None, None, :, :], s, NEG_INF)
+    m = jnp.max(s, axis=-1, keepdims=True)                                   # [B, K, G, T, 1]
+    p = jnp.exp(s - m)
+    p = jnp.where(mask[:, None, None, :, :], p, 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    safe = jnp.where(denom > 0, denom, 1.0)
+    o = jnp.einsum("bkgts,bskd->btkgd", (p / safe).astype(v.dtype), v,
+                   preferred_element_type=jnp.float32)
+    lse = jnp.where(denom[..., 0] > 0, m[..., 0] + jnp.log(safe[..., 0]), NEG_INF)  # [B, K, G, T]
+    lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, h)
+    return o.reshape(b, t, h, d).astype(q.dtype), lse
+
+
+def merge_partials(parts: Sequence[tuple[jax.Array, jax.Array]]):
+    """Merge attention outputs over disjoint key blocks by their log-sum-exps (exact)."""
+    lses = jnp.stack([l for _, l in parts])                                   # [P, B, T, H]
+    m = jnp.max(lses, axis=0)
+    w = jnp.exp(lses - m)                                                     # [P, B, T, H]
+    tot = jnp.sum(w, axis=0)
+    out = sum(o.astype(jnp.float32) * (wi / tot)[..., None] for (o, _), wi in zip(parts, w))
+    return out.astype(parts[0][0].dtype), m + jnp.log(tot)
+
+
+def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
+    """[B, T] segment ids -> [B, T, T] mask: causal, and never across segments."""
+    t = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return causal[None] & same
+
+
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+def _layer(config: Qwen2Config, x, lp, positions, attend: AttendFn, layer_cache):
+    """One decoder layer. x [B, T, E]; lp: this layer's params (no leading layers axis)."""
+    cdt = dtype_of(config.dtype)
+    c = lambda a: a.astype(cdt)  # noqa: E731
+    h = rms_norm(x, lp["input_layernorm"]["scale"], config.rms_norm_eps)
+    q = jnp.einsum("bte,ehd->bthd", h, c(lp["q_proj"]["kernel"])) + c(lp["q_proj"]["bias"])
+    k = jnp.einsum("bte,ehd->bthd", h, c(lp["k_proj"]["kernel"])) + c(lp["k_proj"]["bias"])
+    v = jnp.einsum("bte,ehd->bthd", h, c(lp["v_proj"]["kernel"])) + c(lp["v_proj"]["bias"])
+    q = rope(q, positions, config.rope_theta)
+    k = rope(k, positions, config.rope_theta)
+    a, new_cache = attend(q, k, v, layer_cache)                               # [B, T, H, D]
+    x = x + jnp.einsum("bthd,hde->bte", a, c(lp["o_proj"]["kernel"]))
+    h = rms_norm(x, lp["post_attention_layernorm"]["scale"], config.rms_norm_eps)
+    g = jnp.einsum("bte,em->btm", h, c(lp["gate_proj"]["kernel"]))
+    u = jnp.einsum("bte,em->btm", h, c(lp["up_proj"]["kernel"]))
+    x = x + jnp.einsum("btm,me->bte", jax.nn.silu(g) * u, c(lp["down_proj"]["kernel"]))
+    return x, new_cache
+
+
+def masked_attend(mask: jax.Array) -> AttendFn:
+    """The attend hook for a plain (cache-free) pass: attention over this call's own keys."""
+    def attend(q, k, v, layer_cache):
+        return attend_partial(q, k, v, mask)[0], layer_cache
+    return attend
+
+
+def embed(params: Params, config: Qwen2Config, tokens: jax.Array) -> jax.Array:
+    return jnp.take(params["embed_tokens"], tokens, axis=0).astype(dtype_of(config.dtype))
+
+
+def unembed(params: Params, config: Qwen2Config, x: jax.Array) -> jax.Array:
+    """Final norm + lm_head; logits in fp32."""
+    x = rms_norm(x, params["norm"]["scale"], config.rms_norm_eps)
+    if config.tie_word_embeddings:
+        w = params["embed_tokens"].astype(x.dtype)
+        return jnp.einsum("bte,ve->btv", x, w, preferred_element_type=jnp.float32)
+    w = params["lm_head"]["kernel"].astype(x.dtype)
+    return jnp.einsum("bte,ev->btv", x, w, preferred_element_type=jnp.float32)
+
+
+def decoder(params: Params, config: Qwen2Config, x: jax.Array, positions: jax.Array,
+            attend: AttendFn, cache: Any = None, remat: str = "none"):
+    """The layer stack under lax.scan. `cache` is any pytree with a leading layers axis (or None)."""
+    def body(carry, xs):
+        lp, lc = xs
+        y, new_lc = _layer(config, carry, lp, positions, attend, lc)
+        return y, new_lc
+
+    if remat == "full":
+        body = jax.checkpoint(body)
+    elif remat == "dots":
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    elif remat != "none":
+        raise ValueError(f"remat must be 'none', 'full' or 'dots', got {remat!r}")
+    x, new_cache = jax.lax.scan(body, x, (params["layers"], cache))
+    return x, new_cache
+
+
+def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: jax.Array | None = None,
+            segment_ids: jax.Array | None = None, attention_mask: jax.Array | None = None,
+            *, remat: str = "none", return_hidden: bool = False) -> jax.Array:
+    """Plain forward pass: tokens [B, T] -> logits [B, T, V] (fp32).
+
+    positions default to arange(T). segment_ids [B, T] restrict attention to the same segment
+    (packing; segment 0 can mark padding). attention_mask [B, T, T] (True = may attend) replaces
+    the causal/segment mask entirely (the trainer's trie layout uses it).
+    """
+    b, t = tokens.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if attention_mask is None:
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, t), jnp.int32)
+        attention_mask = segment_causal_mask(segment_ids)
+    x = embed(params, config, tokens)
+    x, _ = decoder(params, config, x, positions, masked_attend(attention_mask), None, remat)
+    if return_hidden:
+        return x
+    return unembed(params, config, x)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "remat"))
+def _forward_jit(params, config, tokens, positions, segment_ids, attention_mask, remat="none"):
+    return forward(params, config, tokens, positions, segment_ids, attention_mask, remat=remat)
+
+
+# ---------------------------------------------------------------------------------------------
+# The nnx module
+# ---------------------------------------------------------------------------------------------
+class _Node(nnx.Module):
+    """A plain container so the module tree mirrors the params dict."""
+
+
+class Qwen2(nnx.Module):
+    """Qwen2 as an nnx module. Each parameter is an `nnx.Param` with `logical_axes` metadata.
+
+    `model(tokens, positions=None, segment_ids=None)` -> logits [B, T, V]. The pure function
+    behind it is `forward(model.params, model.config, ...)`.
+    """
+
+    def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs | None = None, params: Params | None = None):
+        self.config = config
+        if params is None:
+            key = rngs.params() if rngs is not None else jax.random.key(0)
+            params = init_params(config, key)
+        for spec in param_specs(config):
+            node = self
+            for name in spec.path[:-1]:
+                if not hasattr(node, name):
+                    setattr(node, name, _Node())
+                node = getattr(node, name)
+            value = tree_get(params, spec.path)
+            if tuple(value.shape) != spec.full_shape(config):
+                raise ValueError(f"{'.'.join(spec.path)}: shape {tuple(value.shape)} != "
+                                 f"expected {spec.full_shape(config)}")
+            setattr(node, spec.path[-1], nnx.Param(value, logical_axes=spec.full_axes()))
+
+    @property
+    def params(self) -> Params:
+        return nnx.state(self, nnx.Param).to_pure_dict()
+
+    def __call__(self, tokens, positions=None, segment_ids=None, attention_mask=None):
+        tokens = jnp.asarray(tokens)
+        return _forward_jit(self.params, self.config, tokens, positions, segment_ids, attention_mask)
