@@ -336,7 +336,7 @@ class Qwen2(nnx.Module):
 
     @property
     def params(self) -> Params:
-        return nnx.state(self, nnx.Param).to_pure_dict()
+        return nnx.to_pure_dict(nnx.state(self, nnx.Param))
 
     def __call__(self, tokens, positions=None, segment_ids=None, attention_mask=None):
         tokens = jnp.asarray(tokens)

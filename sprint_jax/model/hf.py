@@ -1,0 +1,295 @@
+"""HF checkpoints <-> our params: safetensors read one tensor at a time, written in HF layout.
+
+The conversion is the PARAM_SPECS table in qwen2.py (HF name, transpose or not, our shape):
+no per-tensor special cases here. Every tensor's shape is checked before it is reshaped, and a
+bad checkpoint (missing tensor, wrong shape, unknown key, config mismatch) fails naming the
+tensor and both shapes.
+
+Reading parses the safetensors header ourselves and memory-maps the file, so each tensor is
+copied once, straight into its slot of the stacked [layers, ...] host buffer (or onto devices
+when a target sharding is given): peak host memory stays near one copy of the model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from sprint_jax.model.config import Qwen2Config
+from sprint_jax.model.qwen2 import Params, ParamSpec, Qwen2, _tree_set, dtype_of, param_specs, tree_get
+
+_ST_DTYPES = {
+    "F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F64": np.dtype(np.float64), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
+}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the model: the message names the tensor and both shapes."""
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors files
+# ---------------------------------------------------------------------------------------------
+class SafetensorsFile:
+    """Lazily reads tensors from one .safetensors file through a memory map."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise CheckpointError(f"{self.path}: truncated safetensors file (no header)")
+            (n,) = struct.unpack("<Q", raw)
+            try:
+                header = json.loads(f.read(n))
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{self.path}: corrupt safetensors header: {e}") from e
+        self.header = {k: v for k, v in header.items() if k != "__metadata__"}
+        self.offset = 8 + n
+        self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self.header[name]["shape"])
+
+    def get(self, name: str) -> np.ndarray:
+        meta = self.header[name]
+        dt = _ST_DTYPES.get(meta["dtype"])
+        if dt is None:
+            raise CheckpointError(f"{self.path}: tensor {name} has unsupported dtype {meta['dtype']}")
+        start, end = meta["data_offsets"]
+        buf = self._mm[self.offset + start: self.offset + end]
+        if buf.size != end - start:
+            raise CheckpointError(f"{self.path}: tensor {name} is truncated")
+        return buf.view(dt).reshape(meta["shape"])
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict | None = None) -> None:
+    """Write a .safetensors file (atomically: temp file + rename)."""
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+    off = 0
+    for name, arr in tensors.items():
+        nbytes = arr.size * arr.dtype.itemsize
+        header[name] = {"dtype": _ST_NAMES[arr.dtype], "shape": list(arr.shape),
+                        "data_offsets": [off, off + nbytes]}
+        off += nbytes
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * ((8 - len(hb) % 8) % 8)
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)))
+        f.write(hb)
+        for arr in tensors.values():
+            f.write(np.ascontiguousarray(arr).tobytes())
+    os.replace(tmp, path)
+
+
+def _open_checkpoint(path: Path) -> dict[str, SafetensorsFile]:
+    """tensor name -> the file holding it (single file or sharded with an index)."""
+    index = path / "model.safetensors.index.json"
+    single = path / "model.safetensors"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files: dict[str, SafetensorsFile] = {}
+        out = {}
+        for name, fname in weight_map.items():
+            if fname not in files:
+                fp = path / fname
+                if not fp.exists():
+                    raise CheckpointError(f"{index} names {fname} (for {name}) but the file is missing")
+                files[fname] = SafetensorsFile(fp)
+            out[name] = files[fname]
+        return out
+    if single.exists():
+        f = SafetensorsFile(single)
+        return {k: f for k in f.keys()}
+    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# conversion table
+# ---------------------------------------------------------------------------------------------
+def _from_hf(spec: ParamSpec, config: Qwen2Config, name: str, w: np.ndarray) -> np.ndarray:
+    want = spec.hf_shape(config)
+    if tuple(w.shape) != tuple(want):
+        raise CheckpointError(f"tensor {name}: checkpoint shape {tuple(w.shape)} != expected {tuple(want)} "
+                              f"(from config: hidden {config.hidden_size}, heads {config.num_attention_heads}, "
+                              f"kv_heads {config.num_key_value_heads}, vocab {config.vocab_size})")
+    return (w.T if spec.transpose else w).reshape(spec.shape(config))
+
+
+def _to_hf(spec: ParamSpec, config: Qwen2Config, p: np.ndarray) -> np.ndarray:
+    hs = spec.hf_shape(config)
+    if spec.transpose:
+        return np.ascontiguousarray(p.reshape(hs[::-1]).T)
+    return np.ascontiguousarray(p.reshape(hs))
+
+
+def hf_names(spec: ParamSpec, config: Qwen2Config) -> list[str]:
+    if spec.per_layer:
+        return [spec.hf_name.format(i=i) for i in range(config.num_hidden_layers)]
+    return [spec.hf_name]
+
+
+_IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)
+
+
+def load_params(path: str | Path, config: Qwen2Config | None = None, dtype=None,
+                shardings: Params | None = None, progress: bool = False) -> tuple[Qwen2Config, Params]:
+    """Read an HF checkpoint directory into (config, params dict).
+
+    dtype: parameter dtype (default: the config's param_dtype). shardings: an optional tree of
+    jax.sharding.Sharding matching the params; each tensor then goes straight to its devices.
+    """
+    path = Path(path)
+    file_cfg = Qwen2Config.from_hf_config(path)
+    if config is None:
+        config = file_cfg
+    else:
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings"):
+            if getattr(config, f) != getattr(file_cfg, f):
+                raise CheckpointError(f"config mismatch: {f} = {getattr(config, f)} but the checkpoint's "
+                                      f"config.json says {getattr(file_cfg, f)}")
+    if dtype is not None:
+        dtype = jnp.dtype(dtype)
+        config = config.replace(param_dtype={jnp.dtype(jnp.float32): "float32",
+                                             jnp.dtype(jnp.bfloat16): "bfloat16"}[dtype])
+    np_dtype = np.dtype(dtype_of(config.param_dtype))
+    where = _open_checkpoint(path)
+    specs = param_specs(config)
+    required: set[str] = set()
+    for spec in specs:
+        required.update(hf_names(spec, config))
+    allowed = required | ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    unknown = sorted(k for k in where if k not in allowed and not k.endswith(_IGNORED_HF_TENSORS))
+    if unknown:
+        raise CheckpointError(f"unknown tensor {unknown[0]} in {path}"
+                              + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
+    missing = sorted(k for k in required if k not in where)
+    if missing:
+        raise CheckpointError(f"missing tensor {missing[0]} in {path}"
+                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    params: Params = {}
+    it: Iterable = specs
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=sum(len(hf_names(s, config)) for s in specs), desc="loading", unit="tensor")
+    for spec in it:
+        names = hf_names(spec, config)
+        buf = np.empty(spec.full_shape(config), np_dtype)
+        for i, name in enumerate(names):
+            w = _from_hf(spec, config, name, where[name].get(name))
+            if spec.per_layer:
+                buf[i] = w.astype(np_dtype)
+            else:
+                buf[...] = w.astype(np_dtype)
+            if bar:
+                bar.update(1)
+        if shardings is not None:
+            arr = jax.device_put(buf, tree_get(shardings, spec.path))
+        else:
+            arr = jnp.asarray(buf)
+        del buf
+        _tree_set(params, spec.path, arr)
+    if bar:
+        bar.close()
+    return config, params
+
+
+def from_pretrained(path: str | Path, dtype=None, config: Qwen2Config | None = None,
+                    shardings: Params | None = None, progress: bool = False) -> Qwen2:
+    """Load a local HF Qwen2 directory (config.json + model.safetensors[.index.json]) as `Qwen2`."""
+    config, params = load_params(path, config=config, dtype=dtype, shardings=shardings, progress=progress)
+    return Qwen2(config, params=params)
+
+
+def _parse_size(s: int | str) -> int:
+    if isinstance(s, int):
+        return s
+    s = s.strip().upper()
+    for unit, mult in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1)):
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * mult)
+    return int(s)
+
+
+def save_params(config: Qwen2Config, params: Params, path: str | Path, max_shard_size: int | str = "5GB",
+                dtype=None, progress: bool = False) -> None:
+    """Write params as an HF checkpoint directory that `transformers` loads."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    limit = _parse_size(max_shard_size)
+    out_dtype = np.dtype(dtype) if dtype is not None else None
+    hf_cfg = config.to_hf_config()
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    shard_files: list[Path] = []
+
+    def flush(final: bool):
+        nonlocal size
+        if shards[-1]:
+            tmpname = path / f"_shard{len(shard_files)}.safetensors"
+            write_safetensors(tmpname, shards[-1])
+            shard_files.append(tmpname)
+            shards[-1] = {}
+            size = 0
+
+    weight_map: dict[str, int] = {}
+    specs = param_specs(config)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=sum(len(hf_names(s, config)) for s in specs), desc="saving", unit="tensor")
+    for spec in specs:
+        full = np.asarray(jax.device_get(tree_get(params, spec.path)))
+        if out_dtype is not None:
+            full = full.astype(out_dtype)
+        for i, name in enumerate(hf_names(spec, config)):
+            t = _to_hf(spec, config, full[i] if spec.per_layer else full)
+            nbytes = t.size * t.dtype.itemsize
+            if size and size + nbytes > limit:
+                flush(False)
+            shards[-1][name] = t
+            weight_map[name] = len(shard_files)
+            size += nbytes
+            if bar:
+                bar.update(1)
+        del full
+    flush(True)
+    if bar:
+        bar.close()
+    for old in list(path.glob("model*.safetensors")) + list(path.glob("model.safetensors.index.json")):
+        old.unlink()
+    if len(shard_files) == 1:
+        os.replace(shard_files[0], path / "model.safetensors")
+    else:
+        n = len(shard_files)
+        names = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        for f, nm in zip(shard_files, names):
+            os.replace(f, path / nm)
+        total = sum((path / nm).stat().st_size for nm in names)
+        index = {"metadata": {"total_size": total}, "weight_map": {k: names[v] for k, v in weight_map.items()}}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if out_dtype is not None:
+        hf_cfg["torch_dtype"] = {np.dtype(np.float32): "float32",
+                                 np.dtype(ml_dtypes.bfloat16): "bfloat16"}.get(out_dtype, hf_cfg["torch_dtype"])
+    (path / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+
+
+def save_pretrained(model: Qwen2, path: str | Path, max_shard_size: int | str = "5GB", dtype=None,
+                    progress: bool = False) -> None:
+    """Write an nnx `Qwen2` as HF safetensors (sharded with an index past max_shard_size)."""
+    save_params(model.config, model.params, path, max_shard_size=max_shard_size, dtype=dtype, progress=progress)

@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny real HF Qwen2 checkpoints written by transformers itself."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Odd sizes catch transposes (STYLE.md habit 5).
+TINY_HF = dict(vocab_size=307, hidden_size=72, intermediate_size=200, num_hidden_layers=3,
+               num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
+               rope_theta=10000.0, rms_norm_eps=1e-6)
+
+
+def make_hf_checkpoint(path: Path, tied: bool = False, seed: int = 0, **overrides) -> Path:
+    """Build a random Qwen2ForCausalLM with transformers (random biases and norms too) and save it."""
+    import torch
+    from transformers import Qwen2Config as HFConfig
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = HFConfig(**{**TINY_HF, **overrides}, tie_word_embeddings=tied, attn_implementation="eager",
+                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.08)
+    model.save_pretrained(path)
+    return Path(path)
+
+
+def load_hf(path: Path, dtype=None):
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM.from_pretrained(path, attn_implementation="eager",
+                                            dtype=dtype or torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_untied(tmp_path_factory) -> Path:
+    return make_hf_checkpoint(tmp_path_factory.mktemp("hf_untied"), tied=False, seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_tied(tmp_path_factory) -> Path:
+    return make_hf_checkpoint(tmp_path_factory.mktemp("hf_tied"), tied=True, seed=1)
