@@ -50,3 +50,14 @@ def hf_untied(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def hf_tied(tmp_path_factory) -> Path:
     return make_hf_checkpoint(tmp_path_factory.mktemp("hf_tied"), tied=True, seed=1)
+
+
+def tiny_vocab_tokenizer(size: int = 307):
+    """A VocabTokenizer covering every id of the tiny model (random models emit any id)."""
+    import string
+
+    from sprint_jax.model.tokenizer import VocabTokenizer
+
+    base = ["<pad>", "<bos>", "<eos>"] + list(string.printable[:95]) + ["\n"]
+    extra = [f"<t{i}>" for i in range(size - len(base))]
+    return VocabTokenizer(base + extra, eos_token="<eos>", pad_token="<pad>", bos_token="<bos>")

@@ -41,11 +41,98 @@ def qwen2_tokenizer(extra_special_tokens: list[str] | tuple[str, ...] = ()):
     return tok
 
 
-def load_tokenizer(path: str | Path):
-    """AutoTokenizer from a checkpoint directory."""
-    from transformers import AutoTokenizer
+VOCAB_TOKENIZER_FILE = "vocab_tokenizer.json"
 
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer saved in a checkpoint directory: our VocabTokenizer file or an HF tokenizer."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"tokenizer directory not found: {p}")
+    if (p / VOCAB_TOKENIZER_FILE).exists():
+        return VocabTokenizer.load(p / VOCAB_TOKENIZER_FILE)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(p))
+
+
+class VocabTokenizer:
+    """A small tokenizer over an explicit vocabulary: greedy longest match, one token per entry.
+
+    For tiny models trained from scratch (tests, the demo): whole SPRINT tags can be single
+    tokens, which keeps sequences short. It offers the slice of the HF tokenizer API the project
+    uses: encode / decode / __call__(..., return_offsets_mapping=True) / eos_token_id / len().
+    Characters outside the vocabulary raise a ValueError naming them.
+    """
+
+    def __init__(self, vocab: list[str], eos_token: str = "<eos>", pad_token: str = "<pad>",
+                 bos_token: str | None = None):
+        if len(set(vocab)) != len(vocab):
+            dup = sorted({t for t in vocab if vocab.count(t) > 1})
+            raise ValueError(f"duplicate vocabulary entries: {dup[:5]}")
+        for t in (eos_token, pad_token):
+            if t not in vocab:
+                raise ValueError(f"special token {t!r} is not in the vocabulary")
+        self.vocab = list(vocab)
+        self.ids = {t: i for i, t in enumerate(vocab)}
+        self.eos_token, self.pad_token, self.bos_token = eos_token, pad_token, bos_token
+        self.eos_token_id = self.ids[eos_token]
+        self.pad_token_id = self.ids[pad_token]
+        self.bos_token_id = self.ids.get(bos_token) if bos_token else None
+        self._specials = {eos_token, pad_token} | ({bos_token} if bos_token else set())
+        self._maxlen = max(len(t) for t in vocab)
+        self._by_first: dict[str, list[str]] = {}
+        for t in sorted(vocab, key=len, reverse=True):
+            if t:
+                self._by_first.setdefault(t[0], []).append(t)
+
+    def __len__(self) -> int:
+        return len(self.vocab)
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.ids)
+
+    def _tokenize(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        ids, offsets, i = [], [], 0
+        while i < len(text):
+            for cand in self._by_first.get(text[i], ()):
+                if text.startswith(cand, i):
+                    ids.append(self.ids[cand])
+                    offsets.append((i, i + len(cand)))
+                    i += len(cand)
+                    break
+            else:
+                raise ValueError(f"character {text[i]!r} at offset {i} is not in the tokenizer's vocabulary")
+        return ids, offsets
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._tokenize(text)[0]
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        out = []
+        for i in ids:
+            t = self.vocab[int(i)]
+            if skip_special_tokens and t in self._specials:
+                continue
+            out.append(t)
+        return "".join(out)
+
+    def __call__(self, text: str, add_special_tokens: bool = False, return_offsets_mapping: bool = False):
+        ids, offsets = self._tokenize(text)
+        out = {"input_ids": ids}
+        if return_offsets_mapping:
+            out["offset_mapping"] = offsets
+        return out
+
+    def save(self, path) -> None:
+        import json
+        from pathlib import Path
+        Path(path).write_text(json.dumps({"type": "VocabTokenizer", "vocab": self.vocab, "eos_token": self.eos_token,
+                                          "pad_token": self.pad_token, "bos_token": self.bos_token}))
+
+    @classmethod
+    def load(cls, path) -> "VocabTokenizer":
+        import json
+        from pathlib import Path
+        d = json.loads(Path(path).read_text())
+        return cls(d["vocab"], d["eos_token"], d["pad_token"], d.get("bos_token"))

@@ -1,0 +1,529 @@
+"""Decoding engine: a static-capacity KV cache, bucketed prefill, chunked on-device decode, and
+branch-batched decoding over a forked, shared-prefix KV cache (DESIGN.md "Inference engine").
+
+State layout. A `DecodeState` holds the KV of every token of its sequence except the last one,
+which is *pending*: the next decode step (or extend) processes it first. Rolling back a stop that
+was found mid-chunk is then just resetting `length` and `pending`; slots past `length` are never
+read (masks) and are overwritten by the next write.
+
+Fork modes of `decode_branches` (paper §10: every executor of a stage decodes at once):
+- shared: the prefix KV is stored once; each branch owns a suffix cache. One branch's step
+  attends to the prefix and to its suffix and merges the two by log-sum-exp (Hydragen). The step
+  is written for one branch and `jax.vmap`ped over branches with the prefix unmapped, so XLA
+  reads the prefix once per step for all branches.
+- copy: the prefix is copied into every branch's cache (the baseline to beat).
+- serial: one branch after another on the planner's own cache (no copy at all).
+All three use the same layer code and the one attention (`qwen2.attend_partial`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sprint_jax.infer.sampling import GREEDY, Sampling, sample_tokens
+from sprint_jax.model.config import Qwen2Config
+from sprint_jax.model.qwen2 import attend_partial, decoder, dtype_of, embed, merge_partials, unembed
+
+
+class EngineError(ValueError):
+    """A request the engine cannot serve (capacity, empty input): the message says which limit."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Per-layer keys and values with static capacity: k, v [L, B, C, Hkv, D]."""
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.k.size * self.k.dtype.itemsize + self.v.size * self.v.dtype.itemsize)
+
+    @staticmethod
+    def zeros(config: Qwen2Config, batch: int, capacity: int) -> "KVCache":
+        shape = (config.num_hidden_layers, batch, capacity, config.num_key_value_heads, config.head_dim)
+        dt = dtype_of(config.dtype)
+        return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+
+
+@dataclasses.dataclass
+class DecodeState:
+    """A host-side handle on one sequence: its cache, and which tokens it holds.
+
+    Engine calls update the handle in place (its cache buffers are donated to each step) and
+    return it; `tokens` is the whole sequence so far, including the pending last token.
+    """
+    cache: KVCache
+    tokens: list[int]
+
+    @property
+    def length(self) -> int:          # tokens whose KV is in the cache
+        return len(self.tokens) - 1
+
+    @property
+    def pending(self) -> int:         # the last token, not yet run through the model
+        return self.tokens[-1]
+
+
+@dataclasses.dataclass
+class Generation:
+    tokens: list[int]                 # generated tokens only, up to and including the stop
+    text: str
+    stop_reason: str                  # "stop" | "eos" | "length"
+    overshoot: int = 0                # tokens decoded past a stop within a chunk and discarded
+    state: DecodeState | None = None  # generate(): the updated state
+    steps: int = 0                    # decode steps run (host round trips x chunk)
+
+
+@dataclasses.dataclass
+class BranchStats:
+    """What the last decode_branches call cost (read by benchmarks and tests)."""
+    mode: str
+    branches: int
+    cache_bytes: int                  # bytes of KV the fork allocated/held (prefix + suffixes)
+    steps: int
+    wall_s: float
+
+
+def _bucket(n: int, lo: int = 16) -> int:
+    b = lo
+    while b < n:
+        b *= 2
+    return b
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure functions (jitted below). `prefix` = (k, v, length) of a shared prefix or None.
+# ---------------------------------------------------------------------------------------------
+def _write_rows(cache_layer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """cache_layer [B, C, Hkv, D] <- new [B, T, Hkv, D] at per-row offsets start [B]."""
+    return jax.vmap(lambda c, x, s: jax.lax.dynamic_update_slice(c, x.astype(c.dtype), (s, 0, 0)))(
+        cache_layer, new, start)
+
+
+def _cached_hidden(params, config: Qwen2Config, tokens, cache: KVCache, start, prefix, attention_impl: str):
+    """Run tokens [B, T] written at per-row cache offsets start [B]; returns hidden [B, T, E], cache.
+
+    Without a prefix, positions are start + t. With a shared prefix (k, v [L, P, Hkv, D], length
+    P0), the cache is a branch suffix: positions are P0 + start + t and attention covers the
+    prefix's first P0 keys plus this row's suffix, merged by log-sum-exp.
+    """
+    b, t = tokens.shape
+    cap = cache.k.shape[2]
+    offs = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]             # [B, T] slot index
+    positions = offs if prefix is None else offs + prefix[2]
+    mask_suffix = jnp.arange(cap, dtype=jnp.int32)[None, None, :] <= offs[:, :, None]  # [B, T, C]
+
+    def attend(q, k, v, layer):
+        if prefix is None:
+            ck, cv = layer
+        else:
+            ck, cv, pk, pv = layer
+        ck = _write_rows(ck, k, start)
+        cv = _write_rows(cv, v, start)
+        part_s = attend_partial(q, ck, cv, mask_suffix)
+        if prefix is None:
+            return part_s[0], (ck, cv)
+        plen = prefix[2]
+        if attention_impl == "pallas" and t == 1:
+            from sprint_jax.kernels import shared_prefix_attention_partial
+            part_p = shared_prefix_attention_partial(q, pk, pv, plen)
+        else:
+            p_mask = jnp.broadcast_to(jnp.arange(pk.shape[0])[None, None, :] < plen, (b, t, pk.shape[0]))
+            part_p = attend_partial(q, jnp.broadcast_to(pk[None], (b,) + pk.shape),
+                                    jnp.broadcast_to(pv[None], (b,) + pv.shape), p_mask)
+        out, _ = merge_partials([part_p, part_s])
+        return out, (ck, cv, pk, pv)
+
+    layers = (cache.k, cache.v) if prefix is None else (cache.k, cache.v, prefix[0], prefix[1])
+    x = embed(params, config, tokens)
+    x, new = decoder(params, config, x, positions, attend, layers)
+    return x, KVCache(new[0], new[1])
+
+
+def _last_logits(params, config, hidden, n_valid):
+    """Logits of each row's last valid position: hidden [B, T, E], n_valid [B] -> [B, V]."""
+    idx = jnp.clip(n_valid - 1, 0, hidden.shape[1] - 1)
+    h = jnp.take_along_axis(hidden, idx[:, None, None], axis=1)              # [B, 1, E]
+    return unembed(params, config, h)[:, 0]
+
+
+def _step_plain(params, config, tokens, cache, start, prefix, attention_impl):
+    return _cached_hidden(params, config, tokens, cache, start, None, attention_impl)
+
+
+def _step_branches(params, config, tokens, cache, start, prefix, attention_impl):
+    """vmap of a one-branch step over branches; the shared prefix is unmapped (read once)."""
+    def one(tok, c, s):
+        h, nc = _cached_hidden(params, config, tok[None], jax.tree.map(lambda a: a[:, None], c),
+                               s[None], prefix, attention_impl)
+        return h[0], jax.tree.map(lambda a: a[:, 0], nc)
+    # branch caches are stored [L, n, S, ...] like a batch; map over axis 1
+    h, nc = jax.vmap(one, in_axes=(0, 1, 0), out_axes=(0, 1))(tokens, cache, start)
+    return h, nc
+
+
+@functools.partial(jax.jit, static_argnames=("config", "branched", "attention_impl"), donate_argnames=("cache",))
+def _extend_fn(params, config, tokens, cache, start, n_valid, prefix, branched: bool, attention_impl: str):
+    fn = _step_branches if branched else _step_plain
+    hidden, cache = fn(params, config, tokens, cache, start, prefix, attention_impl)
+    return cache, _last_logits(params, config, hidden, n_valid)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "branched", "chunk", "greedy", "attention_impl"),
+                   donate_argnames=("cache",))
+def _decode_fn(params, config, cache, lengths, pending, done, remaining, stop_ids, keys, step0,
+               temperature, top_k, top_p, prefix, branched: bool, chunk: int, greedy: bool,
+               attention_impl: str):
+    """Up to `chunk` decode steps on device. Each step runs the pending token of every row,
+    samples the next one, and stops rows on EOS/stop-token ids or their token budget.
+
+    Returns the cache, per-row lengths/pending/done/remaining, the emitted tokens [B, chunk]
+    (-1 = none), and per-row reason codes (0 running, 1 stop id, 2 length).
+    """
+    fn = _step_branches if branched else _step_plain
+    b = pending.shape[0]
+    out = jnp.full((b, chunk), -1, jnp.int32)
+    reason = jnp.zeros((b,), jnp.int32)
+
+    def cond(c):
+        i, _, _, _, done, _, _, _ = c
+        return (i < chunk) & ~jnp.all(done)
+
+    def body(c):
+        i, cache, lengths, pending, done, remaining, out, reason = c
+        hidden, cache = fn(params, config, pending[:, None], cache, lengths, prefix, attention_impl)
+        logits = unembed(params, config, hidden)[:, 0]
+        step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step0 + i))(keys)
+        tok = sample_tokens(logits, step_keys, temperature, top_k, top_p, greedy)
+        active = ~done
+        tok = jnp.where(active, tok, -1)
+        out = out.at[:, i].set(tok)
+        hit_stop = active & jnp.any(tok[:, None] == stop_ids, axis=-1)
+        remaining = remaining - active.astype(jnp.int32)
+        hit_len = active & ~hit_stop & (remaining <= 0)
+        reason = jnp.where(hit_stop, 1, jnp.where(hit_len, 2, reason))
+        lengths = jnp.where(active, lengths + 1, lengths)
+        pending = jnp.where(active, tok, pending)
+        done = done | hit_stop | hit_len
+        return i + 1, cache, lengths, pending, done, remaining, out, reason
+
+    init = (jnp.int32(0), cache, lengths, pending, done, remaining, out, reason)
+    i, cache, lengths, pending, done, remaining, out, reason = jax.lax.while_loop(cond, body, init)
+    return cache, lengths, pending, done, remaining, out, reason, i
+
+
+@functools.partial(jax.jit, static_argnames=("size",))
+def _slice_prefix(cache: KVCache, size: int):
+    """The first `size` slots of row 0 as an unbatched prefix: k, v [L, size, Hkv, D]."""
+    return cache.k[:, 0, :size], cache.v[:, 0, :size]
+
+
+@functools.partial(jax.jit, static_argnames=("n", "suffix_cap"))
+def _copy_fork(pk, pv, n: int, suffix_cap: int):
+    """The copy-fork baseline: every branch gets its own copy of the prefix + a suffix region."""
+    def rep(a):
+        pad = jnp.zeros(a.shape[:1] + (suffix_cap,) + a.shape[2:], a.dtype)
+        full = jnp.concatenate([a, pad], axis=1)                             # [L, P+S, Hkv, D]
+        return jnp.broadcast_to(full[:, None], (full.shape[0], n) + full.shape[1:])
+    return KVCache(rep(pk), rep(pv))
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine
+# ---------------------------------------------------------------------------------------------
+class Engine:
+    """Prefill / extend / generate / decode_branches over a Qwen2 model.
+
+    Capacities (all optional):
+      max_seq_len        tokens one sequence (the planner) may hold            (default 2048)
+      max_branches       executor branches decoded together                     (default 8)
+      max_branch_tokens  forced prefix + generated tokens per branch            (default 512)
+      decode_chunk       decode steps per host round trip                       (default 16)
+      prefill_chunk      longest piece prefilled in one call; lengths bucketed  (default 512)
+      attention_impl     "xla" | "pallas" for the shared-fork prefix attention  (default "xla")
+    """
+
+    def __init__(self, model, tokenizer, *, max_seq_len: int = 2048, max_branches: int = 8,
+                 max_branch_tokens: int = 512, decode_chunk: int = 16, prefill_chunk: int = 512,
+                 attention_impl: str = "xla", eos_token_ids: Sequence[int] | None = None):
+        if attention_impl not in ("xla", "pallas"):
+            raise EngineError(f"attention_impl must be 'xla' or 'pallas', got {attention_impl!r}")
+        for name, v in (("max_seq_len", max_seq_len), ("max_branches", max_branches),
+                        ("max_branch_tokens", max_branch_tokens), ("decode_chunk", decode_chunk),
+                        ("prefill_chunk", prefill_chunk)):
+            if v <= 0:
+                raise EngineError(f"{name} must be positive, got {v}")
+        self.model = model
+        self.config: Qwen2Config = model.config
+        self.params = model.params
+        self.tokenizer = tokenizer
+        self.max_seq_len = max_seq_len
+        self.max_branches = max_branches
+        self.max_branch_tokens = max_branch_tokens
+        self.decode_chunk = decode_chunk
+        self.prefill_chunk = _bucket(prefill_chunk)
+        self.attention_impl = attention_impl
+        if eos_token_ids is None:
+            eos_token_ids = list(self.config.eos_token_ids)
+            tok_eos = getattr(tokenizer, "eos_token_id", None)
+            if tok_eos is not None and tok_eos not in eos_token_ids:
+                eos_token_ids.append(tok_eos)
+        self.eos_token_ids = [int(e) for e in eos_token_ids]
+        # internal capacities carry slack for bucket padding, so padded writes never clamp
+        self._seq_cap = max_seq_len + self.prefill_chunk
+        self._suffix_cap = _bucket(max_branch_tokens) + self.prefill_chunk
+        self.last_branch_stats: BranchStats | None = None
+        self._single_token_stops: dict[str, int | None] = {}
+
+    # ---- tokens <-> text ------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode_text(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(tokens))
+
+    # ---- prefill / extend -----------------------------------------------------------------
+    def prefill(self, token_ids: Sequence[int]) -> DecodeState:
+        """A new state holding token_ids (the last one pending)."""
+        token_ids = [int(t) for t in token_ids]
+        if not token_ids:
+            raise EngineError("prefill needs at least one token (got an empty input)")
+        if len(token_ids) > self.max_seq_len:
+            raise EngineError(f"input of {len(token_ids)} tokens exceeds max_seq_len={self.max_seq_len}")
+        state = DecodeState(KVCache.zeros(self.config, 1, self._seq_cap), [token_ids[0]])
+        return self.extend(state, token_ids[1:])
+
+    def extend(self, state: DecodeState, token_ids: Sequence[int]) -> DecodeState:
+        """Append token_ids, prefilling only them onto the existing cache (the orchestrator's sync)."""
+        token_ids = [int(t) for t in token_ids]
+        if len(state.tokens) + len(token_ids) > self.max_seq_len:
+            raise EngineError(f"extending to {len(state.tokens) + len(token_ids)} tokens exceeds "
+                              f"max_seq_len={self.max_seq_len}")
+        run = [state.pending] + token_ids[:-1] if token_ids else []
+        pos = 0
+        while pos < len(run):
+            piece = run[pos: pos + self.prefill_chunk]
+            tb = _bucket(len(piece))
+            toks = np.zeros((1, tb), np.int32)
+            toks[0, : len(piece)] = piece
+            start = jnp.asarray([state.length + pos], jnp.int32)
+            state.cache, _ = _extend_fn(self.params, self.config, jnp.asarray(toks), state.cache, start,
+                                        jnp.asarray([len(piece)], jnp.int32), None, branched=False,
+                                        attention_impl=self.attention_impl)
+            pos += len(piece)
+        state.tokens = state.tokens + token_ids
+        return state
+
+    def step_logits(self, state: DecodeState) -> np.ndarray:
+        """Next-token logits [V] after state's tokens (runs the pending token; state unchanged)."""
+        state.cache, logits = _extend_fn(
+            self.params, self.config, jnp.asarray([[state.pending]], jnp.int32), state.cache,
+            jnp.asarray([state.length], jnp.int32), jnp.asarray([1], jnp.int32), None, branched=False,
+            attention_impl=self.attention_impl)
+        return np.asarray(logits[0])
+
+    # ---- stops ----------------------------------------------------------------------------
+    def _stop_token(self, s: str) -> int | None:
+        """The token id of a stop string that is exactly one token (checked on device)."""
+        if s not in self._single_token_stops:
+            ids = self.encode(s)
+            self._single_token_stops[s] = ids[0] if len(ids) == 1 and self.decode_text(ids) == s else None
+        return self._single_token_stops[s]
+
+    def _stop_id_array(self, stops: Sequence[Sequence[str]]) -> jax.Array:
+        rows = [list(self.eos_token_ids) + [t for s in st if (t := self._stop_token(s)) is not None]
+                for st in stops]
+        width = max(1, max(len(r) for r in rows))
+        arr = np.full((len(rows), width), -2, np.int32)
+        for i, r in enumerate(rows):
+            arr[i, : len(r)] = r
+        return jnp.asarray(arr)
+
+    def _find_stop(self, gen: list[int], stops: Sequence[str], checked: int) -> int | None:
+        """Smallest k > checked such that decode(gen[:k]) contains a stop string, else None."""
+        if not stops:
+            return None
+        text = self.decode_text(gen)
+        if not any(s in text for s in stops):
+            return None
+        for k in range(max(checked, 1), len(gen) + 1):
+            t = self.decode_text(gen[:k])
+            if any(s in t for s in stops):
+                return k
+        return None
+
+    # ---- the decode loop shared by generate and the branch modes ---------------------------
+    def _run_decode(self, cache, lengths, pending, limits, stops, sampling, prefix, branched, row_ids):
+        """Decode rows until each stops. Returns (cache, per-row Generations, steps)."""
+        b = len(limits)
+        gens: list[list[int]] = [[] for _ in range(b)]
+        reasons: list[str | None] = [None] * b
+        overshoot = [0] * b
+        checked = [0] * b
+        done = jnp.zeros((b,), bool)
+        remaining = jnp.asarray(limits, jnp.int32)
+        stop_ids = self._stop_id_array(stops)
+        base = jax.random.key(sampling.seed)
+        keys = jax.vmap(lambda r: jax.random.fold_in(base, r))(jnp.asarray(row_ids, jnp.int32))
+        steps = 0
+        while True:
+            (cache, lengths, pending, done_dev, remaining, out, reason, n) = _decode_fn(
+                self.params, self.config, cache, lengths, pending, done, remaining, stop_ids, keys,
+                jnp.int32(steps), jnp.float32(sampling.temperature), jnp.int32(sampling.top_k),
+                jnp.float32(sampling.top_p), prefix, branched=branched, chunk=self.decode_chunk,
+                greedy=sampling.greedy, attention_impl=self.attention_impl)
+            out_h, reason_h, done_h = jax.device_get((out, reason, done_dev))
+            steps += int(n)
+            host_done = np.array(done_h)
+            for r in range(b):
+                if reasons[r] is not None:
+                    continue
+                new = [int(t) for t in out_h[r] if t >= 0]
+                gens[r].extend(new)
+                k = self._find_stop(gens[r], stops[r], checked[r])
+                if k is not None:
+                    overshoot[r] = len(gens[r]) - k
+                    gens[r] = gens[r][:k]
+                    reasons[r] = "stop"
+                    host_done[r] = True
+                elif done_h[r]:
+                    last = gens[r][-1] if gens[r] else None
+                    if reason_h[r] == 1:
+                        reasons[r] = "eos" if last in self.eos_token_ids else "stop"
+                    else:
+                        reasons[r] = "length"
+                checked[r] = len(gens[r])
+            if all(x is not None for x in reasons):
+                break
+            done = jnp.asarray(host_done)
+        out_gens = [Generation(tokens=g, text=self.decode_text(g), stop_reason=reasons[r], overshoot=overshoot[r],
+                               steps=steps) for r, g in enumerate(gens)]
+        return cache, out_gens, steps
+
+    # ---- generate -------------------------------------------------------------------------
+    def generate(self, state: DecodeState, max_new_tokens: int, stop: Sequence[str] = (),
+                 sampling: Sampling | None = None) -> Generation:
+        """Decode one sequence from `state` until EOS, a stop string, or max_new_tokens.
+
+        The returned Generation carries the updated state (also updated in place): it holds the
+        generated tokens up to the stop; anything decoded past it is discarded (overshoot).
+        """
+        sampling = sampling or GREEDY
+        if max_new_tokens <= 0:
+            raise EngineError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        if len(state.tokens) + max_new_tokens > self.max_seq_len:
+            raise EngineError(f"{len(state.tokens)} tokens + max_new_tokens={max_new_tokens} exceeds "
+                              f"max_seq_len={self.max_seq_len}")
+        cache, gens, _ = self._run_decode(
+            state.cache, jnp.asarray([state.length], jnp.int32), jnp.asarray([state.pending], jnp.int32),
+            [max_new_tokens], [list(stop)], sampling, None, False, [0])
+        g = gens[0]
+        state.cache = cache
+        state.tokens = state.tokens + g.tokens
+        g.state = state
+        return g
+
+    # ---- branches -------------------------------------------------------------------------
+    def decode_branches(self, state: DecodeState, prefixes: Sequence[Sequence[int]],
+                        max_new_tokens: int | Sequence[int], stop: Sequence[Sequence[str]] | Sequence[str] = (),
+                        sampling: Sampling | None = None, mode: str = "shared") -> list[Generation]:
+        """Fork `state` into len(prefixes) branches, force each branch's prefix tokens, decode all.
+
+        Branch j continues state's sequence with prefixes[j] (e.g. the tokens of
+        `<execution_2.j>`) and then decodes until its own stop strings / EOS / token limit.
+        Returns one Generation per branch (generated tokens only). `state` keeps its content.
+        """
+        sampling = sampling or GREEDY
+        n = len(prefixes)
+        if mode not in ("shared", "copy", "serial"):
+            raise EngineError(f"mode must be 'shared', 'copy' or 'serial', got {mode!r}")
+        if n == 0:
+            raise EngineError("decode_branches needs at least one branch prefix")
+        if n > self.max_branches:
+            raise EngineError(f"{n} branches exceed max_branches={self.max_branches}")
+        limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else [int(m) for m in max_new_tokens]
+        if len(limits) != n:
+            raise EngineError(f"max_new_tokens has {len(limits)} entries for {n} branches")
+        if stop and isinstance(stop[0], str):
+            stops = [list(stop)] * n  # the same stop strings for every branch
+        else:
+            stops = [list(s) for s in stop] if stop else [[] for _ in range(n)]
+        if len(stops) != n:
+            raise EngineError(f"stop has {len(stops)} entries for {n} branches")
+        prefixes = [[int(t) for t in p] for p in prefixes]
+        for j, (p, m) in enumerate(zip(prefixes, limits)):
+            if m <= 0:
+                raise EngineError(f"branch {j}: max_new_tokens must be positive, got {m}")
+            if len(p) + 1 + m > self.max_branch_tokens:
+                raise EngineError(f"branch {j}: prefix of {len(p)} tokens + max_new_tokens={m} exceeds "
+                                  f"max_branch_tokens={self.max_branch_tokens}")
+            if mode != "shared" and len(state.tokens) + len(p) + m > self.max_seq_len:
+                raise EngineError(f"branch {j}: context + prefix + max_new_tokens exceeds max_seq_len="
+                                  f"{self.max_seq_len}")
+        t0 = time.perf_counter()
+        if mode == "serial":
+            gens, nbytes, steps = self._branches_serial(state, prefixes, limits, stops, sampling)
+        else:
+            gens, nbytes, steps = self._branches_batched(state, prefixes, limits, stops, sampling, mode)
+        self.last_branch_stats = BranchStats(mode, n, nbytes, steps, time.perf_counter() - t0)
+        return gens
+
+    def _branches_serial(self, state, prefixes, limits, stops, sampling):
+        gens, steps = [], 0
+        base_tokens = list(state.tokens)
+        for j, (p, m, st) in enumerate(zip(prefixes, limits, stops)):
+            # Branch j runs on the planner's own cache: it writes only past the shared context,
+            # which stays valid; the handle is then reset to the context.
+            self.extend(state, p)
+            cache, (g,), s = self._run_decode(
+                state.cache, jnp.asarray([state.length], jnp.int32), jnp.asarray([state.pending], jnp.int32),
+                [m], [st], sampling, None, False, [j])
+            state.cache = cache
+            state.tokens = list(base_tokens)
+            gens.append(g)
+            steps += s
+        return gens, state.cache.nbytes, steps
+
+    def _branches_batched(self, state, prefixes, limits, stops, sampling, mode):
+        n = len(prefixes)
+        p0 = state.length
+        pb = min(_bucket(max(p0, 1)), self._seq_cap)
+        pk, pv = _slice_prefix(state.cache, pb)
+        # every branch first runs [pending] + its prefix[:-1]; its last prefix token is pending
+        runs = [[state.pending] + p[:-1] for p in prefixes]
+        pend = [p[-1] if p else state.pending for p in prefixes]
+        runs = [r if p else [] for r, p in zip(runs, prefixes)]
+        if mode == "shared":
+            cache = KVCache.zeros(self.config, n, self._suffix_cap)
+            prefix = (pk, pv, jnp.int32(p0))
+            start0 = np.zeros(n, np.int32)
+            nbytes = cache.nbytes + int(pk.size * pk.dtype.itemsize * 2)
+            branched = True
+        else:
+            cache = _copy_fork(pk, pv, n, self._suffix_cap)
+            prefix = None
+            start0 = np.full(n, p0, np.int32)
+            nbytes = cache.nbytes
+            branched = False
+        del pk, pv  # the shared path holds them through `prefix`
+        tmax = max(len(r) for r in runs)
+        if tmax:
+            tb = _bucket(tmax)
+            toks = np.zeros((n, tb), np.int32)
+            for j, r in enumerate(runs):
+                toks[j, : len(r)] = r
+            cache, _ = _extend_fn(self.params, self.config, jnp.asarray(toks), cache, jnp.asarray(start0),
+                                  jnp.asarray([max(len(r), 1) for r in runs], jnp.int32), prefix,
+                                  branched=branched, attention_impl=self.attention_impl)
+        lengths = jnp.asarray(start0 + np.array([len(r) for r in runs], np.int32))
+        cache, gens, steps = self._run_decode(cache, lengths, jnp.asarray(pend, jnp.int32), limits, stops,
+                                              sampling, prefix, branched, list(range(n)))
+        return gens, nbytes, steps

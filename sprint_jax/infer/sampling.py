@@ -1,0 +1,53 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with a PRNG stream per row.
+
+Each row's key is fold_in(fold_in(key(seed), row), step): executor branches of one stage never
+share a random stream, and the same seed reproduces the same outputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0   # 0 = greedy (argmax)
+    top_k: int = 0             # 0 = off
+    top_p: float = 1.0         # 1 = off
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+GREEDY = Sampling()
+
+
+def sample_tokens(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p, greedy: bool) -> jax.Array:
+    """logits [B, V] fp32, keys [B] -> tokens [B] int32. temperature/top_k/top_p are traced scalars."""
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    v = logits.shape[-1]
+    logits = logits / jnp.maximum(temperature, 1e-6)
+    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]                       # descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    kth = jnp.take_along_axis(sorted_logits, jnp.full((logits.shape[0], 1), k - 1), axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    cum = jnp.cumsum(probs, axis=-1)
+    # smallest prefix of the sorted vocabulary whose mass reaches top_p (always keeps the top token)
+    cutoff_idx = jnp.sum(cum - probs < top_p, axis=-1, keepdims=True) - 1
+    pth = jnp.take_along_axis(sorted_logits, cutoff_idx, axis=-1)
+    threshold = jnp.maximum(kth, pth)
+    masked = jnp.where(logits >= threshold, logits, -jnp.inf)
+    return jax.vmap(lambda kk, lg: jax.random.categorical(kk, lg))(keys, masked).astype(jnp.int32)

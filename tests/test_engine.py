@@ -1,0 +1,143 @@
+"""Engine invariants against independent references: a plain full-sequence forward, HF generate,
+and each branch decoded alone from a fresh full prefill (DESIGN.md "Inference engine")."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from conftest import load_hf, tiny_vocab_tokenizer
+from sprint_jax.infer import Engine, EngineError, Sampling
+from sprint_jax.model import from_pretrained
+from sprint_jax.model.qwen2 import forward
+
+
+@pytest.fixture(scope="module")
+def setup(hf_untied):
+    model = from_pretrained(hf_untied)
+    tok = tiny_vocab_tokenizer()
+    engine = Engine(model, tok, max_seq_len=96, max_branches=16, max_branch_tokens=48, decode_chunk=8,
+                    prefill_chunk=32, eos_token_ids=[])
+    return model, tok, engine
+
+
+def _context(seed=0, n=21):
+    return [int(x) for x in np.random.default_rng(seed).integers(3, 307, n)]
+
+
+def test_cached_logits_equal_full_forward_every_step(setup):
+    model, _, engine = setup
+    seq = _context(1, 30)
+    fwd = jax.jit(lambda p, t: forward(p, model.config, t))
+    state = engine.prefill(seq[:5])
+    for i in range(5, 30):
+        full = np.asarray(fwd(model.params, jnp.asarray([seq[:i]])))[0, -1]
+        got = engine.step_logits(state)
+        assert np.abs(got - full).max() <= 1e-4, i
+        engine.extend(state, [seq[i]])
+    # a multi-token extend across a bucket boundary (the orchestrator's sync)
+    state = engine.prefill(seq[:3])
+    engine.extend(state, seq[3:27])
+    full = np.asarray(fwd(model.params, jnp.asarray([seq[:27]])))[0, -1]
+    assert np.abs(engine.step_logits(state) - full).max() <= 1e-4
+
+
+def test_greedy_generate_matches_hf_generate(setup, hf_untied):
+    _, _, engine = setup
+    prompt = _context(2, 9)
+    hf = load_hf(hf_untied)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                          pad_token_id=0, min_new_tokens=20).numpy()[0, len(prompt):]
+    g = engine.generate(engine.prefill(prompt), 20)
+    assert g.tokens == [int(t) for t in ref]
+    assert g.stop_reason == "length"
+    assert g.state.tokens == prompt + g.tokens
+
+
+def _alone(engine, context, prefix, limit, stop):
+    """Reference: the branch decoded alone from a fresh full prefill of context + its prefix."""
+    state = engine.prefill(context + prefix)
+    return engine.generate(state, limit, stop=stop)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+def test_branch_modes_match_each_other_and_decoding_alone(setup, n):
+    _, tok, engine = setup
+    context = _context(3 + n, 17)
+    rng = np.random.default_rng(n)
+    prefixes = [[int(x) for x in rng.integers(3, 307, 1 + j % 3)] for j in range(n)]
+    limits = [6 + 3 * j for j in range(n)]
+    # per-branch multi-token stop strings taken from where each branch would go anyway,
+    # so branches stop at different times (some by stop, some by length)
+    stops = []
+    for j in range(n):
+        free = _alone(engine, context, prefixes[j], limits[j], [])
+        k = 2 + (j % 4)
+        stops.append([tok.decode(free.tokens[k - 2:k])] if j % 2 == 0 and len(free.tokens) >= k else [])
+    refs = [_alone(engine, context, prefixes[j], limits[j], stops[j]) for j in range(n)]
+    state = engine.prefill(context)
+    for mode in ("shared", "copy", "serial"):
+        gens = engine.decode_branches(state, prefixes, limits, stop=stops, mode=mode)
+        for j, (g, r) in enumerate(zip(gens, refs)):
+            assert g.tokens == r.tokens, (mode, j)
+            assert g.stop_reason == r.stop_reason, (mode, j)
+        assert state.tokens == context  # the fork leaves the planner state as it was
+    assert any(r.stop_reason == "stop" for r in refs) or n == 1
+    # after the branches the planner state still continues correctly
+    g = engine.generate(state, 5)
+    assert g.tokens == _alone(engine, context, [], 5, []).tokens
+
+
+def test_identical_branches_greedy_and_sampling(setup):
+    _, _, engine = setup
+    state = engine.prefill(_context(9, 11))
+    same = engine.decode_branches(state, [[5, 6]] * 4, 10, mode="shared")
+    assert all(g.tokens == same[0].tokens for g in same)
+    s1 = Sampling(temperature=1.0, seed=7)
+    a = engine.decode_branches(state, [[5, 6]] * 16, 10, sampling=s1, mode="shared")
+    distinct = len({tuple(g.tokens) for g in a})
+    assert distinct >= 12, distinct  # branches must not share a random stream
+    b = engine.decode_branches(state, [[5, 6]] * 16, 10, sampling=s1, mode="shared")
+    assert [g.tokens for g in a] == [g.tokens for g in b]
+    c = engine.decode_branches(state, [[5, 6]] * 16, 10, sampling=Sampling(temperature=1.0, seed=8))
+    assert [g.tokens for g in a] != [g.tokens for g in c]
+    topk = engine.decode_branches(state, [[5, 6]] * 4, 6, sampling=Sampling(temperature=1.0, top_k=1, seed=3))
+    assert all(g.tokens == same[0].tokens[:6] for g in topk)  # top_k=1 is greedy
+    topp = engine.decode_branches(state, [[5, 6]] * 4, 6, sampling=Sampling(temperature=1.0, top_p=1e-6, seed=3))
+    assert all(g.tokens == same[0].tokens[:6] for g in topp)  # tiny top_p keeps only the argmax
+
+
+def test_cache_bytes_shared_vs_copy(setup):
+    model, _, engine = setup
+    state = engine.prefill(_context(10, 40))
+    n = 8
+    engine.decode_branches(state, [[3]] * n, 4, mode="shared")
+    shared = engine.last_branch_stats.cache_bytes
+    engine.decode_branches(state, [[3]] * n, 4, mode="copy")
+    copy = engine.last_branch_stats.cache_bytes
+    c = model.config
+    per_tok = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4  # k+v, fp32
+    prefix, suffix = 64, engine._suffix_cap   # the 40-token context is bucketed to 64 slots
+    assert shared == (prefix + n * suffix) * per_tok
+    assert copy == n * (prefix + suffix) * per_tok
+
+
+def test_stop_overshoot_and_errors(setup):
+    _, tok, engine = setup
+    ctx = _context(11, 9)
+    free = engine.generate(engine.prefill(ctx), 12)
+    stop = tok.decode(free.tokens[1:3])
+    g = engine.generate(engine.prefill(ctx), 12, stop=[stop])
+    assert g.stop_reason == "stop" and stop in g.text and stop not in tok.decode(g.tokens[:-1])
+    assert g.overshoot == min(engine.decode_chunk, 12) - len(g.tokens)
+    with pytest.raises(EngineError, match="empty"):
+        engine.prefill([])
+    with pytest.raises(EngineError, match="max_branches"):
+        engine.decode_branches(engine.prefill(ctx), [[1]] * 17, 4)
+    with pytest.raises(EngineError, match="max_branch_tokens"):
+        engine.decode_branches(engine.prefill(ctx), [[1] * 40], 20)
+    with pytest.raises(EngineError, match="max_seq_len"):
+        engine.prefill(list(range(3, 100)))
