@@ -52,9 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(cmd_parser)
     args = cmd_parser.parse_args(argv[1:])
     from sprint_jax.config import ConfigError
+    # under `python -m sprint_jax.cli` this module is __main__: catch the importable class
+    user_error = importlib.import_module("sprint_jax.cli").UserError
     try:
         return int(module.run(args) or 0)
-    except (UserError, ConfigError, FileNotFoundError) as e:
+    except (user_error, UserError, ConfigError, FileNotFoundError) as e:
         print(f"sprint-jax {name}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,0 +1,48 @@
+"""`sprint-jax bench NAME`: benchmark scripts that print a table and write JSON.
+
+Performance is measured here, as ratios side by side in one run, never by timed unit tests.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+DESCRIPTION = """Benchmarks (each prints a table and writes JSON with --out):
+
+  sprint-jax bench decode         engine decode: shared vs copy vs serial branches, vs HF generate
+  sprint-jax bench kernels        Pallas shared-prefix attention vs the XLA shared path vs copy-fork
+  sprint-jax bench train          train step tokens/s vs an HF PyTorch step (MFU on GPU/TPU)
+  sprint-jax bench train-memory   per-device memory of the 7B train step on a fake 8-device mesh
+
+Add --help after a name for its options.
+"""
+
+# name -> (module, add-arguments function, run function)
+BENCHES = {
+    "decode": ("sprint_jax.bench.decode", "add_decode_arguments", "run_decode_bench"),
+    "kernels": ("sprint_jax.bench.kernels", "add_kernels_arguments", "run_kernels_bench"),
+    "train": ("sprint_jax.bench.train", "add_train_arguments", "run_train_bench"),
+    "train-memory": ("sprint_jax.bench.train", "add_train_memory_arguments", "run_train_memory_bench"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", choices=sorted(BENCHES), help="which benchmark")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
+
+
+def run(args) -> int:
+    module_name, add_fn, run_fn = BENCHES[args.name]
+    # train-memory fakes 8 host devices; that must happen before jax initialises its backends
+    if args.name == "train-memory":
+        import os
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+    module = importlib.import_module(module_name)
+    sub = argparse.ArgumentParser(prog=f"sprint-jax bench {args.name}",
+                                  description=(module.__doc__ or "").strip().split("\n\n")[0],
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    getattr(module, add_fn)(sub)
+    sub_args = sub.parse_args(args.rest)
+    return int(getattr(module, run_fn)(sub_args) or 0)

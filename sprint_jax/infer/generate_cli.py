@@ -1,0 +1,83 @@
+"""`sprint-jax generate`: plain decoding from a checkpoint (HF or orbax directory)."""
+from __future__ import annotations
+
+import time
+
+DESCRIPTION = """Generate text from a checkpoint with the JAX engine (plain decoding, no orchestration).
+
+  sprint-jax generate --model DIR "Once upon a time" --max-new-tokens 50
+  sprint-jax generate --model DIR --token-ids 1,2,3 --max-new-tokens 20
+
+The tokenizer is loaded from the checkpoint directory (HF tokenizer files or vocab_tokenizer.json);
+use --qwen2-tokenizer to use the Qwen2 BPE from ../shared/data instead.
+"""
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True, help="HF safetensors or orbax model directory")
+    p.add_argument("prompt", nargs="?", default=None, help="prompt text")
+    p.add_argument("--token-ids", default=None, help="comma-separated prompt token ids instead of text")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--qwen2-tokenizer", action="store_true", help="use the Qwen2 BPE from shared data")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from sprint_jax.cli import UserError
+    from sprint_jax.infer import Engine, Sampling
+    from sprint_jax.model.convert import load_model
+    from sprint_jax.model.tokenizer import load_tokenizer, qwen2_tokenizer
+
+    if (args.prompt is None) == (args.token_ids is None):
+        raise UserError("give either a prompt text or --token-ids")
+    model_dir = Path(args.model)
+    if not model_dir.exists():
+        raise UserError(f"model directory not found: {model_dir}")
+    model = load_model(model_dir, dtype=args.dtype)
+    if args.dtype == "bfloat16":
+        model.config = model.config.replace(dtype="bfloat16")
+    tok = None
+    if args.qwen2_tokenizer:
+        tok = qwen2_tokenizer()
+    else:
+        try:
+            tok = load_tokenizer(model_dir)
+        except Exception as e:  # no tokenizer files: token ids still work
+            if args.token_ids is None:
+                raise UserError(f"no tokenizer in {model_dir} ({e}); pass --token-ids or --qwen2-tokenizer")
+    if args.token_ids is not None:
+        try:
+            ids = [int(x) for x in args.token_ids.split(",") if x.strip()]
+        except ValueError:
+            raise UserError(f"--token-ids must be comma-separated integers, got {args.token_ids!r}")
+    else:
+        ids = list(tok.encode(args.prompt, add_special_tokens=False))
+    bad = [i for i in ids if not 0 <= i < model.config.vocab_size]
+    if bad:
+        raise UserError(f"token id {bad[0]} is outside the model's vocabulary (size {model.config.vocab_size})")
+
+    class _IdsOnly:
+        eos_token_id = None
+
+        def decode(self, t):
+            return " ".join(map(str, t))
+
+        def encode(self, s, add_special_tokens=False):
+            raise UserError("stop strings need a tokenizer")
+
+    engine = Engine(model, tok or _IdsOnly(), max_seq_len=len(ids) + args.max_new_tokens + 1)
+    t0 = time.perf_counter()
+    state = engine.prefill(ids)
+    g = engine.generate(state, args.max_new_tokens, stop=args.stop,
+                        sampling=Sampling(args.temperature, args.top_k, args.top_p, args.seed))
+    dt = time.perf_counter() - t0
+    print(g.text)
+    print(f"\n[{len(g.tokens)} tokens, stop: {g.stop_reason}, {dt:.2f} s incl. compile; ids: {g.tokens}]")
+    return 0

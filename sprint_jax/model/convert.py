@@ -1,0 +1,130 @@
+"""`sprint-jax convert`: HF safetensors directory <-> orbax checkpoint, both directions.
+
+An orbax model directory holds `config.json` (the HF config, so either format describes the
+model the same way), `params/` (an orbax StandardCheckpointer tree in our stacked layout) and any
+tokenizer files copied from the source.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from sprint_jax.model.config import Qwen2Config
+from sprint_jax.model.hf import CheckpointError, load_params, save_params
+from sprint_jax.model.qwen2 import Qwen2, abstract_params, dtype_of
+
+DESCRIPTION = """Convert a Qwen2 checkpoint between the HF safetensors layout and an orbax checkpoint.
+
+  sprint-jax convert --to orbax HF_DIR OUT_DIR     # for sharded training / fast restore
+  sprint-jax convert --to hf ORBAX_DIR OUT_DIR     # for transformers / other tools
+
+Tokenizer files (tokenizer.json, vocab.json, merges.txt, tokenizer_config.json, ...) are copied along.
+"""
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                    "special_tokens_map.json", "added_tokens.json", "generation_config.json",
+                    "vocab_tokenizer.json", "chat_template.jinja")
+
+
+def is_orbax_dir(path: Path) -> bool:
+    return (Path(path) / "params").is_dir() and (Path(path) / "config.json").exists()
+
+
+def save_orbax(config: Qwen2Config, params, path: str | Path) -> None:
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    if (path / "params").exists():
+        shutil.rmtree(path / "params")
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path / "params", params)
+        ckptr.wait_until_finished()
+    (path / "config.json").write_text(json.dumps(config.to_hf_config(), indent=2))
+
+
+def load_orbax(path: str | Path, dtype=None, shardings=None) -> tuple[Qwen2Config, dict]:
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    config = Qwen2Config.from_hf_config(path / "config.json")
+    if dtype is not None:
+        config = config.replace(param_dtype="bfloat16" if jnp.dtype(dtype) == jnp.bfloat16 else "float32")
+    target = abstract_params(config)
+    if shardings is not None:
+        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings)
+    with ocp.StandardCheckpointer() as ckptr:
+        meta = ckptr.metadata(path / "params")
+        tree = getattr(meta, "item_metadata", meta)
+        try:
+            got = {"/".join(str(getattr(k, "key", k)) for k in kp): tuple(v.shape)
+                   for kp, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+        except Exception:  # metadata layout differs across orbax versions; restore will check
+            got = {}
+        for kp, v in jax.tree_util.tree_flatten_with_path(target)[0]:
+            name = "/".join(str(getattr(k, "key", k)) for k in kp)
+            if got and name not in got:
+                raise CheckpointError(f"{path}: missing tensor {name}")
+            if got and got[name] != tuple(v.shape):
+                raise CheckpointError(f"{path}: tensor {name} has shape {got[name]}, expected {tuple(v.shape)}")
+        params = ckptr.restore(path / "params", target)
+    params = jax.tree.map(lambda a: a.astype(dtype_of(config.param_dtype)), params)
+    return config, params
+
+
+def load_model(path: str | Path, dtype=None) -> Qwen2:
+    """A Qwen2 from either an HF directory or an orbax model directory."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model directory not found: {path}")
+    if is_orbax_dir(path):
+        config, params = load_orbax(path, dtype=dtype)
+    else:
+        config, params = load_params(path, dtype=dtype)
+    return Qwen2(config, params=params)
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    for name in _TOKENIZER_FILES:
+        if (src / name).exists():
+            shutil.copy2(src / name, dst / name)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--to", choices=["orbax", "hf"], required=True, help="target format")
+    p.add_argument("src", help="source checkpoint directory")
+    p.add_argument("dst", help="output directory (created)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="parameter dtype of the output (default: keep the source's)")
+    p.add_argument("--max-shard-size", default="5GB", help="HF output: shard files past this size")
+
+
+def run(args) -> int:
+    from sprint_jax.cli import UserError
+
+    src, dst = Path(args.src), Path(args.dst)
+    if not src.exists():
+        raise UserError(f"source directory not found: {src}")
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, None: None}[args.dtype]
+    try:
+        if args.to == "orbax":
+            if is_orbax_dir(src):
+                raise UserError(f"{src} is already an orbax model directory")
+            config, params = load_params(src, dtype=dtype, progress=True)
+            print(f"writing orbax checkpoint to {dst} ...", flush=True)
+            save_orbax(config, params, dst)
+        else:
+            if not is_orbax_dir(src):
+                raise UserError(f"{src} is not an orbax model directory (needs config.json and params/)")
+            print(f"reading orbax checkpoint {src} ...", flush=True)
+            config, params = load_orbax(src, dtype=dtype)
+            save_params(config, params, dst, max_shard_size=args.max_shard_size, progress=True)
+    except CheckpointError as e:
+        raise UserError(str(e)) from e
+    _copy_tokenizer(src, dst)
+    print(f"done: {dst}")
+    return 0
