@@ -59,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     except (user_error, UserError, ConfigError, FileNotFoundError) as e:
         print(f"sprint-jax {name}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `sprint-jax ... | head`
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print(f"sprint-jax {name}: interrupted", file=sys.stderr)
         return 130

@@ -1,0 +1,136 @@
+"""The curation run config (DESIGN.md "Curation"; paper §4-5): one dataclass tree, loaded with
+`sprint_jax.config.load_config` from `configs/curate_*.yaml` plus `--set a.b=value` overrides.
+
+API keys never appear here: an endpoint names the *environment variable* that holds its key
+(`api_key_env`), and the key is read from the environment only when a call has to be made.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Literal
+
+from sprint_jax.config import ConfigError, load_config, to_dict
+
+
+@dataclasses.dataclass
+class EndpointConfig:
+    """An OpenAI-compatible chat-completions endpoint and how to call it politely."""
+    base_url: str = "https://api.openai.com/v1"   # any OpenAI-compatible server (vLLM, SGLang, ...)
+    model: str = ""                                # model name sent with every request
+    api_key_env: str = "OPENAI_API_KEY"            # NAME of the env var holding the key; "" = no key
+    temperature: float = 0.0                       # sampling temperature (part of the request hash)
+    max_tokens: int = 4096                         # completion token cap (part of the request hash)
+    concurrency: int = 8                           # requests in flight at once
+    max_retries: int = 6                           # retries on 429 / 5xx / timeouts / connection errors
+    timeout_s: float = 120.0                       # per-request timeout
+    backoff_base_s: float = 1.0                    # first backoff; doubles per retry, with jitter
+    backoff_max_s: float = 60.0                    # cap on one computed backoff
+    max_retry_after_s: float = 600.0               # a server asking to wait longer than this is an error
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        if self.max_retries < 0:
+            raise ValueError("max_retries must be >= 0")
+        if self.timeout_s <= 0:
+            raise ValueError("timeout_s must be > 0")
+        if self.backoff_base_s < 0 or self.backoff_max_s < 0:
+            raise ValueError("backoff_base_s and backoff_max_s must be >= 0")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+
+    def api_key(self, section: str) -> str:
+        """The key from the environment; a clear error naming the variable when it is missing."""
+        if not self.api_key_env:
+            return "no-key"
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise ConfigError(
+                f"environment variable {self.api_key_env} is not set ({section}.api_key_env names it); "
+                f"export it with the API key for {self.base_url}")
+        return key
+
+
+@dataclasses.dataclass
+class TasksConfig:
+    """Where problems come from: a MATH-style jsonl ({problem, answer}) or generated Countdown."""
+    source: Literal["math_jsonl", "countdown"] = "countdown"
+    path: str = ""                  # math_jsonl: path to the jsonl file
+    n: int = 64                     # countdown: number of generated instances
+    seed: int = 0                   # countdown: generator seed
+    limit: int | None = None        # keep only the first `limit` tasks (None = all)
+
+    def __post_init__(self) -> None:
+        if self.source == "math_jsonl" and not self.path:
+            raise ValueError("path is required when source is math_jsonl")
+        if self.n < 1:
+            raise ValueError("n must be >= 1")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError("limit must be >= 1 (or null for all)")
+
+
+@dataclasses.dataclass
+class TeacherConfig(EndpointConfig):
+    """Serial-trace source: an LLM endpoint, or the offline Countdown solver (`programmatic`)."""
+    kind: Literal["openai", "programmatic"] = "programmatic"
+
+
+@dataclasses.dataclass
+class ExtractorConfig(EndpointConfig):
+    """Step extraction (P_i, E_i): a prompted LLM with JSON-schema output, or the offline heuristic."""
+    kind: Literal["llm", "offline"] = "offline"
+
+
+@dataclasses.dataclass
+class DagConfig(EndpointConfig):
+    """Dependency edges between steps: a prompted LLM, or the offline heuristic builder."""
+    kind: Literal["llm", "offline"] = "offline"
+    invalid_edge_policy: Literal["drop", "reject"] = "drop"   # forward edges, self-loops, unknown ids, cycles
+
+
+@dataclasses.dataclass
+class CurateConfig:
+    """One curation run; everything it writes goes to `out` (or the CLI's --out)."""
+    tasks: TasksConfig = dataclasses.field(default_factory=TasksConfig)
+    teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
+    extractor: ExtractorConfig = dataclasses.field(default_factory=ExtractorConfig)
+    dag: DagConfig = dataclasses.field(default_factory=DagConfig)
+    merge_min_chars: int = 80       # executions shorter than this merge into their plan (E_i := empty)
+    min_ratio: float = 1.5          # keep a trace if rho = |S| / #stages >= this (paper §5)
+    rft_source: Literal["sprint", "correct"] = "sprint"  # RFT set: the traces kept for SPRINT, or every correct one
+    seed: int = 0                   # seeds the programmatic teacher
+    out: str = "runs/curate"        # output directory (store, jsonl files, report)
+
+    def __post_init__(self) -> None:
+        if self.merge_min_chars < 0:
+            raise ValueError("merge_min_chars must be >= 0")
+        if self.min_ratio < 1.0:
+            raise ValueError("min_ratio must be >= 1.0 (rho is never below 1)")
+        if self.teacher.kind == "openai" and not self.teacher.model:
+            raise ValueError("teacher.model is required when teacher.kind is openai")
+        if self.extractor.kind == "llm" and not self.extractor.model:
+            raise ValueError("extractor.model is required when extractor.kind is llm")
+        if self.dag.kind == "llm" and not self.dag.model:
+            raise ValueError("dag.model is required when dag.kind is llm")
+        if self.teacher.kind == "programmatic" and self.tasks.source != "countdown":
+            raise ValueError("teacher.kind programmatic only solves Countdown (tasks.source: countdown)")
+
+
+# Fields that change how a run is executed but not what it produces; they may differ on resume.
+EXECUTION_ONLY = frozenset({"out", "concurrency", "max_retries", "timeout_s", "backoff_base_s",
+                            "backoff_max_s", "max_retry_after_s", "api_key_env", "base_url"})
+
+
+def data_fingerprint(cfg: CurateConfig) -> dict:
+    """The config with execution-only fields removed: a resumed run must match it exactly."""
+    def strip(node):
+        if isinstance(node, dict):
+            return {k: strip(v) for k, v in node.items() if k not in EXECUTION_ONLY}
+        return node
+    return strip(to_dict(cfg))
+
+
+def load_curate_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> CurateConfig:
+    return load_config(CurateConfig, path, overrides)

@@ -1,0 +1,353 @@
+"""The curation driver (DESIGN.md "Curation"; paper §4-5, §10):
+
+tasks -> teacher traces -> correctness filter -> step extraction (+ merge short executions)
+-> dependency DAG -> σ packing and the ρ filter -> reformat (sprint.jsonl, and rft.jsonl from the
+same correct traces, unrestructured).
+
+Stages run one after another over the tasks still pending at each (store.pending), every record
+committed as soon as it is done, so `run_pipeline` can be killed at any point and called again
+with the same config to finish the job without repeating a paid call. Output files and the report
+are rebuilt from the store at the end of every run, in task order, so an interrupted-and-resumed
+run writes the same bytes as an uninterrupted one.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+from tqdm import tqdm
+
+from sprint_jax.cli import UserError
+from sprint_jax.config import to_dict
+from sprint_jax.curation.config import CurateConfig, data_fingerprint
+from sprint_jax.curation.dag import DagFailed, propose_llm, propose_offline, validate_edges
+from sprint_jax.curation.extract import ExtractFailed, extract_llm, extract_offline, merge_short
+from sprint_jax.curation.llm import CachedChat, CallStats, EndpointRefused, LLMCallError
+from sprint_jax.curation.store import STAGES, Store
+from sprint_jax.curation.teacher import TeacherRejected, check_answer, make_teacher, task_prompt
+from sprint_jax.curation.types import Example, Task
+
+DB_NAME = "curation.sqlite"
+SPRINT_FILE = "sprint.jsonl"
+RFT_FILE = "rft.jsonl"
+REPORT_FILE = "curation_report.json"
+
+RATIO_BIN_EDGES = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0)
+
+
+def load_tasks(cfg: CurateConfig) -> list[Task]:
+    t = cfg.tasks
+    if t.source == "math_jsonl":
+        from sprint_jax.curation.tasks import load_math_jsonl
+        if not Path(t.path).exists():
+            raise UserError(f"tasks.path: no such file {t.path}")
+        return load_math_jsonl(t.path, limit=t.limit)
+    from sprint_jax.curation import countdown
+    tasks = countdown.generate(t.n, t.seed)
+    return tasks[: t.limit] if t.limit is not None else tasks
+
+
+def _diff(a, b, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            out += _diff(a.get(k), b.get(k), f"{prefix}{k}.")
+        return out
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+class Curation:
+    """One run over one store. `run(stages)` processes what is pending; `report()` summarises."""
+
+    def __init__(self, cfg: CurateConfig, out_dir: str | Path, progress: bool = True):
+        self.cfg = cfg
+        self.out = Path(out_dir)
+        self.progress = progress
+        self.store = Store(self.out / DB_NAME)
+        self.stats = CallStats()
+        self._chats: dict[str, CachedChat] = {}
+        try:
+            self._check_fingerprint()
+        except BaseException:
+            self.store.close()
+            raise
+
+    def close(self) -> None:
+        self.store.close()
+
+    def _check_fingerprint(self) -> None:
+        now = data_fingerprint(self.cfg)
+        before = self.store.get_meta("config")
+        if before is None:
+            self.store.set_meta("config", now)
+            return
+        diff = _diff(before, now)
+        if diff:
+            raise UserError(
+                f"{self.out} holds a run curated with a different config (differs in: {', '.join(diff)}); "
+                f"resume with the same config or choose a new --out")
+
+    def chat(self, section: str) -> CachedChat:
+        """The endpoint of a config section, checking its key up front (clear error naming the variable)."""
+        if section not in self._chats:
+            endpoint = getattr(self.cfg, section)
+            endpoint.api_key(section)
+            purpose = {"teacher": "teacher", "extractor": "extract", "dag": "dag"}[section]
+            self._chats[section] = CachedChat(endpoint, self.store, purpose, section, self.stats,
+                                              seed=self.cfg.seed)
+        return self._chats[section]
+
+    # ---- driver --------------------------------------------------------------------------------
+    def run(self, stages: Iterable[str] | None = None) -> dict:
+        stages = list(STAGES if stages is None else stages)
+        for s in stages:
+            if s not in STAGES:
+                raise UserError(f"unknown stage {s!r}; choose from {', '.join(STAGES)}")
+        t0 = time.time()
+        self.store.clear_retryable_failures()
+        for stage in STAGES:
+            if stage in stages:
+                getattr(self, f"_stage_{stage}")()
+        self.write_outputs()
+        report = self.report(seconds=time.time() - t0)
+        _atomic_write(self.out / REPORT_FILE, json.dumps(report, indent=2, sort_keys=True) + "\n")
+        return report
+
+    def _bar(self, total: int, desc: str):
+        return tqdm(total=total, desc=f"curate {desc}", unit="task", file=sys.stderr,
+                    disable=not self.progress, dynamic_ncols=True)
+
+    def _each(self, stage: str, work: Callable[[Task], None], workers: int) -> None:
+        """Apply `work` to every pending task (in a thread pool when `workers` > 1). `work` records
+        per-task outcomes itself; only run-ending errors (EndpointRefused, interrupts) escape."""
+        ids = self.store.pending(stage)
+        if not ids:
+            return
+        tasks = self.store.tasks(ids)
+        with self._bar(len(tasks), stage) as bar:
+            if workers <= 1:
+                for task in tasks:
+                    work(task)
+                    bar.update()
+                return
+            pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"curate-{stage}")
+            try:
+                futures = [pool.submit(work, t) for t in tasks]
+                for f in cf.as_completed(futures):
+                    f.result()
+                    bar.update()
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
+
+    def _llm_guard(self, stage: str, task: Task, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except LLMCallError as e:
+            self.store.put_failure(task.id, stage, "api_error" if e.retryable else "request_refused",
+                                   str(e), retryable=e.retryable)
+        except EndpointRefused as e:
+            raise UserError(str(e)) from None
+
+    # ---- stages --------------------------------------------------------------------------------
+    def _stage_tasks(self) -> None:
+        tasks = load_tasks(self.cfg)
+        if not tasks:
+            raise UserError("the task source produced no tasks")
+        if self.store.tasks():
+            have = [t.id for t in self.store.tasks()]
+            if have != [t.id for t in tasks]:
+                raise UserError(f"{self.out} already holds a different task list; choose a new --out")
+            return
+        with self._bar(len(tasks), "tasks") as bar:
+            self.store.add_tasks(tasks)
+            bar.update(len(tasks))
+
+    def _stage_teacher(self) -> None:
+        cfg = self.cfg.teacher
+        if not self.store.pending("teacher"):
+            return
+        teacher = make_teacher(self.cfg, self.chat("teacher") if cfg.kind == "openai" else None)
+
+        def work(task: Task) -> None:
+            def go() -> None:
+                try:
+                    self.store.put_trace(teacher.generate(task))
+                except TeacherRejected as e:
+                    self.store.put_failure(task.id, "teacher", e.reason, e.detail)
+            self._llm_guard("teacher", task, go)
+
+        self._each("teacher", work, cfg.concurrency if cfg.kind == "openai" else 1)
+
+    def _stage_filter(self) -> None:
+        def work(task: Task) -> None:
+            ok, reason = check_answer(task, self.store.trace(task.id))
+            self.store.put_verdict(task.id, ok, reason or "incorrect")
+        # graders may use signal-based timeouts, which only work on the main thread
+        self._each("filter", work, 1)
+
+    def _stage_extract(self) -> None:
+        cfg = self.cfg.extractor
+        if not self.store.pending("extract"):
+            return
+        chat = self.chat("extractor") if cfg.kind == "llm" else None
+
+        def work(task: Task) -> None:
+            def go() -> None:
+                trace = self.store.trace(task.id)
+                try:
+                    raw = (extract_llm(chat, task_prompt(task), trace.text) if chat is not None
+                           else extract_offline(trace.text))
+                    merged = merge_short(raw, self.cfg.merge_min_chars)
+                    if not merged:
+                        raise ExtractFailed("no_steps", "no step left after merging")
+                except ExtractFailed as e:
+                    self.store.put_failure(task.id, "extract", e.reason, e.detail)
+                    return
+                self.store.put_steps(task.id, raw, merged)
+            self._llm_guard("extract", task, go)
+
+        self._each("extract", work, cfg.concurrency if chat is not None else 1)
+
+    def _stage_dag(self) -> None:
+        cfg = self.cfg.dag
+        if not self.store.pending("dag"):
+            return
+        chat = self.chat("dag") if cfg.kind == "llm" else None
+
+        def work(task: Task) -> None:
+            def go() -> None:
+                steps = self.store.steps(task.id)
+                try:
+                    proposed = propose_llm(chat, task_prompt(task), steps) if chat is not None \
+                        else propose_offline(steps, task_prompt(task))
+                    result = validate_edges(len(steps), proposed, cfg.invalid_edge_policy)
+                except DagFailed as e:
+                    self.store.put_failure(task.id, "dag", e.reason, e.detail)
+                    return
+                self.store.put_dag(task.id, result.edges, proposed, result.dropped)
+            self._llm_guard("dag", task, go)
+
+        self._each("dag", work, cfg.concurrency if chat is not None else 1)
+
+    def _stage_pack(self) -> None:
+        from sprint_jax.curation import packing
+
+        def work(task: Task) -> None:
+            steps = self.store.steps(task.id)
+            edges = self.store.dag(task.id)["edges"]
+            sigma = [int(s) for s in packing.stage_numbers([s.plan_only for s in steps], edges)]
+            ratio = float(packing.parallelization_ratio(sigma))
+            self.store.put_packing(task.id, sigma, len(packing.stages(sigma)), ratio, self.cfg.min_ratio)
+
+        self._each("pack", work, 1)
+
+    def _stage_reformat(self) -> None:
+        from sprint_jax import format as fmt
+        from sprint_jax.curation import reformat
+
+        kept = set(self.store.survivors("pack"))
+
+        def work(task: Task) -> None:
+            trace = self.store.trace(task.id)
+            prompt = task_prompt(task)
+            base = {"task_id": task.id, "task_kind": task.kind, "teacher": trace.teacher}
+            examples = []
+            failure = None
+            sprint_completion = None
+            if task.id in kept:
+                steps = self.store.steps(task.id)
+                edges = self.store.dag(task.id)["edges"]
+                pack = self.store.packing(task.id)
+                try:
+                    sprint_completion = fmt.render_completion(
+                        reformat.to_sprint(prompt, steps, edges, trace.final_answer))
+                except ValueError as e:   # e.g. an extracted step that contains a SPRINT tag
+                    failure = ("render_error", f"sprint: {e}")
+            if (sprint_completion is not None) or self.cfg.rft_source == "correct":
+                try:
+                    examples.append(Example(
+                        id=task.id, kind="rft", prompt=prompt,
+                        completion=reformat.to_rft(prompt, trace.text, trace.final_answer),
+                        answer=task.answer, meta=base))
+                except ValueError as e:
+                    failure = failure or ("render_error", f"rft: {e}")
+                    if self.cfg.rft_source == "sprint":
+                        sprint_completion = None   # keep the two sets over the same traces
+            if sprint_completion is not None:
+                examples.insert(0, Example(
+                    id=task.id, kind="sprint", prompt=prompt, completion=sprint_completion, answer=task.answer,
+                    meta={**base, "n_steps": len(steps), "n_stages": pack["n_stages"],
+                          "ratio": pack["ratio"], "sigma": pack["sigma"], "edges": [list(e) for e in edges]}))
+            self.store.put_examples(task.id, examples, failure)
+
+        self._each("reformat", work, 1)
+
+    # ---- outputs -------------------------------------------------------------------------------
+    def write_outputs(self) -> None:
+        for kind, name in (("sprint", SPRINT_FILE), ("rft", RFT_FILE)):
+            lines = [json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in self.store.examples(kind)]
+            _atomic_write(self.out / name, "".join(lines))
+
+    def report(self, seconds: float | None = None) -> dict:
+        stage_counts = self.store.stage_counts()
+        ratios = self.store.ratios()
+        return {
+            "counts": {s: c["kept"] for s, c in stage_counts.items()}
+                      | {"sprint_examples": stage_counts["reformat"]["sprint_examples"],
+                         "rft_examples": stage_counts["reformat"]["rft_examples"]},
+            "stages": stage_counts,
+            "discards": self.store.failure_counts(),
+            "dropped_edges": self.store.dropped_edge_counts(),
+            "ratio": {"histogram": ratio_histogram(ratios), "n": len(ratios),
+                      "mean": (sum(ratios) / len(ratios)) if ratios else None,
+                      "min": min(ratios) if ratios else None, "max": max(ratios) if ratios else None,
+                      "min_ratio": self.cfg.min_ratio},
+            "llm": self.store.call_totals(),
+            "run": {"out": str(self.out), "config": to_dict(self.cfg), **self.stats.as_dict(),
+                    "seconds": None if seconds is None else round(seconds, 3)},
+        }
+
+
+def ratio_histogram(ratios: list[float]) -> dict[str, int]:
+    """Counts of ρ in fixed bins [a, b) (the last bin open-ended), so reports compare across runs."""
+    labels = [f"[{a:g},{b:g})" for a, b in zip(RATIO_BIN_EDGES, RATIO_BIN_EDGES[1:])]
+    labels.append(f"[{RATIO_BIN_EDGES[-1]:g},inf)")
+    counts = dict.fromkeys(labels, 0)
+    for r in ratios:
+        k = sum(1 for e in RATIO_BIN_EDGES if r >= e) - 1
+        counts[labels[max(k, 0)]] += 1
+    return counts
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def run_pipeline(config: CurateConfig, out_dir: str | Path | None = None, stages: Iterable[str] | None = None,
+                 progress: bool = True) -> dict:
+    """Run (or resume) curation into `out_dir` (default config.out); returns the report dict."""
+    cur = Curation(config, out_dir if out_dir is not None else config.out, progress=progress)
+    try:
+        return cur.run(stages)
+    finally:
+        cur.close()
+
+
+def status(out_dir: str | Path) -> dict:
+    """Counts per stage, discards and LLM totals of an existing run (reads the store only)."""
+    path = Path(out_dir) / DB_NAME
+    if not path.exists():
+        raise UserError(f"no curation store at {path}")
+    with Store(path) as store:
+        return {"stages": store.stage_counts(), "discards": store.failure_counts(),
+                "dropped_edges": store.dropped_edge_counts(), "llm": store.call_totals()}
