@@ -141,3 +141,14 @@ def test_stop_overshoot_and_errors(setup):
         engine.decode_branches(engine.prefill(ctx), [[1] * 40], 20)
     with pytest.raises(EngineError, match="max_seq_len"):
         engine.prefill(list(range(3, 100)))
+
+
+def test_pallas_attention_gives_the_same_greedy_branches(setup, hf_untied):
+    model, tok, xla_engine = setup
+    pallas = Engine(model, tok, max_seq_len=96, max_branches=16, max_branch_tokens=48, decode_chunk=8,
+                    prefill_chunk=32, eos_token_ids=[], attention_impl="pallas")
+    context = _context(21, 19)
+    prefixes = [[7], [8, 9], [10, 11, 12]]
+    a = xla_engine.decode_branches(xla_engine.prefill(context), prefixes, [5, 9, 7], mode="shared")
+    b = pallas.decode_branches(pallas.prefill(context), prefixes, [5, 9, 7], mode="shared")
+    assert [g.tokens for g in a] == [g.tokens for g in b]

@@ -133,8 +133,11 @@ def _cached_hidden(params, config: Qwen2Config, tokens, cache: KVCache, start, p
             return part_s[0], (ck, cv)
         plen = prefix[2]
         if attention_impl == "pallas" and t == 1:
-            from sprint_jax.kernels import shared_prefix_attention_partial
-            part_p = shared_prefix_attention_partial(q, pk, pv, plen)
+            # all branches at once: the kernel reads each prefix block once for every branch
+            from sprint_jax.kernels import shared_prefix_attention
+            out = shared_prefix_attention(q[:, 0], pk, pv, plen, ck, cv, start + 1,
+                                          interpret=jax.default_backend() == "cpu")
+            return out[:, None].astype(q.dtype), (ck, cv, pk, pv)
         else:
             p_mask = jnp.broadcast_to(jnp.arange(pk.shape[0])[None, None, :] < plen, (b, t, pk.shape[0]))
             part_p = attend_partial(q, jnp.broadcast_to(pk[None], (b,) + pk.shape),
@@ -160,7 +163,13 @@ def _step_plain(params, config, tokens, cache, start, prefix, attention_impl):
 
 
 def _step_branches(params, config, tokens, cache, start, prefix, attention_impl):
-    """vmap of a one-branch step over branches; the shared prefix is unmapped (read once)."""
+    """vmap of a one-branch step over branches; the shared prefix is unmapped (read once).
+
+    With attention_impl="pallas" a decode step runs all branches as one batch instead, and the
+    Pallas kernel (sprint_jax.kernels) does the prefix + suffix attention for all of them.
+    """
+    if attention_impl == "pallas" and tokens.shape[1] == 1:
+        return _cached_hidden(params, config, tokens, cache, start, prefix, attention_impl)
     def one(tok, c, s):
         h, nc = _cached_hidden(params, config, tok[None], jax.tree.map(lambda a: a[:, None], c),
                                s[None], prefix, attention_impl)
