@@ -1,0 +1,114 @@
+"""Evaluation: run the orchestrator over tasks, grade the final answers, write results and a report.
+
+Paper §13: accuracy and sequential tokens of a SPRINT model against its RFT baseline on the same
+problems. One problem = one orchestrator run (`sprint_jax.infer.orchestrator`); its final answer
+(the `<Final Answer>` block) is graded by `sprint_jax.eval.graders.grade` by task kind (MATH with
+math-verify, Countdown's equation rules, multiple-choice letters). A run with no final answer is
+graded wrong.
+
+Prompts. `prompt_fn(task) -> str` forms the text the model sees before its completion. The
+default is `sprint_jax.curation.teacher.task_prompt`, the same function curation uses to write the
+training examples' prompts: the task's problem text, and for Countdown `countdown.prompt_for`
+(TinyZero's prompt). Pass your own when the model was trained on another prompt (the demo does).
+
+Outputs in `out_dir` (when given): results.jsonl (one line per problem, written as it finishes),
+records.jsonl (the full run records), report.json, and the plots of `report.write_plots`.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from sprint_jax.curation.types import Task
+from sprint_jax.eval.graders import grade
+from sprint_jax.eval.report import make_report, write_plots
+from sprint_jax.infer.orchestrator import MODES, Orchestrator, OrchestratorConfig, RunRecord
+
+RESULTS_FILE = "results.jsonl"
+RECORDS_FILE = "records.jsonl"
+REPORT_FILE = "report.json"
+
+
+def default_prompt(task: Task) -> str:
+    """The task as curation wrote it into the training prompts (see the module docstring)."""
+    from sprint_jax.curation.teacher import task_prompt
+    return task_prompt(task)
+
+
+def result_of(task: Task, record: RunRecord) -> dict[str, Any]:
+    """One results.jsonl line: the graded outcome and the accounting of one run."""
+    answer = record.final_answer
+    return {
+        "id": task.id,
+        "kind": task.kind,
+        "mode": record.mode,
+        "correct": bool(answer is not None and grade(task, answer)),
+        "final_answer": answer,
+        "gold": task.answer,
+        "sequential_tokens": record.sequential_tokens,
+        "total_tokens": record.total_tokens,
+        "stages": len(record.stages),
+        "executors": sum(len(s.executions) for s in record.stages),
+        "wall_s": record.wall_s,
+        "problems": list(record.problems),
+        "format_valid": record.format_valid,
+        "termination": record.termination,
+    }
+
+
+def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
+             prompt_fn: Callable[[Task], str] | None = None,
+             orchestrator_config: OrchestratorConfig | None = None, out_dir: str | Path | None = None,
+             progress: bool = True, meta: dict | None = None) -> tuple[list[dict], dict]:
+    """Run every task in `mode` and grade it. Returns (results, report); writes them to out_dir.
+
+    `meta` (e.g. model and data names) is copied into the report.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    ids = [t.id for t in tasks]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise ValueError(f"task ids must be unique; {dup!r} appears twice")
+    prompt_fn = prompt_fn or default_prompt
+    orchestrator = Orchestrator(engine, orchestrator_config or OrchestratorConfig())
+    out = Path(out_dir) if out_dir is not None else None
+    results: list[dict] = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(tasks), desc=f"eval ({mode})", unit="problem")
+    t0 = time.perf_counter()
+    files = []
+    try:
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            files = [open(out / RESULTS_FILE, "w", encoding="utf-8"), open(out / RECORDS_FILE, "w", encoding="utf-8")]
+        for task in tasks:
+            record = orchestrator.run(prompt_fn(task), mode)
+            result = result_of(task, record)
+            results.append(result)
+            if files:
+                for f, row in zip(files, (result, {"id": task.id, **record.to_json()})):
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                    f.flush()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(acc=f"{sum(r['correct'] for r in results) / len(results):.3f}",
+                                seq=f"{sum(r['sequential_tokens'] for r in results) / len(results):.0f}")
+    finally:
+        for f in files:
+            f.close()
+        if bar is not None:
+            bar.close()
+    report = make_report(results, mode, wall_clock_s=time.perf_counter() - t0, meta={
+        **(meta or {}), "config": (orchestrator_config or OrchestratorConfig()).__dict__})
+    if out is not None:
+        report["plots"] = write_plots(results, out)
+        (out / REPORT_FILE).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return results, report
+
+
+__all__ = ["RESULTS_FILE", "RECORDS_FILE", "REPORT_FILE", "default_prompt", "result_of", "evaluate"]

@@ -1,0 +1,221 @@
+"""`sprint-jax infer`: run the SPRINT orchestrator on one query and show the stages as they happen."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import textwrap
+from pathlib import Path
+from typing import TextIO
+
+DESCRIPTION = """Run the SPRINT orchestrator (paper §10) on one query and show it live: each plan as
+the planner closes it, the executors of a stage side by side, the sync, the final answer; then
+sequential vs total tokens and wall clock (no grading).
+
+  sprint-jax infer --model runs/sft_sprint "What is 17 * 23 + 4?"
+  sprint-jax infer --model DIR "..." --mode serial --max-stages 6 --temperature 0.6
+  sprint-jax infer --model DIR "..." --mode sequential          # plain decoding (RFT baseline)
+
+Budgets: --max-stages, --max-prompts, --max-planner-tokens, --max-branch-tokens,
+--max-total-tokens, --time-limit (or --config FILE.yaml / --set field=value with the
+OrchestratorConfig fields). The query is given to the model exactly as written (training
+prompts are the bare problem text; see `sprint-jax eval --help`).
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments shared with `sprint-jax eval`
+# ---------------------------------------------------------------------------------------------
+_CONFIG_FLAGS = (  # flag, OrchestratorConfig field, type
+    ("--max-stages", "max_stages", int), ("--max-prompts", "max_prompts", int),
+    ("--max-planner-tokens", "max_planner_tokens", int), ("--max-branch-tokens", "max_branch_tokens", int),
+    ("--max-total-tokens", "max_total_tokens", int), ("--time-limit", "time_limit_s", float),
+    ("--temperature", "temperature", float), ("--top-k", "top_k", int), ("--top-p", "top_p", float),
+    ("--seed", "seed", int),
+)
+
+
+def add_run_arguments(p) -> None:
+    """Model, tokenizer, engine capacities and OrchestratorConfig flags."""
+    p.add_argument("--model", required=False, help="HF safetensors or orbax model directory")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory, or 'qwen2' for the Qwen2 BPE in the shared data dir "
+                        "(default: the model directory)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--config", default=None, help="YAML file of OrchestratorConfig fields")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override an OrchestratorConfig field (repeatable)")
+    from sprint_jax.infer.orchestrator import OrchestratorConfig
+
+    defaults = OrchestratorConfig()
+    g = p.add_argument_group("budgets and sampling (OrchestratorConfig; flags override --config/--set)")
+    for flag, field, kind in _CONFIG_FLAGS:
+        g.add_argument(flag, dest=field, type=kind, default=None,
+                       help=f"OrchestratorConfig.{field} (default {getattr(defaults, field)})")
+    e = p.add_argument_group("engine capacities")
+    e.add_argument("--max-seq-len", type=int, default=8192, help="planner context capacity in tokens")
+    e.add_argument("--decode-chunk", type=int, default=16, help="decode steps per host round trip")
+    e.add_argument("--prefill-chunk", type=int, default=512, help="longest prefill piece")
+    e.add_argument("--attention", choices=["xla", "pallas"], default="xla",
+                   help="shared-prefix attention of the executor fork")
+
+
+def config_from_args(args):
+    from sprint_jax.config import load_config
+    from sprint_jax.infer.orchestrator import OrchestratorConfig
+
+    overrides = list(args.set)
+    for _, field, _ in _CONFIG_FLAGS:
+        value = getattr(args, field, None)
+        if value is not None:
+            overrides.append(f"{field}={value}")
+    return load_config(OrchestratorConfig, args.config, overrides)
+
+
+def build_engine(args, config):
+    """The model, its tokenizer and an Engine sized for `config` (branch capacity = the per-branch
+    budget plus room for the forced opening tag)."""
+    from sprint_jax.cli import UserError
+    from sprint_jax.infer import Engine, EngineError
+    from sprint_jax.model.convert import load_model
+    from sprint_jax.model.tokenizer import load_tokenizer, qwen2_tokenizer
+
+    if not args.model:
+        raise UserError("--model DIR is required")
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        raise UserError(f"model directory not found: {model_dir}")
+    model = load_model(model_dir, dtype=args.dtype)
+    if args.dtype == "bfloat16":
+        model.config = model.config.replace(dtype="bfloat16")
+    try:
+        tok = qwen2_tokenizer() if args.tokenizer == "qwen2" else load_tokenizer(args.tokenizer or model_dir)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load a tokenizer from {args.tokenizer or model_dir} ({e}); "
+                        f"pass --tokenizer DIR or --tokenizer qwen2") from None
+    try:
+        return Engine(model, tok, max_seq_len=args.max_seq_len, max_branches=config.max_prompts,
+                      max_branch_tokens=config.max_branch_tokens + 32, decode_chunk=args.decode_chunk,
+                      prefill_chunk=args.prefill_chunk, attention_impl=args.attention)
+    except EngineError as e:
+        raise UserError(str(e)) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Live display
+# ---------------------------------------------------------------------------------------------
+class LiveDisplay:
+    """An `on_event` hook that prints the run as it happens: plans, executors side by side, sync."""
+
+    def __init__(self, stream: TextIO | None = None, width: int | None = None, max_lines: int = 14):
+        self.stream = stream or sys.stdout
+        self.width = width or min(shutil.get_terminal_size((120, 24)).columns, 160)
+        self.max_lines = max_lines
+
+    def _print(self, s: str = "") -> None:
+        print(s, file=self.stream, flush=True)
+
+    def _rule(self, title: str) -> None:
+        self._print(f"── {title} " + "─" * max(0, self.width - len(title) - 4))
+
+    def _wrap(self, text: str, width: int) -> list[str]:
+        lines: list[str] = []
+        for para in text.strip().splitlines() or [""]:
+            lines += textwrap.wrap(para, width) or [""]
+        if len(lines) > self.max_lines:
+            lines = lines[: self.max_lines - 1] + [f"… ({len(lines) - self.max_lines + 1} more lines)"]
+        return lines
+
+    def _columns(self, blocks: list[tuple[str, str]]) -> None:
+        gap = 3
+        col = (self.width - gap * (len(blocks) - 1)) // len(blocks)
+        if col < 24:   # too many to fit side by side: one under the other
+            for head, body in blocks:
+                self._print(head)
+                for line in self._wrap(body, self.width - 2):
+                    self._print("  " + line)
+            return
+        cells = [[head[:col]] + self._wrap(body, col) for head, body in blocks]
+        for r in range(max(len(c) for c in cells)):
+            self._print((" " * gap).join((c[r] if r < len(c) else "").ljust(col) for c in cells).rstrip())
+
+    def __call__(self, event) -> None:
+        rec, stage = event.record, event.stage
+        if event.kind == "start":
+            self._rule(f"query ({rec.mode})")
+            for line in self._wrap(rec.query, self.width):
+                self._print(line)
+        elif event.kind == "planner":
+            self._rule(f"stage {stage.index} · planner: {stage.planner_tokens} tokens, {stage.planner_s:.2f} s")
+            for line in self._wrap(event.text, self.width):
+                self._print(line)
+            for p in stage.problems:
+                self._print(f"  ! {p}")
+        elif event.kind == "executors_start":
+            self._print(f"  … {event.text} decoding")
+        elif event.kind == "executors":
+            self._rule(f"stage {stage.index} · {len(stage.executions)} executor(s) ({stage.executor_mode}), "
+                       f"{stage.executors_s:.2f} s")
+            self._columns([(f"[{stage.index}.{e.index}] {e.tokens} tok, {e.stop_reason}", e.text)
+                           for e in stage.executions])
+        elif event.kind == "implicit_execution":
+            self._rule(f"stage {stage.index} · execution (inline, {stage.executions[0].tokens} tokens)")
+            for line in self._wrap(event.text, self.width):
+                self._print(line)
+        elif event.kind == "sync":
+            self._print(f"  ⇢ sync: {stage.sync_tokens} tokens prefilled onto the planner in {1000 * stage.sync_s:.1f} ms")
+        elif event.kind == "final":
+            self._rule(f"final ({rec.final_tokens} tokens, {rec.final_s:.2f} s)")
+            for line in self._wrap(event.text, self.width):
+                self._print(line)
+        elif event.kind == "end":
+            self._rule("stats")
+            for line in summary_lines(rec):
+                self._print(line)
+
+
+def summary_lines(rec) -> list[str]:
+    saved = 1 - rec.sequential_tokens / rec.total_tokens if rec.total_tokens else 0.0
+    lines = [f"termination:        {rec.termination}",
+             f"stages:             {len(rec.stages)} ({sum(len(s.executions) for s in rec.stages)} executions)",
+             f"sequential tokens:  {rec.sequential_tokens}",
+             f"total tokens:       {rec.total_tokens}   (critical path {100 * saved:.1f}% shorter)",
+             f"wall clock:         {rec.wall_s:.2f} s (incl. compilation on first use)",
+             f"final answer:       {rec.final_answer!r}"]
+    if rec.problems:
+        lines.append(f"problems ({len(rec.problems)}):")
+        lines += [f"  - {p}" for p in rec.problems[:10]]
+        if len(rec.problems) > 10:
+            lines.append(f"  … {len(rec.problems) - 10} more")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Command
+# ---------------------------------------------------------------------------------------------
+def add_arguments(p) -> None:
+    p.add_argument("query", help="the query text, given to the model as is")
+    p.add_argument("--mode", choices=["parallel", "serial", "sequential"], default="parallel")
+    p.add_argument("--record", default=None, metavar="FILE.json", help="also write the run record as JSON")
+    add_run_arguments(p)
+
+
+def run(args) -> int:
+    from sprint_jax.cli import UserError
+    from sprint_jax.infer.orchestrator import Orchestrator
+
+    if not args.query.strip():
+        raise UserError("the query is empty")
+    config = config_from_args(args)
+    engine = build_engine(args, config)
+    try:
+        engine.encode(args.query)
+    except ValueError as e:
+        raise UserError(f"the tokenizer cannot encode the query: {e}") from None
+    record = Orchestrator(engine, config, on_event=LiveDisplay()).run(args.query, args.mode)
+    if args.record:
+        Path(args.record).write_text(json.dumps(record.to_json(), indent=2, ensure_ascii=False) + "\n")
+    return 0
+
+
+__all__ = ["add_run_arguments", "config_from_args", "build_engine", "LiveDisplay", "summary_lines"]

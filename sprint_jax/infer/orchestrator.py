@@ -1,0 +1,495 @@
+"""The SPRINT orchestrator: planner -> parallel executors -> sync, stage after stage (paper §10).
+
+One stage (DESIGN.md "Orchestrator"):
+
+1. The planner decodes on its own KV cache until `</Plan_i>` or `</Final Answer>`
+   (`format.planner_stop_strings(i)`).
+2. The prompts of `Plan_i` are read with `format.parse_plan`.
+3. The planner state is forked after `</Plan_i>`: executor j starts from the forced opening
+   (block gap + `<execution_i.j>`) and every executor of the stage decodes in one batched call
+   (`engine.decode_branches`), each stopping at its own `</execution_i.j>`.
+4. Sync: the openings and executions are appended in prompt order and only those tokens are
+   prefilled onto the planner cache (`engine.extend`); the planner continues with stage i+1.
+
+The text the planner ends up holding is exactly `format.render_completion` of the trajectory when
+the model writes canonical blocks (the forced openings and repairs use the gaps `render_completion`
+writes), because training data is rendered that way. The sync tokens are the forced-opening tokens
+and each executor's own generated tokens, which is also how the `trie` training layout tokenizes
+the pieces (train/data.py).
+
+Modes:
+  parallel    executors of a stage decode together over a shared-prefix fork (`mode="shared"`).
+  serial      the same executors one after another on the planner's cache (`mode="serial"`):
+              under the same sampling it yields the identical trajectory, only slower.
+  sequential  plain decoding, no orchestration (the RFT baseline, or a SPRINT model run as an
+              ordinary model): one call until `</Final Answer>` / EOS / the budget.
+
+Policies for malformed output (the loop never raises on model output; every policy is recorded
+as a problem string, and every run ends with one of TERMINATIONS):
+  * planner stops at EOS or at its token limit without closing its plan or answer: the run ends
+    (`eos`, `planner_token_limit`, or the budget that bound the call).
+  * plan problems (unclosed prompt, prompts out of order, duplicate numbers, foreign tags):
+    reported from `parse_plan`; the prompts are taken in order of appearance and executor j gets
+    `<execution_i.j>` for the j-th prompt, whatever number the model wrote.
+  * more prompts than `min(config.max_prompts, engine.max_branches)`: the first ones run, the rest
+    get no execution (the planner context then holds prompts without executions).
+  * a plan with no prompt: the planner keeps the turn. If its next output opens
+    `<execution_i.1>` (the paper's implicit prompt) and closes it, that is stage i's single
+    execution, decoded inline on the planner cache; otherwise the output is the next stage's plan.
+  * an executor that runs into its token limit or ends with EOS: its text is kept (EOS dropped)
+    and the sync closes it with the canonical `</execution_i.j>` so the planner's context stays
+    well-formed; the forced tags are prefilled, not counted as generated tokens.
+  * tags inside an execution: kept as written and reported by the final parse.
+  * the final answer is the `<Final Answer>` of the planner call that closed it (an executor
+    writing one does not end the run).
+
+Budgets (OrchestratorConfig): stages, prompts per plan, tokens per planner call and per branch,
+total generated tokens, wall clock (checked between engine calls, so a run may overrun the limit
+by one call). max_stages counts plans whose executors run; after the last one the planner may
+still answer, and a further plan ends the run (`max_stages`). Per-call limits are clipped so no call can exceed the total budget or the engine's
+capacities; a stage's branches share the remaining budget equally.
+
+Accounting (DESIGN.md): sequential_tokens = Σ_stages (planner tokens + max executor tokens), plus
+the final planner call; total_tokens = Σ planner + Σ executors. Counted tokens are generated
+tokens (decode steps); forced openings and repairs are prefilled in one pass and not counted.
+A sequential run has sequential_tokens == total_tokens == generated tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+from sprint_jax import format as fmt
+from sprint_jax.infer.engine import EngineError
+from sprint_jax.infer.sampling import Sampling
+
+MODES = ("parallel", "serial", "sequential")
+_BRANCH_MODE = {"parallel": "shared", "serial": "serial"}
+
+TERMINATIONS = {
+    "final_answer": "the planner closed </Final Answer>",
+    "eos": "the model ended its output (EOS) without a final answer",
+    "planner_token_limit": "a planner call reached max_planner_tokens without closing its plan or answer",
+    "token_budget": "the total generated-token budget (max_total_tokens) was used up",
+    "max_stages": "max_stages plans ran and the planner wrote another plan instead of answering",
+    "context_full": "the planner context reached the engine's max_seq_len (or a branch its capacity)",
+    "wall_clock": "the wall-clock limit (time_limit_s) passed",
+    "malformed": "the planner stopped at a tag it may not write there (e.g. closed an execution it never opened)",
+    "engine_error": "the engine refused a request (message in problems)",
+}
+
+
+def _gaps() -> tuple[str, str]:
+    """(gap between blocks, gap between content and closing tag) as `render_completion` writes
+    them, read off a probe so the orchestrator's forced text cannot drift from the renderer."""
+    probe = fmt.render_completion(fmt.Trajectory(stages=[fmt.Stage(1, [fmt.Prompt("p")], ["e"])]))
+    block_gap = probe[probe.index(fmt.plan_close(1)) + len(fmt.plan_close(1)): probe.index(fmt.execution_open(1, 1))]
+    body = probe[probe.index(fmt.execution_open(1, 1)) + len(fmt.execution_open(1, 1)): probe.index(fmt.execution_close(1, 1))]
+    return block_gap, body[body.index("e") + 1:]
+
+
+BLOCK_GAP, CLOSE_GAP = _gaps()
+
+
+def execution_opening(i: int, j: int) -> str:
+    """The forced start of executor j of stage i: what render_completion writes before its content."""
+    return BLOCK_GAP + fmt.execution_open(i, j)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config and records
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class OrchestratorConfig:
+    """Budgets and sampling of one run (loadable with sprint_jax.config.load_config)."""
+    max_stages: int = 12                 # plans whose executors run; the planner may still answer after
+    max_prompts: int = 8                 # executors per stage (also capped by engine.max_branches)
+    max_planner_tokens: int = 1024       # generated tokens per planner call
+    max_branch_tokens: int = 1024        # generated tokens per executor
+    max_total_tokens: int = 16384        # Σ planner + Σ executor tokens of the whole run
+    time_limit_s: float | None = None    # wall clock per run, checked between engine calls
+    temperature: float = 0.0             # 0 = greedy
+    top_k: int = 0                       # 0 = off
+    top_p: float = 1.0                   # 1 = off
+    seed: int = 0                        # each engine call gets its own seed derived from this
+
+    def __post_init__(self) -> None:
+        for name in ("max_stages", "max_prompts", "max_planner_tokens", "max_branch_tokens", "max_total_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.time_limit_s is not None and not self.time_limit_s > 0:
+            raise ValueError(f"time_limit_s must be > 0 or null, got {self.time_limit_s!r}")
+        Sampling(self.temperature, self.top_k, self.top_p, self.seed)   # validates the sampling fields
+
+    def sampling(self, call: int) -> Sampling:
+        """Sampling for the call-th engine call: branches of one call fold in their index on top."""
+        return Sampling(self.temperature, self.top_k, self.top_p, (self.seed * 1_000_003 + call) % (2 ** 31))
+
+
+@dataclasses.dataclass
+class ExecutionRecord:
+    index: int                    # j of <execution_i.j>
+    prompt: str
+    text: str                     # generated text (EOS dropped), up to and including its close tag
+    tokens: int                   # generated tokens (EOS included: it was decoded)
+    stop_reason: str              # stop | eos | length
+    forced_tokens: int            # the opening (and repair) tokens prefilled for it
+    repaired: bool = False        # the sync added the close tag
+
+
+@dataclasses.dataclass
+class StageRecord:
+    index: int                    # i of <Plan_i>
+    planner_text: str             # the planner call's output, as generated
+    planner_tokens: int
+    planner_stop: str             # which stop string ended the call, or eos / length
+    plan: str = ""                # free planning text (prompts left out)
+    prompts: list[str] = dataclasses.field(default_factory=list)
+    executions: list[ExecutionRecord] = dataclasses.field(default_factory=list)
+    executor_mode: str = "none"   # shared | serial | inline (implicit prompt) | none
+    sync_tokens: int = 0
+    planner_s: float = 0.0
+    executors_s: float = 0.0
+    sync_s: float = 0.0
+    branch_cache_bytes: int | None = None
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def executor_tokens(self) -> list[int]:
+        return [e.tokens for e in self.executions]
+
+    @property
+    def sequential_tokens(self) -> int:
+        return self.planner_tokens + max(self.executor_tokens, default=0)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.planner_tokens + sum(self.executor_tokens)
+
+
+@dataclasses.dataclass
+class RunRecord:
+    """Everything one run did; `to_json()` is what eval writes per problem."""
+    query: str
+    mode: str
+    config: dict
+    prompt_tokens: int = 0
+    stages: list[StageRecord] = dataclasses.field(default_factory=list)
+    final_text: str = ""          # the planner call that wrote the answer (sequential: everything)
+    final_tokens: int = 0
+    final_s: float = 0.0
+    final_answer: str | None = None
+    text: str = ""                # the whole completion (the planner's context after the prompt)
+    termination: str = ""
+    problems: list[str] = dataclasses.field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def sequential_tokens(self) -> int:
+        return sum(s.sequential_tokens for s in self.stages) + self.final_tokens
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s.total_tokens for s in self.stages) + self.final_tokens
+
+    @property
+    def format_valid(self) -> bool:
+        """No problem at all. A sequential run with no stage (an RFT trace) is valid when it has a
+        final answer: untagged reasoning before it is that format, not a fault."""
+        if self.mode == "sequential" and not self.stages:
+            return self.final_answer is not None and self.termination == "final_answer"
+        return not self.problems and self.termination == "final_answer"
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for sd, s in zip(d["stages"], self.stages):
+            sd["sequential_tokens"] = s.sequential_tokens
+            sd["total_tokens"] = s.total_tokens
+        d.update(sequential_tokens=self.sequential_tokens, total_tokens=self.total_tokens,
+                 format_valid=self.format_valid, n_stages=len(self.stages))
+        return d
+
+
+@dataclasses.dataclass
+class Event:
+    """A live-display notification. kinds: start, planner, executors_start, executors, sync,
+    implicit_execution, final, end. `stage` is the StageRecord concerned (None for start/final/end)."""
+    kind: str
+    record: RunRecord
+    stage: StageRecord | None = None
+    text: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------
+class _Stop(Exception):
+    """Ends the loop with a termination reason (internal control flow, never escapes run())."""
+
+    def __init__(self, reason: str, problem: str | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.problem = problem
+
+
+def _which_stop(text: str, stops: list[str]) -> str | None:
+    found = [(text.find(s) + len(s), s) for s in stops if s in text]
+    return min(found)[1] if found else None
+
+
+class Orchestrator:
+    """Runs SPRINT stages over an engine. Only the engine's public interface is used: encode,
+    decode_text, prefill, extend, generate, decode_branches, max_seq_len, max_branches,
+    max_branch_tokens (and last_branch_stats when present), so a test double can stand in."""
+
+    def __init__(self, engine: Any, config: OrchestratorConfig | None = None,
+                 on_event: Callable[[Event], None] | None = None):
+        self.engine = engine
+        self.config = config or OrchestratorConfig()
+        self.on_event = on_event
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _emit(self, kind: str, record: RunRecord, stage: StageRecord | None = None, text: str = "") -> None:
+        if self.on_event is not None:
+            self.on_event(Event(kind, record, stage, text))
+
+    def _check_clock(self, t0: float) -> None:
+        limit = self.config.time_limit_s
+        if limit is not None and time.perf_counter() - t0 > limit:
+            raise _Stop("wall_clock", f"wall-clock limit {limit} s passed")
+
+    def _planner_limit(self, state, used: int) -> tuple[int, str]:
+        """Tokens the next planner call may generate, and the termination if it runs out."""
+        cfg = self.config
+        options = [(cfg.max_total_tokens - used, "token_budget"),
+                    (self.engine.max_seq_len - len(state.tokens), "context_full"),
+                    (cfg.max_planner_tokens, "planner_token_limit")]
+        limit, reason = min(options, key=lambda o: o[0])
+        if limit < 1:
+            raise _Stop(reason, f"no room for another planner call ({reason})")
+        return limit, reason
+
+    def _text_of(self, tokens: list[int]) -> str:
+        return self.engine.decode_text(tokens) if tokens else ""
+
+    # -- entry --------------------------------------------------------------------------------
+    def run(self, query: str, mode: str = "parallel") -> RunRecord:
+        """One run of `query` (the text the model sees before its completion). Model output never
+        raises; a bad mode, an empty query, or a query the tokenizer cannot encode does."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not query:
+            raise ValueError("the query is empty")
+        record = RunRecord(query=query, mode=mode, config=dataclasses.asdict(self.config))
+        t0 = time.perf_counter()
+        self._emit("start", record)
+        state = None
+        prompt_ids = self.engine.encode(query)
+        record.prompt_tokens = len(prompt_ids)
+        try:
+            if not prompt_ids:
+                raise _Stop("context_full", "the query encodes to no tokens")
+            if len(prompt_ids) >= self.engine.max_seq_len:
+                raise _Stop("context_full", f"the query has {len(prompt_ids)} tokens; max_seq_len is "
+                                            f"{self.engine.max_seq_len}")
+            state = self.engine.prefill(prompt_ids)
+            if mode == "sequential":
+                self._sequential(state, record)
+            else:
+                self._stages(state, record, t0, _BRANCH_MODE[mode])
+        except _Stop as stop:
+            record.termination = stop.reason
+            if stop.problem:
+                record.problems.append(stop.problem)
+        except EngineError as e:
+            record.termination = "engine_error"
+            record.problems.append(f"engine error: {e}")
+        if state is not None:
+            record.text = self._text_of(list(state.tokens)[len(prompt_ids):])
+        self._finish(record)
+        record.wall_s = time.perf_counter() - t0
+        self._emit("end", record)
+        return record
+
+    def _finish(self, record: RunRecord) -> None:
+        """The final parse of the whole completion: the format problems of the model's output
+        (a plan's problems found by parse_plan stay in its StageRecord; this parse reports them
+        again for the run, with positions in the whole text)."""
+        traj, problems = fmt.parse_completion(record.text)
+        if record.mode == "sequential":
+            record.final_answer = traj.final_answer
+            if not traj.stages:   # an RFT trace: untagged reasoning, then the answer block
+                return
+        record.problems += [f"format: {p}" for p in problems]
+
+    # -- sequential ---------------------------------------------------------------------------
+    def _sequential(self, state, record: RunRecord) -> None:
+        """One call: the per-call planner limit does not apply, the total budget does."""
+        limit, reason = min((self.config.max_total_tokens, "token_budget"),
+                            (self.engine.max_seq_len - len(state.tokens), "context_full"), key=lambda o: o[0])
+        t = time.perf_counter()
+        g = self.engine.generate(state, limit, stop=[fmt.FINAL_CLOSE], sampling=self.config.sampling(0))
+        record.final_s = time.perf_counter() - t
+        record.final_tokens = len(g.tokens)
+        record.final_text = g.text
+        self._emit("final", record, text=g.text)
+        if g.stop_reason == "stop":
+            record.termination = "final_answer"
+        elif g.stop_reason == "eos":
+            record.termination = "eos"
+        else:
+            record.termination = reason
+            record.problems.append(f"the output reached {limit} tokens without {fmt.FINAL_CLOSE}")
+
+    # -- SPRINT stages ------------------------------------------------------------------------
+    def _stages(self, state, record: RunRecord, t0: float, branch_mode: str) -> None:
+        cfg = self.config
+        used = 0            # generated tokens so far (Σ planner + Σ executors)
+        call = 0            # engine calls so far (seeds)
+        i = 1
+        implicit: StageRecord | None = None   # a prompt-less plan that may get <execution_i.1>
+        while True:
+            self._check_clock(t0)
+            limit, limit_reason = self._planner_limit(state, used)
+            stops = fmt.planner_stop_strings(i)
+            if implicit is not None:
+                stops = stops + [fmt.execution_close(implicit.index, 1)]
+            t = time.perf_counter()
+            g = self.engine.generate(state, limit, stop=stops, sampling=cfg.sampling(call))
+            dt = time.perf_counter() - t
+            call += 1
+            used += len(g.tokens)
+            which = _which_stop(g.text, stops) if g.stop_reason == "stop" else None
+
+            if implicit is not None:
+                first = fmt.find_tags(g.text)[:1]
+                opening = fmt.execution_open(implicit.index, 1)
+                if first == [opening] and which == fmt.execution_close(implicit.index, 1):
+                    implicit.executions.append(ExecutionRecord(
+                        1, implicit.plan, g.text, len(g.tokens), "stop", 0))
+                    implicit.executor_mode = "inline"
+                    implicit.executors_s = dt
+                    self._emit("implicit_execution", record, implicit, g.text)
+                    implicit = None
+                    continue
+                implicit = None
+
+            if which == fmt.FINAL_CLOSE:
+                record.final_text, record.final_tokens, record.final_s = g.text, len(g.tokens), dt
+                record.final_answer = fmt.parse_completion(g.text)[0].final_answer
+                self._emit("final", record, text=g.text)
+                if record.final_answer is None:
+                    raise _Stop("malformed", f"the planner closed {fmt.FINAL_CLOSE} without opening it")
+                raise _Stop("final_answer")
+
+            stage = StageRecord(i, g.text, len(g.tokens), which or g.stop_reason, planner_s=dt)
+            record.stages.append(stage)
+            if which != fmt.plan_close(i):
+                self._emit("planner", record, stage, g.text)
+                if g.stop_reason == "eos":
+                    raise _Stop("eos", f"stage {i}: the planner ended (EOS) without {fmt.plan_close(i)} "
+                                       f"or {fmt.FINAL_CLOSE}")
+                if g.stop_reason == "length":
+                    raise _Stop(limit_reason, f"stage {i}: the planner call reached {limit} tokens without "
+                                              f"{fmt.plan_close(i)} or {fmt.FINAL_CLOSE}")
+                raise _Stop("malformed", f"stage {i}: the planner stopped at {which!r} with no matching opening")
+
+            pieces, prompts, problems = fmt.parse_plan(g.text, i)
+            stage.plan = " ".join(p for p in pieces if isinstance(p, str))
+            stage.prompts = prompts
+            stage.problems += [f"stage {i} plan: {p}" for p in problems]
+            self._emit("planner", record, stage, g.text)
+            if i > cfg.max_stages:
+                raise _Stop("max_stages", f"stage {i}: a plan beyond max_stages={cfg.max_stages}; not run")
+            if not prompts:
+                implicit = stage
+                i += 1
+                continue
+
+            cap = min(cfg.max_prompts, self.engine.max_branches)
+            if len(prompts) > cap:
+                _problem(record, stage, f"stage {i}: {len(prompts)} prompts; only the first {cap} run (max_prompts="
+                                        f"{cfg.max_prompts}, engine max_branches={self.engine.max_branches})")
+            run_prompts = prompts[:cap]
+            k = len(run_prompts)
+            openings = [self.engine.encode(execution_opening(i, j)) for j in range(1, k + 1)]
+            room = cfg.max_total_tokens - used
+            if room // k < 1:
+                raise _Stop("token_budget", f"stage {i}: no token budget left for {k} executors")
+            limits = []
+            for o in openings:
+                m = min(cfg.max_branch_tokens, room // k, self.engine.max_branch_tokens - len(o) - 1,
+                        self.engine.max_seq_len - len(state.tokens) - len(o))
+                if m < 1:
+                    raise _Stop("context_full", f"stage {i}: no room for executor tokens")
+                limits.append(m)
+            self._check_clock(t0)
+            self._emit("executors_start", record, stage, f"{k} executor(s), {branch_mode} fork")
+            t = time.perf_counter()
+            gens = self.engine.decode_branches(state, openings, limits,
+                                               stop=[[fmt.execution_close(i, j)] for j in range(1, k + 1)],
+                                               sampling=cfg.sampling(call), mode=branch_mode)
+            stage.executors_s = time.perf_counter() - t
+            stats = getattr(self.engine, "last_branch_stats", None)
+            stage.branch_cache_bytes = getattr(stats, "cache_bytes", None)
+            stage.executor_mode = branch_mode
+            call += 1
+            sync: list[int] = []
+            for j, (prompt, o, gen, m) in enumerate(zip(run_prompts, openings, gens, limits), start=1):
+                used += len(gen.tokens)
+                body = list(gen.tokens)
+                text = gen.text
+                if gen.stop_reason == "eos":
+                    body = body[:-1]
+                    text = self._text_of(body)
+                close = fmt.execution_close(i, j)
+                repaired = gen.stop_reason != "stop" or close not in text
+                repair: list[int] = []
+                if repaired:
+                    how = {"eos": "ended (EOS)", "length": f"reached its {m}-token limit"}.get(
+                        gen.stop_reason, "stopped")
+                    _problem(record, stage, f"stage {i}: execution {i}.{j} {how} before {close}; closed by "
+                                            f"the orchestrator")
+                    gap = "" if (not text or text[-1].isspace()) else CLOSE_GAP
+                    repair = self.engine.encode(gap + close)
+                sync += o + body + repair
+                stage.executions.append(ExecutionRecord(j, prompt, text, len(gen.tokens), gen.stop_reason,
+                                                        len(o) + len(repair), repaired))
+            self._emit("executors", record, stage)
+            if len(state.tokens) + len(sync) >= self.engine.max_seq_len:
+                raise _Stop("context_full", f"stage {i}: syncing {len(sync)} tokens would fill the planner "
+                                            f"context (max_seq_len={self.engine.max_seq_len})")
+            self._check_clock(t0)
+            t = time.perf_counter()
+            state = self.engine.extend(state, sync)
+            _block(state)
+            stage.sync_s = time.perf_counter() - t
+            stage.sync_tokens = len(sync)
+            self._emit("sync", record, stage)
+            i += 1
+
+
+def _problem(record: RunRecord, stage: StageRecord, message: str) -> None:
+    """An orchestrator policy was applied: recorded on the stage and on the run."""
+    stage.problems.append(message)
+    record.problems.append(message)
+
+
+def _block(state: Any) -> None:
+    """Wait for the sync prefill to finish so its timing is honest (JAX dispatches asynchronously)."""
+    cache = getattr(state, "cache", None)
+    if cache is not None:
+        import jax
+        jax.block_until_ready(cache)
+
+
+def run_query(engine: Any, query: str, mode: str = "parallel", config: OrchestratorConfig | None = None,
+              on_event: Callable[[Event], None] | None = None) -> RunRecord:
+    """One run of `query` (the text the model sees before its completion)."""
+    return Orchestrator(engine, config, on_event).run(query, mode)
+
+
+__all__ = ["MODES", "TERMINATIONS", "BLOCK_GAP", "CLOSE_GAP", "execution_opening", "OrchestratorConfig",
+           "ExecutionRecord", "StageRecord", "RunRecord", "Event", "Orchestrator", "run_query"]
