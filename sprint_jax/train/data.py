@@ -1,0 +1,528 @@
+"""SFT examples -> token rows with per-token loss weights, in the `flat` or the `trie` layout.
+
+Paper §8-9: SPRINT is next-token SFT on the restructured sequence, with the loss on what the model
+writes (plans, prompts, executions, the final answer and their tags) and never on the query.
+Labels come from `sprint_jax.format.span_labels` (per character) and `format.token_labels`
+(per token, through the tokenizer's offset mapping), so the loss mask and the grammar cannot drift.
+
+Every laid-out example ("item") is a forest of token chains described by four arrays:
+  tokens, positions, parents (the row index whose hidden state predicts this token; -1 = none),
+  span_end (token j is visible to rows j..span_end[j]-1), weights (loss weight of this token).
+Attention: row i may attend to j iff j <= i < span_end[j]. This one description covers both
+layouts, so the train step has a single attention mask and a single loss:
+  * flat (the paper): prompt + completion + EOS as one causal chain; parents = i - 1, span_end =
+    end of the example, positions = 0..n-1.
+  * trie (train exactly what inference runs): every planner and executor call of the orchestrator
+    (paper §10) is a (context, completion) unit; units are stored as a prefix trie of text pieces
+    in depth-first order, so a token's subtree is contiguous and "j is an ancestor of i" is exactly
+    j <= i < span_end[j]; positions are depths; only unit completions carry loss. Executor (k, j)
+    sees the planner context, `<Plan_k> ... </Plan_k>` and its forced `<execution_k.j>`, never
+    its siblings; planner k+1 sees every execution of stage k in prompt order, as after sync.
+Several items are packed into one row (first-fit, deterministic order from the seed); items never
+see each other because their spans do not overlap.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from sprint_jax import format as fmt
+from sprint_jax.cli import UserError
+from sprint_jax.curation.types import Example
+
+LABEL_IDS = {k: i for i, k in enumerate(fmt.SPAN_KINDS)}
+EOS_LABEL = "tag"   # EOS ends the model's output like a closing tag; it is written, so it is learnt
+
+
+class DataError(UserError):
+    """Training data that cannot be used (unreadable file, malformed record): names file and line."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizers
+# ---------------------------------------------------------------------------------------------
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (what a ByteLevel pre-tokenizer emits)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars = list(printable)
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+def byte_tokenizer():
+    """An HF fast tokenizer with one token per UTF-8 byte (id = byte value) + EOS 256 and PAD 257.
+
+    For tiny models trained from scratch (vocab >= 258) with real text: no merges, exact offsets,
+    and `save_pretrained` writes a directory that `AutoTokenizer` reloads.
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+    assert fast.eos_token_id == 256 and fast.pad_token_id == 257, (fast.eos_token_id, fast.pad_token_id)
+    return fast
+
+
+def resolve_tokenizer(spec: str, model_name: Any = None, pretrained: bool = False):
+    """`data.tokenizer`: auto (the checkpoint's own tokenizer when fine-tuning one, else Qwen2's),
+    qwen2, bytes, or a directory."""
+    from sprint_jax.model.tokenizer import load_tokenizer, qwen2_tokenizer
+
+    if spec == "auto":
+        if pretrained and isinstance(model_name, str) and Path(model_name).is_dir():
+            try:
+                return load_tokenizer(model_name)
+            except (OSError, ValueError):
+                pass
+        return qwen2_tokenizer()
+    if spec == "qwen2":
+        return qwen2_tokenizer()
+    if spec == "bytes":
+        return byte_tokenizer()
+    if not Path(spec).exists():
+        raise DataError(f"data.tokenizer: {spec!r} is not auto/qwen2/bytes nor an existing directory")
+    return load_tokenizer(spec)
+
+
+def eos_id(tokenizer) -> int:
+    e = getattr(tokenizer, "eos_token_id", None)
+    if e is None:
+        raise DataError("the tokenizer has no eos_token_id; the trainer appends EOS after every completion")
+    return int(e)
+
+
+def pad_id(tokenizer) -> int:
+    p = getattr(tokenizer, "pad_token_id", None)
+    return eos_id(tokenizer) if p is None else int(p)
+
+
+def encode_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids and (start, end) character offsets, through the HF call convention."""
+    if not text:
+        return [], []
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    offsets = [tuple(map(int, o)) for o in enc["offset_mapping"]]
+    if len(ids) != len(offsets):
+        raise DataError("tokenizer returned a different number of ids and offsets")
+    return ids, offsets
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading examples
+# ---------------------------------------------------------------------------------------------
+def read_examples(paths: Iterable[str | Path], limit: int | None = None) -> list[Example]:
+    """Examples from jsonl files; a malformed line is an error naming the file and line."""
+    out: list[Example] = []
+    fields = {f.name for f in dataclasses.fields(Example)}
+    from sprint_jax.config import REPO_ROOT
+
+    for path in paths:
+        path = Path(path)
+        if not path.exists() and not path.is_absolute() and (REPO_ROOT / path).exists():
+            path = REPO_ROOT / path            # configs/ ship with repo-relative paths
+        if not path.exists():
+            raise DataError(f"training data file not found: {path}")
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{n}"
+                try:
+                    d = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{where}: not valid JSON: {e}") from e
+                if not isinstance(d, dict):
+                    raise DataError(f"{where}: expected a JSON object")
+                missing = [k for k in ("id", "kind", "prompt", "completion") if k not in d]
+                if missing:
+                    raise DataError(f"{where}: missing field {missing[0]!r}")
+                for k in ("prompt", "completion"):
+                    if not isinstance(d[k], str):
+                        raise DataError(f"{where}: field {k!r} must be a string")
+                if d["kind"] not in ("sprint", "rft"):
+                    raise DataError(f"{where}: kind must be 'sprint' or 'rft', got {d['kind']!r}")
+                out.append(Example.from_json({k: v for k, v in d.items() if k in fields}))
+                if limit is not None and len(out) >= limit:
+                    return out
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces and units (the inference calls of paper §10)
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Pieces:
+    """An example cut into text pieces; piece 0 is the prompt.
+
+    Piece boundaries are the points where inference switches between generated and forced text:
+    a planner piece is `gap <Plan_k> ... </Plan_k>` (or the final-answer block + trailing text),
+    an opening piece is `gap <execution_k.j>` (forced by the orchestrator), a body piece is
+    `content </execution_k.j>`. `units` are paths of piece indices: every piece but the last is
+    context, the last is the completion the call writes.
+    """
+    texts: list[str]
+    starts: list[int]            # character offset of each piece in prompt + completion
+    units: list[tuple[int, ...]]
+    unit_kinds: list[str]        # "planner" | "executor" per unit
+
+    def unit_text(self, u: int) -> tuple[str, str]:
+        """(context, completion) text of unit u."""
+        path = self.units[u]
+        return "".join(self.texts[i] for i in path[:-1]), self.texts[path[-1]]
+
+
+def split_pieces(prompt: str, completion: str, trajectory: fmt.Trajectory) -> Pieces:
+    """Cut a problem-free SPRINT completion (or an RFT one, which has no stages) into pieces."""
+    texts, starts = [prompt], [0]
+    base = len(prompt)
+    cursor = 0
+
+    def add(end: int) -> int:
+        nonlocal cursor
+        texts.append(completion[cursor:end])
+        starts.append(base + cursor)
+        cursor = end
+        return len(texts) - 1
+
+    def through(tag: str) -> int:
+        at = completion.find(tag, cursor)
+        if at < 0:
+            raise ValueError(f"tag {tag} not found after char {cursor}")
+        return at + len(tag)
+
+    units: list[tuple[int, ...]] = []
+    kinds: list[str] = []
+    trunk: list[int] = [0]                      # the planner's context so far
+    for stage in trajectory.stages:
+        k = stage.index
+        plan = add(through(fmt.plan_close(k)))
+        units.append(tuple(trunk + [plan]))
+        kinds.append("planner")
+        trunk.append(plan)
+        after_plan = list(trunk)
+        for j in range(1, len(stage.executions) + 1):
+            opening = add(through(fmt.execution_open(k, j)))
+            body = add(through(fmt.execution_close(k, j)))
+            units.append(tuple(after_plan + [opening, body]))
+            kinds.append("executor")
+            trunk += [opening, body]            # sync: executions join the planner in prompt order
+    final = add(len(completion))
+    units.append(tuple(trunk + [final]))
+    kinds.append("planner")
+    return Pieces(texts, starts, units, kinds)
+
+
+# ---------------------------------------------------------------------------------------------
+# Items: one example laid out as arrays
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Item:
+    """One example laid out (see the module docstring); parents and span_end are item-relative."""
+    tokens: np.ndarray           # int32 [n]
+    positions: np.ndarray        # int32 [n]
+    parents: np.ndarray          # int32 [n], -1 = nothing predicts this token
+    span_end: np.ndarray         # int32 [n], exclusive
+    weights: np.ndarray          # float32 [n]
+    labels: np.ndarray           # int8 [n], index into SPAN_KINDS
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def truncate(self, n: int) -> "Item":
+        """The first n tokens (a prefix of a depth-first layout is still a valid forest)."""
+        return Item(self.tokens[:n], self.positions[:n], self.parents[:n], np.minimum(self.span_end[:n], n),
+                    self.weights[:n], self.labels[:n])
+
+
+@dataclasses.dataclass
+class _Tok:
+    ids: list[int]
+    labels: list[str]
+
+
+def _tokenize_piece(tokenizer, text: str, start: int, char_labels: list[str]) -> _Tok:
+    ids, offsets = encode_with_offsets(tokenizer, text)
+    labels = fmt.token_labels(char_labels, [(a + start, b + start) for a, b in offsets])
+    return _Tok(ids, labels)
+
+
+def _weights(labels: Sequence[str], span_weights: dict[str, float]) -> np.ndarray:
+    return np.asarray([span_weights[l] for l in labels], np.float32)
+
+
+def layout_flat(tokenizer, ex: Example, span_weights: dict[str, float]) -> Item:
+    """prompt + completion (tokenized separately, so the boundary is exact) + EOS, one chain."""
+    char_labels = fmt.span_labels(ex.prompt, ex.completion)
+    p = _tokenize_piece(tokenizer, ex.prompt, 0, char_labels)
+    c = _tokenize_piece(tokenizer, ex.completion, len(ex.prompt), char_labels)
+    ids = p.ids + c.ids + [eos_id(tokenizer)]
+    labels = p.labels + c.labels + [EOS_LABEL]
+    n = len(ids)
+    w = _weights(labels, span_weights)
+    w[0] = 0.0                                  # nothing precedes the first token
+    return Item(np.asarray(ids, np.int32), np.arange(n, dtype=np.int32), np.arange(-1, n - 1, dtype=np.int32),
+                np.full(n, n, np.int32), w, np.asarray([LABEL_IDS[l] for l in labels], np.int8))
+
+
+def layout_trie(tokenizer, ex: Example, pieces: Pieces, span_weights: dict[str, float]) -> Item:
+    """The units of `pieces` as a prefix trie of pieces, depth-first; loss on unit completions only."""
+    char_labels = fmt.span_labels(ex.prompt, ex.completion)
+    toks = [_tokenize_piece(tokenizer, t, s, char_labels) for t, s in zip(pieces.texts, pieces.starts)]
+    last = pieces.units[-1][-1]
+    toks[last] = _Tok(toks[last].ids + [eos_id(tokenizer)], toks[last].labels + [EOS_LABEL])
+
+    # trie over piece paths (node = (parent node, piece)); children in insertion (= inference) order
+    node_of: dict[tuple[int, int], int] = {}
+    node_piece: list[int] = [-1]                # node 0 is the empty root
+    node_parent: list[int] = [-1]
+    children: list[list[int]] = [[]]
+    is_completion: list[bool] = [False]
+    for path in pieces.units:
+        cur = 0
+        for piece in path:
+            key = (cur, piece)
+            if key not in node_of:
+                node_of[key] = len(node_piece)
+                node_piece.append(piece)
+                node_parent.append(cur)
+                children.append([])
+                is_completion.append(False)
+                children[cur].append(node_of[key])
+            cur = node_of[key]
+        is_completion[cur] = True
+
+    preorder: list[int] = []
+    stack = list(reversed(children[0]))
+    while stack:
+        node = stack.pop()
+        preorder.append(node)
+        stack.extend(reversed(children[node]))
+    size = [len(toks[p].ids) if p >= 0 else 0 for p in node_piece]
+    subtree = list(size)
+    for node in reversed(preorder):
+        if node_parent[node] > 0:
+            subtree[node_parent[node]] += subtree[node]
+
+    ids: list[int] = []
+    lab: list[str] = []
+    pos: list[int] = []
+    par: list[int] = []
+    end: list[int] = []
+    wts: list[np.ndarray] = []
+    depth_after = {0: 0}                        # node -> depth just past its last token
+    last_row = {0: -1}                          # node -> row of its last token (or its ancestor's)
+    for node in preorder:
+        t = toks[node_piece[node]]
+        parent = node_parent[node]
+        first, n, depth = len(ids), size[node], depth_after[parent]
+        ids.extend(t.ids)
+        lab.extend(t.labels)
+        pos.extend(range(depth, depth + n))
+        par.extend(([last_row[parent]] + list(range(first, first + n - 1))) if n else [])
+        end.extend([first + subtree[node]] * n)
+        wts.append(_weights(t.labels, span_weights) if is_completion[node] else np.zeros(n, np.float32))
+        depth_after[node] = depth + n
+        last_row[node] = first + n - 1 if n else last_row[parent]
+
+    weights = np.concatenate(wts) if wts else np.zeros(0, np.float32)
+    parents = np.asarray(par, np.int32)
+    weights[parents < 0] = 0.0
+    return Item(np.asarray(ids, np.int32), np.asarray(pos, np.int32), parents, np.asarray(end, np.int32),
+                weights, np.asarray([LABEL_IDS[l] for l in lab], np.int8))
+
+
+def check_example(ex: Example) -> tuple[fmt.Trajectory | None, str | None]:
+    """(trajectory, None) if `ex` can be trained on, else (None, why). SPRINT examples must parse
+    with no problem; RFT examples (a serial trace, paper §9) need a final answer and no stage."""
+    traj, problems = fmt.parse_completion(ex.completion)
+    if ex.kind == "sprint":
+        if problems:
+            return None, problems[0]
+        if not traj.stages:
+            return None, "no <Plan_1>"
+        return traj, None
+    if traj.final_answer is None:
+        return None, f"missing {fmt.FINAL_OPEN}"
+    if traj.stages:
+        return None, "an RFT example contains SPRINT stages"
+    return traj, None
+
+
+def layout_example(tokenizer, ex: Example, layout: str, span_weights: dict[str, float]) -> Item:
+    traj, why = check_example(ex)
+    if traj is None:
+        raise ValueError(why)
+    if layout == "flat":
+        return layout_flat(tokenizer, ex, span_weights)
+    return layout_trie(tokenizer, ex, split_pieces(ex.prompt, ex.completion, traj), span_weights)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dataset
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class DataStats:
+    read: int = 0
+    used: int = 0
+    skipped_unparsable: int = 0
+    dropped_overlong: int = 0
+    truncated: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    first_skip_reasons: list[str] = dataclasses.field(default_factory=list)
+    tokens_by_label: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def build_items(examples: Sequence[Example], tokenizer, layout: str, seq_len: int, overlong: str,
+                span_weights: dict[str, float], vocab_size: int | None = None) -> tuple[list[Item], DataStats]:
+    """Lay out every example; unparsable ones are counted and skipped, over-long ones dropped or
+    truncated per `overlong`, counted (never silently)."""
+    stats = DataStats(read=len(examples))
+    items: list[Item] = []
+    for ex in examples:
+        try:
+            item = layout_example(tokenizer, ex, layout, span_weights)
+        except ValueError as e:
+            stats.skipped_unparsable += 1
+            if len(stats.first_skip_reasons) < 5:
+                stats.first_skip_reasons.append(f"{ex.id}: {e}")
+            continue
+        if len(item) > seq_len:
+            if overlong == "drop":
+                stats.dropped_overlong += 1
+                continue
+            item = item.truncate(seq_len)
+            stats.truncated += 1
+        if vocab_size is not None and len(item) and int(item.tokens.max()) >= vocab_size:
+            raise DataError(f"example {ex.id}: token id {int(item.tokens.max())} >= the model's vocab_size "
+                            f"{vocab_size}: the tokenizer does not match the model")
+        items.append(item)
+        stats.tokens += len(item)
+        stats.loss_tokens += int((item.weights > 0).sum())
+        for k, i in LABEL_IDS.items():
+            stats.tokens_by_label[k] = stats.tokens_by_label.get(k, 0) + int((item.labels == i).sum())
+    stats.used = len(items)
+    return items, stats
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing and the deterministic row stream
+# ---------------------------------------------------------------------------------------------
+def pack(lengths: Sequence[int], order: Sequence[int], seq_len: int, open_rows: int) -> list[list[int]]:
+    """First-fit over at most `open_rows` open rows, in `order`; returns rows of item indices.
+
+    When a new row would exceed the limit, the oldest open row is closed. Deterministic.
+    """
+    rows: list[list[int]] = []
+    open_: list[tuple[list[int], int]] = []     # (items, used length)
+    for i in order:
+        n = lengths[i]
+        for k, (members, used) in enumerate(open_):
+            if used + n <= seq_len:
+                members.append(i)
+                open_[k] = (members, used + n)
+                break
+        else:
+            open_.append(([i], n))
+            if len(open_) > open_rows:
+                rows.append(open_.pop(0)[0])
+    rows.extend(m for m, _ in open_)
+    return rows
+
+
+@dataclasses.dataclass
+class Rows:
+    """A batch of packed rows as numpy arrays, [B, T] each."""
+    tokens: np.ndarray
+    positions: np.ndarray
+    parents: np.ndarray
+    span_end: np.ndarray
+    weights: np.ndarray
+
+    def as_dict(self) -> dict[str, np.ndarray]:
+        return dataclasses.asdict(self)
+
+
+class RowStream:
+    """An endless, deterministic stream of packed rows over epochs.
+
+    Epoch e visits the items in `numpy.random.default_rng((seed, e)).permutation` order and packs
+    them; row r of the stream is a pure function of (items, seed, seq_len, r), so the data
+    position saved in a checkpoint is a single integer and every process agrees on every row.
+    """
+
+    def __init__(self, items: Sequence[Item], seq_len: int, seed: int, pad_token: int, open_rows: int = 8):
+        if not items:
+            raise DataError("no usable training examples (all were skipped or dropped)")
+        self.items = list(items)
+        self.seq_len = seq_len
+        self.seed = seed
+        self.pad_token = pad_token
+        self.open_rows = open_rows
+        self._lengths = [len(it) for it in self.items]
+        self._epochs: dict[int, list[list[int]]] = {}
+        self._starts: list[int] = [0]           # first stream row of each epoch
+
+    def epoch_rows(self, epoch: int) -> list[list[int]]:
+        if epoch not in self._epochs:
+            order = np.random.default_rng((self.seed, epoch)).permutation(len(self.items))
+            self._epochs[epoch] = pack(self._lengths, order.tolist(), self.seq_len, self.open_rows)
+            for e in [k for k in self._epochs if k < epoch - 1]:
+                del self._epochs[e]
+        return self._epochs[epoch]
+
+    def locate(self, row: int) -> tuple[int, int]:
+        """Stream row -> (epoch, row within the epoch)."""
+        while self._starts[-1] <= row:
+            e = len(self._starts) - 1
+            self._starts.append(self._starts[-1] + len(self.epoch_rows(e)))
+        e = int(np.searchsorted(self._starts, row, side="right")) - 1
+        return e, row - self._starts[e]
+
+    def row_items(self, row: int) -> list[int]:
+        e, r = self.locate(row)
+        return self.epoch_rows(e)[r]
+
+    def rows(self, row_ids: Sequence[int]) -> Rows:
+        """Materialise the given stream rows (and only those) as arrays."""
+        b, t = len(row_ids), self.seq_len
+        tokens = np.full((b, t), self.pad_token, np.int32)
+        positions = np.zeros((b, t), np.int32)
+        parents = np.full((b, t), -1, np.int32)
+        span_end = np.broadcast_to(np.arange(1, t + 1, dtype=np.int32), (b, t)).copy()
+        weights = np.zeros((b, t), np.float32)
+        for r, row in enumerate(row_ids):
+            off = 0
+            for i in self.row_items(row):
+                it = self.items[i]
+                n = len(it)
+                sl = slice(off, off + n)
+                tokens[r, sl] = it.tokens
+                positions[r, sl] = it.positions
+                parents[r, sl] = np.where(it.parents >= 0, it.parents + off, -1)
+                span_end[r, sl] = it.span_end + off
+                weights[r, sl] = it.weights
+                off += n
+        return Rows(tokens, positions, parents, span_end, weights)
+
+    def epoch_of(self, row: int) -> int:
+        return self.locate(row)[0]

@@ -1,0 +1,307 @@
+"""The SFT loop (paper §8-9; DESIGN.md "Training"): data -> sharded steps -> metrics, checkpoints,
+export. `train(config, out_dir)` is the Python API; `sprint-jax train` is a thin CLI over it.
+
+Outputs under OUT: config.yaml (the resolved config), data_stats.json, metrics.jsonl (one JSON
+object per logged step), tb/ (TensorBoard events), checkpoints/ (orbax), loss.png, hf/ (the final
+model as HF safetensors + its tokenizer) and summary.json.
+
+Resume is automatic when OUT/checkpoints holds a checkpoint (checkpoint.resume): params,
+optimizer state, step, RNG and the data position come back, and the run continues bit for bit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from sprint_jax.config import ConfigError
+from sprint_jax.train import distributed
+from sprint_jax.train.config import TrainConfig
+
+
+@dataclasses.dataclass
+class StepEvent:
+    """What a callback sees after every optimizer step."""
+    step: int                       # steps completed
+    metrics: dict | None            # the logged record on logging steps, else None
+    checkpointer: Any               # train.checkpoint.Checkpointer (e.g. to wait for a save)
+
+
+def _resolve_model(cfg: TrainConfig):
+    from sprint_jax.model.config import resolve_model_config
+
+    mc = resolve_model_config(cfg.model.name, **cfg.model.overrides)
+    return mc.replace(param_dtype="float32", dtype=cfg.model.dtype)
+
+
+def _data_digest(items, cfg: TrainConfig) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps([cfg.data.layout, cfg.data.seq_len, cfg.data.seed, cfg.data.pack_open_rows]).encode())
+    for it in items:
+        h.update(it.tokens.tobytes())
+        h.update(it.weights.tobytes())
+    return h.hexdigest()[:16]
+
+
+class _Metrics:
+    """metrics.jsonl + TensorBoard, written by process 0 only."""
+
+    def __init__(self, out: Path, tensorboard: bool, resume_step: int):
+        self.enabled = _is_main()
+        self.path = out / "metrics.jsonl"
+        self.records: list[dict] = []
+        self.tb = None
+        if not self.enabled:
+            return
+        if self.path.exists():
+            kept = []
+            for line in self.path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue                  # a line cut short by a kill
+                if rec.get("step", 0) <= resume_step:
+                    kept.append(rec)
+            self.records = kept
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+            self.tb = SummaryWriter(str(out / "tb"), purge_step=resume_step + 1 if resume_step else None)
+
+    def log(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        self.records.append(rec)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.tb is not None:
+            for k, v in rec.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(f"train/{k}", v, rec["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _is_main() -> bool:
+    import jax
+    return jax.process_index() == 0
+
+
+def plot_loss(records: Sequence[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (weighted NLL per token)")
+    ax.set_title("SFT loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def export_hf(config, params, tokenizer, path: Path, dtype: str) -> None:
+    """Final params -> HF safetensors directory (+ tokenizer). Every process joins the gather;
+    process 0 writes."""
+    import jax
+    import jax.numpy as jnp
+
+    from sprint_jax.model import save_params
+
+    dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
+    cast = jax.jit(lambda t: jax.tree.map(lambda x: x.astype(dt), t))
+    host = jax.tree.map(distributed.gather_to_host, cast(params))
+    if not _is_main():
+        return
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if config.eos_token_id is None and eos is not None:
+        config = config.replace(eos_token_id=int(eos))
+    save_params(config.replace(param_dtype=dtype), host, path)
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(str(path))
+    elif hasattr(tokenizer, "save"):
+        from sprint_jax.model.tokenizer import VOCAB_TOKENIZER_FILE
+        tokenizer.save(path / VOCAB_TOKENIZER_FILE)
+
+
+def train(config: TrainConfig, out_dir: str | Path, tokenizer=None, progress: bool = True,
+          callbacks: Sequence[Callable[[StepEvent], None]] = ()) -> dict:
+    """Run SFT as configured; returns the summary (also written to OUT/summary.json).
+
+    `tokenizer`: any object with the HF call convention (`tok(text, add_special_tokens=False,
+    return_offsets_mapping=True)`, `eos_token_id`, `len()`); default from `data.tokenizer`.
+    """
+    distributed.initialize(config.distributed)         # before any other JAX call
+    import jax
+
+    from sprint_jax.config import to_dict
+    from sprint_jax.model import load_params, param_count
+    from sprint_jax.train import checkpoint as ckpt_lib
+    from sprint_jax.train import data as data_lib
+    from sprint_jax.train import mesh as mesh_lib
+    from sprint_jax.train import step as step_lib
+
+    t_start = time.time()
+    cfg = config
+    if not cfg.data.train:
+        raise ConfigError("data.train is empty: give at least one jsonl file of examples")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    main = _is_main()
+    if main:
+        import yaml
+        (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+    def say(msg: str) -> None:
+        if main and progress:
+            print(msg, file=sys.stderr, flush=True)
+
+    # ---- model, tokenizer, data ------------------------------------------------------------
+    if cfg.model.init == "pretrained" and not (Path(cfg.model.name) / "config.json").exists():
+        raise ConfigError(f"model.name: init is pretrained but {cfg.model.name!r} is not an HF checkpoint "
+                          "directory (no config.json)")
+    model_cfg = _resolve_model(cfg)
+    if tokenizer is None:
+        tokenizer = data_lib.resolve_tokenizer(cfg.data.tokenizer, cfg.model.name, cfg.model.init == "pretrained")
+    if len(tokenizer) > model_cfg.vocab_size:
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                          f"{model_cfg.vocab_size} (model.name / data.tokenizer do not match)")
+    examples = data_lib.read_examples(cfg.data.train, cfg.data.max_examples)
+    items, stats = data_lib.build_items(examples, tokenizer, cfg.data.layout, cfg.data.seq_len,
+                                        cfg.data.overlong, cfg.data.span_weights, model_cfg.vocab_size)
+    if main:
+        (out / "data_stats.json").write_text(json.dumps(stats.as_dict(), indent=2))
+    say(f"data: {stats.read} read, {stats.used} used, {stats.skipped_unparsable} skipped (unparsable), "
+        f"{stats.dropped_overlong} dropped (over {cfg.data.seq_len} tokens), {stats.truncated} truncated; "
+        f"{stats.tokens} tokens, {stats.loss_tokens} in the loss ({cfg.data.layout} layout)")
+    for why in stats.first_skip_reasons:
+        say(f"  skipped {why}")
+    stream = data_lib.RowStream(items, cfg.data.seq_len, cfg.data.seed, data_lib.pad_id(tokenizer),
+                                cfg.data.pack_open_rows)
+
+    # ---- mesh, step, state -----------------------------------------------------------------
+    mesh = mesh_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    micro = cfg.optim.batch_size // cfg.optim.grad_accum
+    div = mesh_lib.batch_divisor(mesh)
+    if micro % div:
+        raise ConfigError(f"optim.batch_size / optim.grad_accum = {micro} rows per microbatch must be a multiple "
+                          f"of mesh data x fsdp = {div}")
+    setup = step_lib.build_step(model_cfg, cfg.optim, cfg.steps, mesh, cfg.model.remat, cfg.model.loss_chunk)
+    for note in setup.sharding_notes:
+        say(f"sharding: {note}")
+    n_params = param_count(model_cfg)
+    say(f"model: {n_params / 1e6:.2f}M params, mesh {dict(mesh.shape)}, {jax.process_count()} process(es), "
+        f"{jax.device_count()} device(s)")
+
+    ckpt_dir = out / "checkpoints"
+    if not cfg.checkpoint.resume and ckpt_dir.exists() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
+        raise ConfigError(f"{ckpt_dir} already holds checkpoints and checkpoint.resume is false: "
+                          "use a new --out, or resume")
+    ckpt = ckpt_lib.Checkpointer(ckpt_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+    digest = _data_digest(items, cfg)
+    restored = ckpt.restore_latest(setup.abstract_state()) if cfg.checkpoint.resume else None
+    if restored is not None:
+        state, meta = restored
+        start_step, rows, tokens_total = int(meta["step"]), int(meta["rows"]), int(meta.get("tokens", 0))
+        if meta.get("data_digest") != digest:
+            ckpt_lib.warn("the training data or its layout changed since this checkpoint was written: "
+                          "the run continues at the saved row position but not on the same batches")
+        say(f"resumed from step {start_step} (row {rows} of the data stream)")
+    else:
+        quarantine = out / "checkpoints_quarantine"
+        if cfg.checkpoint.resume and quarantine.exists() and any(quarantine.iterdir()):
+            ckpt_lib.warn(f"starting from step 0: no valid checkpoint, and {quarantine} holds bad ones")
+        params = None
+        if cfg.model.init == "pretrained":
+            _, params = load_params(cfg.model.name, config=model_cfg, dtype="float32",
+                                    shardings=setup.param_shardings, progress=progress and main)
+        state = setup.init_state(cfg.seed, params=params, init_seed=cfg.model.init_seed)
+        start_step, rows, tokens_total = 0, 0, 0
+
+    def meta_now() -> dict:
+        return {"rows": rows, "tokens": tokens_total, "epoch": stream.epoch_of(rows), "data_digest": digest}
+
+    # ---- loop ------------------------------------------------------------------------------
+    metrics = _Metrics(out, cfg.tensorboard, start_step)
+    bar = None
+    if progress and main:
+        from tqdm import tqdm
+        bar = tqdm(total=cfg.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+    t_log, tok_log = time.time(), 0
+    t_first = None                      # wall time when the first (compiling) step finished
+    tok_after_first = 0
+    last_saved = start_step if restored is not None else -1
+    last_loss = None
+    for step in range(start_step, cfg.steps):
+        row_ids = range(rows, rows + cfg.optim.batch_size)
+        batch = distributed.put_batch(lambda ids: stream.rows(ids).as_dict(), rows, cfg.optim.batch_size,
+                                      cfg.data.seq_len, setup.batch_shardings)
+        state, m = setup.step(state, batch)
+        n_tok = sum(len(stream.items[i]) for r in row_ids for i in stream.row_items(r))
+        rows += cfg.optim.batch_size
+        tokens_total += n_tok
+        tok_log += n_tok
+        done = step + 1
+        if t_first is None:
+            jax.block_until_ready(m)
+            t_first = time.time()
+        else:
+            tok_after_first += n_tok
+        rec = None
+        if done % cfg.log_every == 0 or done == cfg.steps:
+            mv = {k: float(v) for k, v in jax.device_get(m).items()}
+            now = time.time()
+            rec = {"step": done, "loss": mv["loss"], "lr": mv["lr"], "grad_norm": mv["grad_norm"],
+                   "tokens": tokens_total, "loss_tokens": int(mv["loss_tokens"]),
+                   "tokens_per_s": tok_log / max(now - t_log, 1e-9), "epoch": stream.epoch_of(rows),
+                   "wall_s": now - t_start}
+            t_log, tok_log = now, 0
+            last_loss = mv["loss"]
+            metrics.log(rec)
+            if bar is not None:
+                bar.set_postfix(loss=f"{mv['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+        if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != cfg.steps:
+            ckpt.save(done, state, meta_now())
+            last_saved = done
+        if bar is not None:
+            bar.update(1)
+        for cb in callbacks:
+            cb(StepEvent(done, rec, ckpt))
+    if bar is not None:
+        bar.close()
+    t_end = time.time()
+    if last_saved != cfg.steps:
+        ckpt.save(cfg.steps, state, meta_now())
+    ckpt.close()
+    metrics.close()
+
+    # ---- outputs ---------------------------------------------------------------------------
+    if cfg.plot and main and metrics.records:
+        plot_loss(metrics.records, out / "loss.png")
+    export_dir = None
+    if cfg.export.enabled:
+        export_dir = out / "hf"
+        export_hf(model_cfg, state["params"], tokenizer, export_dir, cfg.export.dtype)
+        say(f"exported HF safetensors to {export_dir}")
+    steady = (t_end - t_first) if t_first is not None else 0.0
+    summary = {
+        "final_loss": last_loss if last_loss is not None else (metrics.records[-1]["loss"] if metrics.records else None),
+        "steps": cfg.steps, "start_step": start_step, "resumed": restored is not None,
+        "tokens": tokens_total,
+        "tokens_per_s": (tok_after_first / steady) if steady > 0 and tok_after_first else None,
+        "wall_s": t_end - t_start, "params": n_params, "layout": cfg.data.layout,
+        "data": stats.as_dict(), "out_dir": str(out), "export_dir": str(export_dir) if export_dir else None,
+        "processes": jax.process_count(), "devices": jax.device_count(), "mesh": dict(mesh.shape),
+    }
+    if main:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
