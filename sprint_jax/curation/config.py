@@ -56,10 +56,11 @@ class EndpointConfig:
 @dataclasses.dataclass
 class TasksConfig:
     """Where problems come from: a MATH-style jsonl ({problem, answer}) or generated Countdown."""
-    source: Literal["math_jsonl", "countdown"] = "countdown"
+    source: Literal["math_jsonl", "countdown", "chains"] = "countdown"
     path: str = ""                  # math_jsonl: path to the jsonl file
     n: int = 64                     # countdown: number of generated instances
     seed: int = 0                   # countdown: generator seed
+    chain_length: int = 12         # chains: digit-map steps per chain (the demo family)
     limit: int | None = None        # keep only the first `limit` tasks (None = all)
 
     def __post_init__(self) -> None:
@@ -114,8 +115,9 @@ class CurateConfig:
             raise ValueError("extractor.model is required when extractor.kind is llm")
         if self.dag.kind == "llm" and not self.dag.model:
             raise ValueError("dag.model is required when dag.kind is llm")
-        if self.teacher.kind == "programmatic" and self.tasks.source != "countdown":
-            raise ValueError("teacher.kind programmatic only solves Countdown (tasks.source: countdown)")
+        if self.teacher.kind == "programmatic" and self.tasks.source not in ("countdown", "chains"):
+            raise ValueError("teacher.kind programmatic only solves generated tasks "
+                             "(tasks.source: countdown or chains)")
 
 
 # Fields that change how a run is executed but not what it produces; they may differ on resume.

@@ -47,6 +47,10 @@ def load_tasks(cfg: CurateConfig) -> list[Task]:
         if not Path(t.path).exists():
             raise UserError(f"tasks.path: no such file {t.path}")
         return load_math_jsonl(t.path, limit=t.limit)
+    if t.source == "chains":
+        from sprint_jax.curation import chains
+        tasks = chains.generate(t.n, t.seed, length=t.chain_length)
+        return tasks[: t.limit] if t.limit is not None else tasks
     from sprint_jax.curation import countdown
     tasks = countdown.generate(t.n, t.seed)
     return tasks[: t.limit] if t.limit is not None else tasks

@@ -32,6 +32,9 @@ def task_prompt(task: Task) -> str:
     if task.kind == "countdown":
         from sprint_jax.curation import countdown
         return countdown.prompt_for(task)
+    if task.kind == "chains":
+        from sprint_jax.curation import chains
+        return chains.prompt_for(task)
     return task.problem
 
 
@@ -95,6 +98,9 @@ class ProgrammaticTeacher:
         self.seed = seed
 
     def generate(self, task: Task) -> Trace:
+        if task.kind == "chains":
+            from sprint_jax.curation import chains
+            return chains.solve_trace(task)
         if task.kind != "countdown":
             raise TeacherRejected("unsupported_task", f"programmatic teacher cannot solve {task.kind!r} tasks")
         from sprint_jax.curation import countdown

@@ -306,10 +306,13 @@ def grade(task: Any, final_answer_text: str) -> bool:
     if kind == "countdown":
         answer = task.answer
         return grade_countdown(final_answer_text, answer["target"], answer["numbers"])
+    if kind == "chains":
+        from sprint_jax.curation import chains
+        return chains.grade(task, final_answer_text)
     if kind == "choice":
         n = len(getattr(task, "meta", {}).get("choices") or "ABCD")
         return grade_choice(final_answer_text, task.answer, "ABCDEFGHIJ"[:max(1, min(n, 10))])
-    raise ValueError(f"no grader for task kind {kind!r}; expected 'math', 'countdown' or 'choice'")
+    raise ValueError(f"no grader for task kind {kind!r}; expected 'math', 'countdown', 'choice' or 'chains'")
 
 
 __all__ = ["extract_boxed", "grade_math", "countdown_score", "countdown_equation", "grade_countdown",

@@ -1,0 +1,83 @@
+"""Digit chains: the demo's verifiable task family, with its own programmatic teacher.
+
+Built from what a tiny transformer learns in a few hundred steps on a CPU (issue 7's
+measurements): copying, single-digit facts and a comparison. A problem lists k start digits
+(3 or 4). Chain j repeatedly applies a fixed digit map (a 10-cycle, i.e. ten single-digit facts)
+to its start digit for `length` steps; the answer is the largest last digit over all chains.
+Problems have a fixed shape (4 chains by default), so what each executor needs sits at a fixed
+distance from its fork point: lookups a small model learns by position.
+
+The chains are genuinely independent sub-computations (each needs only its own start digit) and
+their work dominates the trace, so SPRINT can run them as parallel executors while the RFT
+baseline writes them one after another. The teacher writes its serial trace as one line per
+chain ("Chain 7: 3946..."), then a combining sentence that opens with "So", which is exactly the
+shape the offline curator (offline.py) splits into steps and dependencies.
+"""
+from __future__ import annotations
+
+import random
+
+from sprint_jax.curation.types import Task, Trace
+
+# The digit map as a single 10-cycle (every start digit walks through all ten digits).
+CYCLE = (0, 7, 3, 9, 1, 5, 8, 2, 6, 4)
+DIGIT_MAP = {d: CYCLE[(i + 1) % 10] for i, d in enumerate(CYCLE)}
+COMBINE = "So the answer is the largest last digit."
+QUERY_PREFIX = "Q:"
+
+
+def chain(start: int, length: int) -> str:
+    """`start` and then `length` digits under DIGIT_MAP, as one string (the executor first
+    restates its start digit, so every later digit is a single-digit fact of the one before)."""
+    out, d = [str(start)], start
+    for _ in range(length):
+        d = DIGIT_MAP[d]
+        out.append(str(d))
+    return "".join(out)
+
+
+def solve(starts: list[int], length: int) -> int:
+    return max(int(chain(s, length)[-1]) for s in starts)
+
+
+def prompt_for(task: Task) -> str:
+    """The query the model sees: "Q: 7 3 9 2" and a newline (the body starts on the next line)."""
+    return f"{QUERY_PREFIX} " + " ".join(str(s) for s in task.answer["starts"]) + "\n"
+
+
+def generate(n: int, seed: int, min_chains: int = 4, max_chains: int = 4, length: int = 12,
+             exclude: set[tuple[int, ...]] | None = None) -> list[Task]:
+    """n problems, deterministic for a seed. `exclude` holds start tuples never to emit (held-out)."""
+    if not 1 <= min_chains <= max_chains:
+        raise ValueError(f"need 1 <= min_chains <= max_chains, got {min_chains}, {max_chains}")
+    if length < 1:
+        raise ValueError(f"length must be >= 1, got {length}")
+    rng = random.Random(seed)
+    tasks = []
+    while len(tasks) < n:
+        k = rng.randint(min_chains, max_chains)
+        starts = tuple(rng.randrange(10) for _ in range(k))
+        if exclude and starts in exclude:
+            continue
+        answer = {"starts": list(starts), "length": length, "value": solve(list(starts), length)}
+        t = Task(id=f"chains-{seed}-{len(tasks)}", kind="chains", problem="", answer=answer)
+        t.problem = prompt_for(t)
+        tasks.append(t)
+    return tasks
+
+
+def solve_trace(task: Task) -> Trace:
+    """The serial trace: one line per chain, then the combining sentence."""
+    starts, length = task.answer["starts"], task.answer["length"]
+    lines = [f"Chain {s}: {chain(s, length)}" for s in starts] + [COMBINE]
+    return Trace(task_id=task.id, text="\n".join(lines), final_answer=str(task.answer["value"]),
+                 teacher="programmatic-chains")
+
+
+def grade(task: Task, final_answer_text: str) -> bool:
+    return final_answer_text.strip() == str(task.answer["value"])
+
+
+def vocabulary() -> list[str]:
+    """Every string the family's texts use, for a tokenizer with one token per tag or word."""
+    return ["Chain ", ":", QUERY_PREFIX, COMBINE] + [str(d) for d in range(10)]

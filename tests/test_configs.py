@@ -1,0 +1,47 @@
+"""Every file in configs/ loads with the loader its name selects (STYLE.md habit 6)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sprint_jax.config import CONFIG_DIR, ConfigError, load_config
+
+FILES = sorted(p for p in CONFIG_DIR.iterdir() if p.suffix in (".yaml", ".yml", ".json"))
+
+
+def _load(path: Path):
+    name = path.name
+    if name.startswith("model_"):
+        from sprint_jax.model import Qwen2Config
+        return Qwen2Config.from_hf_config(path)
+    if name.startswith("curate_"):
+        from sprint_jax.curation.config import load_curate_config
+        return load_curate_config(path)
+    if name.startswith("sft_"):
+        from sprint_jax.train.config import load_train_config
+        return load_train_config(path)
+    if name.startswith("demo"):
+        from sprint_jax.demo import DemoConfig
+        return load_config(DemoConfig, path)
+    if name.startswith("eval"):
+        from sprint_jax.infer.orchestrator import OrchestratorConfig
+        return load_config(OrchestratorConfig, path)
+    raise AssertionError(f"configs/{name}: no loader for this file name; add one here")
+
+
+def test_configs_dir_is_not_empty():
+    assert len(FILES) >= 8
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
+def test_every_config_loads(path):
+    assert _load(path) is not None
+
+
+def test_unknown_and_ill_typed_fields_are_named():
+    from sprint_jax.demo import DemoConfig
+    with pytest.raises(ConfigError, match="stepz"):
+        load_config(DemoConfig, None, ["stepz=3"])
+    with pytest.raises(ConfigError, match="model.hidden_size"):
+        load_config(DemoConfig, None, ["model.hidden_size=big"])
