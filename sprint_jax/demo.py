@@ -1,0 +1,278 @@
+"""`sprint-jax demo`: the whole SPRINT method, in miniature but for real, on a laptop-class CPU.
+
+1. Tasks and serial traces made by the project: the digit-chains family (curation/chains.py),
+   whose chains are genuinely independent sub-computations. Held-out test problems are excluded
+   from the training set by their start digits.
+2. The real curation pipeline and SQLite store with the offline curator: steps, DAG, σ packing,
+   ρ filter -> SPRINT examples; the same traces -> RFT examples.
+3. A tokenizer with one token per SPRINT tag and word (VocabTokenizer), and a tiny Qwen2 trained
+   from scratch with the real trainer, same data and budget: SPRINT (trie layout, by default)
+   and RFT; `--layouts trie,flat` also trains the paper's flat layout.
+4. Evaluation with the real orchestrator and engine on held-out problems: SPRINT in `parallel`
+   and `serial` mode, RFT in `sequential` mode (and flat SPRINT in `parallel`).
+5. A summary table, report.json and plots (loss curves, sequential vs total tokens, wall clock).
+
+Everything is deterministic for a seed (on one machine and JAX version).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from sprint_jax.config import CONFIG_DIR, load_config, to_dict
+
+DESCRIPTION = __doc__
+
+
+@dataclasses.dataclass
+class DemoModel:
+    hidden_size: int = 128           # a ~0.4M-parameter Qwen2 (the real architecture, no extras)
+    intermediate_size: int = 384
+    num_hidden_layers: int = 2       # two layers suffice for the lookups; steps matter more than size
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    rope_theta: float = 10000.0
+
+
+@dataclasses.dataclass
+class DemoConfig:
+    train_problems: int = 3000       # curated into SPRINT and RFT training sets
+    test_problems: int = 100         # held out: never in the training set
+    chain_length: int = 12           # digit-map steps per chain
+    chains: int = 4                  # sub-computations per problem
+    model: DemoModel = dataclasses.field(default_factory=DemoModel)
+    steps: int = 500                 # optimizer steps per model (the same budget for every model)
+    batch_size: int = 16             # rows per step
+    seq_len: int = 256               # tokens per packed row
+    lr: float = 4e-3
+    warmup_steps: int = 30
+    layouts: list[str] = dataclasses.field(default_factory=lambda: ["trie"])  # SPRINT layouts to train
+    max_branch_tokens: int = 24      # per executor (a chain is 13 digits + its closing tag)
+    max_planner_tokens: int = 48     # per planner call
+    seed: int = 0
+    out: str = "runs/demo"
+
+
+def _vocabulary(cfg: DemoConfig) -> list[str]:
+    """One token per tag (with the single spaces the format puts beside it) and per word."""
+    from sprint_jax import format as fmt
+    from sprint_jax.curation import chains
+
+    vocab = ["<pad>", "<eos>", " ", "\n"] + chains.vocabulary()
+    for tag in fmt.tag_vocabulary(max_stages=3, max_prompts=cfg.chains):
+        vocab.append(tag)
+        if tag.startswith("</"):
+            vocab.append(" " + tag)          # content, one space, closing tag
+        elif not tag.startswith("<execution"):
+            vocab.append(tag + " ")          # opening tag, one space, content
+        # an executor's opening is forced by the orchestrator as the bare tag, so no variant
+    return vocab
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
+    import jax
+
+    from sprint_jax.config import from_dict
+    from sprint_jax.curation import chains
+    from sprint_jax.curation.config import CurateConfig
+    from sprint_jax.curation.pipeline import run_pipeline
+    from sprint_jax.eval.evaluate import evaluate
+    from sprint_jax.infer import Engine, OrchestratorConfig
+    from sprint_jax.model.convert import load_model
+    from sprint_jax.model.tokenizer import VocabTokenizer
+    from sprint_jax.train.config import TrainConfig
+    from sprint_jax.train.trainer import train
+
+    t_start = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "demo_config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    timings: dict[str, float] = {}
+
+    # 1-2. tasks, serial traces and curation ------------------------------------------------
+    _say(f"[1/5] tasks + curation: {cfg.train_problems} digit-chains problems ({cfg.chains} chains of "
+         f"{cfg.chain_length} steps), offline curator")
+    t0 = time.perf_counter()
+    curate = from_dict(CurateConfig, {
+        "tasks": {"source": "chains", "n": cfg.train_problems, "seed": cfg.seed, "chain_length": cfg.chain_length},
+        "teacher": {"kind": "programmatic"}, "extractor": {"kind": "offline"}, "dag": {"kind": "offline"},
+        "merge_min_chars": 4, "min_ratio": 1.5, "seed": cfg.seed, "out": str(out / "curate")})
+    curation = run_pipeline(curate, out / "curate", progress=progress)
+    train_tasks = chains.generate(cfg.train_problems, cfg.seed, cfg.chains, cfg.chains, cfg.chain_length)
+    seen = {tuple(t.answer["starts"]) for t in train_tasks}
+    test_tasks = chains.generate(cfg.test_problems, cfg.seed + 10_000, cfg.chains, cfg.chains, cfg.chain_length,
+                                 exclude=seen)
+    counts = curation.get("counts", {})
+    _say("      curation counts: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    timings["curation_s"] = time.perf_counter() - t0
+
+    # 3. tokenizer + training -----------------------------------------------------------------
+    tok = VocabTokenizer(_vocabulary(cfg), eos_token="<eos>", pad_token="<pad>")
+    vocab_size = (len(tok) + 7) // 8 * 8
+    model_dict = {"model_type": "qwen2", "vocab_size": vocab_size, **to_dict(cfg.model),
+                  "max_position_embeddings": cfg.seq_len, "tie_word_embeddings": False,
+                  "eos_token_id": tok.eos_token_id}
+    runs = {"sprint": ("sprint.jsonl", "trie" if "trie" in cfg.layouts else cfg.layouts[0]), "rft": ("rft.jsonl", "flat")}
+    if "flat" in cfg.layouts and "trie" in cfg.layouts:
+        runs["sprint_flat"] = ("sprint.jsonl", "flat")
+    trained: dict[str, dict] = {}
+    for i, (name, (data_file, layout)) in enumerate(runs.items()):
+        _say(f"[2/5] training {name} ({layout} layout): {cfg.steps} steps x {cfg.batch_size} rows x "
+             f"{cfg.seq_len} tokens ({i + 1}/{len(runs)})")
+        t0 = time.perf_counter()
+        tc = from_dict(TrainConfig, {
+            "model": {"name": model_dict, "init": "scratch", "dtype": "float32", "remat": "none",
+                      "init_seed": cfg.seed},
+            "data": {"train": [str(out / "curate" / data_file)], "layout": layout, "seq_len": cfg.seq_len,
+                     "seed": cfg.seed},
+            "optim": {"lr": cfg.lr, "warmup_steps": cfg.warmup_steps, "batch_size": cfg.batch_size,
+                      "weight_decay": 0.01},
+            "mesh": {"data": 1, "fsdp": 1, "tensor": 1},
+            "checkpoint": {"every": 0, "resume": False},
+            "steps": cfg.steps, "log_every": 10, "seed": cfg.seed, "tensorboard": False, "plot": True})
+        run_dir = out / "train" / name
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        summary = train(tc, run_dir, tokenizer=tok, progress=progress)
+        summary["wall_s"] = time.perf_counter() - t0
+        trained[name] = summary
+        timings[f"train_{name}_s"] = summary["wall_s"]
+
+    # 4. evaluation -----------------------------------------------------------------------------
+    orch = OrchestratorConfig(max_stages=3, max_prompts=cfg.chains, max_planner_tokens=cfg.max_planner_tokens,
+                              max_branch_tokens=cfg.max_branch_tokens, max_total_tokens=1024)
+    evals = {"sprint_parallel": ("sprint", "parallel"), "sprint_serial": ("sprint", "serial"),
+             "rft_sequential": ("rft", "sequential")}
+    if "sprint_flat" in trained:
+        evals["sprint_flat_parallel"] = ("sprint_flat", "parallel")
+    engines: dict[str, Engine] = {}
+    results: dict[str, dict] = {}
+    for k, (run_name, (model_name, mode)) in enumerate(evals.items()):
+        _say(f"[3/5] evaluating {run_name} on {len(test_tasks)} held-out problems ({k + 1}/{len(evals)})")
+        if model_name not in engines:
+            model = load_model(trained[model_name]["export_dir"])
+            engines[model_name] = Engine(model, tok, max_seq_len=512, max_branches=cfg.chains,
+                                         max_branch_tokens=cfg.max_branch_tokens + 8, decode_chunk=16,
+                                         prefill_chunk=128)
+            _warm(engines[model_name], test_tasks[0], orch)
+        t0 = time.perf_counter()
+        res, rep = evaluate(engines[model_name], test_tasks, mode, prompt_fn=chains.prompt_for,
+                            orchestrator_config=orch, out_dir=out / "eval" / run_name, progress=progress,
+                            meta={"model": model_name, "mode": mode})
+        wall = time.perf_counter() - t0
+        entry = {"accuracy": rep["accuracy"], "mean_sequential_tokens": rep["mean_sequential_tokens"],
+                 "mean_total_tokens": rep["mean_total_tokens"], "wall_s": wall}
+        if model_name.startswith("sprint"):
+            entry["format_valid"] = rep["format_valid_rate"]
+        results[run_name] = entry
+    del jax
+
+    # 5. report ---------------------------------------------------------------------------------
+    report = dict(results)
+    report["elapsed_s"] = time.perf_counter() - t_start
+    report["curation"] = {"counts": counts, "ratio": curation.get("ratio", {})}
+    report["training"] = {k: {f: v.get(f) for f in ("final_loss", "steps", "tokens_per_s", "wall_s")}
+                          for k, v in trained.items()}
+    report["timings_s"] = timings
+    report["test_problems"] = len(test_tasks)
+    rft_tokens = results["rft_sequential"]["mean_sequential_tokens"]
+    report["sequential_tokens_vs_rft"] = {k: (v["mean_sequential_tokens"] / rft_tokens if rft_tokens else None)
+                                          for k, v in results.items()}
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    _plots(out, trained, results)
+    _say("[5/5] summary\n" + _table(results, rft_tokens))
+    _say(f"elapsed {report['elapsed_s']:.0f} s; report: {out / 'report.json'}; plots: {out / 'plots'}")
+    return report
+
+
+def _warm(engine, task, orch) -> None:
+    """Compile the engine's shapes once so that wall-clock comparisons measure decoding."""
+    from sprint_jax.curation import chains
+    from sprint_jax.infer import Orchestrator
+
+    for mode in ("parallel", "serial", "sequential"):
+        Orchestrator(engine, orch).run(chains.prompt_for(task), mode)
+
+
+def _table(results: dict, rft_tokens: float) -> str:
+    head = f"{'run':<22}{'accuracy':>9}{'format':>8}{'seq tok':>9}{'vs RFT':>8}{'total tok':>10}{'wall s':>8}"
+    lines = [head, "-" * len(head)]
+    for k, v in results.items():
+        fv = f"{v['format_valid']:.2f}" if "format_valid" in v else "-"
+        rel = v["mean_sequential_tokens"] / rft_tokens if rft_tokens else float("nan")
+        lines.append(f"{k:<22}{v['accuracy']:>9.2f}{fv:>8}{v['mean_sequential_tokens']:>9.1f}{rel:>8.2f}"
+                     f"{v['mean_total_tokens']:>10.1f}{v['wall_s']:>8.1f}")
+    return "\n".join(lines)
+
+
+def _plots(out: Path, trained: dict, results: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = out / "plots"
+    d.mkdir(exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in trained:
+        path = out / "train" / name / "metrics.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=name)
+    ax.set_xlabel("step"), ax.set_ylabel("loss (masked spans)"), ax.set_yscale("log"), ax.legend()
+    ax.set_title("training loss")
+    fig.tight_layout(), fig.savefig(d / "loss_curves.png", dpi=120), plt.close(fig)
+
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], [results[n]["mean_sequential_tokens"] for n in names], 0.4, label="sequential")
+    ax.bar([x + 0.2 for x in xs], [results[n]["mean_total_tokens"] for n in names], 0.4, label="total")
+    ax.set_xticks(list(xs), names, rotation=15), ax.set_ylabel("tokens per problem"), ax.legend()
+    ax.set_title("sequential vs total tokens")
+    fig.tight_layout(), fig.savefig(d / "tokens.png", dpi=120), plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(names, [results[n]["wall_s"] for n in names])
+    ax.set_ylabel("seconds for the test set"), ax.set_title("wall clock"), ax.tick_params(axis="x", rotation=15)
+    fig.tight_layout(), fig.savefig(d / "wall_clock.png", dpi=120), plt.close(fig)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--out", default=None, help="output directory (default runs/demo)")
+    p.add_argument("--seed", type=int, default=None, help="seed for tasks, data order and init (default 0)")
+    p.add_argument("--layouts", default=None,
+                   help="SPRINT training layouts, comma-separated: trie (default), flat, or trie,flat")
+    p.add_argument("--config", default=str(CONFIG_DIR / "demo.yaml"), help="demo config (YAML)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set steps=100 (repeatable)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run(args) -> int:
+    from sprint_jax.cli import UserError
+
+    overrides = list(args.set)
+    if args.seed is not None:
+        overrides.append(f"seed={args.seed}")
+    if args.out is not None:
+        overrides.append(f"out={args.out}")
+    if args.layouts is not None:
+        layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
+        bad = [x for x in layouts if x not in ("trie", "flat")]
+        if bad or not layouts:
+            raise UserError(f"--layouts takes trie, flat or trie,flat; got {args.layouts!r}")
+        overrides.append(f"layouts=[{','.join(layouts)}]")
+    cfg = load_config(DemoConfig, args.config if Path(args.config).exists() else None, overrides)
+    run_demo(cfg, Path(cfg.out), progress=not args.no_progress)
+    return 0
+
+
+if __name__ == "__main__":
+    from sprint_jax.cli import main
+    sys.exit(main(["demo", *sys.argv[1:]]))
