@@ -120,7 +120,7 @@ def test_cache_bytes_shared_vs_copy(setup):
     copy = engine.last_branch_stats.cache_bytes
     c = model.config
     per_tok = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4  # k+v, fp32
-    prefix, suffix = 64, engine._suffix_cap   # the 40-token context is bucketed to 64 slots
+    prefix, suffix = 64, engine.suffix_capacity   # the 40-token context is bucketed to 64 slots
     assert shared == (prefix + n * suffix) * per_tok
     assert copy == n * (prefix + suffix) * per_tok
 

@@ -292,6 +292,16 @@ class Engine:
         self.last_branch_stats: BranchStats | None = None
         self._single_token_stops: dict[str, int | None] = {}
 
+    @property
+    def seq_capacity(self) -> int:
+        """Slots of one sequence's cache (max_seq_len + bucket-padding slack)."""
+        return self._seq_cap
+
+    @property
+    def suffix_capacity(self) -> int:
+        """Slots of one branch's suffix cache in shared mode."""
+        return self._suffix_cap
+
     # ---- tokens <-> text ------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -320,7 +330,7 @@ class Engine:
         pos = 0
         while pos < len(run):
             piece = run[pos: pos + self.prefill_chunk]
-            tb = _bucket(len(piece))
+            tb = _bucket(len(piece), lo=4)
             toks = np.zeros((1, tb), np.int32)
             toks[0, : len(piece)] = piece
             start = jnp.asarray([state.length + pos], jnp.int32)
@@ -525,7 +535,7 @@ class Engine:
         del pk, pv  # the shared path holds them through `prefix`
         tmax = max(len(r) for r in runs)
         if tmax:
-            tb = _bucket(tmax)
+            tb = _bucket(tmax, lo=4)  # forced prefixes are a few tokens: pad them to 4, not 16
             toks = np.zeros((n, tb), np.int32)
             for j, r in enumerate(runs):
                 toks[j, : len(r)] = r

@@ -1,0 +1,161 @@
+"""Smoke test of `sprint-jax bench decode` at the smallest settings: every JSON field present,
+times positive, ratios equal to the same run's numbers, cache bytes equal to the capacities the
+engine allocated. No timing assertion (DESIGN.md "Performance contract": benchmarks, never
+timed tests)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from sprint_jax.bench.decode import MODES, add_decode_arguments, evaluate_targets, run_decode_bench
+from sprint_jax.cli import UserError, main
+from sprint_jax.model import Qwen2Config
+
+N_NEW = 6
+P = 24
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_decode_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "decode.json"
+    args = _args("--preset", "tiny", "--branches", "1,2", "--prefix-lens", str(P), "--new-tokens", str(N_NEW),
+                 "--repeats", "1", "--hf-repeats", "2", "--decode-chunk", "4", "--out", str(out))
+    import torch
+    threads = torch.get_num_threads()
+    assert run_decode_bench(args) == 0
+    assert torch.get_num_threads() == threads  # the HF row's thread setting is restored
+    return json.loads(out.read_text())
+
+
+def test_report_fields_and_times(report):
+    for key in ("benchmark", "device_kind", "backend", "jax_version", "torch_version", "loadavg_start",
+                "loadavg_end", "model", "settings", "capacities", "timing", "rows", "ratios", "hf", "targets"):
+        assert key in report, key
+    assert report["model"]["param_count"] > 0 and report["settings"]["dtype"] == "fp32"
+    assert len(report["rows"]) == len(MODES) * 2
+    for r in report["rows"]:
+        assert r["prefix_len"] == P and r["new_tokens"] == N_NEW
+        assert r["stage_ms"] > 0 and r["one_token_stage_ms"] > 0 and r["compile_s"] >= 0
+        assert r["stage_ms"] == min(r["stage_ms_samples"])
+        # eos disabled, no stops: every branch decodes exactly N tokens
+        assert r["steps"] == (r["branches"] * N_NEW if r["mode"] == "serial" else N_NEW)
+        if r["step_ms"] is not None:  # None only when load noise swamps the N-vs-1 difference
+            assert r["step_ms"] > 0
+            per_step = 1 if r["mode"] == "serial" else r["branches"]
+            assert r["tokens_per_s"] == pytest.approx(per_step * 1e3 / r["step_ms"])
+            assert r["step_ms"] == pytest.approx((r["stage_ms"] - r["one_token_stage_ms"])
+                                                 / (r["steps"] - r["steps"] // N_NEW))
+
+
+def test_cache_bytes_match_allocated_capacities(report):
+    c = Qwen2Config(**{k: v for k, v in report["model"]["config"].items()})
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4   # K and V, fp32
+    cap = report["capacities"][0]
+    prefix_slots = 32   # the 23 cached context tokens (P - 1; the last is pending) bucketed to 32
+    by = {(r["mode"], r["branches"]): r["cache_bytes"] for r in report["rows"]}
+    for n in (1, 2):
+        assert by[("shared", n)] == (prefix_slots + n * cap["suffix_capacity"]) * per_token
+        assert by[("copy", n)] == n * (prefix_slots + cap["suffix_capacity"]) * per_token
+        assert by[("serial", n)] == cap["seq_capacity"] * per_token  # the planner's own cache
+    assert cap["seq_capacity"] >= cap["max_seq_len"] == P + 4 + N_NEW
+
+
+def test_ratios_come_from_the_same_rows(report):
+    rows = {(r["mode"], r["branches"]): r for r in report["rows"]}
+    for q in report["ratios"]:
+        n = q["branches"]
+        sh, cp, se = rows[("shared", n)], rows[("copy", n)], rows[("serial", n)]
+        assert q["shared_over_copy_bytes"] == sh["cache_bytes"] / cp["cache_bytes"]
+        assert q["shared_over_copy_stage"] == sh["stage_ms"] / cp["stage_ms"]
+        assert q["shared_speedup_vs_serial_stage"] == se["stage_ms"] / sh["stage_ms"]
+        if sh["step_ms"] is not None and cp["step_ms"] is not None:
+            assert q["shared_over_copy_step"] == sh["step_ms"] / cp["step_ms"]
+        one = rows[("shared", 1)]["step_ms"]
+        if sh["step_ms"] is not None and one is not None:
+            assert q["shared_step_vs_one_branch"] == sh["step_ms"] / one
+    assert next(q for q in report["ratios"] if q["branches"] == 1)["shared_over_copy_bytes"] == 1.0
+
+
+def test_hf_row_same_weights(report):
+    (h,) = report["hf"]
+    assert h["prefix_len"] == P and h["new_tokens"] == N_NEW
+    assert h["hf_torch_threads"] == 1  # the CPU default (see decode._torch_threads)
+    for name in ("engine", "hf"):
+        assert h[f"{name}_tokens_generated"] == N_NEW
+        assert h[f"{name}_e2e_ms"] > 0
+        assert h[f"{name}_e2e_tokens_per_s"] == pytest.approx(N_NEW / (h[f"{name}_e2e_ms"] / 1e3))
+    assert h["engine_over_hf_e2e_tokens_per_s"] == pytest.approx(
+        h["engine_e2e_tokens_per_s"] / h["hf_e2e_tokens_per_s"])
+    # the same weights through both stacks: greedy decoding agrees token for token (fp32)
+    assert h["greedy_tokens_agree"] == N_NEW
+
+
+def test_targets_section(report):
+    names = [t["name"] for t in report["targets"]]
+    assert len(names) == 4
+    met = {t["name"]: t["met"] for t in report["targets"]}
+    # branches 1,2 only: the two 8-branch targets cannot be judged, the other two can
+    assert met[names[0]] is None and met[names[2]] is None
+    assert met[names[1]] in (True, False) and met[names[3]] in (True, False)
+
+
+def test_target_rules():
+    def ratio(p, n, step1, sc_step, sc_bytes, vs_serial):
+        return dict(prefix_len=p, branches=n, shared_step_vs_one_branch=step1, shared_over_copy_step=sc_step,
+                    shared_over_copy_stage=sc_step, shared_over_copy_bytes=sc_bytes,
+                    shared_speedup_vs_serial_stage=vs_serial, shared_over_serial_tokens_per_s=vs_serial)
+    good = [ratio(64, 1, 1.0, 1.0, 1.0, 1.0), ratio(64, 8, 1.5, 0.5, 0.3, 4.0),
+            ratio(512, 1, 1.0, 1.0, 1.0, 1.0), ratio(512, 8, 1.9, 0.8, 0.2, 3.5)]
+    hf = [dict(prefix_len=64, engine_over_hf_e2e_tokens_per_s=2.0, engine_over_hf_decode_tokens_per_s=3.0)]
+    assert [t["met"] for t in evaluate_targets(good, hf)] == [True, True, True, True]
+    bad = [ratio(64, 1, 1.0, 1.0, 1.0, 1.0), ratio(64, 8, 2.5, 0.5, 0.3, 4.0),
+           ratio(512, 1, 1.0, 1.0, 1.0, 1.0), ratio(512, 8, 1.5, 1.2, 0.2, 2.0)]
+    hf_bad = [dict(prefix_len=64, engine_over_hf_e2e_tokens_per_s=0.9, engine_over_hf_decode_tokens_per_s=None)]
+    assert [t["met"] for t in evaluate_targets(bad, hf_bad)] == [False, False, False, False]
+    assert [t["met"] for t in evaluate_targets(good, [])][3] is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--branches", "0"], "--branches"),
+    (["--prefix-lens", "a,b"], "--prefix-lens"),
+    (["--new-tokens", "1"], "--new-tokens"),
+    (["--repeats", "0"], "--repeats"),
+    (["--hf-repeats", "0"], "--hf-repeats"),
+    (["--hf-threads", "-1"], "--hf-threads"),
+])
+def test_bad_flags_are_user_errors(argv, message):
+    with pytest.raises(UserError, match=message):
+        run_decode_bench(_args(*argv))
+
+
+def test_cli_reports_bad_flag_in_one_line(capsys):
+    assert main(["bench", "decode", "--branches", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--branches" in err[0]
+
+
+def test_checkpoint_directory_model(tmp_path, hf_untied):
+    """--model DIR: a real HF checkpoint written by transformers, loaded by the engine."""
+    out = tmp_path / "ckpt.json"
+    args = _args("--model", str(hf_untied), "--branches", "2", "--prefix-lens", "8", "--new-tokens", "3",
+                 "--repeats", "1", "--decode-chunk", "4", "--hf", "off", "--out", str(out))
+    assert run_decode_bench(args) == 0
+    rep = json.loads(out.read_text())
+    assert rep["model"]["kind"] == "checkpoint" and rep["model"]["config"]["hidden_size"] == 72
+    assert rep["hf"] == [] and len(rep["rows"]) == len(MODES)
+
+
+def test_bad_checkpoint_directory_is_a_user_error(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 8, "intermediate_size": 8, '
+                                          '"num_hidden_layers": 1, "num_attention_heads": 2, '
+                                          '"num_key_value_heads": 1, "vocab_size": 16}')
+    with pytest.raises(UserError, match="safetensors"):
+        run_decode_bench(_args("--model", str(tmp_path), "--hf", "off"))
