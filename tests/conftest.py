@@ -1,7 +1,6 @@
 """Shared fixtures: tiny real HF Qwen2 checkpoints written by transformers itself."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest

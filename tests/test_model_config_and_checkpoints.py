@@ -6,7 +6,6 @@ import shutil
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 

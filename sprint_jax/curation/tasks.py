@@ -6,9 +6,10 @@ Files are JSON lines; a bad file stops with one clear error naming the file and 
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from pathlib import Path
+
+from sprint_jax.jsonl import iter_objects
 from typing import Any, Iterator
 
 from sprint_jax.cli import UserError
@@ -26,20 +27,7 @@ def _records(path: str | Path) -> Iterator[tuple[int, dict]]:
     if not p.is_file():
         raise TaskFileError(f"task file {str(p)!r} does not exist" if not p.exists()
                             else f"task file {str(p)!r} is not a file")
-    try:
-        with p.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise TaskFileError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-                if not isinstance(record, dict):
-                    raise TaskFileError(f"{p}:{lineno}: expected a JSON object, got {type(record).__name__}")
-                yield lineno, record
-    except UnicodeDecodeError as e:
-        raise TaskFileError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    yield from iter_objects(p, TaskFileError)
 
 
 def _field(record: dict, names: tuple[str, ...], where: str, kind: type = str) -> Any:

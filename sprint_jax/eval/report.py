@@ -7,7 +7,6 @@ runs matched by problem id; `reduction_by_length` bins the saving by the baselin
 """
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Sequence
@@ -147,17 +146,11 @@ def load_results(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "results.jsonl"
     if not path.is_file():
         raise RunFileError(f"{run_dir}: no results.jsonl (is it an `sprint-jax eval --out` directory?)")
+    from sprint_jax.jsonl import iter_objects, require_fields
+
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise RunFileError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        missing = [k for k in ("id", "correct", "sequential_tokens", "total_tokens", "wall_s") if k not in row]
-        if missing:
-            raise RunFileError(f"{path}:{n}: missing field {missing[0]!r}")
+    for n, row in iter_objects(path, RunFileError):
+        require_fields(row, ("id", "correct", "sequential_tokens", "total_tokens", "wall_s"), f"{path}:{n}", RunFileError)
         rows.append(row)
     return rows
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp

@@ -15,7 +15,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import jax
 import jax.numpy as jnp

@@ -24,12 +24,12 @@ see each other because their spans do not overlap.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from sprint_jax.jsonl import iter_objects, require_fields
 from sprint_jax import format as fmt
 from sprint_jax.cli import UserError
 from sprint_jax.curation.types import Example
@@ -138,28 +138,17 @@ def read_examples(paths: Iterable[str | Path], limit: int | None = None) -> list
             path = REPO_ROOT / path            # configs/ ship with repo-relative paths
         if not path.exists():
             raise DataError(f"training data file not found: {path}")
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{n}"
-                try:
-                    d = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{where}: not valid JSON: {e}") from e
-                if not isinstance(d, dict):
-                    raise DataError(f"{where}: expected a JSON object")
-                missing = [k for k in ("id", "kind", "prompt", "completion") if k not in d]
-                if missing:
-                    raise DataError(f"{where}: missing field {missing[0]!r}")
-                for k in ("prompt", "completion"):
-                    if not isinstance(d[k], str):
-                        raise DataError(f"{where}: field {k!r} must be a string")
-                if d["kind"] not in ("sprint", "rft"):
-                    raise DataError(f"{where}: kind must be 'sprint' or 'rft', got {d['kind']!r}")
-                out.append(Example.from_json({k: v for k, v in d.items() if k in fields}))
-                if limit is not None and len(out) >= limit:
-                    return out
+        for n, d in iter_objects(path, DataError):
+            where = f"{path}:{n}"
+            require_fields(d, ("id", "kind", "prompt", "completion"), where, DataError)
+            for k in ("prompt", "completion"):
+                if not isinstance(d[k], str):
+                    raise DataError(f"{where}: field {k!r} must be a string")
+            if d["kind"] not in ("sprint", "rft"):
+                raise DataError(f"{where}: kind must be 'sprint' or 'rft', got {d['kind']!r}")
+            out.append(Example.from_json({k: v for k, v in d.items() if k in fields}))
+            if limit is not None and len(out) >= limit:
+                return out
     return out
 
 
