@@ -5,9 +5,10 @@ no per-tensor special cases here. Every tensor's shape is checked before it is r
 bad checkpoint (missing tensor, wrong shape, unknown key, config mismatch) fails naming the
 tensor and both shapes.
 
-Reading parses the safetensors header ourselves and memory-maps the file, so each tensor is
-copied once, straight into its slot of the stacked [layers, ...] host buffer (or onto devices
-when a target sharding is given): peak host memory stays near one copy of the model.
+Reading parses the safetensors header ourselves and reads one tensor at a time (pread into a
+fresh buffer, no memory map whose touched pages would stay resident), copying it into its slot
+of the stacked [layers, ...] host buffer; each finished parameter goes to its devices (with a
+target sharding when given) before the next is read: peak host memory stays near one copy.
 """
 from __future__ import annotations
 
@@ -55,7 +56,6 @@ class SafetensorsFile:
                 raise CheckpointError(f"{self.path}: corrupt safetensors header: {e}") from e
         self.header = {k: v for k, v in header.items() if k != "__metadata__"}
         self.offset = 8 + n
-        self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
 
     def keys(self) -> list[str]:
         return list(self.header)
@@ -69,8 +69,11 @@ class SafetensorsFile:
         if dt is None:
             raise CheckpointError(f"{self.path}: tensor {name} has unsupported dtype {meta['dtype']}")
         start, end = meta["data_offsets"]
-        buf = self._mm[self.offset + start: self.offset + end]
-        if buf.size != end - start:
+        buf = np.empty(end - start, np.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(self.offset + start)
+            got = f.readinto(memoryview(buf))
+        if got != end - start:
             raise CheckpointError(f"{self.path}: tensor {name} is truncated")
         return buf.view(dt).reshape(meta["shape"])
 
