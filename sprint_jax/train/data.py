@@ -85,10 +85,12 @@ def resolve_tokenizer(spec: str, model_name: Any = None, pretrained: bool = Fals
 
     if spec == "auto":
         if pretrained and isinstance(model_name, str) and Path(model_name).is_dir():
+            # fine-tuning a checkpoint: its own tokenizer or an error, never a silent substitute
             try:
                 return load_tokenizer(model_name)
-            except (OSError, ValueError):
-                pass
+            except (OSError, ValueError) as e:
+                raise DataError(f"data.tokenizer=auto: cannot load the tokenizer of {model_name} ({e}); "
+                                "set data.tokenizer to qwen2, bytes or a tokenizer directory") from None
         return qwen2_tokenizer()
     if spec == "qwen2":
         return qwen2_tokenizer()
