@@ -45,7 +45,7 @@ class DemoConfig:
     chain_length: int = 12           # digit-map steps per chain
     chains: int = 4                  # sub-computations per problem
     model: DemoModel = dataclasses.field(default_factory=DemoModel)
-    steps: int = 500                 # optimizer steps per model (the same budget for every model)
+    steps: int = 600                 # optimizer steps per model (the same budget for every model)
     batch_size: int = 16             # rows per step
     seq_len: int = 256               # tokens per packed row
     lr: float = 4e-3
@@ -171,6 +171,7 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
                  "mean_total_tokens": rep["mean_total_tokens"], "wall_s": wall}
         if model_name.startswith("sprint"):
             entry["format_valid"] = rep["format_valid_rate"]
+            entry.update(_execution_quality(out / "eval" / run_name / "records.jsonl", cfg.chain_length))
         results[run_name] = entry
     del jax
 
@@ -192,6 +193,28 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
     return report
 
 
+def _execution_quality(records_path: Path, length: int) -> dict:
+    """Did the executors do the work? Accuracy alone cannot tell: the final answer is a function
+    of the query, so a planner could shortcut the executions. Per run: the fraction of executions
+    that are exactly the right chain, and of final answers equal to the max over the executions."""
+    from sprint_jax.curation import chains
+
+    exact = total = consistent = runs = 0
+    for line in records_path.read_text().splitlines():
+        r = json.loads(line)
+        runs += 1
+        starts = [int(x) for x in r["query"].split()[1:]]
+        lasts = []
+        execs = r["stages"][0]["executions"] if r["stages"] else []
+        for k, s in enumerate(starts):
+            body = execs[k]["text"].split("</")[0].strip() if k < len(execs) else ""
+            exact += body == chains.chain(s, length)
+            total += 1
+            lasts.append(int(body[-1]) if body[-1:].isdigit() else -1)
+        consistent += bool(lasts) and str(max(lasts)) == (r.get("final_answer") or "").strip()
+    return {"executions_exact": exact / max(total, 1), "answer_matches_executions": consistent / max(runs, 1)}
+
+
 def _warm(engine, task, orch) -> None:
     """Compile the engine's shapes once so that wall-clock comparisons measure decoding."""
     from sprint_jax.curation import chains
@@ -202,12 +225,14 @@ def _warm(engine, task, orch) -> None:
 
 
 def _table(results: dict, rft_tokens: float) -> str:
-    head = f"{'run':<22}{'accuracy':>9}{'format':>8}{'seq tok':>9}{'vs RFT':>8}{'total tok':>10}{'wall s':>8}"
+    head = (f"{'run':<22}{'accuracy':>9}{'format':>8}{'exec ok':>8}{'seq tok':>9}{'vs RFT':>8}{'total tok':>10}"
+            f"{'wall s':>8}")
     lines = [head, "-" * len(head)]
     for k, v in results.items():
         fv = f"{v['format_valid']:.2f}" if "format_valid" in v else "-"
+        ex = f"{v['executions_exact']:.2f}" if "executions_exact" in v else "-"
         rel = v["mean_sequential_tokens"] / rft_tokens if rft_tokens else float("nan")
-        lines.append(f"{k:<22}{v['accuracy']:>9.2f}{fv:>8}{v['mean_sequential_tokens']:>9.1f}{rel:>8.2f}"
+        lines.append(f"{k:<22}{v['accuracy']:>9.2f}{fv:>8}{ex:>8}{v['mean_sequential_tokens']:>9.1f}{rel:>8.2f}"
                      f"{v['mean_total_tokens']:>10.1f}{v['wall_s']:>8.1f}")
     return "\n".join(lines)
 

@@ -33,9 +33,27 @@ def test_scaled_down_demo_produces_every_artifact(tmp_path):
         assert r["wall_s"] > 0
         if name.startswith("sprint"):
             assert 0.0 <= r["format_valid"] <= 1.0
+            assert 0.0 <= r["executions_exact"] <= 1.0 and 0.0 <= r["answer_matches_executions"] <= 1.0
         results = [json.loads(x) for x in (tmp_path / "eval" / name / "results.jsonl").read_text().splitlines()]
         assert len(results) == 3
         assert abs(sum(x["sequential_tokens"] for x in results) / 3 - r["mean_sequential_tokens"]) < 1e-9
     # the RFT baseline decodes plainly: sequential == total
     assert on_disk["rft_sequential"]["mean_sequential_tokens"] == on_disk["rft_sequential"]["mean_total_tokens"]
     assert report["test_problems"] == 3
+
+
+def test_execution_quality_counts_exact_chains_and_consistent_answers(tmp_path):
+    from sprint_jax.curation.chains import chain
+    from sprint_jax.demo import _execution_quality
+
+    starts = [7, 3, 9, 2]
+    bodies = [chain(s, 12) for s in starts]
+    bodies[1] = bodies[1][:-1] + "0"                       # one wrong execution (last digit changed)
+    lasts = [int(b[-1]) for b in bodies]
+    rec = {"query": "Q: 7 3 9 2\n", "final_answer": str(max(lasts)),
+           "stages": [{"executions": [{"text": f" {b} </execution_1.{j}>"} for j, b in enumerate(bodies, 1)]}]}
+    rec2 = dict(rec, final_answer=str((max(lasts) + 1) % 10))  # answer not from the executions
+    path = tmp_path / "records.jsonl"
+    path.write_text(json.dumps(rec) + "\n" + json.dumps(rec2) + "\n")
+    q = _execution_quality(path, 12)
+    assert q == {"executions_exact": 6 / 8, "answer_matches_executions": 0.5}
