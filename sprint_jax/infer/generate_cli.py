@@ -28,30 +28,16 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from pathlib import Path
-
     from sprint_jax.cli import UserError
     from sprint_jax.infer import Engine, Sampling
-    from sprint_jax.model.convert import load_model
-    from sprint_jax.model.tokenizer import load_tokenizer, qwen2_tokenizer
+    from sprint_jax.infer.infer_cli import load_model_arg, load_tokenizer_arg
 
     if (args.prompt is None) == (args.token_ids is None):
         raise UserError("give either a prompt text or --token-ids")
-    model_dir = Path(args.model)
-    if not model_dir.exists():
-        raise UserError(f"model directory not found: {model_dir}")
-    model = load_model(model_dir, dtype=args.dtype)
-    if args.dtype == "bfloat16":
-        model.config = model.config.replace(dtype="bfloat16")
+    model = load_model_arg(args.model, args.dtype)
     tok = None
-    if args.qwen2_tokenizer:
-        tok = qwen2_tokenizer()
-    else:
-        try:
-            tok = load_tokenizer(model_dir)
-        except Exception as e:  # no tokenizer files: token ids still work
-            if args.token_ids is None:
-                raise UserError(f"no tokenizer in {model_dir} ({e}); pass --token-ids or --qwen2-tokenizer")
+    if args.qwen2_tokenizer or args.prompt is not None or args.stop:
+        tok = load_tokenizer_arg("qwen2" if args.qwen2_tokenizer else None, args.model)
     if args.token_ids is not None:
         try:
             ids = [int(x) for x in args.token_ids.split(",") if x.strip()]

@@ -72,27 +72,42 @@ def config_from_args(args):
     return load_config(OrchestratorConfig, args.config, overrides)
 
 
+def load_model_arg(model: str | None, dtype: str | None):
+    """The model of a `--model DIR` flag (HF or orbax directory), in compute dtype `dtype`."""
+    from sprint_jax.cli import UserError
+    from sprint_jax.model.convert import load_model
+
+    if not model:
+        raise UserError("--model DIR is required")
+    model_dir = Path(model)
+    if not model_dir.is_dir():
+        raise UserError(f"model directory not found: {model_dir}")
+    m = load_model(model_dir, dtype=dtype)
+    if dtype == "bfloat16":
+        m.config = m.config.replace(dtype="bfloat16")
+    return m
+
+
+def load_tokenizer_arg(tokenizer: str | None, model: str):
+    """`--tokenizer qwen2|DIR`, or the tokenizer saved beside the model."""
+    from sprint_jax.cli import UserError
+    from sprint_jax.model.tokenizer import load_tokenizer, qwen2_tokenizer
+
+    try:
+        return qwen2_tokenizer() if tokenizer == "qwen2" else load_tokenizer(tokenizer or model)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load a tokenizer from {tokenizer or model} ({e}); "
+                        f"pass --tokenizer DIR or --tokenizer qwen2") from None
+
+
 def build_engine(args, config):
     """The model, its tokenizer and an Engine sized for `config` (branch capacity = the per-branch
     budget plus room for the forced opening tag)."""
     from sprint_jax.cli import UserError
     from sprint_jax.infer import Engine, EngineError
-    from sprint_jax.model.convert import load_model
-    from sprint_jax.model.tokenizer import load_tokenizer, qwen2_tokenizer
 
-    if not args.model:
-        raise UserError("--model DIR is required")
-    model_dir = Path(args.model)
-    if not model_dir.is_dir():
-        raise UserError(f"model directory not found: {model_dir}")
-    model = load_model(model_dir, dtype=args.dtype)
-    if args.dtype == "bfloat16":
-        model.config = model.config.replace(dtype="bfloat16")
-    try:
-        tok = qwen2_tokenizer() if args.tokenizer == "qwen2" else load_tokenizer(args.tokenizer or model_dir)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot load a tokenizer from {args.tokenizer or model_dir} ({e}); "
-                        f"pass --tokenizer DIR or --tokenizer qwen2") from None
+    model = load_model_arg(args.model, args.dtype)
+    tok = load_tokenizer_arg(args.tokenizer, args.model)
     try:
         return Engine(model, tok, max_seq_len=args.max_seq_len, max_branches=config.max_prompts,
                       max_branch_tokens=config.max_branch_tokens + 32, decode_chunk=args.decode_chunk,
