@@ -78,8 +78,6 @@ def _say(msg: str) -> None:
 
 
 def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
-    import jax
-
     from sprint_jax.config import from_dict
     from sprint_jax.curation import chains
     from sprint_jax.curation.config import CurateConfig
@@ -163,7 +161,7 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
                                          prefill_chunk=128)
             _warm(engines[model_name], test_tasks[0], orch)
         t0 = time.perf_counter()
-        res, rep = evaluate(engines[model_name], test_tasks, mode, prompt_fn=chains.prompt_for,
+        _, rep = evaluate(engines[model_name], test_tasks, mode, prompt_fn=chains.prompt_for,
                             orchestrator_config=orch, out_dir=out / "eval" / run_name, progress=progress,
                             meta={"model": model_name, "mode": mode})
         wall = time.perf_counter() - t0
@@ -173,7 +171,6 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
             entry["format_valid"] = rep["format_valid_rate"]
             entry.update(_execution_quality(out / "eval" / run_name / "records.jsonl", cfg.chain_length))
         results[run_name] = entry
-    del jax
 
     # 5. report ---------------------------------------------------------------------------------
     report = dict(results)

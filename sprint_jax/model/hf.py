@@ -237,18 +237,17 @@ def save_params(config: Qwen2Config, params: Params, path: str | Path, max_shard
     limit = _parse_size(max_shard_size)
     out_dtype = np.dtype(dtype) if dtype is not None else None
     hf_cfg = config.to_hf_config()
-    shards: list[dict[str, np.ndarray]] = [{}]
+    current: dict[str, np.ndarray] = {}       # the shard being filled
     size = 0
     shard_files: list[Path] = []
 
-    def flush(final: bool):
-        nonlocal size
-        if shards[-1]:
+    def flush():
+        nonlocal current, size
+        if current:
             tmpname = path / f"_shard{len(shard_files)}.safetensors"
-            write_safetensors(tmpname, shards[-1])
+            write_safetensors(tmpname, current)
             shard_files.append(tmpname)
-            shards[-1] = {}
-            size = 0
+            current, size = {}, 0
 
     weight_map: dict[str, int] = {}
     specs = param_specs(config)
@@ -264,14 +263,14 @@ def save_params(config: Qwen2Config, params: Params, path: str | Path, max_shard
             t = _to_hf(spec, config, full[i] if spec.per_layer else full)
             nbytes = t.size * t.dtype.itemsize
             if size and size + nbytes > limit:
-                flush(False)
-            shards[-1][name] = t
+                flush()
+            current[name] = t
             weight_map[name] = len(shard_files)
             size += nbytes
             if bar:
                 bar.update(1)
         del full
-    flush(True)
+    flush()
     if bar:
         bar.close()
     for old in list(path.glob("model*.safetensors")) + list(path.glob("model.safetensors.index.json")):
