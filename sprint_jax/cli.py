@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from sprint_jax.errors import UserError  # noqa: F401  (re-exported for scripts)
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("sprint_jax.demo", "SPRINT end to end in miniature: curate -> SFT (SPRINT and RFT) -> parallel inference -> report"),
@@ -21,10 +23,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("sprint_jax.eval.cli", "evaluate a model on math500 / countdown / a jsonl file; `eval compare A B`"),
     "bench": ("sprint_jax.bench.cli", "benchmarks: decode, kernels, train, train-memory"),
 }
-
-
-class UserError(Exception):
-    """A mistake in the user's input: printed as one line, exit code 2."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,11 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(cmd_parser)
     args = cmd_parser.parse_args(argv[1:])
     from sprint_jax.config import ConfigError
-    # under `python -m sprint_jax.cli` this module is __main__: catch the importable class
-    user_error = importlib.import_module("sprint_jax.cli").UserError
     try:
         return int(module.run(args) or 0)
-    except (user_error, UserError, ConfigError, FileNotFoundError) as e:
+    except (UserError, ConfigError, FileNotFoundError) as e:
         print(f"sprint-jax {name}: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # e.g. `sprint-jax ... | head`

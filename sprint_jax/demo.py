@@ -277,7 +277,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from sprint_jax.cli import UserError
+    from sprint_jax.errors import UserError
 
     overrides = list(args.set)
     if args.seed is not None:

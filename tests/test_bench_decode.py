@@ -10,7 +10,8 @@ import json
 import pytest
 
 from sprint_jax.bench.decode import MODES, add_decode_arguments, evaluate_targets, run_decode_bench
-from sprint_jax.cli import UserError, main
+from sprint_jax.cli import main
+from sprint_jax.errors import UserError
 from sprint_jax.model import Qwen2Config
 
 N_NEW = 6

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fake_openai_server import CURATION_TASKS, Fault, FakeOpenAIServer, Reply, ScriptedCurator, write_math_jsonl
-from sprint_jax.cli import UserError
+from sprint_jax.errors import UserError
 from sprint_jax.config import ConfigError, load_config
 from sprint_jax.curation.config import CurateConfig
 from sprint_jax.curation.pipeline import DB_NAME, run_pipeline, status

@@ -109,7 +109,7 @@ def test_load_tasks(tmp_path):
     f.write_text(json.dumps({"id": "g1", "question": "Which?", "choices": ["a", "b", "c", "d"], "answer": "C"}) + "\n")
     (t,) = load_tasks(str(f))
     assert t.kind == "choice" and t.answer == "C" and "C) c" in t.problem
-    from sprint_jax.cli import UserError
+    from sprint_jax.errors import UserError
     with pytest.raises(UserError, match="not math500"):
         load_tasks(str(tmp_path / "nope.jsonl"))
 

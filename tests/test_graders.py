@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sprint_jax.cli import UserError
+from sprint_jax.errors import UserError
 from sprint_jax.curation.tasks import TaskFileError, load_choice_jsonl, load_math_jsonl
 from sprint_jax.curation.types import Task
 from sprint_jax.eval.graders import (countdown_equation, countdown_score, extract_boxed, extract_choice, grade,

@@ -227,6 +227,6 @@ def test_bench_kernels_quick_point(tmp_path):
         assert r["ms_per_call"] > 0 and r["max_abs_diff_vs_xla"] < 1e-5
     assert report["results"][0]["bytes"] == bytes_read(3, 24, 5, 4, 2, 32, jnp.float32)
     assert report["results"][2]["bytes"] == copy_fork_bytes_read(3, 24, 5, 4, 2, 32, jnp.float32)
-    from sprint_jax.cli import UserError
+    from sprint_jax.errors import UserError
     with pytest.raises(UserError, match="--kv-heads"):
         run_kernels_bench(parser.parse_args(["--quick", "--heads", "5", "--kv-heads", "2"]))

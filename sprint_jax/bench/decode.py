@@ -151,7 +151,7 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
 # settings
 # ---------------------------------------------------------------------------------------------
 def _user_error(message: str) -> Exception:
-    from sprint_jax.cli import UserError
+    from sprint_jax.errors import UserError
     return UserError(message)
 
 
@@ -637,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_decode_arguments(parser)
     args = parser.parse_args(argv)
-    from sprint_jax.cli import UserError
+    from sprint_jax.errors import UserError
     from sprint_jax.config import ConfigError
     try:
         return run_decode_bench(args)

@@ -82,7 +82,7 @@ def add_kernels_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _user_error(message: str) -> Exception:
-    from sprint_jax.cli import UserError
+    from sprint_jax.errors import UserError
     return UserError(message)
 
 
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_kernels_arguments(parser)
     args = parser.parse_args(argv)
-    from sprint_jax.cli import UserError
+    from sprint_jax.errors import UserError
     try:
         return run_kernels_bench(args)
     except UserError as e:

@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 
 from tqdm import tqdm
 
-from sprint_jax.cli import UserError
+from sprint_jax.errors import UserError
 from sprint_jax.config import to_dict
 from sprint_jax.curation.config import CurateConfig, data_fingerprint
 from sprint_jax.curation.dag import DagFailed, propose_llm, propose_offline, validate_edges

@@ -12,7 +12,7 @@ from pathlib import Path
 from sprint_jax.jsonl import iter_objects
 from typing import Any, Iterator
 
-from sprint_jax.cli import UserError
+from sprint_jax.errors import UserError
 from sprint_jax.curation.types import Task
 
 LETTERS = "ABCDEFGHIJ"

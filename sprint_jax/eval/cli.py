@@ -64,7 +64,7 @@ def add_arguments(p) -> None:
 def load_tasks(data: str, limit: int | None = None, task_kind: str = "auto", countdown_n: int = 100,
                data_seed: int = 0):
     """Tasks for --data (see DESCRIPTION)."""
-    from sprint_jax.cli import UserError
+    from sprint_jax.errors import UserError
     from sprint_jax.curation.tasks import load_choice_jsonl, load_math_jsonl
     from sprint_jax.model.tokenizer import shared_data_dir
 
@@ -101,7 +101,7 @@ def load_tasks(data: str, limit: int | None = None, task_kind: str = "auto", cou
 
 
 def _compare(args) -> int:
-    from sprint_jax.cli import UserError
+    from sprint_jax.errors import UserError
     from sprint_jax.eval.report import compare, format_compare_table, load_results, plot_reduction
 
     if len(args.compare) != 3 or args.compare[0] != "compare":
@@ -125,7 +125,7 @@ def _compare(args) -> int:
 
 
 def run(args) -> int:
-    from sprint_jax.cli import UserError
+    from sprint_jax.errors import UserError
     from sprint_jax.eval.evaluate import evaluate
     from sprint_jax.infer.infer_cli import build_engine, config_from_args
 

@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
-from sprint_jax.cli import UserError
+from sprint_jax.errors import UserError
 
 TOKENS_PLOT = "tokens.png"
 REDUCTION_PLOT = "reduction_by_length.png"

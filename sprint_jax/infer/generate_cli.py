@@ -28,7 +28,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from sprint_jax.cli import UserError
+    from sprint_jax.errors import UserError
     from sprint_jax.infer import Engine, Sampling
     from sprint_jax.infer.infer_cli import load_model_arg, load_tokenizer_arg
 

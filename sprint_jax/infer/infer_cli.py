@@ -74,7 +74,7 @@ def config_from_args(args):
 
 def load_model_arg(model: str | None, dtype: str | None):
     """The model of a `--model DIR` flag (HF or orbax directory), in compute dtype `dtype`."""
-    from sprint_jax.cli import UserError
+    from sprint_jax.errors import UserError
     from sprint_jax.model.convert import load_model
 
     if not model:
@@ -90,7 +90,7 @@ def load_model_arg(model: str | None, dtype: str | None):
 
 def load_tokenizer_arg(tokenizer: str | None, model: str):
     """`--tokenizer qwen2|DIR`, or the tokenizer saved beside the model."""
-    from sprint_jax.cli import UserError
+    from sprint_jax.errors import UserError
     from sprint_jax.model.tokenizer import load_tokenizer, qwen2_tokenizer
 
     try:
@@ -103,7 +103,7 @@ def load_tokenizer_arg(tokenizer: str | None, model: str):
 def build_engine(args, config):
     """The model, its tokenizer and an Engine sized for `config` (branch capacity = the per-branch
     budget plus room for the forced opening tag)."""
-    from sprint_jax.cli import UserError
+    from sprint_jax.errors import UserError
     from sprint_jax.infer import Engine, EngineError
 
     model = load_model_arg(args.model, args.dtype)
@@ -216,7 +216,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from sprint_jax.cli import UserError
+    from sprint_jax.errors import UserError
     from sprint_jax.infer.orchestrator import Orchestrator
 
     if not args.query.strip():

@@ -104,7 +104,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from sprint_jax.cli import UserError
+    from sprint_jax.errors import UserError
 
     src, dst = Path(args.src), Path(args.dst)
     if not src.exists():

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from sprint_jax.cli import UserError
+from sprint_jax.errors import UserError
 
 
 class NoValidCheckpoint(UserError):

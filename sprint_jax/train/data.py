@@ -31,7 +31,7 @@ import numpy as np
 
 from sprint_jax.jsonl import iter_objects, require_fields
 from sprint_jax import format as fmt
-from sprint_jax.cli import UserError
+from sprint_jax.errors import UserError
 from sprint_jax.curation.types import Example
 
 LABEL_IDS = {k: i for i, k in enumerate(fmt.SPAN_KINDS)}

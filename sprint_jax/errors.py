@@ -1,0 +1,10 @@
+"""The project's error types, in a module that imports nothing of ours.
+
+Library modules raise these; only `sprint_jax.cli` turns them into one line and exit code 2.
+Keeping them here means no library module has to import the command-line layer.
+"""
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A mistake in the user's input: printed as one line, exit code 2."""
