@@ -1,6 +1,6 @@
 """`sprint-jax demo`: the whole SPRINT method, in miniature but for real, on a laptop-class CPU.
 
-1. Tasks and serial traces made by the project: the digit-chains family (curation/chains.py),
+1. Tasks and serial traces made by the project: the digit-chains family (tasks/chains.py),
    whose chains are genuinely independent sub-computations. Held-out test problems are excluded
    from the training set by their start digits.
 2. The real curation pipeline and SQLite store with the offline curator: steps, DAG, σ packing,
@@ -60,7 +60,7 @@ class DemoConfig:
 def _vocabulary(cfg: DemoConfig) -> list[str]:
     """One token per tag (with the single spaces the format puts beside it) and per word."""
     from sprint_jax import format as fmt
-    from sprint_jax.curation import chains
+    from sprint_jax.tasks import chains
 
     vocab = ["<pad>", "<eos>", " ", "\n"] + chains.vocabulary()
     for tag in fmt.tag_vocabulary(max_stages=3, max_prompts=cfg.chains):
@@ -79,7 +79,7 @@ def _say(msg: str) -> None:
 
 def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
     from sprint_jax.config import from_dict
-    from sprint_jax.curation import chains
+    from sprint_jax.tasks import chains
     from sprint_jax.curation.config import CurateConfig
     from sprint_jax.curation.pipeline import run_pipeline
     from sprint_jax.eval.evaluate import evaluate
@@ -194,7 +194,7 @@ def _execution_quality(records_path: Path, length: int) -> dict:
     """Did the executors do the work? Accuracy alone cannot tell: the final answer is a function
     of the query, so a planner could shortcut the executions. Per run: the fraction of executions
     that are exactly the right chain, and of final answers equal to the max over the executions."""
-    from sprint_jax.curation import chains
+    from sprint_jax.tasks import chains
 
     exact = total = consistent = runs = 0
     for line in records_path.read_text().splitlines():
@@ -214,7 +214,7 @@ def _execution_quality(records_path: Path, length: int) -> dict:
 
 def _warm(engine, task, orch) -> None:
     """Compile the engine's shapes once so that wall-clock comparisons measure decoding."""
-    from sprint_jax.curation import chains
+    from sprint_jax.tasks import chains
     from sprint_jax.infer import Orchestrator
 
     for mode in ("parallel", "serial", "sequential"):

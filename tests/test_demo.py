@@ -43,7 +43,7 @@ def test_scaled_down_demo_produces_every_artifact(tmp_path):
 
 
 def test_execution_quality_counts_exact_chains_and_consistent_answers(tmp_path):
-    from sprint_jax.curation.chains import chain
+    from sprint_jax.tasks.chains import chain
     from sprint_jax.demo import _execution_quality
 
     starts = [7, 3, 9, 2]

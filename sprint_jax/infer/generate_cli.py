@@ -9,7 +9,7 @@ DESCRIPTION = """Generate text from a checkpoint with the JAX engine (plain deco
   sprint-jax generate --model DIR --token-ids 1,2,3 --max-new-tokens 20
 
 The tokenizer is loaded from the checkpoint directory (HF tokenizer files or vocab_tokenizer.json);
-use --qwen2-tokenizer to use the Qwen2 BPE from ../shared/data instead.
+use --qwen2-tokenizer to use the Qwen2 BPE shipped with the package instead.
 """
 
 
@@ -23,7 +23,7 @@ def add_arguments(p) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--qwen2-tokenizer", action="store_true", help="use the Qwen2 BPE from shared data")
+    p.add_argument("--qwen2-tokenizer", action="store_true", help="use the Qwen2 BPE shipped with the package")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
 
 

@@ -39,7 +39,7 @@ def add_run_arguments(p) -> None:
     """Model, tokenizer, engine capacities and OrchestratorConfig flags."""
     p.add_argument("--model", required=False, help="HF safetensors or orbax model directory")
     p.add_argument("--tokenizer", default=None,
-                   help="tokenizer directory, or 'qwen2' for the Qwen2 BPE in the shared data dir "
+                   help="tokenizer directory, or 'qwen2' for the Qwen2 BPE shipped with the package "
                         "(default: the model directory)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--config", default=None, help="YAML file of OrchestratorConfig fields")

@@ -34,6 +34,16 @@ class ModelSection:
 
 
 @dataclasses.dataclass
+class PairedSection:
+    """The partner set of a SPRINT / RFT pair (paper §9: both train on the same problems). Each run
+    names the other's files and layout; with the same seq_len and tokenizer both keep exactly the
+    problems usable (parsable, not over-long) in both sets. Empty `train` = no pairing."""
+    train: list[str] = dataclasses.field(default_factory=list)  # the partner run's data.train
+    layout: Literal["flat", "trie"] = "flat"   # the partner run's data.layout
+    trie_whole_trajectory: bool = False        # the partner run's data.trie_whole_trajectory
+
+
+@dataclasses.dataclass
 class DataSection:
     """Examples -> packed token rows (DESIGN.md "Training": span-masked loss, flat or trie layout)."""
     train: list[str] = dataclasses.field(default_factory=list)  # jsonl files of Examples
@@ -45,6 +55,8 @@ class DataSection:
     seed: int = 0                              # example order (reshuffled every epoch from this seed)
     pack_open_rows: int = 8                    # rows kept open for first-fit packing
     max_examples: int | None = None            # use only the first N examples read (None = all)
+    trie_whole_trajectory: bool = False        # trie: also train the whole trajectory as one unit (ThreadWeaver)
+    paired: PairedSection = dataclasses.field(default_factory=lambda: PairedSection())
 
     def __post_init__(self) -> None:
         from sprint_jax.format import SPAN_KINDS

@@ -176,12 +176,19 @@ def train(config: TrainConfig, out_dir: str | Path, tokenizer=None, progress: bo
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                           f"{model_cfg.vocab_size} (model.name / data.tokenizer do not match)")
     examples = data_lib.read_examples(cfg.data.train, cfg.data.max_examples)
+    paired = None
+    if cfg.data.paired.train:
+        p = cfg.data.paired
+        paired = data_lib.Paired(data_lib.read_examples(p.train), p.layout, p.trie_whole_trajectory, list(p.train))
     items, stats = data_lib.build_items(examples, tokenizer, cfg.data.layout, cfg.data.seq_len,
-                                        cfg.data.overlong, cfg.data.span_weights, model_cfg.vocab_size)
+                                        cfg.data.overlong, cfg.data.span_weights, model_cfg.vocab_size,
+                                        cfg.data.trie_whole_trajectory, paired)
     if main:
         (out / "data_stats.json").write_text(json.dumps(stats.as_dict(), indent=2))
     say(f"data: {stats.read} read, {stats.used} used, {stats.skipped_unparsable} skipped (unparsable), "
-        f"{stats.dropped_overlong} dropped (over {cfg.data.seq_len} tokens), {stats.truncated} truncated; "
+        f"{stats.dropped_overlong} dropped (over {cfg.data.seq_len} tokens), "
+        + (f"{stats.dropped_paired} dropped (unusable in the paired set), " if paired else "")
+        + f"{stats.truncated} truncated; "
         f"{stats.tokens} tokens, {stats.loss_tokens} in the loss ({cfg.data.layout} layout)")
     for why in stats.first_skip_reasons:
         say(f"  skipped {why}")
@@ -291,6 +298,9 @@ def train(config: TrainConfig, out_dir: str | Path, tokenizer=None, progress: bo
     if cfg.export.enabled:
         export_dir = out / "hf"
         export_hf(model_cfg, state["params"], tokenizer, export_dir, cfg.export.dtype)
+        if main:
+            from sprint_jax.train.fingerprint import fingerprint, update_export_meta
+            update_export_meta(export_dir, train_fingerprint=fingerprint(stats.used_prompts))
         say(f"exported HF safetensors to {export_dir}")
     steady = (t_end - t_first) if t_first is not None else 0.0
     summary = {
