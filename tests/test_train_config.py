@@ -33,6 +33,7 @@ def test_sprint_and_rft_7b_differ_only_in_data():
     a = load_train_config(CONFIG_DIR / "sft_r1_distill_7b_sprint.yaml").to_dict()
     b = load_train_config(CONFIG_DIR / "sft_r1_distill_7b_rft.yaml").to_dict()
     assert a["data"].pop("train") != b["data"].pop("train")
+    assert a["data"].pop("paired") != b["data"].pop("paired")     # each names the other (test_train_data)
     assert a == b
 
 

@@ -295,3 +295,72 @@ def test_chunked_loss_equals_whole_row_loss(tok, params):
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
         np.testing.assert_allclose(b, a, rtol=0, atol=2e-5 * float(np.abs(a).max()))
+
+
+# ---------------------------------------------------------------------------------------------
+# SPRINT and RFT on the same problems (paired over-long filtering, issue 11 item 3)
+# ---------------------------------------------------------------------------------------------
+def test_paired_sets_drop_a_problem_overlong_in_either(tok, tmp_path):
+    sprint = _examples("sft_tiny_sprint.jsonl")[:4]
+    rft = _examples("sft_tiny_rft.jsonl")[:4]
+    assert [e.id for e in sprint] == [e.id for e in rft] == ["t0", "t1", "t2", "t3"]
+    seq_len = max(len(D.layout_example(tok, e, lay, W)) for e, lay in
+                  [(e, "trie") for e in sprint] + [(e, "flat") for e in rft])
+    long = rft[1]
+    rft[1] = Example(long.id, "rft", long.prompt, "x" * seq_len + "\n<Final Answer> 137 </Final Answer>")
+    alone, s_alone = D.build_items(sprint, tok, "trie", seq_len, "drop", W)
+    assert s_alone.used == 4                      # filtered alone, SPRINT would keep t1
+    s_items, s_stats = D.build_items(sprint, tok, "trie", seq_len, "drop", W,
+                                     paired=D.Paired(rft, "flat", files=["rft.jsonl"]))
+    r_items, r_stats = D.build_items(rft, tok, "flat", seq_len, "drop", W, paired=D.Paired(sprint, "trie"))
+    assert (s_stats.used, s_stats.dropped_paired, s_stats.dropped_overlong) == (3, 1, 0)
+    assert (r_stats.used, r_stats.dropped_paired, r_stats.dropped_overlong) == (3, 0, 1)
+    assert s_stats.used_prompts == r_stats.used_prompts == [sprint[k].prompt for k in (0, 2, 3)]
+    d = s_stats.as_dict()
+    assert d["dropped_paired"] == 1 and d["paired_with"] == ["rft.jsonl"] and "used_prompts" not in d
+    # a problem missing from the partner set is dropped too
+    _, s_missing = D.build_items(sprint, tok, "trie", seq_len, "drop", W, paired=D.Paired(rft[:2], "flat"))
+    assert s_missing.used == 1 and s_missing.dropped_paired == 3
+
+
+def test_both_7b_configs_name_each_other_as_pairs():
+    from sprint_jax.config import CONFIG_DIR
+    from sprint_jax.train.config import load_train_config
+    a = load_train_config(CONFIG_DIR / "sft_r1_distill_7b_sprint.yaml").data
+    b = load_train_config(CONFIG_DIR / "sft_r1_distill_7b_rft.yaml").data
+    assert a.paired.train == b.train and b.paired.train == a.train
+    assert a.paired.layout == b.layout and b.paired.layout == a.layout and a.seq_len == b.seq_len
+    assert not any("math500" in f for f in a.train + b.train)
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole trajectory as one more trie unit (ThreadWeaver; issue 11 item 9)
+# ---------------------------------------------------------------------------------------------
+def test_trie_whole_trajectory_unit_is_the_flat_example(tok, params):
+    ex = _example()            # implicit prompt, plan-only stage, two executors
+    flat = D.layout_example(tok, ex, "flat", W)
+    trie = D.layout_example(tok, ex, "trie", W)
+    whole = D.layout_example(tok, ex, "trie", W, whole_trajectory=True)
+    n_prompt, k = len(tok(ex.prompt)["input_ids"]), len(trie)
+    for f in ("tokens", "positions", "parents", "weights", "labels"):   # the orchestrator's units unchanged
+        np.testing.assert_array_equal(getattr(whole, f)[:k], getattr(trie, f)[:k])
+    tail = slice(k, len(whole))
+    assert len(whole) - k == len(flat) - n_prompt
+    np.testing.assert_array_equal(np.concatenate([whole.tokens[:n_prompt], whole.tokens[tail]]), flat.tokens)
+    for f in ("positions", "labels", "weights"):
+        np.testing.assert_array_equal(getattr(whole, f)[tail], getattr(flat, f)[n_prompt:])
+    assert whole.parents[k] == n_prompt - 1 and (whole.parents[k + 1:] == np.arange(k, len(whole) - 1)).all()
+    # what the model computes on the extra unit == the flat example run alone
+    rows, _ = _pack_row([whole], 1024)
+    packed = np.asarray(_packed_logits(params, _tensors(rows)))[0]
+    alone = _alone(params, [flat.tokens.tolist()])[0]
+    np.testing.assert_allclose(packed[k:len(whole)], alone[n_prompt:len(flat)], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(packed[:n_prompt], alone[:n_prompt], rtol=1e-4, atol=1e-4)
+    # a serial (RFT) example is one unit already: nothing is added
+    rft = _examples("sft_tiny_rft.jsonl")[0]
+    a, b = (D.layout_example(tok, rft, "trie", W, whole_trajectory=w) for w in (False, True))
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    # off by default, and on through the config
+    _, s_off = D.build_items([ex], tok, "trie", 2048, "drop", W)
+    _, s_on = D.build_items([ex], tok, "trie", 2048, "drop", W, whole_trajectory=True)
+    assert s_on.tokens == s_off.tokens + len(flat) - n_prompt
