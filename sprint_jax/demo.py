@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from sprint_jax.config import CONFIG_DIR, load_config, to_dict
+from sprint_jax.config import load_config, to_dict
 
 DESCRIPTION = __doc__
 
@@ -270,7 +270,8 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed for tasks, data order and init (default 0)")
     p.add_argument("--layouts", default=None,
                    help="SPRINT training layouts, comma-separated: trie (default), flat, or trie,flat")
-    p.add_argument("--config", default=str(CONFIG_DIR / "demo.yaml"), help="demo config (YAML)")
+    p.add_argument("--config", default=None,
+                   help="demo config (YAML); default: the embedded defaults (the same as configs/demo.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set steps=100 (repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -290,7 +291,9 @@ def run(args) -> int:
         if bad or not layouts:
             raise UserError(f"--layouts takes trie, flat or trie,flat; got {args.layouts!r}")
         overrides.append(f"layouts=[{','.join(layouts)}]")
-    cfg = load_config(DemoConfig, args.config if Path(args.config).exists() else None, overrides)
+    if args.config is not None and not Path(args.config).is_file():
+        raise UserError(f"--config {args.config}: no such file")
+    cfg = load_config(DemoConfig, args.config, overrides)
     run_demo(cfg, Path(cfg.out), progress=not args.no_progress)
     return 0
 

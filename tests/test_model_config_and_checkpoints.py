@@ -89,3 +89,25 @@ def test_convert_cli_round_trip(hf_tied, tmp_path):
     r = subprocess.run([sys.executable, "-m", "sprint_jax.cli", "convert", "--to", "hf", str(tmp_path / "nope"),
                         str(tmp_path / "x")], capture_output=True, text=True)
     assert r.returncode == 2 and "not found" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_orbax_shape_check_cannot_be_skipped(hf_tied, tmp_path):
+    """The shape check before an orbax restore fails loudly (one line, exit 2) on a config that does
+    not describe the stored tensors and on metadata it cannot read; it is never skipped."""
+    orb = tmp_path / "orbax"
+    r = subprocess.run([sys.executable, "-m", "sprint_jax.cli", "convert", "--to", "orbax", str(hf_tied), str(orb)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    from sprint_jax.model.convert import load_orbax
+    good = json.loads((orb / "config.json").read_text())
+    (orb / "config.json").write_text(json.dumps({**good, "intermediate_size": good["intermediate_size"] + 1}))
+    with pytest.raises(CheckpointError, match=r"has shape .* expected"):
+        load_orbax(orb)
+    (orb / "config.json").write_text(json.dumps(good))
+    (orb / "params" / "_METADATA").write_text("{not json")
+    (orb / "params" / "_CHECKPOINT_METADATA").write_text("{not json")
+    with pytest.raises(CheckpointError, match="cannot read the orbax metadata"):
+        load_orbax(orb)
+    r = subprocess.run([sys.executable, "-m", "sprint_jax.cli", "convert", "--to", "hf", str(orb), str(tmp_path / "x")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "cannot read the orbax metadata" in r.stderr and "Traceback" not in r.stderr

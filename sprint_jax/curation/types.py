@@ -40,3 +40,6 @@ class Example:
     @classmethod
     def from_json(cls, d: dict) -> "Example":
         return cls(**d)
+
+
+__all__ = ["Task", "Trace", "Step", "Example"]

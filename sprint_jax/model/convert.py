@@ -47,6 +47,30 @@ def save_orbax(config: Qwen2Config, params, path: str | Path) -> None:
     (path / "config.json").write_text(json.dumps(config.to_hf_config(), indent=2))
 
 
+def _key_name(path) -> str:
+    return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+def _stored_shapes(ckptr, path: Path) -> dict[str, tuple]:
+    """Every tensor's name and shape from the checkpoint's metadata. The shapes are checked before
+    any restore, so a metadata file that cannot be read is an error, never a skipped check."""
+    try:
+        meta = ckptr.metadata(path / "params")
+    except Exception as e:   # noqa: BLE001 - orbax raises many types for a corrupt or foreign directory
+        raise CheckpointError(f"{path}: cannot read the orbax metadata of params/ "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    tree = getattr(meta, "item_metadata", meta)
+    shapes = {}
+    for kp, v in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        shape = getattr(v, "shape", None)
+        if shape is None:
+            raise CheckpointError(f"{path}: the orbax metadata gives no shape for {_key_name(kp)}")
+        shapes[_key_name(kp)] = tuple(shape)
+    if not shapes:
+        raise CheckpointError(f"{path}: cannot read the orbax metadata of params/ (it lists no tensor)")
+    return shapes
+
+
 def load_orbax(path: str | Path, dtype=None, shardings=None) -> tuple[Qwen2Config, dict]:
     import orbax.checkpoint as ocp
 
@@ -58,19 +82,16 @@ def load_orbax(path: str | Path, dtype=None, shardings=None) -> tuple[Qwen2Confi
     if shardings is not None:
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings)
     with ocp.StandardCheckpointer() as ckptr:
-        meta = ckptr.metadata(path / "params")
-        tree = getattr(meta, "item_metadata", meta)
-        try:
-            got = {"/".join(str(getattr(k, "key", k)) for k in kp): tuple(v.shape)
-                   for kp, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
-        except Exception:  # metadata layout differs across orbax versions; restore will check
-            got = {}
-        for kp, v in jax.tree_util.tree_flatten_with_path(target)[0]:
-            name = "/".join(str(getattr(k, "key", k)) for k in kp)
-            if got and name not in got:
+        got = _stored_shapes(ckptr, path)
+        want = {_key_name(kp): tuple(v.shape) for kp, v in jax.tree_util.tree_flatten_with_path(target)[0]}
+        for name, shape in want.items():
+            if name not in got:
                 raise CheckpointError(f"{path}: missing tensor {name}")
-            if got and got[name] != tuple(v.shape):
-                raise CheckpointError(f"{path}: tensor {name} has shape {got[name]}, expected {tuple(v.shape)}")
+            if got[name] != shape:
+                raise CheckpointError(f"{path}: tensor {name} has shape {got[name]}, expected {shape}")
+        extra = sorted(set(got) - set(want))
+        if extra:
+            raise CheckpointError(f"{path}: unknown tensor {extra[0]} (config.json does not describe these params)")
         params = ckptr.restore(path / "params", target)
     params = jax.tree.map(lambda a: a.astype(dtype_of(config.param_dtype)), params)
     return config, params
