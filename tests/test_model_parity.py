@@ -89,9 +89,11 @@ def test_greedy_generation_matches_hf_generate(fixture, request):
                           pad_token_id=0, min_new_tokens=20).numpy()[0, 7:]
     seq = list(prompt[0])
     fwd = jax.jit(lambda p, t: forward(p, ours.config, t))
-    for _ in range(20):  # plain full recompute, no cache
-        logits = fwd(ours.params, jnp.asarray([seq]))
-        seq.append(int(jnp.argmax(logits[0, -1])))
+    buf = np.zeros((1, 7 + 20), np.int32)  # right padding: causal, so it never reaches earlier rows
+    for _ in range(20):  # plain full recompute, no cache; one compiled shape
+        buf[0, :len(seq)] = seq
+        logits = fwd(ours.params, jnp.asarray(buf))
+        seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
     assert seq[7:] == list(ref)
 
 
