@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -41,6 +42,13 @@ def test_qwen3_8b_param_count_via_eval_shape():
     assert 2 * v * e + l * per_layer + e == 8_190_735_360
     # tied (the small Qwen3 sizes): one vocab x hidden table fewer
     assert param_count(cfg.replace(tie_word_embeddings=True)) == 8_190_735_360 - v * e
+    # every logical axis of the new parameters has a sharding rule
+    from sprint_jax.model import logical_axes
+    from sprint_jax.train.mesh import logical_to_spec
+    axes = logical_axes(cfg)
+    assert axes["layers"]["q_norm"]["scale"] == ("layers", "norm") and "bias" not in axes["layers"]["q_proj"]
+    for leaf in jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)):
+        logical_to_spec(leaf)
 
 
 def test_qwen3_config_fields_and_hf_defaults():
@@ -143,3 +151,14 @@ def test_convert_cli_round_trip(hf_tied, tmp_path):
     r = subprocess.run([sys.executable, "-m", "sprint_jax.cli", "convert", "--to", "hf", str(tmp_path / "nope"),
                         str(tmp_path / "x")], capture_output=True, text=True)
     assert r.returncode == 2 and "not found" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("command", ["train", "convert", "generate"])
+def test_help_lists_every_supported_family(command):
+    from sprint_jax.model.config import FAMILIES
+
+    r = subprocess.run([sys.executable, "-m", "sprint_jax.cli", command, "--help"], capture_output=True, text=True)
+    assert r.returncode == 0
+    text = r.stdout.lower()
+    for family in FAMILIES:
+        assert family in text, (command, family)
