@@ -138,13 +138,15 @@ def test_bad_checkpoints_name_the_tensor(hf_untied, tmp_path):
         from_pretrained(d, config=Qwen2Config.from_hf_config({**cfg, "num_hidden_layers": 4}))
 
 
-def test_convert_cli_round_trip(hf_tied, tmp_path):
+@pytest.mark.parametrize("fixture", ["hf_tied", "hf_qwen3_untied"])
+def test_convert_cli_round_trip(fixture, request, tmp_path):
+    src = request.getfixturevalue(fixture)
     orb, back = tmp_path / "orbax", tmp_path / "back"
-    for cmd in (["convert", "--to", "orbax", str(hf_tied), str(orb)],
+    for cmd in (["convert", "--to", "orbax", str(src), str(orb)],
                 ["convert", "--to", "hf", str(orb), str(back)]):
         r = subprocess.run([sys.executable, "-m", "sprint_jax.cli", *cmd], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
-    a, b = SafetensorsFile(hf_tied / "model.safetensors"), SafetensorsFile(back / "model.safetensors")
+    a, b = SafetensorsFile(src / "model.safetensors"), SafetensorsFile(back / "model.safetensors")
     assert sorted(a.keys()) == sorted(b.keys())
     for k in a.keys():
         assert np.array_equal(a.get(k), b.get(k)), k
