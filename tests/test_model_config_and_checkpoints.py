@@ -40,8 +40,13 @@ def test_qwen3_8b_param_count_via_eval_shape():
     e, i, l, v, h, kv, d = 4096, 12288, 36, 151936, 32, 8, 128
     per_layer = e * h * d + 2 * e * kv * d + h * d * e + 2 * d + 3 * e * i + 2 * e
     assert 2 * v * e + l * per_layer + e == 8_190_735_360
-    # tied (the small Qwen3 sizes): one vocab x hidden table fewer
+    # tied (the small Qwen3 sizes): one vocab x hidden table fewer; Qwen3-0.6B is such a model
     assert param_count(cfg.replace(tie_word_embeddings=True)) == 8_190_735_360 - v * e
+    small = Qwen2Config.preset("qwen3-0.6b")
+    assert small.tie_word_embeddings and small.head_dim == 128 != small.hidden_size // small.num_attention_heads
+    e, i, l, h, kv = 1024, 3072, 28, 16, 8
+    per_layer = e * h * d + 2 * e * kv * d + h * d * e + 2 * d + 3 * e * i + 2 * e
+    assert param_count(small) == v * e + l * per_layer + e == 596_049_920
     # every logical axis of the new parameters has a sharding rule
     from sprint_jax.model import logical_axes
     from sprint_jax.train.mesh import logical_to_spec
