@@ -44,6 +44,8 @@ _IGNORED_HF_KEYS = {
 
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config:
+    """One decoder of either family (`model_type`); the name predates Qwen3 and is kept for imports."""
+
     vocab_size: int                    # rows of the embedding table (152064 for the 7B models)
     hidden_size: int                   # model width E
     intermediate_size: int             # SwiGLU inner width
