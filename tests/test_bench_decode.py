@@ -154,6 +154,18 @@ def test_checkpoint_directory_model(tmp_path, hf_untied):
     assert rep["hf"] == [] and len(rep["rows"]) == len(MODES)
 
 
+def test_qwen3_checkpoint_hf_peer_is_qwen3(tmp_path, hf_qwen3_tied):
+    """A Qwen3 checkpoint: the HF row loads Qwen3ForCausalLM and greedy agrees with the engine."""
+    out = tmp_path / "q3.json"
+    args = _args("--model", str(hf_qwen3_tied), "--branches", "1", "--prefix-lens", "8", "--new-tokens", "3",
+                 "--repeats", "1", "--hf-repeats", "1", "--decode-chunk", "4", "--hf", "on", "--out", str(out))
+    assert run_decode_bench(args) == 0
+    rep = json.loads(out.read_text())
+    assert rep["model"]["config"]["model_type"] == "qwen3"
+    (h,) = rep["hf"]
+    assert h["greedy_tokens_agree"] == 3
+
+
 def test_bad_checkpoint_directory_is_a_user_error(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 8, "intermediate_size": 8, '
                                           '"num_hidden_layers": 1, "num_attention_heads": 2, '

@@ -1,4 +1,5 @@
-"""Qwen2 port vs HF transformers' PyTorch Qwen2ForCausalLM (eager attention): the independent reference."""
+"""Qwen2 / Qwen3 port vs HF transformers' PyTorch Qwen2ForCausalLM / Qwen3ForCausalLM (eager attention):
+the independent reference."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ def _tokens(seed=0, b=B, t=T, vocab=307):
     return np.random.default_rng(seed).integers(3, vocab, (b, t))
 
 
-@pytest.mark.parametrize("fixture", ["hf_untied", "hf_tied"])
+@pytest.mark.parametrize("fixture", ["hf_untied", "hf_tied", "hf_qwen3_untied", "hf_qwen3_tied"])
 def test_logits_match_hf_fp32(fixture, request):
     path = request.getfixturevalue(fixture)
     hf = load_hf(path)
@@ -77,37 +78,49 @@ def test_logits_match_hf_bf16(hf_untied):
     assert err <= 0.05 * scale
 
 
-def test_greedy_generation_matches_hf_generate(hf_untied):
-    hf = load_hf(hf_untied)
-    ours = from_pretrained(hf_untied)
+@pytest.mark.parametrize("fixture", ["hf_untied", "hf_qwen3_tied"])
+def test_greedy_generation_matches_hf_generate(fixture, request):
+    path = request.getfixturevalue(fixture)
+    hf = load_hf(path)
+    ours = from_pretrained(path)
     prompt = _tokens(5, 1, 7)
     with torch.no_grad():
         ref = hf.generate(torch.tensor(prompt), max_new_tokens=20, do_sample=False, eos_token_id=None,
                           pad_token_id=0, min_new_tokens=20).numpy()[0, 7:]
     seq = list(prompt[0])
     fwd = jax.jit(lambda p, t: forward(p, ours.config, t))
-    for _ in range(20):  # plain full recompute, no cache
-        logits = fwd(ours.params, jnp.asarray([seq]))
-        seq.append(int(jnp.argmax(logits[0, -1])))
+    buf = np.zeros((1, 7 + 20), np.int32)  # right padding: causal, so it never reaches earlier rows
+    for _ in range(20):  # plain full recompute, no cache; one compiled shape
+        buf[0, :len(seq)] = seq
+        logits = fwd(ours.params, jnp.asarray(buf))
+        seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
     assert seq[7:] == list(ref)
 
 
-def test_round_trip_bit_identical_and_transformers_loads(hf_untied, tmp_path):
+@pytest.mark.parametrize("fixture", ["hf_untied", "hf_qwen3_untied", "hf_qwen3_tied"])
+def test_round_trip_bit_identical_and_transformers_loads(fixture, request, tmp_path):
     from safetensors.numpy import load_file
 
-    ours = from_pretrained(hf_untied)
+    src = request.getfixturevalue(fixture)
+    ours = from_pretrained(src)
     out = tmp_path / "export"
     save_pretrained(ours, out)
-    a = load_file(hf_untied / "model.safetensors")
+    a = load_file(src / "model.safetensors")
     b = load_file(out / "model.safetensors")
     assert set(a) == set(b)
     for k in a:
         assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), k
-    hf2 = load_hf(out)
+    src_cfg, out_cfg = (json.loads((d / "config.json").read_text()) for d in (src, out))
+    assert out_cfg["model_type"] == src_cfg["model_type"]
+    assert out_cfg["architectures"] == src_cfg["architectures"]
+    hf1, hf2 = load_hf(src), load_hf(out)
+    assert type(hf2) is type(hf1)
+    for key in ("tie_word_embeddings", "num_key_value_heads", "rms_norm_eps"):
+        assert getattr(hf2.config, key) == getattr(hf1.config, key), key
+    assert hf2.model.layers[0].self_attn.head_dim == hf1.model.layers[0].self_attn.head_dim
     toks = _tokens(6)
     with torch.no_grad():
-        assert np.array_equal(hf2(torch.tensor(toks)).logits.numpy(),
-                              load_hf(hf_untied)(torch.tensor(toks)).logits.numpy())
+        assert np.array_equal(hf2(torch.tensor(toks)).logits.numpy(), hf1(torch.tensor(toks)).logits.numpy())
 
 
 def test_sharded_export_with_index(hf_tied, tmp_path):

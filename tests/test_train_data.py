@@ -3,6 +3,7 @@ against independent references: the format module's spans, and the model run on 
 each unit alone as a plain causal sequence."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -184,6 +185,7 @@ def test_stream_is_deterministic_and_covers_every_item(tok):
 # ---------------------------------------------------------------------------------------------
 CFG = Qwen2Config(vocab_size=307, hidden_size=72, intermediate_size=200, num_hidden_layers=3,
                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096)
+FAMILY_CFGS = {"qwen2": CFG, "qwen3": Qwen2Config.preset("tiny-qwen3")}  # one tiny shape per family
 L = 640   # one padded length for every "alone" run: a single compiled shape
 
 
@@ -192,23 +194,30 @@ def params():
     return init_params(CFG, jax.random.key(0), std=0.2)
 
 
-@jax.jit
-def _packed_logits(params, rows):
-    return forward(params, CFG, rows["tokens"], rows["positions"], attention_mask=attention_mask(rows["span_end"]))
+@pytest.fixture(scope="module", params=list(FAMILY_CFGS))
+def family_params(request):
+    """(config, params) of each family: packing must not depend on the layer internals."""
+    cfg = FAMILY_CFGS[request.param]
+    return cfg, init_params(cfg, jax.random.key(0), std=0.2)
 
 
-@jax.jit
-def _plain_logits(params, tokens):
-    return forward(params, CFG, tokens)       # default positions 0..L-1, plain causal mask
+@functools.partial(jax.jit, static_argnums=0)
+def _packed_logits(cfg, params, rows):
+    return forward(params, cfg, rows["tokens"], rows["positions"], attention_mask=attention_mask(rows["span_end"]))
 
 
-def _alone(params, seqs: list[list[int]]) -> np.ndarray:
+@functools.partial(jax.jit, static_argnums=0)
+def _plain_logits(cfg, params, tokens):
+    return forward(params, cfg, tokens)       # default positions 0..L-1, plain causal mask
+
+
+def _alone(cfg, params, seqs: list[list[int]]) -> np.ndarray:
     """Each sequence alone, right-padded to L (causal: padding never reaches earlier positions)."""
     toks = np.zeros((len(seqs), L), np.int32)
     for r, s in enumerate(seqs):
         assert len(s) <= L
         toks[r, :len(s)] = s
-    return np.asarray(_plain_logits(params, jnp.asarray(toks)))
+    return np.asarray(_plain_logits(cfg, params, jnp.asarray(toks)))
 
 
 def _pack_row(items: list[D.Item], seq_len: int) -> tuple[dict, list[int]]:
@@ -223,13 +232,14 @@ def _tensors(rows):
     return {k: jnp.asarray(v) for k, v in rows.items()}
 
 
-def test_flat_packed_row_equals_each_example_alone(tok, params):
+def test_flat_packed_row_equals_each_example_alone(tok, family_params):
+    cfg, params = family_params
     exs = _examples("sft_tiny_sprint.jsonl")[:2] + _examples("sft_tiny_rft.jsonl")[:2]
     items = [D.layout_example(tok, ex, "flat", W) for ex in exs]
     seq_len = sum(len(it) for it in items) + 7          # some padding at the end
     rows, order = _pack_row(items, seq_len)
-    packed = np.asarray(_packed_logits(params, _tensors(rows)))[0]
-    alone = _alone(params, [it.tokens.tolist() for it in items])
+    packed = np.asarray(_packed_logits(cfg, params, _tensors(rows)))[0]
+    alone = _alone(cfg, params, [it.tokens.tolist() for it in items])
     off = 0
     for k in order:
         n = len(items[k])
@@ -238,10 +248,11 @@ def test_flat_packed_row_equals_each_example_alone(tok, params):
     assert np.abs(packed).max() > 1.0                     # logits are not trivially small
 
 
-def test_trie_row_equals_every_unit_alone(tok, params):
+def test_trie_row_equals_every_unit_alone(tok, family_params):
     """For every unit (planner or executor call) and every completion token: the packed trie row's
     logits at that token's parent == the unit run alone as a plain sequence (context +
     completion, positions 0..n-1). Also: every trained row is some unit's completion token."""
+    cfg, params = family_params
     exs = [_example(), _examples("sft_tiny_sprint.jsonl")[0], _examples("sft_tiny_rft.jsonl")[1]]
     items, unit_seqs = [], []
     for ex in exs:
@@ -255,7 +266,7 @@ def test_trie_row_equals_every_unit_alone(tok, params):
             unit_seqs.append((ctx, piece_ids[path[-1]]))
     seq_len = sum(len(it) for it in items) + 5
     rows, _ = _pack_row(items, seq_len)
-    packed = np.asarray(_packed_logits(params, _tensors(rows)))[0]
+    packed = np.asarray(_packed_logits(cfg, params, _tensors(rows)))[0]
 
     tokens, parents, weights = rows["tokens"][0], rows["parents"][0], rows["weights"][0]
     chain_of: dict[tuple, int] = {}                       # ancestor token chain -> row
@@ -265,7 +276,7 @@ def test_trie_row_equals_every_unit_alone(tok, params):
             chain.append(int(tokens[j]))
             j = int(parents[j])
         chain_of.setdefault(tuple(reversed(chain)), i)
-    alone = _alone(params, [c + p for c, p in unit_seqs])
+    alone = _alone(cfg, params, [c + p for c, p in unit_seqs])
     matched = set()
     for u, (ctx, comp) in enumerate(unit_seqs):
         seq = ctx + comp

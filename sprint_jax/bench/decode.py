@@ -7,8 +7,8 @@ run, what that buys (DESIGN.md "Performance contract"):
   copy     the prefix copied into every branch (the baseline to beat),
   serial   one branch after another on the planner's cache (what a non-parallel runtime does),
 for each branch count and context (prefix) length, plus single-sequence `engine.generate` vs
-HF transformers `generate` (PyTorch, `Qwen2ForCausalLM`, eager attention) on the same weights,
-the peer a user would otherwise pick.
+HF transformers `generate` (PyTorch, `Qwen2ForCausalLM` or `Qwen3ForCausalLM`, eager attention)
+on the same weights, the peer a user would otherwise pick.
 
 How it is timed. Every branch decodes exactly --new-tokens tokens: the engine runs with
 eos_token_ids=[] and no stop strings, and sampling is greedy. Each point is called once with
@@ -38,7 +38,7 @@ Models.
   default      `bench-tiny`: a random Qwen2 (hidden 256, 4 layers, 8 heads, 2 KV heads, head dim
                32, SwiGLU 768, vocab 1024, untied; 3.5M parameters): big enough that a step
                is real work on a CPU, small enough for the whole --quick run in under 5 minutes.
-  --preset X   any configs/model_X.json (e.g. tiny, r1-distill-qwen-7b) with random weights
+  --preset X   any configs/model_X.json (e.g. tiny, r1-distill-qwen-7b, qwen3-8b) with random weights
                (`init_params`, std 0.02) in --dtype; HF gets the same weights via `save_params`.
   --model DIR  a local HF checkpoint directory (both engines load it).
 Token ids are what is timed; the engine gets a synthetic vocabulary tokenizer (one entry per
@@ -112,9 +112,9 @@ CPU_PARAM_LIMIT = 1_000_000_000
 def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `sprint-jax bench decode`; unset ones take the --quick / full defaults."""
     src = parser.add_mutually_exclusive_group()
-    src.add_argument("--model", metavar="DIR", help="a local HF Qwen2 checkpoint directory")
+    src.add_argument("--model", metavar="DIR", help="a local HF Qwen2 or Qwen3 checkpoint directory")
     src.add_argument("--preset", help=f"random weights for a model preset: {BENCH_TINY_NAME} (default) "
-                                      "or a configs/model_NAME.json, e.g. tiny, r1-distill-qwen-7b")
+                                      "or a configs/model_NAME.json, e.g. tiny, r1-distill-qwen-7b, qwen3-8b")
     parser.add_argument("--quick", action="store_true",
                         help="branches 1,8 and two context lengths (CPU: under 5 minutes)")
     parser.add_argument("--out", metavar="FILE.json", help="write the results here as JSON")
@@ -265,19 +265,23 @@ def _torch_threads(threads: int):
 
 
 def _load_hf(hf_dir: Path, dtype: str):
-    """The HF peer on the same weights: Qwen2ForCausalLM with eager attention, on torch's device.
+    """The HF peer on the same weights: the family's HF class (Qwen2ForCausalLM / Qwen3ForCausalLM)
+    with eager attention, on torch's device.
 
     (torch's intra-op thread count is set by the caller: see `_torch_threads`.)
     """
     import torch
-    from transformers import Qwen2ForCausalLM
+    import transformers
     from transformers.utils import logging as hf_logging
+
+    from sprint_jax.model import Qwen2Config
 
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     hf_logging.disable_progress_bar()
-    hf = Qwen2ForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=tdt).to(device).eval()
+    hf_class = getattr(transformers, Qwen2Config.from_hf_config(hf_dir).family.architecture)
+    hf = hf_class.from_pretrained(hf_dir, attn_implementation="eager", dtype=tdt).to(device).eval()
     return hf, device
 
 

@@ -1,9 +1,9 @@
 """Training benchmarks: our sharded train step vs an HF PyTorch step, and the 7B step's memory.
 
-`sprint-jax bench train`: tokens/s and step time of `train.step` for a small Qwen2 on the local
-devices, side by side with `transformers.Qwen2ForCausalLM` + `torch.optim.AdamW` on the same
-config, the same weights and the same batch, in one run (DESIGN.md performance contract: ratios
-in one run, never timed tests). The first-step losses of both are printed too: an independent
+`sprint-jax bench train`: tokens/s and step time of `train.step` for a small Qwen2 / Qwen3 on the
+local devices, side by side with transformers' `Qwen2ForCausalLM` / `Qwen3ForCausalLM` +
+`torch.optim.AdamW` on the same config, the same weights and the same batch, in one run (DESIGN.md
+performance contract: ratios in one run, never timed tests). The first-step losses of both are printed too: an independent
 check of our loss. On GPU/TPU the MFU of our step is reported against a peak-FLOPs table.
 
 `sprint-jax bench train-memory`: the 7B preset's train step lowered and compiled from
@@ -93,7 +93,7 @@ def _jax_bench(cfg, batch_np, steps: int, remat: str, lr: float):
 
 def _torch_bench(cfg, params0, tokens, steps: int, lr: float, threads: int = 0):
     import torch
-    from transformers import Qwen2ForCausalLM
+    import transformers
 
     from sprint_jax.model import save_params
 
@@ -101,7 +101,8 @@ def _torch_bench(cfg, params0, tokens, steps: int, lr: float, threads: int = 0):
         torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as d:
         save_params(cfg.replace(param_dtype="float32"), params0, d)
-        model = Qwen2ForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa")
+        hf_class = getattr(transformers, cfg.family.architecture)  # Qwen2ForCausalLM / Qwen3ForCausalLM
+        model = hf_class.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa")
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     x = torch.as_tensor(tokens, dtype=torch.long)

@@ -14,7 +14,7 @@ use --qwen2-tokenizer to use the Qwen2 BPE shipped with the package instead.
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", required=True, help="HF safetensors or orbax model directory")
+    p.add_argument("--model", required=True, help="HF safetensors or orbax model directory (Qwen2 or Qwen3)")
     p.add_argument("prompt", nargs="?", default=None, help="prompt text")
     p.add_argument("--token-ids", default=None, help="comma-separated prompt token ids instead of text")
     p.add_argument("--max-new-tokens", type=int, default=64)

@@ -37,7 +37,7 @@ _CONFIG_FLAGS = (  # flag, OrchestratorConfig field, type
 
 def add_run_arguments(p) -> None:
     """Model, tokenizer, engine capacities and OrchestratorConfig flags."""
-    p.add_argument("--model", required=False, help="HF safetensors or orbax model directory")
+    p.add_argument("--model", required=False, help="HF safetensors or orbax model directory (Qwen2 or Qwen3)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer directory, or 'qwen2' for the Qwen2 BPE shipped with the package "
                         "(default: the model directory)")

@@ -17,7 +17,7 @@ from sprint_jax.model.config import Qwen2Config
 from sprint_jax.model.hf import CheckpointError, load_params, save_params
 from sprint_jax.model.qwen2 import Qwen2, abstract_params, dtype_of
 
-DESCRIPTION = """Convert a Qwen2 checkpoint between the HF safetensors layout and an orbax checkpoint.
+DESCRIPTION = """Convert a Qwen2 or Qwen3 checkpoint between the HF safetensors layout and an orbax checkpoint.
 
   sprint-jax convert --to orbax HF_DIR OUT_DIR     # for sharded training / fast restore
   sprint-jax convert --to hf ORBAX_DIR OUT_DIR     # for transformers / other tools
@@ -98,7 +98,7 @@ def load_orbax(path: str | Path, dtype=None, shardings=None) -> tuple[Qwen2Confi
 
 
 def load_model(path: str | Path, dtype=None) -> Qwen2:
-    """A Qwen2 from either an HF directory or an orbax model directory."""
+    """A Qwen2 / Qwen3 model from either an HF directory or an orbax model directory."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model directory not found: {path}")

@@ -160,7 +160,7 @@ def load_params(path: str | Path, config: Qwen2Config | None = None, dtype=None,
     if config is None:
         config = file_cfg
     else:
-        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        for f in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings"):
             if getattr(config, f) != getattr(file_cfg, f):
                 raise CheckpointError(f"config mismatch: {f} = {getattr(config, f)} but the checkpoint's "
@@ -214,7 +214,7 @@ def load_params(path: str | Path, config: Qwen2Config | None = None, dtype=None,
 
 def from_pretrained(path: str | Path, dtype=None, config: Qwen2Config | None = None,
                     shardings: Params | None = None, progress: bool = False) -> Qwen2:
-    """Load a local HF Qwen2 directory (config.json + model.safetensors[.index.json]) as `Qwen2`."""
+    """Load a local HF Qwen2 / Qwen3 directory (config.json + model.safetensors[.index.json]) as `Qwen2`."""
     config, params = load_params(path, config=config, dtype=dtype, shardings=shardings, progress=progress)
     return Qwen2(config, params=params)
 

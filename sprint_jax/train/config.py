@@ -17,7 +17,7 @@ SPAN_WEIGHTS_DEFAULT = {"query": 0.0, "plan": 1.0, "prompt": 1.0, "execution": 1
 
 @dataclasses.dataclass
 class ModelSection:
-    """Which Qwen2 to train and how to run it."""
+    """Which Qwen2 / Qwen3 model to train and how to run it."""
     name: str | dict[str, Any] = "tiny"       # preset name, HF dir / config.json path, or an HF config dict
     init: Literal["scratch", "pretrained"] = "scratch"  # pretrained: weights from the HF dir `name`
     dtype: Literal["float32", "bfloat16"] = "bfloat16"  # compute dtype; master weights stay fp32
