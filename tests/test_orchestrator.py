@@ -441,16 +441,16 @@ def _well_formed_prefix(draw) -> str:
 @given(planner=st.lists(st.one_of(_text, _well_formed_prefix()), max_size=6),
        executors=st.dictionaries(st.tuples(st.integers(1, 3), st.integers(1, 3)), st.one_of(_text, _well_formed_prefix()),
                                  max_size=6),
-       mode=st.sampled_from(["parallel", "serial", "sequential"]),
+       mode=st.sampled_from(["parallel", "serial", "sequential"]), layout=st.sampled_from(["flat", "trie"]),
        budgets=st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(1, 30), st.integers(1, 30),
                          st.integers(1, 120)),
        capacity=st.tuples(st.integers(8, 200), st.integers(1, 4), st.integers(2, 40)))
-def test_fuzz_never_crashes_and_always_terminates(planner, executors, mode, budgets, capacity):
+def test_fuzz_never_crashes_and_always_terminates(planner, executors, mode, layout, budgets, capacity):
     stages, prompts, ptok, btok, total = budgets
     engine = ScriptedEngine(planner, executors, max_seq_len=capacity[0], max_branches=capacity[1],
                             max_branch_tokens=capacity[2])
     cfg = OrchestratorConfig(max_stages=stages, max_prompts=prompts, max_planner_tokens=ptok,
-                             max_branch_tokens=btok, max_total_tokens=total)
+                             max_branch_tokens=btok, max_total_tokens=total, layout=layout)
     rec = run_query(engine, "Query text", mode, cfg)
     assert rec.termination in TERMINATIONS and rec.termination != "engine_error", rec.problems
     assert rec.total_tokens == engine.generated <= total
