@@ -40,7 +40,7 @@ def test_report_fields_and_times(report):
     for key in ("benchmark", "device_kind", "backend", "jax_version", "torch_version", "loadavg_start",
                 "loadavg_end", "model", "settings", "capacities", "timing", "rows", "ratios", "hf", "targets"):
         assert key in report, key
-    assert report["model"]["param_count"] > 0 and report["settings"]["dtype"] == "fp32"
+    assert report["model"]["param_count"] > 0 and report["settings"]["dtype"] == "float32"
     assert len(report["rows"]) == len(MODES) * 2
     for r in report["rows"]:
         assert r["prefix_len"] == P and r["new_tokens"] == N_NEW

@@ -42,6 +42,27 @@ def test_unsupported_configs_are_rejected_naming_the_field(change, field):
         Qwen2Config.from_hf_config({**base, **change})
 
 
+def test_hf_storage_dtype_does_not_choose_our_dtypes(hf_untied, tmp_path):
+    """A checkpoint transformers saved in bf16 says so in config.json ("dtype"); that is how the
+    file stores tensors, not how we compute: dtypes come from the caller, float32 by default."""
+    import torch
+    from conftest import load_hf
+
+    load_hf(hf_untied, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    written = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert written.get("dtype", written.get("torch_dtype")) == "bfloat16"
+    m = from_pretrained(tmp_path / "bf16")
+    assert (m.config.param_dtype, m.config.dtype) == ("float32", "float32")
+    base = json.loads((Qwen2Config.preset.__globals__["CONFIG_DIR"] / "model_tiny.json").read_text())
+    for key in ("dtype", "torch_dtype"):
+        cfg = Qwen2Config.from_hf_config({**base, key: "bfloat16"})
+        assert (cfg.param_dtype, cfg.dtype) == ("float32", "float32")
+    m = from_pretrained(tmp_path / "bf16", compute_dtype="bfloat16")
+    assert (m.config.param_dtype, m.config.dtype) == ("float32", "bfloat16")
+    with pytest.raises(ValueError, match="float16"):
+        from_pretrained(tmp_path / "bf16", param_dtype=np.float16)
+
+
 def test_bad_checkpoints_name_the_tensor(hf_untied, tmp_path):
     def copy():
         d = tmp_path / f"ck{len(list(tmp_path.iterdir()))}"

@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from sprint_jax import format as fmt
 from sprint_jax.infer.engine import EngineError
@@ -117,7 +117,7 @@ class OrchestratorConfig:
     top_k: int = 0                       # 0 = off
     top_p: float = 1.0                   # 1 = off
     seed: int = 0                        # each engine call gets its own seed derived from this
-    layout: str = "flat"                 # the model's training layout (token convention at boundaries)
+    layout: Literal["flat", "trie"] = "flat"  # the model's training layout: token convention at boundaries
 
     def __post_init__(self) -> None:
         for name in ("max_stages", "max_prompts", "max_planner_tokens", "max_branch_tokens", "max_total_tokens"):

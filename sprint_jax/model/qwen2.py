@@ -23,12 +23,11 @@ import numpy as np
 from flax import nnx
 
 from sprint_jax.model.config import Qwen2Config
+from sprint_jax.dtypes import dtype_of  # noqa: F401  (re-exported: the engine uses it)
 
 Params = dict[str, Any]
 
 
-def dtype_of(name: str):
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sprint_jax.config import ConfigError, load_config, to_dict
+from sprint_jax.dtypes import DType
 
 SPAN_WEIGHTS_DEFAULT = {"query": 0.0, "plan": 1.0, "prompt": 1.0, "execution": 1.0, "answer": 1.0, "tag": 1.0}
 
@@ -20,7 +21,7 @@ class ModelSection:
     """Which Qwen2 to train and how to run it."""
     name: str | dict[str, Any] = "tiny"       # preset name, HF dir / config.json path, or an HF config dict
     init: Literal["scratch", "pretrained"] = "scratch"  # pretrained: weights from the HF dir `name`
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"  # compute dtype; master weights stay fp32
+    dtype: DType = "bfloat16"  # compute dtype; master weights stay fp32
     remat: Literal["none", "full", "dots"] = "full"     # rematerialise each layer in the backward pass
     loss_chunk: int = 1024                     # tokens per vocab-projection chunk in the loss (0 = whole row)
     init_seed: int = 0                         # scratch init key
@@ -123,7 +124,7 @@ class CheckpointSection:
 class ExportSection:
     """The final model as an HF safetensors directory (OUT/hf) that transformers loads."""
     enabled: bool = True
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: DType = "float32"
 
 
 @dataclasses.dataclass

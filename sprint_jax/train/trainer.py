@@ -127,11 +127,11 @@ def export_hf(config, params, tokenizer, path: Path, dtype: str, meta: dict | No
     inference must know about the training, e.g. its layout). Every process joins the gather;
     process 0 writes."""
     import jax
-    import jax.numpy as jnp
 
     from sprint_jax.model import save_params
+    from sprint_jax.dtypes import dtype_of
 
-    dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
+    dt = dtype_of(dtype)
     cast = jax.jit(lambda t: jax.tree.map(lambda x: x.astype(dt), t))
     host = jax.tree.map(distributed.gather_to_host, cast(params))
     if not _is_main():
@@ -240,7 +240,7 @@ def train(config: TrainConfig, out_dir: str | Path, tokenizer=None, progress: bo
             ckpt_lib.warn(f"starting from step 0: no valid checkpoint, and {quarantine} holds bad ones")
         params = None
         if cfg.model.init == "pretrained":
-            _, params = load_params(cfg.model.name, config=model_cfg, dtype="float32",
+            _, params = load_params(cfg.model.name, config=model_cfg, param_dtype="float32",
                                     shardings=setup.param_shardings, progress=progress and main)
         state = setup.init_state(cfg.seed, params=params, init_seed=cfg.model.init_seed)
         start_step, rows, tokens_total = 0, 0, 0
