@@ -97,6 +97,7 @@ def test_bad_checkpoints_name_the_tensor(hf_untied, tmp_path):
         from_pretrained(d, config=Qwen2Config.from_hf_config({**cfg, "num_hidden_layers": 4}))
 
 
+@pytest.mark.slow
 def test_convert_cli_round_trip(hf_tied, tmp_path):
     orb, back = tmp_path / "orbax", tmp_path / "back"
     for cmd in (["convert", "--to", "orbax", str(hf_tied), str(orb)],

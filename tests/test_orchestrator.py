@@ -401,10 +401,12 @@ def test_config_loads_and_rejects_bad_values():
         run_query(drug_engine(), QUERY, "batched")
 
 
-def test_execution_opening_is_what_render_writes():
-    text = fmt.render_completion(DRUG_TRAJECTORY)
-    for i, j in [(1, 1), (2, 1), (2, 2), (2, 3), (3, 1)]:
-        assert execution_opening(i, j) + " " in text
+def test_forced_text_is_the_canonical_whitespace():
+    """The forced opening is what the canonical format puts before an execution's content (one
+    newline between blocks, one space inside: DESIGN.md; test_format checks render against the
+    same literal text)."""
+    assert execution_opening(2, 3) == "\n<execution_2.3>"
+    assert (fmt.BLOCK_GAP, fmt.CLOSE_GAP) == ("\n", " ")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,7 +42,8 @@ class CheckpointError(ValueError):
 # safetensors files
 # ---------------------------------------------------------------------------------------------
 class SafetensorsFile:
-    """Lazily reads tensors from one .safetensors file through a memory map."""
+    """Reads tensors from one .safetensors file on demand, each with a plain read into a fresh
+    buffer (no memory map)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
