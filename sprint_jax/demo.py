@@ -268,24 +268,22 @@ def _plots(out: Path, trained: dict, results: dict) -> None:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--out", default=None, help="output directory (default runs/demo)")
-    p.add_argument("--seed", type=int, default=None, help="seed for tasks, data order and init (default 0)")
+    from sprint_jax.config import add_config_flags
+
     p.add_argument("--layouts", default=None,
                    help="SPRINT training layouts, comma-separated: trie (default), flat, or trie,flat")
     p.add_argument("--config", default=str(CONFIG_DIR / "demo.yaml"), help="demo config (YAML)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set steps=100 (repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_config_flags(p.add_argument_group("DemoConfig fields (flags override --config/--set)"), DemoConfig)
 
 
 def run(args) -> int:
+    from sprint_jax.config import flag_overrides
     from sprint_jax.errors import UserError
 
-    overrides = list(args.set)
-    if args.seed is not None:
-        overrides.append(f"seed={args.seed}")
-    if args.out is not None:
-        overrides.append(f"out={args.out}")
+    overrides = list(args.set) + flag_overrides(args, DemoConfig)
     if args.layouts is not None:
         layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
         bad = [x for x in layouts if x not in ("trie", "flat")]

@@ -59,3 +59,16 @@ def test_every_orchestrator_field_has_its_flag(command):
     for f in dataclasses.fields(OrchestratorConfig):
         a = _option(p, "--" + f.name.replace("_", "-"))
         assert a is not None and a.dest == f.name, f.name
+
+
+def test_demo_flags_are_derived_from_its_config():
+    from sprint_jax.config import flag_overrides, load_config
+    from sprint_jax.demo import DemoConfig
+
+    p = _parser("demo")
+    for f in dataclasses.fields(DemoConfig):
+        if f.type in ("int", "float", "str"):
+            assert _option(p, "--" + f.name.replace("_", "-")) is not None, f.name
+    args = p.parse_args(["--steps", "7", "--lr", "0.01", "--out", "x/y"])
+    cfg = load_config(DemoConfig, None, flag_overrides(args, DemoConfig))
+    assert (cfg.steps, cfg.lr, cfg.out, cfg.seed) == (7, 0.01, "x/y", 0)

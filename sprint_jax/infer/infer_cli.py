@@ -5,7 +5,6 @@ import json
 import shutil
 import sys
 import textwrap
-import types
 from pathlib import Path
 from typing import TextIO
 
@@ -32,27 +31,6 @@ is treated as flat (the paper's layout). `--layout trie` overrides.
 # ---------------------------------------------------------------------------------------------
 # Arguments shared with `sprint-jax eval`
 # ---------------------------------------------------------------------------------------------
-def config_flags(cls) -> list[tuple[str, str, type, tuple | None]]:
-    """(flag, field, type, choices) for every scalar field of config dataclass `cls`: flags are
-    derived from the dataclass (`max_stages` -> `--max-stages`), never retyped."""
-    import dataclasses
-    import typing
-
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in dataclasses.fields(cls):
-        kind = hints[f.name]
-        args = [a for a in typing.get_args(kind) if a is not type(None)]
-        choices = None
-        if typing.get_origin(kind) is typing.Literal:
-            kind, choices = type(args[0]), tuple(args)
-        elif args and typing.get_origin(kind) in (typing.Union, types.UnionType):
-            kind = args[0]
-        if kind in (int, float, str):
-            out.append(("--" + f.name.replace("_", "-"), f.name, kind, choices))
-    return out
-
-
 def add_run_arguments(p) -> None:
     """Model, tokenizer, engine capacities and OrchestratorConfig flags."""
     p.add_argument("--model", required=False, help="HF safetensors or orbax model directory")
@@ -61,14 +39,11 @@ def add_run_arguments(p) -> None:
     p.add_argument("--config", default=None, help="YAML file of OrchestratorConfig fields")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override an OrchestratorConfig field (repeatable)")
+    from sprint_jax.config import add_config_flags
     from sprint_jax.infer.orchestrator import OrchestratorConfig
 
-    defaults = OrchestratorConfig()
     g = p.add_argument_group("budgets and sampling (OrchestratorConfig; flags override --config/--set)")
-    for flag, field, kind, choices in config_flags(OrchestratorConfig):
-        default = "the model's sprint_jax.json, else flat" if field == "layout" else getattr(defaults, field)
-        g.add_argument(flag, dest=field, type=kind, default=None, choices=choices,
-                       help=f"OrchestratorConfig.{field} (default {default})")
+    add_config_flags(g, OrchestratorConfig, defaults={"layout": "the model's sprint_jax.json, else flat"})
     e = p.add_argument_group("engine capacities")
     e.add_argument("--max-seq-len", type=int, default=8192, help="planner context capacity in tokens")
     e.add_argument("--decode-chunk", type=int, default=16, help="decode steps per host round trip")
@@ -79,14 +54,10 @@ def add_run_arguments(p) -> None:
 
 def config_from_args(args):
     """OrchestratorConfig: the model export's layout, then --config, then --set and the flags."""
-    from sprint_jax.config import load_config
+    from sprint_jax.config import flag_overrides, load_config
     from sprint_jax.infer.orchestrator import OrchestratorConfig
 
-    overrides = list(args.set)
-    for _, field, _, _ in config_flags(OrchestratorConfig):
-        value = getattr(args, field, None)
-        if value is not None:
-            overrides.append(f"{field}={value}")
+    overrides = list(args.set) + flag_overrides(args, OrchestratorConfig)
     return load_config(OrchestratorConfig, args.config, overrides, data=model_defaults(args.model))
 
 
