@@ -18,8 +18,9 @@ sequential vs total tokens and wall clock (no grading).
 
 Budgets and sampling: one flag per OrchestratorConfig field (--max-stages, --max-prompts,
 --max-planner-tokens, --max-branch-tokens, --max-total-tokens, --time-limit-s, --temperature,
---top-k, --top-p, --seed, --layout), or --config FILE.yaml / --set field=value. The query is given to the model exactly as written (training
-prompts are the bare problem text; see `sprint-jax eval --help`).
+--top-k, --top-p, --seed, --layout), or --config FILE.yaml / --set field=value. The query is
+given to the model exactly as written (training prompts are the bare problem text; see
+`sprint-jax eval --help`).
 
 Token convention: where forced text (an executor's opening, the sync) meets generated text, the
 context is tokenized the way the model's training layout did (flat or trie). The layout is read

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from sprint_jax.model.config import Qwen2Config
-from sprint_jax.dtypes import dtype_of  # noqa: F401  (re-exported: the engine uses it)
+from sprint_jax.dtypes import dtype_of
 
 Params = dict[str, Any]
 

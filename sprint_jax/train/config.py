@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from sprint_jax.config import ConfigError, load_config, to_dict
 from sprint_jax.dtypes import DType
+from sprint_jax.format import Layout
 
 SPAN_WEIGHTS_DEFAULT = {"query": 0.0, "plan": 1.0, "prompt": 1.0, "execution": 1.0, "answer": 1.0, "tag": 1.0}
 
@@ -38,7 +39,7 @@ class ModelSection:
 class DataSection:
     """Examples -> packed token rows (DESIGN.md "Training": span-masked loss, flat or trie layout)."""
     train: list[str] = dataclasses.field(default_factory=list)  # jsonl files of Examples
-    layout: Literal["flat", "trie"] = "flat"   # flat = paper (one causal sequence); trie = inference calls
+    layout: Layout = "flat"                    # flat = paper (one causal sequence); trie = inference calls
     seq_len: int = 2048                        # tokens per packed row
     overlong: Literal["drop", "truncate"] = "drop"  # an example longer than seq_len
     span_weights: dict[str, float] = dataclasses.field(default_factory=lambda: dict(SPAN_WEIGHTS_DEFAULT))
