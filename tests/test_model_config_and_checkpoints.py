@@ -63,6 +63,18 @@ def test_hf_storage_dtype_does_not_choose_our_dtypes(hf_untied, tmp_path):
         from_pretrained(tmp_path / "bf16", param_dtype=np.float16)
 
 
+def test_export_meta_is_one_dict_and_tolerates_older_exports(tmp_path):
+    from sprint_jax.model.hf import EXPORT_META_FILE, read_export_meta, update_export_meta
+
+    assert read_export_meta(tmp_path) == {}                   # an export written before the file existed
+    update_export_meta(tmp_path, layout="trie")
+    update_export_meta(tmp_path, tokenizer="qwen2")           # other writers keep what is there
+    assert read_export_meta(tmp_path) == {"layout": "trie", "tokenizer": "qwen2"}
+    (tmp_path / EXPORT_META_FILE).write_text("{not json")
+    with pytest.raises(CheckpointError, match=EXPORT_META_FILE):
+        read_export_meta(tmp_path)
+
+
 def test_bad_checkpoints_name_the_tensor(hf_untied, tmp_path):
     def copy():
         d = tmp_path / f"ck{len(list(tmp_path.iterdir()))}"
