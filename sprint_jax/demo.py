@@ -85,6 +85,7 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
     from sprint_jax.eval.evaluate import evaluate
     from sprint_jax.infer import Engine, OrchestratorConfig
     from sprint_jax.model.convert import load_model
+    from sprint_jax.model.hf import read_export_meta
     from sprint_jax.model.tokenizer import VocabTokenizer
     from sprint_jax.train.config import TrainConfig
     from sprint_jax.train.trainer import train
@@ -161,8 +162,9 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
                                          prefill_chunk=128)
             _warm(engines[model_name], test_tasks[0], orch)
         t0 = time.perf_counter()
+        layout = read_export_meta(trained[model_name]["export_dir"]).get("layout", "flat")
         _, rep = evaluate(engines[model_name], test_tasks, mode, prompt_fn=chains.prompt_for,
-                            orchestrator_config=orch, out_dir=out / "eval" / run_name, progress=progress,
+                            orchestrator_config=dataclasses.replace(orch, layout=layout), out_dir=out / "eval" / run_name, progress=progress,
                             meta={"model": model_name, "mode": mode})
         wall = time.perf_counter() - t0
         entry = {"accuracy": rep["accuracy"], "mean_sequential_tokens": rep["mean_sequential_tokens"],
@@ -266,8 +268,8 @@ def _plots(out: Path, trained: dict, results: dict) -> None:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--out", default=None, help="output directory (default runs/demo)")
-    p.add_argument("--seed", type=int, default=None, help="seed for tasks, data order and init (default 0)")
+    from sprint_jax.config import add_config_flags
+
     p.add_argument("--layouts", default=None,
                    help="SPRINT training layouts, comma-separated: trie (default), flat, or trie,flat")
     p.add_argument("--config", default=None,
@@ -275,16 +277,14 @@ def add_arguments(p) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set steps=100 (repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_config_flags(p.add_argument_group("DemoConfig fields (flags override --config/--set)"), DemoConfig)
 
 
 def run(args) -> int:
+    from sprint_jax.config import flag_overrides
     from sprint_jax.errors import UserError
 
-    overrides = list(args.set)
-    if args.seed is not None:
-        overrides.append(f"seed={args.seed}")
-    if args.out is not None:
-        overrides.append(f"out={args.out}")
+    overrides = list(args.set) + flag_overrides(args, DemoConfig)
     if args.layouts is not None:
         layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
         bad = [x for x in layouts if x not in ("trie", "flat")]

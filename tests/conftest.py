@@ -8,10 +8,10 @@ import pytest
 
 from sprint_jax.config import CONFIG_DIR
 
-# Odd sizes catch transposes (STYLE.md habit 5).
-TINY_HF = dict(vocab_size=307, hidden_size=72, intermediate_size=200, num_hidden_layers=3,
-               num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
-               rope_theta=10000.0, rms_norm_eps=1e-6)
+# The one tiny test model: configs/model_tiny.json (`Qwen2Config.preset("tiny")`). Odd sizes catch
+# transposes (STYLE.md habit 5). Here as HF Qwen2Config keyword arguments.
+TINY_HF = {k: v for k, v in json.loads((CONFIG_DIR / "model_tiny.json").read_text()).items()
+           if k not in ("model_type", "tie_word_embeddings")}
 # The tiny Qwen3 preset: same odd sizes, head_dim 20 != hidden / heads (= 12).
 TINY_QWEN3_HF = {k: v for k, v in json.loads((CONFIG_DIR / "model_tiny-qwen3.json").read_text()).items()
                  if k not in ("model_type", "tie_word_embeddings")}

@@ -284,6 +284,7 @@ def test_teacher_trace_with_sprint_tags_or_truncation_is_discarded(server, tmp_p
     assert report["counts"]["teacher"] == 2
 
 
+@pytest.mark.slow
 def test_cli_run_and_status(server, tmp_path, capsys, monkeypatch):
     """`sprint-jax curate` as a real subprocess; `status` and a missing key through the same entry point."""
     from sprint_jax.cli import main

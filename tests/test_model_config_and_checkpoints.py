@@ -109,6 +109,39 @@ def test_unsupported_configs_are_rejected_naming_the_field(change, field):
         Qwen2Config.from_hf_config({**base, **change})
 
 
+def test_hf_storage_dtype_does_not_choose_our_dtypes(hf_untied, tmp_path):
+    """A checkpoint transformers saved in bf16 says so in config.json ("dtype"); that is how the
+    file stores tensors, not how we compute: dtypes come from the caller, float32 by default."""
+    import torch
+    from conftest import load_hf
+
+    load_hf(hf_untied, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    written = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert written.get("dtype", written.get("torch_dtype")) == "bfloat16"
+    m = from_pretrained(tmp_path / "bf16")
+    assert (m.config.param_dtype, m.config.dtype) == ("float32", "float32")
+    base = json.loads((Qwen2Config.preset.__globals__["CONFIG_DIR"] / "model_tiny.json").read_text())
+    for key in ("dtype", "torch_dtype"):
+        cfg = Qwen2Config.from_hf_config({**base, key: "bfloat16"})
+        assert (cfg.param_dtype, cfg.dtype) == ("float32", "float32")
+    m = from_pretrained(tmp_path / "bf16", compute_dtype="bfloat16")
+    assert (m.config.param_dtype, m.config.dtype) == ("float32", "bfloat16")
+    with pytest.raises(ValueError, match="float16"):
+        from_pretrained(tmp_path / "bf16", param_dtype=np.float16)
+
+
+def test_export_meta_is_one_dict_and_tolerates_older_exports(tmp_path):
+    from sprint_jax.model.hf import EXPORT_META_FILE, read_export_meta, update_export_meta
+
+    assert read_export_meta(tmp_path) == {}                   # an export written before the file existed
+    update_export_meta(tmp_path, layout="trie")
+    update_export_meta(tmp_path, tokenizer="qwen2")           # other writers keep what is there
+    assert read_export_meta(tmp_path) == {"layout": "trie", "tokenizer": "qwen2"}
+    (tmp_path / EXPORT_META_FILE).write_text("{not json")
+    with pytest.raises(CheckpointError, match=EXPORT_META_FILE):
+        read_export_meta(tmp_path)
+
+
 def test_bad_checkpoints_name_the_tensor(hf_untied, tmp_path):
     def copy():
         d = tmp_path / f"ck{len(list(tmp_path.iterdir()))}"
@@ -143,6 +176,7 @@ def test_bad_checkpoints_name_the_tensor(hf_untied, tmp_path):
         from_pretrained(d, config=Qwen2Config.from_hf_config({**cfg, "num_hidden_layers": 4}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["hf_tied", "hf_qwen3_untied"])
 def test_convert_cli_round_trip(fixture, request, tmp_path):
     src = request.getfixturevalue(fixture)

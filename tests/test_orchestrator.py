@@ -9,6 +9,7 @@ import re
 from typing import Sequence
 
 import hypothesis.strategies as st
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
@@ -97,6 +98,13 @@ class ScriptedEngine:
             raise EngineError("extend exceeds max_seq_len")
         self.calls.append({"kind": "extend", "text": self.decode_text(ids)})
         state.tokens = state.tokens + list(ids)
+        return state
+
+    def truncate(self, state: State, n: int) -> State:
+        if not 1 <= n <= len(state.tokens):
+            raise EngineError(f"truncate to {n} of {len(state.tokens)} tokens")
+        self.calls.append({"kind": "truncate", "keep": n})
+        state.tokens = state.tokens[:n]
         return state
 
     def _emit(self, script: str, limit: int, stops: Sequence[str]) -> Generation:
@@ -196,6 +204,11 @@ DRUG_TRAJECTORY = fmt.Trajectory(query=QUERY, stages=[
 ], final_answer="A quinazoline lead.")
 
 
+# The scripts are what a trie-trained model writes: every planner call starts with its own block
+# gap. A flat-trained model is handed that gap by the sync (see the Qwen2 token-boundary tests).
+TRIE = OrchestratorConfig(layout="trie")
+
+
 def drug_engine(**kw) -> ScriptedEngine:
     return ScriptedEngine(DRUG_PLANNER, DRUG_EXECUTORS, **kw)
 
@@ -213,7 +226,8 @@ def _untimed(record) -> dict:
 def test_drug_discovery_trajectory_stages_and_exact_accounting():
     engine = drug_engine()
     events = []
-    rec = run_query(engine, QUERY, "parallel", on_event=lambda e: events.append((e.kind, e.stage and e.stage.index)))
+    rec = run_query(engine, QUERY, "parallel", TRIE,
+                    on_event=lambda e: events.append((e.kind, e.stage and e.stage.index)))
     assert rec.termination == "final_answer" and rec.problems == [] and rec.format_valid
     assert [s.index for s in rec.stages] == [1, 2, 3]
     assert [len(s.executions) for s in rec.stages] == [1, 3, 1]
@@ -284,7 +298,7 @@ def test_truncated_and_eos_executions_are_closed_by_the_orchestrator():
     planner = ["<Plan_1> <prompt_1.1> a </prompt_1.1> <prompt_1.2> b </prompt_1.2> </Plan_1>",
                "\n<Final Answer> 1 </Final Answer>"]
     engine = ScriptedEngine(planner, {(1, 1): " one two three four five six", (1, 2): " x<eos>"})
-    rec = run_query(engine, "Q", "parallel", OrchestratorConfig(max_branch_tokens=5))
+    rec = run_query(engine, "Q", "parallel", OrchestratorConfig(max_branch_tokens=5, layout="trie"))
     ex = rec.stages[0].executions
     assert [e.stop_reason for e in ex] == ["length", "eos"]
     assert [e.tokens for e in ex] == [5, 3]            # the EOS was decoded, so it counts
@@ -387,10 +401,12 @@ def test_config_loads_and_rejects_bad_values():
         run_query(drug_engine(), QUERY, "batched")
 
 
-def test_execution_opening_is_what_render_writes():
-    text = fmt.render_completion(DRUG_TRAJECTORY)
-    for i, j in [(1, 1), (2, 1), (2, 2), (2, 3), (3, 1)]:
-        assert execution_opening(i, j) + " " in text
+def test_forced_text_is_the_canonical_whitespace():
+    """The forced opening is what the canonical format puts before an execution's content (one
+    newline between blocks, one space inside: DESIGN.md; test_format checks render against the
+    same literal text)."""
+    assert execution_opening(2, 3) == "\n<execution_2.3>"
+    assert (fmt.BLOCK_GAP, fmt.CLOSE_GAP) == ("\n", " ")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,16 +443,16 @@ def _well_formed_prefix(draw) -> str:
 @given(planner=st.lists(st.one_of(_text, _well_formed_prefix()), max_size=6),
        executors=st.dictionaries(st.tuples(st.integers(1, 3), st.integers(1, 3)), st.one_of(_text, _well_formed_prefix()),
                                  max_size=6),
-       mode=st.sampled_from(["parallel", "serial", "sequential"]),
+       mode=st.sampled_from(["parallel", "serial", "sequential"]), layout=st.sampled_from(["flat", "trie"]),
        budgets=st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(1, 30), st.integers(1, 30),
                          st.integers(1, 120)),
        capacity=st.tuples(st.integers(8, 200), st.integers(1, 4), st.integers(2, 40)))
-def test_fuzz_never_crashes_and_always_terminates(planner, executors, mode, budgets, capacity):
+def test_fuzz_never_crashes_and_always_terminates(planner, executors, mode, layout, budgets, capacity):
     stages, prompts, ptok, btok, total = budgets
     engine = ScriptedEngine(planner, executors, max_seq_len=capacity[0], max_branches=capacity[1],
                             max_branch_tokens=capacity[2])
     cfg = OrchestratorConfig(max_stages=stages, max_prompts=prompts, max_planner_tokens=ptok,
-                             max_branch_tokens=btok, max_total_tokens=total)
+                             max_branch_tokens=btok, max_total_tokens=total, layout=layout)
     rec = run_query(engine, "Query text", mode, cfg)
     assert rec.termination in TERMINATIONS and rec.termination != "engine_error", rec.problems
     assert rec.total_tokens == engine.generated <= total
@@ -457,17 +473,27 @@ class ForcedPlanner:
     returned as a Generation): a random model never writes tags, so this makes it run stages.
     Executors are decoded by the real engine; unscripted planner calls are real too."""
 
-    def __init__(self, engine, scripts: Sequence[str]):
+    def __init__(self, engine, scripts: Sequence[str], spell: Sequence[str] = ()):
         self.engine = engine
         self.scripts = list(scripts)
+        self.spell = list(spell)           # strings the "model" writes one character per token
+        self.contexts: list[list[int]] = []
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
+    def _encode(self, text: str) -> list[int]:
+        for word in self.spell:
+            if word in text:
+                a, b = text.split(word, 1)
+                return self._encode(a) + [t for ch in word for t in self.engine.encode(ch)] + self._encode(b)
+        return self.engine.encode(text)
+
     def generate(self, state, max_new_tokens, stop=(), sampling=None):
+        self.contexts.append(list(state.tokens))
         if not self.scripts:
             return self.engine.generate(state, max_new_tokens, stop=stop, sampling=sampling)
-        ids = self.engine.encode(self.scripts.pop(0))[:max_new_tokens]
+        ids = self._encode(self.scripts.pop(0))[:max_new_tokens]
         self.engine.extend(state, ids)
         text = self.engine.decode_text(ids)
         return Generation(ids, text, "stop" if any(s in text for s in stop) else "length", state=state)
@@ -508,8 +534,47 @@ def test_real_engine_parallel_equals_serial_and_counts_match_an_independent_deco
     planner_tokens = [len(real_engine.encode(t)) for t in REAL_PLANNER]
     assert par.sequential_tokens == planner_tokens[0] + max(e.tokens for e in par.stages[0].executions) + planner_tokens[1]
     assert par.total_tokens == sum(planner_tokens) + sum(e.tokens for e in par.stages[0].executions)
-    assert par.stages[0].sync_tokens == sum(e.forced_tokens + e.tokens for e in par.stages[0].executions)
+    # flat (the default layout): the sync also prefills the block gap that follows the last execution
+    assert par.stages[0].sync_tokens == sum(e.forced_tokens + e.tokens for e in par.stages[0].executions) + \
+        len(real_engine.encode(fmt.BLOCK_GAP))
     assert par.stages[0].branch_cache_bytes > 0
+
+
+@pytest.mark.parametrize("mode", ["parallel", "serial"])
+def test_real_engine_rolls_back_to_the_layout_tokens_at_fork_and_sync(real_engine, mode):
+    """The planner writes `<t5>` as four character tokens where the tokenizer has one token: the
+    fork rolls the real engine's state back to before it, every executor starts from the flat
+    tokenization of its context (checked against a decode alone from a fresh prefill of exactly
+    that), and the planner holds the flat tokenization after the sync."""
+    planner = ["<Plan_1> <prompt_1.1> a </prompt_1.1> <prompt_1.2> b </prompt_1.2> see <t5> </Plan_1>",
+               "<Final Answer> 5 </Final Answer>"]
+    forced = ForcedPlanner(real_engine, planner, spell=["<t5>"])
+    assert len(forced._encode(planner[0])) == len(real_engine.encode(planner[0])) + 3
+    rec = run_query(forced, REAL_QUERY, mode, OrchestratorConfig(max_branch_tokens=6, layout="flat"))
+    assert rec.termination == "final_answer" and rec.final_answer == "5"
+    enc = real_engine.encode
+    for j, ex in enumerate(rec.stages[0].executions, start=1):
+        context = enc(REAL_QUERY) + enc(planner[0] + execution_opening(1, j))
+        ref = real_engine.generate(real_engine.prefill(context), 6, stop=[fmt.execution_close(1, j)])
+        assert ex.tokens == len(ref.tokens) and ex.text == ref.text[:len(ex.text)]
+    after_sync = forced.contexts[1]
+    assert after_sync == enc(REAL_QUERY) + enc(real_engine.decode_text(after_sync[len(enc(REAL_QUERY)):]))
+    assert real_engine.decode_text(after_sync).endswith(fmt.BLOCK_GAP)
+
+
+def test_real_engine_truncate_then_extend_equals_a_fresh_prefill(real_engine):
+    """The orchestrator's roll-back at a token boundary: keep a prefix, prefill a different tail;
+    the next-token logits are those of a fresh prefill of the same tokens."""
+    ids = real_engine.encode(REAL_QUERY + REAL_PLANNER[0])
+    state = real_engine.prefill(ids)
+    real_engine.truncate(state, len(ids) - 5)
+    tail = real_engine.encode(" x y")
+    real_engine.extend(state, tail)
+    ref = real_engine.prefill(ids[:-5] + tail)
+    assert state.tokens == ref.tokens
+    np.testing.assert_allclose(real_engine.step_logits(state), real_engine.step_logits(ref), rtol=1e-5, atol=1e-5)
+    with pytest.raises(EngineError, match="truncate"):
+        real_engine.truncate(state, 0)
 
 
 def test_real_engine_unscripted_planner_ends_on_its_budget(real_engine):

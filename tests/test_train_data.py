@@ -183,8 +183,7 @@ def test_stream_is_deterministic_and_covers_every_item(tok):
 # ---------------------------------------------------------------------------------------------
 # packing == running alone (independent reference: a plain causal forward per sequence)
 # ---------------------------------------------------------------------------------------------
-CFG = Qwen2Config(vocab_size=307, hidden_size=72, intermediate_size=200, num_hidden_layers=3,
-                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096)
+CFG = Qwen2Config.preset("tiny")
 FAMILY_CFGS = {"qwen2": CFG, "qwen3": Qwen2Config.preset("tiny-qwen3")}  # one tiny shape per family
 L = 640   # one padded length for every "alone" run: a single compiled shape
 

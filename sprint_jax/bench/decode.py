@@ -75,6 +75,8 @@ from typing import Any
 
 import numpy as np
 
+from sprint_jax.dtypes import DTYPE_NAMES, dtype_of, torch_dtype
+
 DESCRIPTION = __doc__
 
 # The default CPU model: hidden 256, 4 layers, 8 heads / 2 KV heads (grouped-query like the 7B).
@@ -125,8 +127,9 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens each branch decodes (default CPU 64, accelerator 128)")
     parser.add_argument("--branch-prefix-len", type=int,
                         help="forced tokens per branch before it decodes, like `<execution_k.j>` (default 4)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"),
-                        help="parameter and compute dtype (default fp32 on CPU, bf16 on an accelerator)")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES,
+                        help="parameter and compute dtype (activations, KV cache); default float32 on CPU, "
+                             "bfloat16 on an accelerator")
     parser.add_argument("--repeats", type=int, help="timed calls per point, best reported (default 3)")
     parser.add_argument("--decode-chunk", type=int,
                         help="decode steps per host round trip (default CPU 32, accelerator 64)")
@@ -182,7 +185,7 @@ def _settings(args: argparse.Namespace, on_accel: bool) -> dict[str, Any]:
         raise _user_error(f"--new-tokens must be >= 2 (the step time is wall(N) - wall(1)), got {s['new_tokens']}")
     if s["branch_prefix_len"] < 1:
         raise _user_error(f"--branch-prefix-len must be >= 1, got {s['branch_prefix_len']}")
-    s["dtype"] = args.dtype or ("bf16" if on_accel else "fp32")
+    s["dtype"] = args.dtype or ("bfloat16" if on_accel else "float32")
     s["hf"] = args.hf == "on" or (args.hf == "auto" and not on_accel)
     s["seed"] = args.seed
     s["attention_impl"] = args.attention_impl
@@ -199,10 +202,6 @@ def synthetic_tokenizer(vocab_size: int):
     return VocabTokenizer(vocab, eos_token="<eos>", pad_token="<pad>")
 
 
-def _dtype_name(dtype: str) -> str:
-    return {"fp32": "float32", "bf16": "bfloat16"}[dtype]
-
-
 def _load_model(args: argparse.Namespace, s: dict[str, Any], on_accel: bool, workdir: Path):
     """(Qwen2 model, description dict, HF directory holding the same weights or None)."""
     import jax
@@ -210,7 +209,7 @@ def _load_model(args: argparse.Namespace, s: dict[str, Any], on_accel: bool, wor
     from sprint_jax.model import (CheckpointError, Qwen2, Qwen2Config, from_pretrained, init_params,
                                   param_count, save_params)
 
-    dt = _dtype_name(s["dtype"])
+    dt = s["dtype"]
     if args.model:
         path = Path(args.model)
         if not path.is_dir():
@@ -278,7 +277,7 @@ def _load_hf(hf_dir: Path, dtype: str):
 
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    tdt = torch_dtype(dtype)
     hf_logging.disable_progress_bar()
     hf_class = getattr(transformers, Qwen2Config.from_hf_config(hf_dir).family.architecture)
     hf = hf_class.from_pretrained(hf_dir, attn_implementation="eager", dtype=tdt).to(device).eval()
@@ -301,7 +300,6 @@ def _step_seconds(wall_n: float, wall_1: float, extra_steps: int) -> float | Non
 
 def kv_bytes_per_token(config) -> int:
     """K and V bytes one token occupies across all layers (the unit of every cache figure)."""
-    from sprint_jax.model.qwen2 import dtype_of
     itemsize = np.dtype(dtype_of(config.dtype)).itemsize
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
 

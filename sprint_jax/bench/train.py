@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from sprint_jax.dtypes import DTYPE_NAMES
+
 # Dense bf16 peak FLOP/s per device (vendor datasheets), matched by substring of device_kind.
 PEAK_FLOPS = {
     "H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12,
@@ -55,8 +57,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per row")
     p.add_argument("--steps", type=int, default=10, help="timed steps (after one warm-up step)")
     p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                   help="compute dtype (auto: float32 on CPU, bfloat16 on accelerators)")
+    p.add_argument("--dtype", choices=("auto",) + DTYPE_NAMES, default="auto",
+                   help="compute dtype; parameters stay float32 master weights, as in training "
+                        "(auto: float32 on CPU, bfloat16 on accelerators)")
     p.add_argument("--remat", choices=("none", "full", "dots"), default="none")
     p.add_argument("--no-torch", action="store_true", help="skip the HF PyTorch step")
     p.add_argument("--out", help="write the JSON result here")
@@ -216,7 +219,8 @@ def add_train_memory_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--remat", choices=("none", "full", "dots"), default="full")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16",
+                   help="compute dtype; parameters stay float32 master weights, as in training")
     p.add_argument("--loss-chunk", type=int, default=1024, help="tokens per vocab-projection chunk (0 = off)")
     p.add_argument("--out", help="write the JSON result here")
 

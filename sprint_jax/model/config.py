@@ -10,11 +10,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from sprint_jax.config import CONFIG_DIR, ConfigError
-
-DType = Literal["float32", "bfloat16"]
+from sprint_jax.dtypes import DType
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,15 +30,10 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("Qwen3ForCausalLM", qkv_bias=False, qk_norm=True, default_head_dim=128),
 }
 
-# HF keys that carry no information our port needs (or that we check separately below).
-_IGNORED_HF_KEYS = {
-    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
-    "initializer_range", "hidden_act", "attention_dropout", "max_window_layers", "sliding_window",
-    "use_sliding_window", "rope_scaling", "rope_parameters", "rope_theta", "bos_token_id",
-    "eos_token_id", "pad_token_id", "layer_types", "_name_or_path", "output_attentions",
-    "output_hidden_states", "return_dict", "use_mrope", "tie_word_embeddings", "quantization_config",
-    "attention_bias",
-}
+# HF's storage dtype of the checkpoint files (transformers writes "dtype" or "torch_dtype"). It is
+# not our compute dtype (nor our parameter dtype): those are chosen by the caller, e.g.
+# from_pretrained(param_dtype=..., compute_dtype=...), and default to float32.
+_HF_STORAGE_DTYPE_KEYS = ("dtype", "torch_dtype")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +54,8 @@ class Qwen2Config:
     max_position_embeddings: int = 32768  # longest position the model was trained for
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    param_dtype: DType = "float32"     # storage dtype of the parameters
-    dtype: DType = "float32"           # compute dtype of activations (bf16 for speed)
+    param_dtype: DType = "float32"     # dtype the parameters are held in
+    dtype: DType = "float32"           # compute dtype: activations and the KV cache (bf16 for speed)
 
     def __post_init__(self):
         if self.model_type not in FAMILIES:
@@ -148,8 +142,9 @@ class Qwen2Config:
                     raise ConfigError(f"{where}: {key}.rope_type={rtype!r} is not supported "
                                       "(only plain RoPE is implemented)")
                 theta = rp.get("rope_theta", theta)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(k for k in d if k not in known and k not in _IGNORED_HF_KEYS)
+        # other HF keys (bookkeeping, generation settings) carry nothing the architecture needs;
+        # the architectural ones we do not implement were rejected above
+        known = {f.name for f in dataclasses.fields(cls)} - set(_HF_STORAGE_DTYPE_KEYS)
         kwargs = {k: v for k, v in d.items() if k in known}
         kwargs["model_type"] = mt
         if d.get("head_dim") is None and FAMILIES[mt].default_head_dim is not None:
@@ -157,10 +152,7 @@ class Qwen2Config:
         if theta is not None:
             kwargs["rope_theta"] = float(theta)
         kwargs["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
-        if "dtype" in kwargs and kwargs["dtype"] not in ("float32", "bfloat16"):
-            kwargs.pop("dtype")  # HF's storage dtype (e.g. "bfloat16") is not our compute dtype
         kwargs.update(overrides)
-        del unknown  # extra HF bookkeeping keys are harmless; architectural ones are checked above
         try:
             return cls(**kwargs)
         except TypeError as e:

@@ -11,11 +11,11 @@ import shutil
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 from sprint_jax.model.config import Qwen2Config
+from sprint_jax.dtypes import DTYPE_NAMES, dtype_name, dtype_of
 from sprint_jax.model.hf import CheckpointError, load_params, save_params
-from sprint_jax.model.qwen2 import Qwen2, abstract_params, dtype_of
+from sprint_jax.model.qwen2 import Qwen2, abstract_params
 
 DESCRIPTION = """Convert a Qwen2 or Qwen3 checkpoint between the HF safetensors layout and an orbax checkpoint.
 
@@ -71,13 +71,13 @@ def _stored_shapes(ckptr, path: Path) -> dict[str, tuple]:
     return shapes
 
 
-def load_orbax(path: str | Path, dtype=None, shardings=None) -> tuple[Qwen2Config, dict]:
+def load_orbax(path: str | Path, param_dtype=None, shardings=None) -> tuple[Qwen2Config, dict]:
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
     config = Qwen2Config.from_hf_config(path / "config.json")
-    if dtype is not None:
-        config = config.replace(param_dtype="bfloat16" if jnp.dtype(dtype) == jnp.bfloat16 else "float32")
+    if param_dtype is not None:
+        config = config.replace(param_dtype=dtype_name(param_dtype))
     target = abstract_params(config)
     if shardings is not None:
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings)
@@ -97,15 +97,18 @@ def load_orbax(path: str | Path, dtype=None, shardings=None) -> tuple[Qwen2Confi
     return config, params
 
 
-def load_model(path: str | Path, dtype=None) -> Qwen2:
-    """A Qwen2 / Qwen3 model from either an HF directory or an orbax model directory."""
+def load_model(path: str | Path, param_dtype=None, compute_dtype=None) -> Qwen2:
+    """A Qwen2 / Qwen3 model from either an HF directory or an orbax model directory (dtypes as in
+    `from_pretrained`: float32 unless given)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model directory not found: {path}")
     if is_orbax_dir(path):
-        config, params = load_orbax(path, dtype=dtype)
+        config, params = load_orbax(path, param_dtype=param_dtype)
     else:
-        config, params = load_params(path, dtype=dtype)
+        config, params = load_params(path, param_dtype=param_dtype)
+    if compute_dtype is not None:
+        config = config.replace(dtype=dtype_name(compute_dtype))
     return Qwen2(config, params=params)
 
 
@@ -119,7 +122,7 @@ def add_arguments(p) -> None:
     p.add_argument("--to", choices=["orbax", "hf"], required=True, help="target format")
     p.add_argument("src", help="source checkpoint directory")
     p.add_argument("dst", help="output directory (created)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                    help="parameter dtype of the output (default: keep the source's)")
     p.add_argument("--max-shard-size", default="5GB", help="HF output: shard files past this size")
 
@@ -130,19 +133,19 @@ def run(args) -> int:
     src, dst = Path(args.src), Path(args.dst)
     if not src.exists():
         raise UserError(f"source directory not found: {src}")
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, None: None}[args.dtype]
+    dtype = args.dtype
     try:
         if args.to == "orbax":
             if is_orbax_dir(src):
                 raise UserError(f"{src} is already an orbax model directory")
-            config, params = load_params(src, dtype=dtype, progress=True)
+            config, params = load_params(src, param_dtype=dtype, progress=True)
             print(f"writing orbax checkpoint to {dst} ...", flush=True)
             save_orbax(config, params, dst)
         else:
             if not is_orbax_dir(src):
                 raise UserError(f"{src} is not an orbax model directory (needs config.json and params/)")
             print(f"reading orbax checkpoint {src} ...", flush=True)
-            config, params = load_orbax(src, dtype=dtype)
+            config, params = load_orbax(src, param_dtype=dtype)
             save_params(config, params, dst, max_shard_size=args.max_shard_size, progress=True)
     except CheckpointError as e:
         raise UserError(str(e)) from e

@@ -25,12 +25,11 @@ import numpy as np
 from flax import nnx
 
 from sprint_jax.model.config import Qwen2Config
+from sprint_jax.dtypes import dtype_of
 
 Params = dict[str, Any]
 
 
-def dtype_of(name: str):
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sprint_jax.config import ConfigError, load_config, to_dict
+from sprint_jax.dtypes import DType
+from sprint_jax.format import Layout
 
 SPAN_WEIGHTS_DEFAULT = {"query": 0.0, "plan": 1.0, "prompt": 1.0, "execution": 1.0, "answer": 1.0, "tag": 1.0}
 
@@ -20,7 +22,7 @@ class ModelSection:
     """Which Qwen2 / Qwen3 model to train and how to run it."""
     name: str | dict[str, Any] = "tiny"       # preset name, HF dir / config.json path, or an HF config dict
     init: Literal["scratch", "pretrained"] = "scratch"  # pretrained: weights from the HF dir `name`
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"  # compute dtype; master weights stay fp32
+    dtype: DType = "bfloat16"  # compute dtype; master weights stay fp32
     remat: Literal["none", "full", "dots"] = "full"     # rematerialise each layer in the backward pass
     loss_chunk: int = 1024                     # tokens per vocab-projection chunk in the loss (0 = whole row)
     init_seed: int = 0                         # scratch init key
@@ -47,7 +49,7 @@ class PairedSection:
 class DataSection:
     """Examples -> packed token rows (DESIGN.md "Training": span-masked loss, flat or trie layout)."""
     train: list[str] = dataclasses.field(default_factory=list)  # jsonl files of Examples
-    layout: Literal["flat", "trie"] = "flat"   # flat = paper (one causal sequence); trie = inference calls
+    layout: Layout = "flat"                    # flat = paper (one causal sequence); trie = inference calls
     seq_len: int = 2048                        # tokens per packed row
     overlong: Literal["drop", "truncate"] = "drop"  # an example longer than seq_len
     span_weights: dict[str, float] = dataclasses.field(default_factory=lambda: dict(SPAN_WEIGHTS_DEFAULT))
@@ -135,7 +137,7 @@ class CheckpointSection:
 class ExportSection:
     """The final model as an HF safetensors directory (OUT/hf) that transformers loads."""
     enabled: bool = True
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: DType = "float32"
 
 
 @dataclasses.dataclass

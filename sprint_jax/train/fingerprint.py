@@ -9,11 +9,9 @@ A model directory without the file or the key (not trained by sprint-jax) is not
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterable
 
-EXPORT_META = "sprint_jax.json"
 KEY = "train_fingerprint"
 
 
@@ -24,40 +22,16 @@ def fingerprint(prompts: Iterable[str]) -> dict:
     return {"normalization": "nfkc-lower-whitespace/sha256[:16]", "n": len(hashes), "hashes": hashes}
 
 
-def update_export_meta(export_dir: str | Path, **fields) -> Path:
-    """Merge `fields` into export_dir/sprint_jax.json (created when missing), keeping other keys."""
-    path = Path(export_dir) / EXPORT_META
-    meta = {}
-    if path.is_file():
-        try:
-            meta = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            meta = {}
-        if not isinstance(meta, dict):
-            meta = {}
-    meta.update(fields)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
-    tmp.replace(path)
-    return path
-
-
 def read_fingerprint(model_dir: str | Path) -> set[str] | None:
     """The trained problems' hashes, or None when the model carries no fingerprint."""
     from sprint_jax.errors import UserError
-    path = Path(model_dir) / EXPORT_META
-    if not path.is_file():
-        return None
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: not readable JSON ({e})") from None
-    fp = meta.get(KEY) if isinstance(meta, dict) else None
+    from sprint_jax.model.hf import EXPORT_META_FILE, read_export_meta
+    fp = read_export_meta(model_dir).get(KEY)
     if fp is None:
         return None
     if not isinstance(fp, dict) or not isinstance(fp.get("hashes"), list):
-        raise UserError(f"{path}: {KEY} must be an object with a 'hashes' list")
+        raise UserError(f"{Path(model_dir) / EXPORT_META_FILE}: {KEY} must be an object with a 'hashes' list")
     return set(map(str, fp["hashes"]))
 
 
-__all__ = ["EXPORT_META", "KEY", "fingerprint", "update_export_meta", "read_fingerprint"]
+__all__ = ["KEY", "fingerprint", "read_fingerprint"]

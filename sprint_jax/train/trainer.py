@@ -109,15 +109,29 @@ def plot_loss(records: Sequence[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def export_hf(config, params, tokenizer, path: Path, dtype: str) -> None:
-    """Final params -> HF safetensors directory (+ tokenizer). Every process joins the gather;
+def _tokenizer_name(cfg, given: bool, tokenizer) -> str:
+    """What the model was trained with, for the export: qwen2, bytes, a tokenizer directory, the
+    checkpoint's own directory (data.tokenizer=auto when fine-tuning), or the class of a
+    tokenizer object handed to train()."""
+    if given:
+        return type(tokenizer).__name__
+    spec = cfg.data.tokenizer
+    if spec != "auto":
+        return spec
+    pretrained = cfg.model.init == "pretrained" and isinstance(cfg.model.name, str) and Path(cfg.model.name).is_dir()
+    return str(cfg.model.name) if pretrained else "qwen2"
+
+
+def export_hf(config, params, tokenizer, path: Path, dtype: str, meta: dict | None = None) -> None:
+    """Final params -> HF safetensors directory (+ tokenizer, + `meta` in sprint_jax.json: what
+    inference must know about the training, e.g. its layout). Every process joins the gather;
     process 0 writes."""
     import jax
-    import jax.numpy as jnp
 
     from sprint_jax.model import save_params
+    from sprint_jax.dtypes import dtype_of
 
-    dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
+    dt = dtype_of(dtype)
     cast = jax.jit(lambda t: jax.tree.map(lambda x: x.astype(dt), t))
     host = jax.tree.map(distributed.gather_to_host, cast(params))
     if not _is_main():
@@ -131,6 +145,9 @@ def export_hf(config, params, tokenizer, path: Path, dtype: str) -> None:
     elif hasattr(tokenizer, "save"):
         from sprint_jax.model.tokenizer import VOCAB_TOKENIZER_FILE
         tokenizer.save(path / VOCAB_TOKENIZER_FILE)
+    if meta:
+        from sprint_jax.model.hf import update_export_meta
+        update_export_meta(path, **meta)
 
 
 def train(config: TrainConfig, out_dir: str | Path, tokenizer=None, progress: bool = True,
@@ -170,6 +187,7 @@ def train(config: TrainConfig, out_dir: str | Path, tokenizer=None, progress: bo
         raise ConfigError(f"model.name: init is pretrained but {cfg.model.name!r} is not an HF checkpoint "
                           "directory (no config.json)")
     model_cfg = _resolve_model(cfg)
+    tokenizer_name = _tokenizer_name(cfg, tokenizer is not None, tokenizer)
     if tokenizer is None:
         tokenizer = data_lib.resolve_tokenizer(cfg.data.tokenizer, cfg.model.name, cfg.model.init == "pretrained")
     if len(tokenizer) > model_cfg.vocab_size:
@@ -229,7 +247,7 @@ def train(config: TrainConfig, out_dir: str | Path, tokenizer=None, progress: bo
             ckpt_lib.warn(f"starting from step 0: no valid checkpoint, and {quarantine} holds bad ones")
         params = None
         if cfg.model.init == "pretrained":
-            _, params = load_params(cfg.model.name, config=model_cfg, dtype="float32",
+            _, params = load_params(cfg.model.name, config=model_cfg, param_dtype="float32",
                                     shardings=setup.param_shardings, progress=progress and main)
         state = setup.init_state(cfg.seed, params=params, init_seed=cfg.model.init_seed)
         start_step, rows, tokens_total = 0, 0, 0
@@ -297,10 +315,10 @@ def train(config: TrainConfig, out_dir: str | Path, tokenizer=None, progress: bo
     export_dir = None
     if cfg.export.enabled:
         export_dir = out / "hf"
-        export_hf(model_cfg, state["params"], tokenizer, export_dir, cfg.export.dtype)
-        if main:
-            from sprint_jax.train.fingerprint import fingerprint, update_export_meta
-            update_export_meta(export_dir, train_fingerprint=fingerprint(stats.used_prompts))
+        from sprint_jax.train.fingerprint import fingerprint
+        export_hf(model_cfg, state["params"], tokenizer, export_dir, cfg.export.dtype,
+                  meta={"layout": cfg.data.layout, "tokenizer": tokenizer_name,
+                        "train_fingerprint": fingerprint(stats.used_prompts)})
         say(f"exported HF safetensors to {export_dir}")
     steady = (t_end - t_first) if t_first is not None else 0.0
     summary = {
