@@ -362,8 +362,8 @@ def test_trie_whole_trajectory_unit_is_the_flat_example(tok, params):
     assert whole.parents[k] == n_prompt - 1 and (whole.parents[k + 1:] == np.arange(k, len(whole) - 1)).all()
     # what the model computes on the extra unit == the flat example run alone
     rows, _ = _pack_row([whole], 1024)
-    packed = np.asarray(_packed_logits(params, _tensors(rows)))[0]
-    alone = _alone(params, [flat.tokens.tolist()])[0]
+    packed = np.asarray(_packed_logits(CFG, params, _tensors(rows)))[0]
+    alone = _alone(CFG, params, [flat.tokens.tolist()])[0]
     np.testing.assert_allclose(packed[k:len(whole)], alone[n_prompt:len(flat)], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(packed[:n_prompt], alone[:n_prompt], rtol=1e-4, atol=1e-4)
     # a serial (RFT) example is one unit already: nothing is added
