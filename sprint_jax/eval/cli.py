@@ -36,7 +36,10 @@ model).
 Output (--out DIR): results.jsonl (per problem: id, correct, sequential_tokens, total_tokens,
 stages, wall_s, problems, termination, ...), records.jsonl (full run records), report.json
 (accuracy, mean sequential and total tokens, wall clock, format-valid rate, ...), tokens.png
-(sequential vs total tokens per problem) and reduction_by_length.png.
+(sequential vs total tokens per problem) and reduction_by_length.png. An existing --out is
+resumed: problems already in its results.jsonl are skipped after checking that mode, budgets,
+model weights and problems are the same (eval_run.json); --overwrite starts it afresh. One run
+at a time per --out (a second one exits naming the first).
 
 `eval compare A B`: the paper's table (accuracy, sequential tokens, total tokens, wall clock,
 change) for run A (SPRINT) against run B (RFT) on the same problems, matched by id.
@@ -55,7 +58,9 @@ def add_arguments(p) -> None:
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N problems")
     p.add_argument("--countdown-n", type=int, default=100, help="--data countdown: tasks to generate")
     p.add_argument("--data-seed", type=int, default=0, help="--data countdown: generator seed")
-    p.add_argument("--out", default=None, help="output directory")
+    p.add_argument("--out", default=None, help="output directory; an existing one is resumed (problems already "
+                   "in its results.jsonl are skipped, after checking the run is the same)")
+    p.add_argument("--overwrite", action="store_true", help="start --out afresh instead of resuming it")
     p.add_argument("--names", default="SPRINT,RFT", help="compare: column names of RUN_A,RUN_B")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_run_arguments(p)
@@ -134,6 +139,8 @@ def run(args) -> int:
     for flag, value in (("--model", args.model), ("--data", args.data), ("--out", args.out)):
         if not value:
             raise UserError(f"{flag} is required (or use `sprint-jax eval compare RUN_A RUN_B`)")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"--out {args.out} exists and is not a directory")
     config = config_from_args(args)
     tasks = load_tasks(args.data, args.limit, args.task_kind, args.countdown_n, args.data_seed)
     if not tasks:
@@ -146,7 +153,7 @@ def run(args) -> int:
         except ValueError as e:
             raise UserError(f"task {task.id}: the tokenizer cannot encode its prompt ({e})") from None
     _, report = evaluate(engine, tasks, args.mode, orchestrator_config=config, out_dir=args.out,
-                         progress=not args.no_progress,
+                         progress=not args.no_progress, overwrite=args.overwrite,
                          meta={"model": str(args.model), "data": str(args.data), "limit": args.limit})
     print(f"accuracy {100 * report['accuracy']:.1f}% ({report['correct']}/{report['n']}), "
           f"sequential tokens {report['mean_sequential_tokens']:.1f}, total tokens "
