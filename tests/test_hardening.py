@@ -49,3 +49,213 @@ def test_demo_rejects_bad_settings_before_curating(tmp_path, capsys):
     assert main(["demo", "--set", "model.num_attention_heads=3", "--out", str(tmp_path / "d"), "--no-progress"]) == 2
     assert "num_attention_heads (3) must be a multiple" in _err_line(capsys)
     assert not (tmp_path / "d").exists() and time.time() - t0 < 30      # no curation happened
+
+
+# ---- tokenizer and model that do not fit -------------------------------------------------------
+
+def test_model_dir_without_tokenizer_is_an_error_naming_dir_and_flag(hf_untied, capsys):
+    """transformers builds an EMPTY tokenizer from a directory with no tokenizer files: every
+    query encoded to nothing (0% accuracy, exit 0)."""
+    assert main(["infer", "--model", str(hf_untied), "What is 1+1?"]) == 2
+    line = _err_line(capsys)
+    assert str(hf_untied) in line and "no tokenizer files" in line and "--tokenizer" in line
+
+
+def test_tokenizer_larger_than_the_model_is_refused(hf_untied, tmp_path, capsys):
+    """A 400-token tokenizer on a 307-row embedding: ids past the table are clamped by jit's
+    gather, so eval ran on garbage with exit 0."""
+    import shutil
+
+    from conftest import tiny_vocab_tokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(hf_untied, model)
+    tiny_vocab_tokenizer(400).save(model / "vocab_tokenizer.json")
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text(json.dumps({"id": "a", "problem": "1+1?", "answer": "2"}) + "\n")
+    assert main(["eval", "--model", str(model), "--data", str(tasks), "--out", str(tmp_path / "e"),
+                 "--no-progress"]) == 2
+    line = _err_line(capsys)
+    assert "tokenizer has 400 tokens" in line and "vocab_size is 307" in line
+    assert main(["generate", "--model", str(model), "hello", "--max-new-tokens", "2"]) == 2
+    assert "tokenizer has 400 tokens" in _err_line(capsys)
+
+
+# ---- config values that cannot be right ------------------------------------------------------
+
+def _model_copy(src: Path, dst: Path, **config_changes) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(config_changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"rope_theta": "nan"}, "rope_theta must be a finite number > 0, got 'nan'"),
+    ({"rms_norm_eps": -1}, "rms_norm_eps must be a finite number > 0, got -1"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings: true but the checkpoint has an lm_head.weight that differs"),
+])
+def test_model_config_values_that_cannot_be_right(hf_untied, tmp_path, capsys, changes, message):
+    """Each used to load: NaN rotary angles, a negative epsilon (NaN norms), and a real lm_head
+    silently replaced by the embedding."""
+    model = _model_copy(hf_untied, tmp_path / "m", **changes)
+    assert main(["generate", "--model", str(model), "--token-ids", "1,2", "--max-new-tokens", "1"]) == 2
+    assert message in _err_line(capsys)
+
+
+def test_tied_checkpoint_with_an_identical_head_copy_loads(hf_tied, tmp_path):
+    """The tie check refuses a different head only: a copy of the embedding (as some exporters
+    write it) is the same model."""
+    from sprint_jax.model.hf import SafetensorsFile, load_params, write_safetensors
+
+    model = _model_copy(hf_tied, tmp_path / "m")
+    f = SafetensorsFile(model / "model.safetensors")
+    tensors = {k: f.get(k) for k in f.keys()}
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    write_safetensors(model / "model.safetensors", tensors)
+    cfg, params = load_params(model)
+    assert cfg.tie_word_embeddings
+
+
+# ---- malformed safetensors headers -----------------------------------------------------------
+
+def _safetensors(path: Path, header: bytes, data: bytes = b"") -> Path:
+    import struct
+
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    return path
+
+
+@pytest.mark.parametrize("header, data, message", [
+    (b'{"a": \xff\xfe}', b"", "not UTF-8"),
+    (b'[1, 2, 3]', b"", "a JSON list, not an object"),
+    (b'{"w": {"dtype": "F32", "shape": [1048576, 1048576], "data_offsets": [0, 4398046511104]}}', b"\0" * 16,
+     "lie outside the file's 16 data bytes"),                    # the 931 GiB-style allocation
+    (b'{"w": {"dtype": "F32", "shape": [3, 5], "data_offsets": [0, 16]}}', b"\0" * 16,
+     "needs 60 bytes but data_offsets span 16"),
+    (b'{"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}', b"\0" * 8, "bad shape"),
+    (b'{"w": "x"}', b"", "header entry is not an object"),
+])
+def test_malformed_safetensors_headers_are_checkpoint_errors(tmp_path, header, data, message):
+    from sprint_jax.model.hf import CheckpointError, SafetensorsFile
+
+    path = _safetensors(tmp_path / "model.safetensors", header, data)
+    with pytest.raises(CheckpointError, match="model.safetensors") as e:
+        SafetensorsFile(path)
+    assert message in str(e.value)
+
+
+def test_header_longer_than_the_file(tmp_path):
+    import struct
+
+    from sprint_jax.model.hf import CheckpointError, SafetensorsFile
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", 10**12) + b"{}")
+    with pytest.raises(CheckpointError, match=r"claims 1000000000000 bytes but the file has 10 bytes"):
+        SafetensorsFile(path)
+
+
+def test_corrupt_checkpoints_in_generate_infer_eval_are_one_line(hf_untied, tmp_path, capsys):
+    """CheckpointError used to escape the model loader of these commands as a traceback."""
+    from conftest import tiny_vocab_tokenizer
+
+    model = _model_copy(hf_untied, tmp_path / "m")
+    tiny_vocab_tokenizer().save(model / "vocab_tokenizer.json")
+    _safetensors(model / "model.safetensors", b'{"model.embed_tokens.weight": {"dtype": "F32", "shape": [307, 72], '
+                                               b'"data_offsets": [0, 99999999]}}', b"\0" * 64)
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text(json.dumps({"id": "a", "problem": "1+1?", "answer": "2"}) + "\n")
+    for argv in (["generate", "--model", str(model), "--token-ids", "1", "--max-new-tokens", "1"],
+                 ["infer", "--model", str(model), "hi", "--max-seq-len", "64"],
+                 ["eval", "--model", str(model), "--data", str(tasks), "--out", str(tmp_path / "e"), "--max-seq-len", "64"]):
+        assert main(argv) == 2, argv
+        line = _err_line(capsys)
+        assert "model.safetensors" in line and "outside the file" in line, line
+
+
+def test_corrupt_orbax_model_is_one_line(hf_untied, tmp_path, capsys):
+    from sprint_jax.model.convert import is_orbax_dir
+
+    orbax = tmp_path / "orbax"
+    assert main(["convert", "--to", "orbax", str(hf_untied), str(orbax)]) == 0
+    capsys.readouterr()
+    assert is_orbax_dir(orbax)
+    for f in (orbax / "params").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(b"")                              # data files emptied
+    assert main(["generate", "--model", str(orbax), "--token-ids", "1", "--max-new-tokens", "1"]) == 2
+    assert "cannot read the orbax checkpoint" in _err_line(capsys)
+
+
+# ---- config files ----------------------------------------------------------------------------
+
+def test_config_file_that_is_a_directory_or_not_utf8(tmp_path, capsys):
+    assert main(["train", "--config", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "is not a file" in _err_line(capsys)
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"steps: 3\nname: \xff\xfe\n")
+    for cmd in (["train", "--config", str(bad), "--out", str(tmp_path / "o")],
+                ["curate", "--config", str(bad)],
+                ["infer", "--model", str(tmp_path), "--config", str(bad), "hi"]):
+        assert main(cmd) == 2, cmd
+        assert "not UTF-8" in _err_line(capsys)
+
+
+# ---- generate flags, capacities, output paths ------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["", "--max-new-tokens", "3"], "the prompt is empty"),
+    (["--token-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--token-ids", "1", "--temperature", "-1"], "temperature must be >= 0"),
+    (["--token-ids", "1", "--top-k", "-1"], "top_k must be >= 0"),
+    (["--token-ids", "1", "--stop", ""], '--stop ""'),
+    (["--token-ids", "1", "--max-new-tokens", "100000"], "more than the model's max_position_embeddings (512)"),
+])
+def test_generate_flags_are_checked(hf_untied, capsys, argv, message):
+    assert main(["generate", "--model", str(hf_untied), *argv]) == 2
+    assert message in _err_line(capsys)
+
+
+def test_capacities_are_checked_before_allocating(hf_untied, tmp_path, capsys):
+    assert main(["infer", "--model", str(hf_untied), "hi", "--max-seq-len", "1000000000"]) == 2
+    assert "--max-seq-len = 1000000000 is more than the model's max_position_embeddings (512)" in _err_line(capsys)
+    # a model that claims 2**31 positions: the KV cache estimate is what refuses (no weights are read:
+    # the directory has only its config.json)
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "vocab_size": 1000, "hidden_size": 4096, "intermediate_size": 8192,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "max_position_embeddings": 2 ** 31}))
+    assert main(["infer", "--model", str(big), "hi", "--max-seq-len", "1000000000"]) == 2
+    line = _err_line(capsys)
+    assert "the KV cache" in line and "GiB" in line and "lower --max-seq-len" in line
+    cfg = tmp_path / "sft.yaml"
+    cfg.write_text(f"data: {{train: [{ROOT / 'tests/data/sft_tiny_sprint.jsonl'}], tokenizer: bytes}}\nsteps: 1\n")
+    t0 = time.time()
+    assert main(["train", "--config", str(cfg), "--set", "data.seq_len=1048576", "--out", str(tmp_path / "o")]) == 2
+    assert "data.seq_len = 1048576 is more than the model's max_position_embeddings (4096)" in _err_line(capsys)
+    assert time.time() - t0 < 60
+
+
+def test_output_paths_are_checked_up_front(hf_untied, tmp_path, capsys):
+    from conftest import tiny_vocab_tokenizer
+
+    model = _model_copy(hf_untied, tmp_path / "m")
+    tiny_vocab_tokenizer().save(model / "vocab_tokenizer.json")
+    assert main(["infer", "--model", str(model), "hi", "--record", str(tmp_path)]) == 2
+    assert "is a directory" in _err_line(capsys)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text(json.dumps({"id": "a", "problem": "1+1?", "answer": "2"}) + "\n")
+    assert main(["eval", "--model", str(model), "--data", str(tasks), "--out", str(a_file)]) == 2
+    assert "is not a directory" in _err_line(capsys)
+    cfg = tmp_path / "sft.yaml"
+    cfg.write_text(f"data: {{train: [{ROOT / 'tests/data/sft_tiny_sprint.jsonl'}], tokenizer: bytes}}\nsteps: 1\n")
+    assert main(["train", "--config", str(cfg), "--out", str(a_file)]) == 2
+    assert "is not a directory" in _err_line(capsys)

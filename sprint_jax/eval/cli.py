@@ -115,6 +115,8 @@ def _compare(args) -> int:
     if len(names) != 2 or not all(names):
         raise UserError(f"--names must be two comma-separated names, got {args.names!r}")
     run_a, run_b = args.compare[1:]
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"--out {args.out} exists and is not a directory")
     table = compare(load_results(run_a), load_results(run_b), *names)
     table["runs"] = [run_a, run_b]
     print(format_compare_table(table))

@@ -84,7 +84,7 @@ def _complete_lines(path: Path) -> tuple[dict[str, dict], int]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
-            if n >= len(lines) - 1:          # the last line: a write cut by a kill
+            if n == len(lines):              # no newline after it: a write cut by a kill
                 skipped += 1
                 continue
             from sprint_jax.errors import UserError

@@ -58,7 +58,11 @@ def load_orbax(path: str | Path, dtype=None, shardings=None) -> tuple[Qwen2Confi
     if shardings is not None:
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings)
     with ocp.StandardCheckpointer() as ckptr:
-        meta = ckptr.metadata(path / "params")
+        try:
+            meta = ckptr.metadata(path / "params")
+        except Exception as e:  # noqa: BLE001
+            text = (str(e).splitlines() or [""])[0][:300]
+            raise CheckpointError(f"{path}: cannot read the orbax checkpoint ({type(e).__name__}: {text})") from None
         tree = getattr(meta, "item_metadata", meta)
         try:
             got = {"/".join(str(getattr(k, "key", k)) for k in kp): tuple(v.shape)
@@ -71,7 +75,11 @@ def load_orbax(path: str | Path, dtype=None, shardings=None) -> tuple[Qwen2Confi
                 raise CheckpointError(f"{path}: missing tensor {name}")
             if got and got[name] != tuple(v.shape):
                 raise CheckpointError(f"{path}: tensor {name} has shape {got[name]}, expected {tuple(v.shape)}")
-        params = ckptr.restore(path / "params", target)
+        try:
+            params = ckptr.restore(path / "params", target)
+        except Exception as e:  # noqa: BLE001 -- orbax/tensorstore raise many types for a damaged tree
+            text = (str(e).splitlines() or [""])[0][:300]
+            raise CheckpointError(f"{path}: cannot read the orbax checkpoint ({type(e).__name__}: {text})") from None
     params = jax.tree.map(lambda a: a.astype(dtype_of(config.param_dtype)), params)
     return config, params
 

@@ -221,11 +221,13 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
         raise ConfigError(f"model.name: init is pretrained but {cfg.model.name!r} is not an HF checkpoint "
                           "directory (no config.json)")
     model_cfg = _resolve_model(cfg)
+    from sprint_jax.model.capacity import check_positions
+    check_positions(model_cfg, cfg.data.seq_len, "data.seq_len")     # before any row is built
     if tokenizer is None:
         tokenizer = data_lib.resolve_tokenizer(cfg.data.tokenizer, cfg.model.name, cfg.model.init == "pretrained")
-    if len(tokenizer) > model_cfg.vocab_size:
-        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-                          f"{model_cfg.vocab_size} (model.name / data.tokenizer do not match)")
+    from sprint_jax.model.tokenizer import check_tokenizer_fits
+    check_tokenizer_fits(tokenizer, model_cfg.vocab_size, "the model",
+                         "model.name and data.tokenizer must belong together")
     examples = data_lib.read_examples(cfg.data.train, cfg.data.max_examples)
     items, stats = data_lib.build_items(examples, tokenizer, cfg.data.layout, cfg.data.seq_len,
                                         cfg.data.overlong, cfg.data.span_weights, model_cfg.vocab_size)
