@@ -259,3 +259,48 @@ def test_output_paths_are_checked_up_front(hf_untied, tmp_path, capsys):
     cfg.write_text(f"data: {{train: [{ROOT / 'tests/data/sft_tiny_sprint.jsonl'}], tokenizer: bytes}}\nsteps: 1\n")
     assert main(["train", "--config", str(cfg), "--out", str(a_file)]) == 2
     assert "is not a directory" in _err_line(capsys)
+
+
+# ---- curation stores that are not stores ------------------------------------------------------
+
+def test_curate_status_and_run_on_files_that_are_not_stores(tmp_path, capsys):
+    """garbage, a truncated store, another program's SQLite and a 0-byte file: one line each, and
+    nothing written into them (status used to write the schema into a 0-byte file)."""
+    import sqlite3
+
+    from sprint_jax.curation.pipeline import DB_NAME
+
+    good = tmp_path / "good"
+    cfg = ROOT / "configs" / "curate_countdown_offline.yaml"
+    assert main(["curate", "--config", str(cfg), "--set", "tasks.n=6", "--out", str(good), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["curate", "status", str(good)]) == 0          # a real store reads fine, read-only
+    assert "reformat" in capsys.readouterr().out
+    store_bytes = (good / DB_NAME).read_bytes()
+
+    def make(name: str, content: bytes | None = None) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        if content is not None:
+            (d / DB_NAME).write_bytes(content)
+        return d
+
+    garbage = make("garbage", b"this is not a database at all" * 100)
+    truncated = make("truncated", store_bytes[: len(store_bytes) // 3])
+    empty = make("empty", b"")
+    foreign = make("foreign")
+    con = sqlite3.connect(foreign / DB_NAME)
+    con.execute("CREATE TABLE customers (id INTEGER, name TEXT)")
+    con.commit()
+    con.close()
+    for d in (garbage, truncated, empty, foreign):
+        before = (d / DB_NAME).read_bytes()
+        assert main(["curate", "status", str(d)]) == 2, d
+        line = _err_line(capsys)
+        assert str(d / DB_NAME) in line, line
+        assert (d / DB_NAME).read_bytes() == before, f"status wrote into {d}"
+    for d in (garbage, truncated, foreign):
+        before = (d / DB_NAME).read_bytes()
+        assert main(["curate", "--config", str(cfg), "--set", "tasks.n=6", "--out", str(d), "--no-progress"]) == 2
+        assert str(d / DB_NAME) in _err_line(capsys)
+        assert (d / DB_NAME).read_bytes() == before

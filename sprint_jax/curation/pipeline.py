@@ -358,6 +358,12 @@ def status(out_dir: str | Path) -> dict:
     path = Path(out_dir) / DB_NAME
     if not path.exists():
         raise UserError(f"no curation store at {path}")
-    with Store(path) as store:
-        return {"stages": store.stage_counts(), "discards": store.failure_counts(),
-                "dropped_edges": store.dropped_edge_counts(), "llm": store.call_totals()}
+    import sqlite3
+
+    from sprint_jax.curation.store import StoreError
+    with Store(path, read_only=True) as store:        # status never writes (not even a schema)
+        try:
+            return {"stages": store.stage_counts(), "discards": store.failure_counts(),
+                    "dropped_edges": store.dropped_edge_counts(), "llm": store.call_totals()}
+        except sqlite3.DatabaseError as e:
+            raise StoreError(f"{path} is not a readable curation store ({e})") from None
