@@ -304,3 +304,25 @@ def test_curate_status_and_run_on_files_that_are_not_stores(tmp_path, capsys):
         assert main(["curate", "--config", str(cfg), "--set", "tasks.n=6", "--out", str(d), "--no-progress"]) == 2
         assert str(d / DB_NAME) in _err_line(capsys)
         assert (d / DB_NAME).read_bytes() == before
+
+
+# ---- eval compare on a run killed mid-write ------------------------------------------------------
+
+def test_eval_compare_uses_complete_lines_of_a_cut_results_file(tmp_path, capsys):
+    rows = [{"id": f"p{i}", "correct": i % 2 == 0, "sequential_tokens": 10 + i, "total_tokens": 20 + i,
+             "wall_s": 1.0} for i in range(4)]
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+    (a / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    full_b = "".join(json.dumps({**r, "sequential_tokens": 30}) + "\n" for r in rows)
+    (b / "results.jsonl").write_text("".join(json.dumps({**r, "sequential_tokens": 30}) + "\n" for r in rows[:3])
+                                     + json.dumps(rows[3])[:25])      # the kill cut the 4th line
+    assert main(["eval", "compare", str(a), str(b)]) == 0
+    captured = capsys.readouterr()
+    assert "3 problems" in captured.out
+    assert "skipped 1 incomplete last line" in captured.err and "3 complete ones" in captured.err
+    # a broken line that is not the cut end is still an error naming the line
+    (b / "results.jsonl").write_text("{broken\n" + full_b)
+    assert main(["eval", "compare", str(a), str(b)]) == 2
+    assert "results.jsonl:1: not valid JSON" in _err_line(capsys)

@@ -75,3 +75,40 @@ def test_second_run_into_a_locked_out_exits_2_naming_the_holder(tmp_path):
     with outlock.locked(out):            # a dead holder's lock is no lock
         info = json.loads((out / outlock.LOCK_FILE).read_text())
         assert info["pid"] == os.getpid()
+
+
+def test_disk_full_at_export_is_one_line(tmp_path):
+    """A write that finds no space (a real ENOSPC from the kernel: the export's temporary file is
+    /dev/full) ends with one line and exit 2, not a traceback; the final checkpoint is on disk,
+    so a rerun after freeing space only exports."""
+    out = tmp_path / "run"
+    (out / "hf").mkdir(parents=True)
+    (out / "hf" / "_shard0.safetensors.tmp").symlink_to("/dev/full")
+    p = _train(tmp_path, out, {**CONFIG, "checkpoint": {"every": 0}, "steps": 2})
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert "Traceback" not in p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("sprint-jax train: error: out of disk space") and "rerun" in last, last
+    assert (out / "checkpoints" / "2").is_dir()
+
+
+def test_checkpoint_that_cannot_fit_is_refused_before_writing(tmp_path):
+    """A real small file system (an 8 MiB tmpfs; needs root to mount, skipped otherwise): the first
+    checkpoint does not fit, and the run says so in one line before orbax writes anything."""
+    import pytest
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        out = mnt / "run"
+        p = _train(tmp_path, out, {**CONFIG, "checkpoint": {"every": 1}, "steps": 2})
+        assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+        assert "Traceback" not in p.stderr
+        last = p.stderr.strip().splitlines()[-1]
+        assert "not enough disk space for checkpoint step 1" in last and "MiB are free" in last, last
+        assert not [d for d in (out / "checkpoints").iterdir() if d.name.isdigit()]
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)

@@ -34,6 +34,10 @@ class NoValidCheckpoint(UserError):
     """Checkpoints exist but none could be restored and verified (each was reported and moved aside)."""
 
 
+class CheckpointSpaceError(UserError):
+    """The disk cannot hold the next checkpoint: nothing is written, the previous ones stay."""
+
+
 class NonFiniteState(UserError):
     """The train state holds NaN or infinite values: it is not written as a checkpoint."""
 
@@ -90,6 +94,7 @@ class Checkpointer:
         """Start writing `state` + `meta` for `step` (async: returns once the arrays are copied).
 
         Raises NonFiniteState (and writes nothing) when an array holds a NaN or an infinity."""
+        self._check_space(step, state)
         sums, bad = checksum(state)
         if bad:
             raise NonFiniteState(f"not saving checkpoint step {step}: non-finite values in {', '.join(bad[:3])}"
@@ -98,6 +103,17 @@ class Checkpointer:
                 "saved_at": time.time()}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
+
+    def _check_space(self, step: int, state) -> None:
+        """Refuse a save that cannot fit on the disk before orbax starts writing it: a write that
+        fails halfway ends in hundreds of lines from orbax's writer threads instead of one."""
+        need = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state))
+        free = shutil.disk_usage(self.directory).free
+        if need + need // 20 + (16 << 20) > free:
+            raise CheckpointSpaceError(
+                f"not enough disk space for checkpoint step {step} in {self.directory}: it needs about "
+                f"{need / 2**20:.0f} MiB and {free / 2**20:.0f} MiB are free; free some space (or lower "
+                f"checkpoint.keep) and rerun the same command: training resumes from the last checkpoint")
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
