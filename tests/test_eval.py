@@ -242,3 +242,20 @@ def test_eval_into_an_existing_out_with_another_setup_is_refused(tmp_path):
     results, _ = evaluate(_rft_engine(), TASKS[:2], "sequential", prompt_fn=_prompt, out_dir=tmp_path,
                           progress=False, overwrite=True)
     assert [r["mode"] for r in load_results(tmp_path)] == ["sequential", "sequential"]
+
+
+def test_resuming_with_other_weights_is_refused(real_engine, hf_tied, task_file, tmp_path):
+    """Same path, same flags, different weights (a model retrained in place): the results on disk
+    were not made by this model, so resuming would mix two models in one report."""
+    from conftest import tiny_vocab_tokenizer
+    from sprint_jax.curation.tasks import load_math_jsonl
+    from sprint_jax.errors import UserError
+    from sprint_jax.infer import Engine
+    from sprint_jax.model import from_pretrained
+
+    tasks = load_math_jsonl(task_file, limit=1)
+    cfg = OrchestratorConfig(max_planner_tokens=4, max_branch_tokens=4, max_total_tokens=4)
+    evaluate(real_engine, tasks, "sequential", orchestrator_config=cfg, out_dir=tmp_path, progress=False)
+    other = Engine(from_pretrained(hf_tied), tiny_vocab_tokenizer(), eos_token_ids=[], **ENGINE_KW)
+    with pytest.raises(UserError, match=r"differs in: weights"):
+        evaluate(other, tasks, "sequential", orchestrator_config=cfg, out_dir=tmp_path, progress=False)

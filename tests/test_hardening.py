@@ -326,3 +326,38 @@ def test_eval_compare_uses_complete_lines_of_a_cut_results_file(tmp_path, capsys
     (b / "results.jsonl").write_text("{broken\n" + full_b)
     assert main(["eval", "compare", str(a), str(b)]) == 2
     assert "results.jsonl:1: not valid JSON" in _err_line(capsys)
+
+
+# ---- one run per output directory (eval, curate; train in test_train_guards.py) --------------------
+
+def test_eval_and_curate_refuse_a_directory_held_by_another_run(tmp_path, capsys):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from sprint_jax.curation.types import Task
+    from sprint_jax.eval.evaluate import evaluate
+    from sprint_jax.outlock import DirectoryLocked
+    from test_orchestrator import ScriptedEngine
+
+    out = tmp_path / "held"
+    holder = subprocess.Popen([sys.executable, "-c",
+                               "import sys, time; from sprint_jax import outlock; "
+                               "l = outlock.acquire(sys.argv[1], 'test'); print('locked', flush=True); time.sleep(600)",
+                               str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(DirectoryLocked, match=f"pid {holder.pid}"):
+            evaluate(ScriptedEngine(["<Final Answer> 1 </Final Answer>"]), [Task("a", "math", "1?", "1")],
+                     "sequential", out_dir=out, progress=False)
+        assert not (out / "results.jsonl").exists()
+        cfg = ROOT / "configs" / "curate_countdown_offline.yaml"
+        assert main(["curate", "--config", str(cfg), "--set", "tasks.n=2", "--out", str(out), "--no-progress"]) == 2
+        line = _err_line(capsys)
+        assert "in use by another run" in line and f"pid {holder.pid}" in line and "started" in line
+        assert not (out / "curation.sqlite").exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert os.path.exists(out / ".sprint-jax.lock")
