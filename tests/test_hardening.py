@@ -205,6 +205,14 @@ def test_config_file_that_is_a_directory_or_not_utf8(tmp_path, capsys):
         assert "not UTF-8" in _err_line(capsys)
 
 
+def test_model_config_json_not_utf8_or_not_an_object(hf_untied, tmp_path, capsys):
+    model = _model_copy(hf_untied, tmp_path / "m")
+    for content, message in ((b'{"model_type": "qwen2\xff"}', "not UTF-8"), (b"[1, 2]", "expected a JSON object")):
+        (model / "config.json").write_bytes(content)
+        assert main(["generate", "--model", str(model), "--token-ids", "1", "--max-new-tokens", "1"]) == 2
+        assert message in _err_line(capsys)
+
+
 # ---- generate flags, capacities, output paths ------------------------------------------------
 
 @pytest.mark.parametrize("argv, message", [
