@@ -2,11 +2,13 @@
 
 Each subcommand lives in its own module, which provides `add_arguments(parser)` and
 `run(args) -> int`; modules are imported only when their subcommand runs, so `--help` is fast.
-User mistakes (bad config, missing file) end with one clear line and exit code 2, never a traceback.
+User mistakes (bad config, missing file) end with one clear line and exit code 2, never a traceback;
+so does a write that finds the disk full (nothing else to do but free space and rerun).
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
@@ -62,6 +64,35 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"sprint-jax {name}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 -- only a full disk is turned into a line; the rest re-raises
+        why = _out_of_space(e)
+        if why is None:
+            raise
+        print(f"sprint-jax {name}: error: {why}; free some space and rerun the same command (train, "
+              f"curate and eval resume where they stopped)", file=sys.stderr)
+        return 2
+
+
+_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_SPACE_TEXTS = ("No space left on device", "Disk quota exceeded", "File too large")
+
+
+def _out_of_space(e: BaseException) -> str | None:
+    """A one-line description when `e`, or anything in its cause/context chain, is a write that
+    found no space (ENOSPC, a quota, a file size limit); orbax and tensorstore wrap the OSError in
+    their own exception types, so their messages are read too. None for every other error."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _SPACE_ERRNOS:
+            where = f" writing {e.filename}" if e.filename else ""
+            return f"out of disk space{where} ({e.strerror})"
+        text = str(e)
+        for t in _SPACE_TEXTS:
+            if t in text:
+                return f"out of disk space ({t})"
+        e = e.__cause__ or e.__context__
+    return None
 
 
 if __name__ == "__main__":

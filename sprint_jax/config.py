@@ -7,6 +7,8 @@ fields with an error that names the dotted field (DESIGN.md, reliability contrac
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -22,6 +24,17 @@ CONFIG_DIR = REPO_ROOT / "configs"
 
 class ConfigError(ValueError):
     """A config value is missing, unknown or of the wrong type. The message names the field."""
+
+
+# A decimal number as people write it. PyYAML follows YAML 1.1, which reads `2e-5` and `1.0e6`
+# (no dot, or no exponent sign) as strings: a number field takes them as the number they spell.
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _number_from_text(value: Any) -> Any:
+    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        return float(value.strip())
+    return value
 
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
@@ -67,10 +80,17 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         kt, vt = args if args else (Any, Any)
         return {_coerce(k, kt, where): _coerce(v, vt, f"{where}.{k}") for k, v in value.items()}
     if annotation is float:
+        value = _number_from_text(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         return float(value)
     if annotation is int:
+        if isinstance(value, str):
+            number = _number_from_text(value)          # "1e9" -> 1000000000, "2.5" stays an error
+            if isinstance(number, float) and math.isfinite(number) and number.is_integer():
+                value = int(number)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return value
@@ -180,10 +200,14 @@ def read_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file not found: {path}")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} is not a file")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     return data

@@ -56,6 +56,22 @@ class DemoConfig:
     seed: int = 0
     out: str = "runs/demo"
 
+    def __post_init__(self) -> None:
+        # checked here, before minutes of curation, not when training or evaluation reaches them
+        for name in ("train_problems", "test_problems", "chain_length", "chains", "steps", "batch_size",
+                     "max_branch_tokens", "max_planner_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        bad = [x for x in self.layouts if x not in ("trie", "flat")] if self.layouts else ["(none)"]
+        if bad:
+            raise ValueError(f"layouts takes trie and/or flat, got {bad[0]!r}")
+
 
 def _vocabulary(cfg: DemoConfig) -> list[str]:
     """One token per tag (with the single spaces the format puts beside it) and per word."""
@@ -91,6 +107,8 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
     from sprint_jax.train.trainer import train
 
     t_start = time.perf_counter()
+    from sprint_jax.model.config import Qwen2Config
+    Qwen2Config.from_hf_config({"model_type": "qwen2", "vocab_size": 8, **to_dict(cfg.model)})  # before curating
     out.mkdir(parents=True, exist_ok=True)
     (out / "demo_config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     timings: dict[str, float] = {}
@@ -165,7 +183,7 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
         layout = read_export_meta(trained[model_name]["export_dir"]).get("layout", "flat")
         _, rep = evaluate(engines[model_name], test_tasks, mode, prompt_fn=chains.prompt_for,
                             orchestrator_config=dataclasses.replace(orch, layout=layout), out_dir=out / "eval" / run_name, progress=progress,
-                            meta={"model": model_name, "mode": mode})
+                            meta={"model": model_name, "mode": mode}, overwrite=True)   # models retrained above
         wall = time.perf_counter() - t0
         entry = {"accuracy": rep["accuracy"], "mean_sequential_tokens": rep["mean_sequential_tokens"],
                  "mean_total_tokens": rep["mean_total_tokens"], "wall_s": wall}

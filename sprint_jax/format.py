@@ -272,10 +272,7 @@ class _StageBuilder:
     pieces: list[PlanPiece] = dataclasses.field(default_factory=list)
     executions: list[str] = dataclasses.field(default_factory=list)
     checked: bool = False            # "prompt without execution" already reported (or not needed)
-
-    @property
-    def n_prompts(self) -> int:
-        return sum(isinstance(p, Prompt) for p in self.pieces)
+    n_prompts: int = 0               # Prompt pieces so far (counted, not recounted: parsing stays linear)
 
 
 @dataclasses.dataclass
@@ -303,6 +300,7 @@ class _Scanner:
         self.problems: list[str] = []
         self.segments: list[tuple[int, int, str]] = []
         self.stages: list[_StageBuilder] = []
+        self.stage_indices: set[int] = set()     # plan numbers seen (a set: duplicate checks stay O(1))
         self.stack: list[_Open] = []
         self.query = ""
         self.final: str | None = None
@@ -312,6 +310,7 @@ class _Scanner:
         if mode == "plan":
             stage = _StageBuilder(plan_index)
             self.stages.append(stage)
+            self.stage_indices.add(plan_index)
             self.stack.append(_Open("plan", _Tag(False, "plan", plan_index), 0, stage=stage))
 
     # -- helpers ------------------------------------------------------------------------------
@@ -330,6 +329,7 @@ class _Scanner:
         elif block.kind == "prompt":
             assert block.stage is not None
             block.stage.pieces.append(Prompt(content))
+            block.stage.n_prompts += 1
         elif block.kind == "execution":
             assert block.stage is not None
             block.stage.executions.append(content)
@@ -425,12 +425,13 @@ class _Scanner:
     def _open_plan(self, tag: _Tag, at: int) -> None:
         self._check_executions_complete()
         expected = self.stages[-1].index + 1 if self.stages else 1
-        if any(s.index == tag.i for s in self.stages):
+        if tag.i in self.stage_indices:
             self.problems.append(f"duplicate {tag.text()} at char {at}")
         elif tag.i != expected:
             self.problems.append(f"{tag.text()} out of order at char {at}: expected {plan_open(expected)}")
         stage = _StageBuilder(tag.i)
         self.stages.append(stage)
+        self.stage_indices.add(tag.i)
         self.stack.append(_Open("plan", tag, at, stage=stage))
 
     def _open_prompt(self, tag: _Tag, at: int) -> None:

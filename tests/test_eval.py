@@ -205,3 +205,70 @@ def test_eval_and_infer_commands(hf_untied, task_file, tmp_path, capsys):
     assert "layout" in capsys.readouterr().err
     assert main(["infer", "--model", str(tmp_path / "none"), "hi"]) == 2
     assert main(["infer", "--model", str(model), "hi", "--set", "max_stages=0"]) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# an existing --out (issue 12: it used to be wiped before the first problem)
+# ---------------------------------------------------------------------------------------------
+
+def _engine_for(answers) -> ScriptedEngine:
+    return ScriptedEngine([line for a in answers for line in _sprint_script(a)], DRUG_EXECUTORS)
+
+
+def test_eval_into_an_existing_out_resumes_after_a_kill(tmp_path):
+    """Simulate a run killed during problem 3: two complete lines and a cut one in results.jsonl,
+    and a stale report.json from an earlier run. The rerun keeps the two, reruns the cut one and
+    the rest (its engine is scripted for the last three problems only: a rerun of all five would
+    grade them wrong), and writes a report over all five."""
+    full, _ = evaluate(_sprint_engine(), TASKS, "parallel", prompt_fn=_prompt, out_dir=tmp_path, progress=False)
+    res = (tmp_path / "results.jsonl").read_text().splitlines(keepends=True)
+    rec = (tmp_path / "records.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "results.jsonl").write_text("".join(res[:2]) + res[2][: len(res[2]) // 2])
+    (tmp_path / "records.jsonl").write_text("".join(rec[:2]))
+    engine = _engine_for(ANSWERS[2:])
+    results, report = evaluate(engine, TASKS, "parallel", prompt_fn=_prompt, out_dir=tmp_path, progress=False)
+    assert [r["correct"] for r in results] == [True, True, False, True, True]
+    assert results[:2] == json.loads(json.dumps(full[:2]))          # kept as written, not rerun
+    assert report["n"] == 5 and report["correct"] == 4 and report["resumed_problems"] == 2
+    on_disk = load_results(tmp_path)
+    assert sorted(r["id"] for r in on_disk) == sorted(t.id for t in TASKS)
+    records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in records) == sorted(t.id for t in TASKS)
+    assert json.loads((tmp_path / "report.json").read_text())["n"] == 5
+    # a finished run resumed again runs nothing
+    idle = _engine_for([])
+    again, _ = evaluate(idle, TASKS, "parallel", prompt_fn=_prompt, out_dir=tmp_path, progress=False)
+    assert idle.calls == [] and again == results
+
+
+def test_eval_into_an_existing_out_with_another_setup_is_refused(tmp_path):
+    from sprint_jax.errors import UserError
+
+    evaluate(_sprint_engine(), TASKS[:2], "parallel", prompt_fn=_prompt, out_dir=tmp_path, progress=False)
+    before = (tmp_path / "results.jsonl").read_text()
+    with pytest.raises(UserError, match=r"differs in: mode"):
+        evaluate(_rft_engine(), TASKS[:2], "sequential", prompt_fn=_prompt, out_dir=tmp_path, progress=False)
+    with pytest.raises(UserError, match=r"problem 'm1' has a different prompt"):
+        evaluate(_sprint_engine(), TASKS[:2], "parallel", prompt_fn=lambda t: t.problem + "!", out_dir=tmp_path,
+                 progress=False)
+    assert (tmp_path / "results.jsonl").read_text() == before        # nothing lost
+    results, _ = evaluate(_rft_engine(), TASKS[:2], "sequential", prompt_fn=_prompt, out_dir=tmp_path,
+                          progress=False, overwrite=True)
+    assert [r["mode"] for r in load_results(tmp_path)] == ["sequential", "sequential"]
+
+
+def test_resuming_with_other_weights_is_refused(real_engine, hf_tied, task_file, tmp_path):
+    """Same path, same flags, different weights (a model retrained in place): the results on disk
+    were not made by this model, so resuming would mix two models in one report."""
+    from conftest import tiny_vocab_tokenizer
+    from sprint_jax.curation.tasks import load_math_jsonl
+    from sprint_jax.errors import UserError
+    from sprint_jax.infer import Engine
+    from sprint_jax.model import from_pretrained
+
+    tasks = load_math_jsonl(task_file, limit=1)
+    cfg = OrchestratorConfig(max_planner_tokens=4, max_branch_tokens=4, max_total_tokens=4)
+    evaluate(real_engine, tasks, "sequential", orchestrator_config=cfg, out_dir=tmp_path, progress=False)
+    other = Engine(from_pretrained(hf_tied), tiny_vocab_tokenizer(), eos_token_ids=[], **ENGINE_KW)
+    with pytest.raises(UserError, match=r"differs in: weights"):
+        evaluate(other, tasks, "sequential", orchestrator_config=cfg, out_dir=tmp_path, progress=False)

@@ -358,3 +358,39 @@ def test_token_labels_rule():
         ["query", "tag", "plan", "plan", "tag", "query"]
     assert sf.token_labels(["plan", "prompt", "prompt"], [(0, 3)]) == ["prompt"]
     assert sf.token_labels(["plan", "prompt"], [(0, 2)]) == ["plan"]   # tie: the earliest
+
+
+# ---------------------------------------------------------------------------------------------
+# adversarial sizes (issue 12): parsing is linear in the input
+# ---------------------------------------------------------------------------------------------
+
+def _many_prompts(n: int) -> str:
+    prompts = " ".join(f"{sf.prompt_open(1, j)} p {sf.prompt_close(1, j)}" for j in range(1, n + 1))
+    execs = "\n".join(f"{sf.execution_open(1, j)} e {sf.execution_close(1, j)}" for j in range(1, n + 1))
+    return f"{sf.plan_open(1)} {prompts} {sf.plan_close(1)}\n{execs}\n{sf.FINAL_OPEN} 1 {sf.FINAL_CLOSE}"
+
+
+def _many_stages(n: int) -> str:
+    return "\n".join(f"{sf.plan_open(i)} t {sf.prompt_open(i, 1)} p {sf.prompt_close(i, 1)} {sf.plan_close(i)}\n"
+                     f"{sf.execution_open(i, 1)} e {sf.execution_close(i, 1)}" for i in range(1, n + 1))
+
+
+@pytest.mark.parametrize("make", [_many_prompts, _many_stages], ids=["prompts_in_one_plan", "stages"])
+def test_parse_completion_is_linear(make):
+    """4x the input must cost about 4x the time, not 16x (the old parser recounted prompts and
+    rescanned stages on every tag: 8,000 prompts took seconds). Best of 3 to damp machine load;
+    the bound (8x) sits between linear (4x) and quadratic (16x)."""
+    import time
+
+    def best(text: str) -> float:
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            traj, _ = sf.parse_completion(text)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    small, large = make(1500), make(6000)
+    assert len(sf.parse_completion(large)[0].stages) >= 1
+    ratio = best(large) / best(small)
+    assert ratio < 8.0, f"4x input took {ratio:.1f}x the time: parsing is not linear"

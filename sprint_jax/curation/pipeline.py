@@ -339,12 +339,18 @@ def _atomic_write(path: Path, text: str) -> None:
 
 def run_pipeline(config: CurateConfig, out_dir: str | Path | None = None, stages: Iterable[str] | None = None,
                  progress: bool = True) -> dict:
-    """Run (or resume) curation into `out_dir` (default config.out); returns the report dict."""
-    cur = Curation(config, out_dir if out_dir is not None else config.out, progress=progress)
-    try:
-        return cur.run(stages)
-    finally:
-        cur.close()
+    """Run (or resume) curation into `out_dir` (default config.out); returns the report dict.
+
+    The directory is locked for the run (`sprint_jax.outlock`): a second run into it stops at once."""
+    from sprint_jax import outlock
+
+    out = out_dir if out_dir is not None else config.out
+    with outlock.locked(out, "curation output directory"):
+        cur = Curation(config, out, progress=progress)
+        try:
+            return cur.run(stages)
+        finally:
+            cur.close()
 
 
 def status(out_dir: str | Path) -> dict:
@@ -352,6 +358,12 @@ def status(out_dir: str | Path) -> dict:
     path = Path(out_dir) / DB_NAME
     if not path.exists():
         raise UserError(f"no curation store at {path}")
-    with Store(path) as store:
-        return {"stages": store.stage_counts(), "discards": store.failure_counts(),
-                "dropped_edges": store.dropped_edge_counts(), "llm": store.call_totals()}
+    import sqlite3
+
+    from sprint_jax.curation.store import StoreError
+    with Store(path, read_only=True) as store:        # status never writes (not even a schema)
+        try:
+            return {"stages": store.stage_counts(), "discards": store.failure_counts(),
+                    "dropped_edges": store.dropped_edge_counts(), "llm": store.call_totals()}
+        except sqlite3.DatabaseError as e:
+            raise StoreError(f"{path} is not a readable curation store ({e})") from None

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from sprint_jax.curation.types import Example, Step, Task, Trace
+from sprint_jax.errors import UserError
 
 STAGES = ("tasks", "teacher", "filter", "extract", "dag", "pack", "reformat")
 
@@ -58,6 +59,10 @@ CREATE TABLE IF NOT EXISTS failures (
 """
 
 
+class StoreError(UserError):
+    """A file that is not a readable curation store: the message names it."""
+
+
 def request_hash(model: str, messages: list[dict], params: dict) -> str:
     """sha256 of the canonical JSON of (model, messages, params). Never includes the API key or the
     base URL: the same request to a mirror of the same model is the same paid call."""
@@ -73,15 +78,47 @@ def _dumps(obj: Any) -> str:
 class Store:
     """Thread-safe handle on one run's database. Each write method is one committed transaction."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, read_only: bool = False):
+        """Open (or, unless `read_only`, create) the store at `path`.
+
+        A file that is not a store (garbage, truncated, another program's SQLite database) raises
+        StoreError naming it, and is never written: the schema goes only into a new or empty file
+        or an existing store. `read_only` (for `curate status`) writes nothing at all."""
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None,
-                                   timeout=30.0)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
+        if read_only:
+            if not self.path.is_file():
+                raise StoreError(f"no curation store at {self.path}")
+            uri = f"{self.path.absolute().as_uri()}?mode=ro"
+            self._db = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None, timeout=30.0)
+        else:
+            if self.path.exists() and not self.path.is_file():
+                raise StoreError(f"{self.path} is not a file")
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None,
+                                       timeout=30.0)
+        try:
+            tables = {r[0] for r in self._db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            if tables and not {"meta", "tasks", "llm_calls"} <= tables:
+                raise StoreError(f"{self.path} is an SQLite database of something else (tables: "
+                                 f"{', '.join(sorted(tables)[:5])}), not a sprint-jax curation store; "
+                                 f"choose another directory")
+            if read_only and not tables:
+                raise StoreError(f"{self.path} is empty, not a curation store")
+            check = self._db.execute("PRAGMA quick_check").fetchone()
+            if check is None or check[0] != "ok":
+                raise sqlite3.DatabaseError(f"integrity check: {check[0] if check else 'no answer'}")
+            if not read_only:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=FULL")
+                self._db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as e:
+            self._db.close()
+            raise StoreError(f"{self.path} is not a readable curation store ({e}); it may be damaged or "
+                             f"another program's file") from None
+        except StoreError:
+            self._db.close()
+            raise
 
     def close(self) -> None:
         with self._lock:

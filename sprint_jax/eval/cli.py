@@ -48,6 +48,9 @@ stages, wall_s, problems, termination, ...), records.jsonl (full run records), r
 (accuracy, mean sequential and total tokens, wall clock, format-valid rate, ...), tokens.png
 (sequential vs total tokens per problem) and sequential_to_total_by_length.png (the run's own
 sequential / total tokens: SPRINT-internal, not a gain over RFT).
+An existing --out is resumed: problems already in its results.jsonl are skipped after checking that
+mode, budgets, model weights and problems are the same (eval_run.json); --overwrite starts it afresh.
+One run at a time per --out (a second one exits naming the first).
 
 `eval compare A B`: the paper's table (accuracy, sequential tokens, total tokens, wall clock,
 change) for run A (SPRINT) against run B (RFT) on the same problems, matched by id; then, per bin
@@ -70,7 +73,9 @@ def add_arguments(p) -> None:
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N problems")
     p.add_argument("--countdown-n", type=int, default=100, help="--data countdown: tasks to generate")
     p.add_argument("--data-seed", type=int, default=0, help="--data countdown: generator seed")
-    p.add_argument("--out", default=None, help="output directory")
+    p.add_argument("--out", default=None, help="output directory; an existing one is resumed (problems already "
+                   "in its results.jsonl are skipped, after checking the run is the same)")
+    p.add_argument("--overwrite", action="store_true", help="start --out afresh instead of resuming it")
     p.add_argument("--names", default="SPRINT,RFT", help="compare: column names of RUN_A,RUN_B")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_data_arguments(p)
@@ -121,6 +126,8 @@ def _compare(args) -> int:
     if len(names) != 2 or not all(names):
         raise UserError(f"--names must be two comma-separated names, got {args.names!r}")
     run_a, run_b = args.compare[1:]
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"--out {args.out} exists and is not a directory")
     if args.quantiles < 0:
         raise UserError(f"--quantiles must be >= 0, got {args.quantiles}")
     table = compare(load_results(run_a), load_results(run_b), *names, bins=parse_bins(args.bins),
@@ -186,6 +193,8 @@ def run(args) -> int:
     for flag, value in (("--model", args.model), ("--data", args.data), ("--out", args.out)):
         if not value:
             raise UserError(f"{flag} is required (or use `sprint-jax eval compare RUN_A RUN_B`)")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"--out {args.out} exists and is not a directory")
     config = config_from_args(args)
     tasks = load_tasks(args.data, args.limit, args.task_kind, args.countdown_n, args.data_seed)
     if not tasks:
@@ -199,7 +208,7 @@ def run(args) -> int:
         except ValueError as e:
             raise UserError(f"task {task.id}: the tokenizer cannot encode its prompt ({e})") from None
     _, report = evaluate(engine, tasks, args.mode, orchestrator_config=config, out_dir=args.out,
-                         progress=not args.no_progress, answer_from=args.answer_from,
+                         progress=not args.no_progress, answer_from=args.answer_from, overwrite=args.overwrite,
                          meta={"model": str(args.model), "data": str(args.data), "limit": args.limit,
                                "train_overlap": overlap})
     print(f"accuracy {100 * report['accuracy']:.1f}% ({report['correct']}/{report['n']}), "

@@ -14,11 +14,22 @@ training examples' prompts: the task's problem text, and for Countdown `countdow
 (TinyZero's prompt). Pass your own when the model was trained on another prompt (the demo does).
 
 Outputs in `out_dir` (when given): results.jsonl (one line per problem, written as it finishes),
-records.jsonl (the full run records), report.json, and the plots of `report.write_plots`.
+records.jsonl (the full run records), eval_run.json (what the run used: mode, orchestrator config,
+meta, a digest of the model's weights, a digest of each problem's prompt and gold answer),
+report.json (written last, atomically), and the plots of `report.write_plots`.
+
+Resume (issue 12: an eval into an existing directory used to wipe it). A rerun into the same
+directory skips the problems already in results.jsonl (complete lines only: a line cut by a kill
+is dropped and rerun) after checking that the run is the same, like `curate` does: a different
+mode, orchestrator config, model weights or problem text is refused naming what differs, unless
+`overwrite=True` (`eval --overwrite`), which starts the directory afresh. The directory is locked
+for the run (`sprint_jax.outlock`).
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -30,6 +41,8 @@ from sprint_jax.infer.orchestrator import MODES, Orchestrator, OrchestratorConfi
 RESULTS_FILE = "results.jsonl"
 RECORDS_FILE = "records.jsonl"
 REPORT_FILE = "report.json"
+RUN_FILE = "eval_run.json"
+_UNCHECKED_META = ("limit",)      # a longer or shorter run over the same problems may resume
 
 
 def default_prompt(task: Task) -> str:
@@ -60,15 +73,95 @@ def result_of(task: Task, record: RunRecord, answer_from: str = "final_answer") 
     }
 
 
+def _complete_lines(path: Path) -> tuple[dict[str, dict], int]:
+    """id -> row of a jsonl file written line by line; a last line cut short is skipped (counted)."""
+    rows: dict[str, dict] = {}
+    if not path.exists():
+        return rows, 0
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    skipped = 0
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if n == len(lines):              # no newline after it: a write cut by a kill
+                skipped += 1
+                continue
+            from sprint_jax.errors import UserError
+            raise UserError(f"{path}:{n}: not valid JSON; use --overwrite to start this directory afresh") from None
+        if isinstance(row, dict) and "id" in row:
+            rows[str(row["id"])] = row
+    return rows, skipped
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str).encode()).hexdigest()[:16]
+
+
+def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _diff(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _prepare_out(out: Path, run: dict, problems: dict[str, str], overwrite: bool) -> dict[str, tuple[dict, dict]]:
+    """Check an existing directory against this run; returns id -> (result, record) already done."""
+    from sprint_jax.errors import UserError
+
+    run_file = out / RUN_FILE
+    had_results = (out / RESULTS_FILE).exists() and (out / RESULTS_FILE).stat().st_size > 0
+    if overwrite or not (run_file.exists() or had_results):
+        for name in (RESULTS_FILE, RECORDS_FILE, REPORT_FILE, RUN_FILE):
+            (out / name).unlink(missing_ok=True)
+        _write_atomic(run_file, json.dumps({"run": run, "problems": problems}, indent=1, ensure_ascii=False) + "\n")
+        return {}
+    try:
+        before = json.loads(run_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise UserError(f"{out} holds eval results but no readable {RUN_FILE} (written by an older version or "
+                        f"damaged), so they cannot be checked: use --overwrite or a new --out") from None
+    diff = _diff(before.get("run"), run)
+    if diff:
+        raise UserError(f"{out} holds an eval run with a different setup (differs in: {', '.join(diff)}); "
+                        f"rerun the same command to resume, or use --overwrite or a new --out")
+    old_problems = before.get("problems", {})
+    changed = [i for i, d in problems.items() if i in old_problems and old_problems[i] != d]
+    if changed:
+        raise UserError(f"{out}: problem {changed[0]!r} has a different prompt or answer than when it was evaluated "
+                        f"({len(changed)} such); use --overwrite or a new --out")
+    results, cut_a = _complete_lines(out / RESULTS_FILE)
+    records, cut_b = _complete_lines(out / RECORDS_FILE)
+    done = {i: (results[i], records[i]) for i in results if i in records and i in problems}
+    # keep exactly the finished problems (a result without its record, or a cut line, is redone)
+    _write_atomic(out / RESULTS_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r, _ in done.values()))
+    _write_atomic(out / RECORDS_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for _, r in done.values()))
+    (out / REPORT_FILE).unlink(missing_ok=True)       # a report describes a finished run only
+    _write_atomic(run_file, json.dumps({"run": run, "problems": {**old_problems, **problems}}, indent=1,
+                                       ensure_ascii=False) + "\n")
+    return done
+
+
 def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
              prompt_fn: Callable[[Task], str] | None = None,
              orchestrator_config: OrchestratorConfig | None = None, out_dir: str | Path | None = None,
-             progress: bool = True, meta: dict | None = None,
+             progress: bool = True, meta: dict | None = None, overwrite: bool = False,
              answer_from: str = "final_answer") -> tuple[list[dict], dict]:
     """Run every task in `mode` and grade it. Returns (results, report); writes them to out_dir.
 
-    `meta` (e.g. model and data names) is copied into the report; `answer_from` picks the graded
-    text (see the module docstring).
+    `meta` (e.g. model and data names) is copied into the report. With `out_dir`, problems already
+    finished there by the same run are skipped (see the module docstring); `overwrite` starts afresh.
+    `answer_from` picks the graded text (see the module docstring).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -78,42 +171,66 @@ def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
         dup = next(i for i in ids if ids.count(i) > 1)
         raise ValueError(f"task ids must be unique; {dup!r} appears twice")
     prompt_fn = prompt_fn or default_prompt
-    orchestrator = Orchestrator(engine, orchestrator_config or OrchestratorConfig())
-    out = Path(out_dir) if out_dir is not None else None
-    results: list[dict] = []
+    config = orchestrator_config or OrchestratorConfig()
+    if out_dir is None:
+        return _evaluate(engine, tasks, mode, prompt_fn, config, None, progress, meta, {}, answer_from)
+    from sprint_jax import outlock
+
+    out = Path(out_dir)
+    with outlock.locked(out, "eval --out"):
+        params = getattr(engine, "params", None)
+        run = {"mode": mode, "answer_from": answer_from, "config": dict(config.__dict__),
+               "meta": {k: v for k, v in (meta or {}).items() if k not in _UNCHECKED_META}}
+        if params is not None:
+            from sprint_jax.treesum import digest
+            run["weights"] = digest(params)
+        run = json.loads(json.dumps(run, default=str))      # as it reads back from disk (tuples -> lists)
+        problems = {str(t.id): _digest([prompt_fn(t), t.answer]) for t in tasks}
+        done = _prepare_out(out, run, problems, overwrite)
+        return _evaluate(engine, tasks, mode, prompt_fn, config, out, progress, meta, done, answer_from)
+
+
+def _evaluate(engine, tasks, mode, prompt_fn, config, out: Path | None, progress: bool, meta: dict | None,
+              done: dict[str, tuple[dict, dict]], answer_from: str) -> tuple[list[dict], dict]:
+    orchestrator = Orchestrator(engine, config)
+    results_by_id: dict[str, dict] = {i: r for i, (r, _) in done.items()}
+    todo = [t for t in tasks if str(t.id) not in done]
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(tasks), desc=f"eval ({mode})", unit="problem")
+        bar = tqdm(total=len(tasks), initial=len(tasks) - len(todo), desc=f"eval ({mode})", unit="problem")
     t0 = time.perf_counter()
     files = []
     try:
         if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-            files = [open(out / RESULTS_FILE, "w", encoding="utf-8"), open(out / RECORDS_FILE, "w", encoding="utf-8")]
-        for task in tasks:
+            files = [open(out / RESULTS_FILE, "a", encoding="utf-8"), open(out / RECORDS_FILE, "a", encoding="utf-8")]
+        for task in todo:
             record = orchestrator.run(prompt_fn(task), mode)
             result = result_of(task, record, answer_from)
-            results.append(result)
+            results_by_id[str(task.id)] = result
             if files:
                 for f, row in zip(files, (result, {"id": task.id, **record.to_json()})):
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
                     f.flush()
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(acc=f"{sum(r['correct'] for r in results) / len(results):.3f}",
-                                seq=f"{sum(r['sequential_tokens'] for r in results) / len(results):.0f}")
+                finished = list(results_by_id.values())
+                bar.set_postfix(acc=f"{sum(r['correct'] for r in finished) / len(finished):.3f}",
+                                seq=f"{sum(r['sequential_tokens'] for r in finished) / len(finished):.0f}")
     finally:
         for f in files:
             f.close()
         if bar is not None:
             bar.close()
+    results = [results_by_id[str(t.id)] for t in tasks]
     report = make_report(results, mode, wall_clock_s=time.perf_counter() - t0, meta={
-        **(meta or {}), "answer_from": answer_from, "config": (orchestrator_config or OrchestratorConfig()).__dict__})
+        **(meta or {}), "answer_from": answer_from, "config": config.__dict__})
+    if done:
+        report["resumed_problems"] = len(done)   # wall_clock_s covers only the problems run this time
     if out is not None:
         report["plots"] = write_plots(results, out)
-        (out / REPORT_FILE).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        _write_atomic(out / REPORT_FILE, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     return results, report
 
 
-__all__ = ["RESULTS_FILE", "RECORDS_FILE", "REPORT_FILE", "default_prompt", "result_of", "evaluate"]
+__all__ = ["RESULTS_FILE", "RECORDS_FILE", "REPORT_FILE", "RUN_FILE", "default_prompt", "result_of", "evaluate"]

@@ -239,10 +239,16 @@ def load_results(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "results.jsonl"
     if not path.is_file():
         raise RunFileError(f"{run_dir}: no results.jsonl (is it an `sprint-jax eval --out` directory?)")
-    from sprint_jax.jsonl import iter_objects, require_fields
+    import sys
+
+    from sprint_jax.jsonl import read_objects_tolerating_cut_end, require_fields
 
     rows = []
-    for n, row in iter_objects(path, RunFileError):
+    objects, skipped = read_objects_tolerating_cut_end(path, RunFileError)
+    if skipped:    # a run killed mid-write: its complete lines are still results
+        print(f"warning: {path}: skipped {skipped} incomplete last line (cut by a killed run); using the "
+              f"{len(objects)} complete ones", file=sys.stderr)
+    for n, row in objects:
         require_fields(row, ("id", "correct", "sequential_tokens", "total_tokens", "wall_s"), f"{path}:{n}", RunFileError)
         rows.append(row)
     return rows

@@ -35,10 +35,28 @@ def run(args) -> int:
 
     if (args.prompt is None) == (args.token_ids is None):
         raise UserError("give either a prompt text or --token-ids")
+    # every flag is checked before the weights are read
+    if args.prompt is not None and not args.prompt:
+        raise UserError("the prompt is empty (give some text, or --token-ids)")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if any(s == "" for s in args.stop):
+        raise UserError('--stop "" would stop before the first token; give a non-empty stop string')
+    try:
+        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as e:
+        raise UserError(f"--{str(e).split(' ')[0].replace('_', '-')}: {e}") from None
+    from sprint_jax.model.capacity import check_positions
+    from sprint_jax.model.config import Qwen2Config
+    from pathlib import Path
+    if args.model and Path(args.model).is_dir():
+        check_positions(Qwen2Config.from_hf_config(Path(args.model)), args.max_new_tokens, "--max-new-tokens")
     model = load_model_arg(args.model, args.dtype)
     tok = None
     if args.tokenizer or args.prompt is not None or args.stop:
         tok = load_tokenizer_arg(args.tokenizer, args.model)
+        from sprint_jax.model.tokenizer import check_tokenizer_fits
+        check_tokenizer_fits(tok, model.config.vocab_size, f"the model in {args.model}")
     if args.token_ids is not None:
         try:
             ids = [int(x) for x in args.token_ids.split(",") if x.strip()]
@@ -46,9 +64,12 @@ def run(args) -> int:
             raise UserError(f"--token-ids must be comma-separated integers, got {args.token_ids!r}")
     else:
         ids = list(tok.encode(args.prompt, add_special_tokens=False))
+    if not ids:
+        raise UserError("the prompt encodes to no tokens" if args.prompt is not None else "--token-ids is empty")
     bad = [i for i in ids if not 0 <= i < model.config.vocab_size]
     if bad:
         raise UserError(f"token id {bad[0]} is outside the model's vocabulary (size {model.config.vocab_size})")
+    check_positions(model.config, len(ids) + args.max_new_tokens, "the prompt plus --max-new-tokens")
 
     class _IdsOnly:
         eos_token_id = None
@@ -62,8 +83,7 @@ def run(args) -> int:
     engine = Engine(model, tok or _IdsOnly(), max_seq_len=len(ids) + args.max_new_tokens + 1)
     t0 = time.perf_counter()
     state = engine.prefill(ids)
-    g = engine.generate(state, args.max_new_tokens, stop=args.stop,
-                        sampling=Sampling(args.temperature, args.top_k, args.top_p, args.seed))
+    g = engine.generate(state, args.max_new_tokens, stop=args.stop, sampling=sampling)
     dt = time.perf_counter() - t0
     print(g.text)
     print(f"\n[{len(g.tokens)} tokens, stop: {g.stop_reason}, {dt:.2f} s incl. compile; ids: {g.tokens}]")

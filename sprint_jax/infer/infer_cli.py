@@ -46,7 +46,9 @@ def add_run_arguments(p) -> None:
     g = p.add_argument_group("budgets and sampling (OrchestratorConfig; flags override --config/--set)")
     add_config_flags(g, OrchestratorConfig, defaults={"layout": "the model's sprint_jax.json, else flat"})
     e = p.add_argument_group("engine capacities")
-    e.add_argument("--max-seq-len", type=int, default=8192, help="planner context capacity in tokens")
+    e.add_argument("--max-seq-len", type=int, default=None,
+                   help="planner context capacity in tokens (default: 8192, or the model's "
+                        "max_position_embeddings when smaller; more than that is refused)")
     e.add_argument("--decode-chunk", type=int, default=16, help="decode steps per host round trip")
     e.add_argument("--prefill-chunk", type=int, default=512, help="longest prefill piece")
     e.add_argument("--attention-impl", choices=["xla", "pallas"], default="xla",
@@ -96,13 +98,17 @@ def load_model_arg(model: str | None, dtype: str | None):
     (activations, KV cache) in `dtype` (float32 when None)."""
     from sprint_jax.errors import UserError
     from sprint_jax.model.convert import load_model
+    from sprint_jax.model.hf import CheckpointError
 
     if not model:
         raise UserError("--model DIR is required")
     model_dir = Path(model)
     if not model_dir.is_dir():
         raise UserError(f"model directory not found: {model_dir}")
-    return load_model(model_dir, param_dtype=dtype, compute_dtype=dtype)
+    try:
+        return load_model(model_dir, param_dtype=dtype, compute_dtype=dtype)
+    except CheckpointError as e:            # (a UserError too; caught here to name the flag)
+        raise UserError(f"--model {model_dir}: {e}") from None
 
 
 def load_tokenizer_arg(tokenizer: str | None, model: str):
@@ -119,15 +125,31 @@ def load_tokenizer_arg(tokenizer: str | None, model: str):
 
 def build_engine(args, config):
     """The model, its tokenizer and an Engine sized for `config` (branch capacity = the per-branch
-    budget plus room for the forced opening tag)."""
+    budget plus room for the forced opening tag). Capacities and the tokenizer are checked against
+    the model's config.json before the weights are read."""
     from sprint_jax.errors import UserError
     from sprint_jax.infer import Engine, EngineError
+    from sprint_jax.model.capacity import check_memory, check_positions, kv_cache_bytes
+    from sprint_jax.model.config import Qwen2Config
+    from sprint_jax.model.tokenizer import check_tokenizer_fits
 
-    model = load_model_arg(args.model, args.dtype)
+    if not args.model or not Path(args.model).is_dir():
+        load_model_arg(args.model, args.dtype)          # the one-line error for a missing --model
+    mcfg = Qwen2Config.from_hf_config(Path(args.model))
+    if args.dtype:
+        mcfg = mcfg.replace(dtype=args.dtype)
+    max_seq_len = args.max_seq_len if args.max_seq_len is not None else min(8192, mcfg.max_position_embeddings)
+    check_positions(mcfg, max_seq_len, "--max-seq-len")
+    branch_tokens = config.max_branch_tokens + 32
+    check_memory(kv_cache_bytes(mcfg, max_seq_len + config.max_prompts * branch_tokens),
+                 f"the KV cache (--max-seq-len {max_seq_len}, {config.max_prompts} branches of {branch_tokens})",
+                 "lower --max-seq-len, --max-prompts or --max-branch-tokens")
     tok = load_tokenizer_arg(args.tokenizer, args.model)
+    check_tokenizer_fits(tok, mcfg.vocab_size, f"the model in {args.model}")
+    model = load_model_arg(args.model, args.dtype)
     try:
-        return Engine(model, tok, max_seq_len=args.max_seq_len, max_branches=config.max_prompts,
-                      max_branch_tokens=config.max_branch_tokens + 32, decode_chunk=args.decode_chunk,
+        return Engine(model, tok, max_seq_len=max_seq_len, max_branches=config.max_prompts,
+                      max_branch_tokens=branch_tokens, decode_chunk=args.decode_chunk,
                       prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl)
     except EngineError as e:
         raise UserError(str(e)) from None
@@ -238,6 +260,12 @@ def run(args) -> int:
 
     if not args.query.strip():
         raise UserError("the query is empty")
+    if args.record:                      # checked now, not after the whole run
+        record_path = Path(args.record)
+        if record_path.is_dir():
+            raise UserError(f"--record {record_path} is a directory; give a file name")
+        if not record_path.parent.is_dir():
+            raise UserError(f"--record {record_path}: directory {record_path.parent} does not exist")
     config = config_from_args(args)
     engine = build_engine(args, config)
     try:

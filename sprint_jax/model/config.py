@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,30 @@ FAMILIES: dict[str, Family] = {
 # not our compute dtype (nor our parameter dtype): those are chosen by the caller, e.g.
 # from_pretrained(param_dtype=..., compute_dtype=...), and default to float32.
 _HF_STORAGE_DTYPE_KEYS = ("dtype", "torch_dtype")
+
+
+def check_values(cfg) -> None:
+    """Values that cannot be right, rejected by name (issue 12: `rope_theta: "nan"` and
+    `rms_norm_eps: -1` used to load, and every output was NaN)."""
+    def number(name: str) -> float:
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"{name} must be a number, got {v!r}")
+        return float(v)
+    for name in ("rope_theta", "rms_norm_eps"):
+        v = number(name)
+        if not (math.isfinite(v) and v > 0):
+            raise ConfigError(f"{name} must be a finite number > 0, got {getattr(cfg, name)!r}")
+    if not isinstance(cfg.tie_word_embeddings, bool):
+        raise ConfigError(f"tie_word_embeddings must be true or false, got {cfg.tie_word_embeddings!r}")
+    if isinstance(cfg.max_position_embeddings, bool) or not isinstance(cfg.max_position_embeddings, int) \
+            or cfg.max_position_embeddings < 1:
+        raise ConfigError(f"max_position_embeddings must be a positive integer, got {cfg.max_position_embeddings!r}")
+    for name in ("bos_token_id", "eos_token_id"):
+        v = getattr(cfg, name)
+        for i in (v if isinstance(v, (tuple, list)) else () if v is None else (v,)):
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < cfg.vocab_size:
+                raise ConfigError(f"{name} {i!r} is not a token id of a {cfg.vocab_size}-token vocabulary")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +100,7 @@ class Qwen2Config:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        check_values(self)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -109,12 +135,16 @@ class Qwen2Config:
             p = Path(path_or_dict)
             if p.is_dir():
                 p = p / "config.json"
-            if not p.exists():
-                raise ConfigError(f"no config.json at {p}")
+            if not p.is_file():
+                raise ConfigError(f"no config.json at {p}" if not p.exists() else f"{p} is not a file")
             try:
-                d = json.loads(p.read_text())
+                d = json.loads(p.read_text(encoding="utf-8"))
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{p}: not valid JSON: {e}") from e
+            if not isinstance(d, dict):
+                raise ConfigError(f"{p}: expected a JSON object, got {type(d).__name__}")
             where = str(p)
         mt = d.get("model_type", "qwen2")
         if mt not in FAMILIES:
@@ -146,15 +176,30 @@ class Qwen2Config:
         # the architectural ones we do not implement were rejected above
         known = {f.name for f in dataclasses.fields(cls)} - set(_HF_STORAGE_DTYPE_KEYS)
         kwargs = {k: v for k, v in d.items() if k in known}
+        # every rope_theta written (top level and inside rope_parameters) must be usable, not just the one read
+        thetas = [v for v in (d.get("rope_theta"), *(rp.get("rope_theta") for rp in
+                  (d.get("rope_scaling"), d.get("rope_parameters")) if isinstance(rp, dict))) if v is not None]
+        for v in thetas:
+            try:
+                ok = not isinstance(v, bool) and math.isfinite(float(v)) and float(v) > 0
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise ConfigError(f"{where}: rope_theta must be a finite number > 0, got {v!r}")
         kwargs["model_type"] = mt
         if d.get("head_dim") is None and FAMILIES[mt].default_head_dim is not None:
             kwargs["head_dim"] = FAMILIES[mt].default_head_dim
         if theta is not None:
             kwargs["rope_theta"] = float(theta)
-        kwargs["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
+        tie = d.get("tie_word_embeddings", False)
+        if not isinstance(tie, bool):
+            raise ConfigError(f"{where}: tie_word_embeddings must be true or false, got {tie!r}")
+        kwargs["tie_word_embeddings"] = tie
         kwargs.update(overrides)
         try:
             return cls(**kwargs)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
         except TypeError as e:
             raise ConfigError(f"{where}: {e}") from e
 

@@ -92,7 +92,11 @@ def load_orbax(path: str | Path, param_dtype=None, shardings=None) -> tuple[Qwen
         extra = sorted(set(got) - set(want))
         if extra:
             raise CheckpointError(f"{path}: unknown tensor {extra[0]} (config.json does not describe these params)")
-        params = ckptr.restore(path / "params", target)
+        try:
+            params = ckptr.restore(path / "params", target)
+        except Exception as e:  # noqa: BLE001 -- orbax/tensorstore raise many types for a damaged tree
+            text = (str(e).splitlines() or [""])[0][:300]
+            raise CheckpointError(f"{path}: cannot read the orbax checkpoint ({type(e).__name__}: {text})") from None
     params = jax.tree.map(lambda a: a.astype(dtype_of(config.param_dtype)), params)
     return config, params
 

@@ -13,6 +13,7 @@ target sharding when given) before the next is read: peak host memory stays near
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from sprint_jax.errors import UserError
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.dtypes import dtype_name, dtype_of
 from sprint_jax.model.qwen2 import Params, ParamSpec, Qwen2, _tree_set, param_specs, tree_get
@@ -34,8 +36,9 @@ _ST_DTYPES = {
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
-class CheckpointError(ValueError):
-    """A checkpoint does not match the model: the message names the tensor and both shapes."""
+class CheckpointError(UserError, ValueError):
+    """A checkpoint is unreadable or does not match the model: the message names the file or the
+    tensor (and both shapes). A UserError, so every command prints it as one line (exit code 2)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -47,17 +50,52 @@ class SafetensorsFile:
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        size = self.path.stat().st_size
         with open(self.path, "rb") as f:
             raw = f.read(8)
             if len(raw) != 8:
                 raise CheckpointError(f"{self.path}: truncated safetensors file (no header)")
             (n,) = struct.unpack("<Q", raw)
+            if n > size - 8:      # checked before reading: a crafted length must not allocate
+                raise CheckpointError(f"{self.path}: corrupt safetensors header: it claims {n} bytes but the "
+                                      f"file has {size} bytes")
             try:
-                header = json.loads(f.read(n))
+                header = json.loads(f.read(n).decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise CheckpointError(f"{self.path}: corrupt safetensors header: not UTF-8 ({e.reason} at byte "
+                                      f"{8 + e.start})") from None
             except json.JSONDecodeError as e:
-                raise CheckpointError(f"{self.path}: corrupt safetensors header: {e}") from e
+                raise CheckpointError(f"{self.path}: corrupt safetensors header: {e}") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{self.path}: corrupt safetensors header: a JSON {type(header).__name__}, "
+                                  f"not an object")
         self.header = {k: v for k, v in header.items() if k != "__metadata__"}
         self.offset = 8 + n
+        for name, meta in self.header.items():
+            self._check_entry(name, meta, size - self.offset)
+
+    def _check_entry(self, name: str, meta: Any, data_bytes: int) -> None:
+        """Every tensor's entry is well formed and its bytes lie inside the file (so a crafted header
+        can neither allocate past the file nor read another tensor's bytes as its own)."""
+        def bad(why: str) -> CheckpointError:
+            return CheckpointError(f"{self.path}: tensor {name}: {why}")
+        if not isinstance(meta, dict):
+            raise bad("header entry is not an object")
+        shape, offsets, dtype = meta.get("shape"), meta.get("data_offsets"), meta.get("dtype")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                for d in shape)):
+            raise bad(f"bad shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+            raise bad(f"bad data_offsets {offsets!r}")
+        start, end = offsets
+        if not 0 <= start <= end <= data_bytes:
+            raise bad(f"data_offsets {offsets} lie outside the file's {data_bytes} data bytes")
+        dt = _ST_DTYPES.get(dtype) if isinstance(dtype, str) else None
+        if dt is not None:
+            want = math.prod(shape) * dt.itemsize
+            if end - start != want:
+                raise bad(f"shape {shape} of {dtype} needs {want} bytes but data_offsets span {end - start}")
 
     def keys(self) -> list[str]:
         return list(self.header)
@@ -105,7 +143,12 @@ def _open_checkpoint(path: Path) -> dict[str, SafetensorsFile]:
     index = path / "model.safetensors.index.json"
     single = path / "model.safetensors"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("weight_map is not a mapping of tensor names to file names")
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
         files: dict[str, SafetensorsFile] = {}
         out = {}
         for name, fname in weight_map.items():
@@ -150,6 +193,21 @@ def hf_names(spec: ParamSpec, config: Qwen2Config) -> list[str]:
 _IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)
 
 
+def _check_tied_head(where: dict[str, SafetensorsFile], path: Path) -> None:
+    """tie_word_embeddings: true means lm_head IS the embedding. A checkpoint that also carries an
+    lm_head tensor of other values was trained untied: loading it tied would silently drop its
+    head, so it is refused (an identical copy, as some exporters write, is fine)."""
+    emb = where["model.embed_tokens.weight"].get("model.embed_tokens.weight")
+    head = where["lm_head.weight"].get("lm_head.weight")
+    same = emb.shape == head.shape and (np.array_equal(emb.view(np.uint8), head.view(np.uint8))
+                                        if emb.dtype == head.dtype else
+                                        np.array_equal(emb.astype(np.float32), head.astype(np.float32)))
+    if not same:
+        raise CheckpointError(f"{path}: config.json says tie_word_embeddings: true but the checkpoint has an "
+                              f"lm_head.weight that differs from model.embed_tokens.weight; set "
+                              f"tie_word_embeddings: false to use it")
+
+
 def load_params(path: str | Path, config: Qwen2Config | None = None, param_dtype=None,
                 shardings: Params | None = None, progress: bool = False) -> tuple[Qwen2Config, Params]:
     """Read an HF checkpoint directory into (config, params dict).
@@ -178,6 +236,8 @@ def load_params(path: str | Path, config: Qwen2Config | None = None, param_dtype
     for spec in specs:
         required.update(hf_names(spec, config))
     allowed = required | ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    if config.tie_word_embeddings and "lm_head.weight" in where:
+        _check_tied_head(where, path)
     unknown = sorted(k for k in where if k not in allowed and not k.endswith(_IGNORED_HF_TENSORS))
     if unknown:
         raise CheckpointError(f"unknown tensor {unknown[0]} in {path}"

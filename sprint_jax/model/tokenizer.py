@@ -60,6 +60,8 @@ def load_tokenizer(path: str | Path):
         raise FileNotFoundError(f"tokenizer directory not found: {p}")
     if (p / VOCAB_TOKENIZER_FILE).exists():
         return VocabTokenizer.load(p / VOCAB_TOKENIZER_FILE)
+    if p.is_dir() and not has_tokenizer_files(p):
+        raise FileNotFoundError(f"{p} holds no tokenizer files ({', '.join(TOKENIZER_FILES)})")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(p))
@@ -145,3 +147,36 @@ class VocabTokenizer:
         from pathlib import Path
         d = json.loads(Path(path).read_text())
         return cls(d["vocab"], d["eos_token"], d["pad_token"], d.get("bos_token"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Does a tokenizer fit a model? (one check, called by every command that pairs the two)
+# ---------------------------------------------------------------------------------------------
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", VOCAB_TOKENIZER_FILE)
+
+
+def has_tokenizer_files(path: str | Path) -> bool:
+    """Whether a directory holds a tokenizer's vocabulary. transformers builds an EMPTY tokenizer
+    from a directory with none (every text encodes to zero tokens), so this is checked first."""
+    return any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def tokenizer_size(tokenizer) -> int:
+    """The number of ids the tokenizer can produce: its largest id + 1 (added tokens included)."""
+    n = len(tokenizer)
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return max([n] + [int(i) + 1 for i in vocab.values()])
+
+
+def check_tokenizer_fits(tokenizer, vocab_size: int, what: str = "the model",
+                         fix: str = "pass the model's own tokenizer with --tokenizer DIR") -> None:
+    """Raise UserError unless every id the tokenizer produces is a row of the model's embedding.
+
+    A larger tokenizer feeds ids past the table: garbage, silently (jit clamps the gather).
+    Used by train, infer, eval and generate."""
+    from sprint_jax.errors import UserError
+
+    n = tokenizer_size(tokenizer)
+    if n > vocab_size:
+        raise UserError(f"the tokenizer has {n} tokens but {what}'s vocab_size is {vocab_size}: tokenizer and "
+                        f"model do not match ({fix})")

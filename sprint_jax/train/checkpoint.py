@@ -2,9 +2,12 @@
 
 DESIGN.md reliability contract: checkpoints are written atomically (orbax writes a temporary
 directory and renames it when every process has finished, so a kill mid-save leaves no step
-directory) and verified on restore: each checkpoint carries a fingerprint of its arrays (per-leaf
-sums and absolute sums), recomputed after reading. A latest checkpoint that fails to read or to
-verify is moved aside to `quarantine/` with a loud warning, and the previous one is used.
+directory) and verified on restore: each checkpoint carries a checksum of every array's bits
+(written at save time, recomputed after reading: exact, so a flipped byte or two swapped values
+are caught), every floating-point array must be finite (a NaN compares false with everything, so
+it must be looked for), and the older fingerprint (per-leaf sums and absolute sums) is still
+checked. A latest checkpoint that fails to read or to verify is moved aside to `quarantine/`
+with a loud warning, and the previous one is used. A state that is not finite is never saved.
 
 A checkpoint holds params, optimizer state, step and RNG (`state`, an orbax PyTree) and the data
 position (`meta`, JSON: rows consumed from the deterministic row stream), so a resumed run takes
@@ -24,10 +27,19 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from sprint_jax.errors import UserError
+from sprint_jax.treesum import checksum
 
 
 class NoValidCheckpoint(UserError):
     """Checkpoints exist but none could be restored and verified (each was reported and moved aside)."""
+
+
+class CheckpointSpaceError(UserError):
+    """The disk cannot hold the next checkpoint: nothing is written, the previous ones stay."""
+
+
+class NonFiniteState(UserError):
+    """The train state holds NaN or infinite values: it is not written as a checkpoint."""
 
 
 @jax.jit
@@ -45,11 +57,12 @@ def fingerprint(state) -> list[list[float]]:
 
 
 def _matches(a: list[list[float]], b: list[list[float]], rtol: float = 1e-4) -> bool:
+    """Fingerprints agree (written so that a NaN on either side is a mismatch, not a pass)."""
     if len(a) != len(b):
         return False
     for x, y in zip(a, b):
         scale = max(abs(x[1]), abs(y[1]), 1e-30)
-        if abs(x[0] - y[0]) > rtol * scale or abs(x[1] - y[1]) > rtol * scale:
+        if not (abs(x[0] - y[0]) <= rtol * scale and abs(x[1] - y[1]) <= rtol * scale):
             return False
     return True
 
@@ -78,10 +91,29 @@ class Checkpointer:
         return sorted(self.manager.all_steps())
 
     def save(self, step: int, state, meta: dict) -> None:
-        """Start writing `state` + `meta` for `step` (async: returns once the arrays are copied)."""
-        meta = {**meta, "step": int(step), "fingerprint": fingerprint(state), "saved_at": time.time()}
+        """Start writing `state` + `meta` for `step` (async: returns once the arrays are copied).
+
+        Raises NonFiniteState (and writes nothing) when an array holds a NaN or an infinity."""
+        self._check_space(step, state)
+        sums, bad = checksum(state)
+        if bad:
+            raise NonFiniteState(f"not saving checkpoint step {step}: non-finite values in {', '.join(bad[:3])}"
+                                 + (f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""))
+        meta = {**meta, "step": int(step), "fingerprint": fingerprint(state), "checksum": sums,
+                "saved_at": time.time()}
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
+
+    def _check_space(self, step: int, state) -> None:
+        """Refuse a save that cannot fit on the disk before orbax starts writing it: a write that
+        fails halfway ends in hundreds of lines from orbax's writer threads instead of one."""
+        need = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state))
+        free = shutil.disk_usage(self.directory).free
+        if need + need // 20 + (16 << 20) > free:
+            raise CheckpointSpaceError(
+                f"not enough disk space for checkpoint step {step} in {self.directory}: it needs about "
+                f"{need / 2**20:.0f} MiB and {free / 2**20:.0f} MiB are free; free some space (or lower "
+                f"checkpoint.keep) and rerun the same command: training resumes from the last checkpoint")
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -122,6 +154,11 @@ class Checkpointer:
                 state, meta = out["state"], dict(out["meta"])
                 if "fingerprint" not in meta:
                     raise ValueError("meta has no fingerprint")
+                sums, bad = checksum(state)
+                if bad:
+                    raise ValueError(f"non-finite values in {', '.join(bad[:3])}")
+                if "checksum" in meta and sums != meta["checksum"]:   # older checkpoints have none
+                    raise ValueError("array bits do not match the checksum written at save time")
                 got = fingerprint(state)
                 if not _matches(got, meta["fingerprint"]):
                     raise ValueError("array contents do not match the fingerprint written at save time")

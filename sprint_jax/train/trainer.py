@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from sprint_jax.config import ConfigError
+from sprint_jax.errors import UserError
 from sprint_jax.train import distributed
 from sprint_jax.train.config import TrainConfig
 
@@ -45,6 +46,41 @@ def _data_digest(items, cfg: TrainConfig) -> str:
         h.update(it.tokens.tobytes())
         h.update(it.weights.tobytes())
     return h.hexdigest()[:16]
+
+
+class TrainingDiverged(UserError):
+    """The loss or the gradient norm became NaN or infinite: training stopped, nothing exported."""
+
+
+def _check_finite(step: int, m, last_saved: int) -> None:
+    """Raise TrainingDiverged when step `step`'s loss or gradient norm is not finite.
+
+    Called one step late (on the previous step's metrics, which are ready by then), so checking
+    every step costs no pipeline stall. Continuing would only train and export NaN weights."""
+    import math
+
+    import jax
+    vals = {k: float(v) for k, v in jax.device_get({k: m[k] for k in ("loss", "grad_norm")}).items()}
+    if all(math.isfinite(v) for v in vals.values()):
+        return
+    where = (f"the last checkpoint (step {last_saved}) is intact and a rerun resumes from it"
+             if last_saved > 0 else "no checkpoint was written")
+    raise TrainingDiverged(f"training diverged at step {step}: loss {vals['loss']}, grad norm {vals['grad_norm']}; "
+                           f"stopped without saving or exporting ({where}); lower optim.lr or set "
+                           f"optim.clip_norm > 0")
+
+
+def _save_checked(ckpt, step: int, state, meta: dict, last_saved: int) -> None:
+    """Save, turning a refused non-finite state (weights gone NaN while the loss was still finite)
+    into the same one-line stop as a NaN loss."""
+    from sprint_jax.train.checkpoint import NonFiniteState
+    try:
+        ckpt.save(step, state, meta)
+    except NonFiniteState as e:
+        where = (f"the last checkpoint (step {last_saved}) is intact" if last_saved > 0
+                 else "no checkpoint was written")
+        raise TrainingDiverged(f"training diverged by step {step} ({e}); stopped without exporting ({where}); "
+                               f"lower optim.lr or set optim.clip_norm > 0") from None
 
 
 class _Metrics:
@@ -156,8 +192,23 @@ def train(config: TrainConfig, out_dir: str | Path, tokenizer=None, progress: bo
 
     `tokenizer`: any object with the HF call convention (`tok(text, add_special_tokens=False,
     return_offsets_mapping=True)`, `eos_token_id`, `len()`); default from `data.tokenizer`.
+    OUT is locked for the whole run (`sprint_jax.outlock`): a second run into it stops at once.
     """
     distributed.initialize(config.distributed)         # before any other JAX call
+    import jax
+
+    from sprint_jax import outlock
+
+    lock = outlock.acquire(out_dir, "--out", jax.process_index())
+    try:
+        return _train(config, out_dir, tokenizer, progress, callbacks)
+    finally:
+        outlock.release(lock)
+
+
+def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
+           callbacks: Sequence[Callable[[StepEvent], None]]) -> dict:
+    distributed.initialize(config.distributed)
     import jax
 
     from sprint_jax.config import to_dict
@@ -188,11 +239,13 @@ def train(config: TrainConfig, out_dir: str | Path, tokenizer=None, progress: bo
                           "directory (no config.json)")
     model_cfg = _resolve_model(cfg)
     tokenizer_name = _tokenizer_name(cfg, tokenizer is not None, tokenizer)
+    from sprint_jax.model.capacity import check_positions
+    check_positions(model_cfg, cfg.data.seq_len, "data.seq_len")     # before any row is built
     if tokenizer is None:
         tokenizer = data_lib.resolve_tokenizer(cfg.data.tokenizer, cfg.model.name, cfg.model.init == "pretrained")
-    if len(tokenizer) > model_cfg.vocab_size:
-        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-                          f"{model_cfg.vocab_size} (model.name / data.tokenizer do not match)")
+    from sprint_jax.model.tokenizer import check_tokenizer_fits
+    check_tokenizer_fits(tokenizer, model_cfg.vocab_size, "the model",
+                         "model.name and data.tokenizer must belong together")
     examples = data_lib.read_examples(cfg.data.train, cfg.data.max_examples)
     paired = None
     if cfg.data.paired.train:
@@ -266,48 +319,57 @@ def train(config: TrainConfig, out_dir: str | Path, tokenizer=None, progress: bo
     tok_after_first = 0
     last_saved = start_step if restored is not None else -1
     last_loss = None
-    for step in range(start_step, cfg.steps):
-        row_ids = range(rows, rows + cfg.optim.batch_size)
-        batch = distributed.put_batch(lambda ids: stream.rows(ids).as_dict(), rows, cfg.optim.batch_size,
-                                      cfg.data.seq_len, setup.batch_shardings)
-        state, m = setup.step(state, batch)
-        n_tok = sum(len(stream.items[i]) for r in row_ids for i in stream.row_items(r))
-        rows += cfg.optim.batch_size
-        tokens_total += n_tok
-        tok_log += n_tok
-        done = step + 1
-        if t_first is None:
-            jax.block_until_ready(m)
-            t_first = time.time()
-        else:
-            tok_after_first += n_tok
-        rec = None
-        if done % cfg.log_every == 0 or done == cfg.steps:
-            mv = {k: float(v) for k, v in jax.device_get(m).items()}
-            now = time.time()
-            rec = {"step": done, "loss": mv["loss"], "lr": mv["lr"], "grad_norm": mv["grad_norm"],
-                   "tokens": tokens_total, "loss_tokens": int(mv["loss_tokens"]),
-                   "tokens_per_s": tok_log / max(now - t_log, 1e-9), "epoch": stream.epoch_of(rows),
-                   "wall_s": now - t_start}
-            t_log, tok_log = now, 0
-            last_loss = mv["loss"]
-            metrics.log(rec)
+    pending = None                      # (step, metrics) still to be checked for NaN: one step late
+    try:
+        for step in range(start_step, cfg.steps):
+            row_ids = range(rows, rows + cfg.optim.batch_size)
+            batch = distributed.put_batch(lambda ids: stream.rows(ids).as_dict(), rows, cfg.optim.batch_size,
+                                          cfg.data.seq_len, setup.batch_shardings)
+            state, m = setup.step(state, batch)
+            if pending is not None:
+                _check_finite(*pending, last_saved)
+            n_tok = sum(len(stream.items[i]) for r in row_ids for i in stream.row_items(r))
+            rows += cfg.optim.batch_size
+            tokens_total += n_tok
+            tok_log += n_tok
+            done = step + 1
+            pending = (done, m)
+            if t_first is None:
+                jax.block_until_ready(m)
+                t_first = time.time()
+            else:
+                tok_after_first += n_tok
+            rec = None
+            if done % cfg.log_every == 0 or done == cfg.steps:
+                mv = {k: float(v) for k, v in jax.device_get(m).items()}
+                now = time.time()
+                rec = {"step": done, "loss": mv["loss"], "lr": mv["lr"], "grad_norm": mv["grad_norm"],
+                       "tokens": tokens_total, "loss_tokens": int(mv["loss_tokens"]),
+                       "tokens_per_s": tok_log / max(now - t_log, 1e-9), "epoch": stream.epoch_of(rows),
+                       "wall_s": now - t_start}
+                t_log, tok_log = now, 0
+                last_loss = mv["loss"]
+                metrics.log(rec)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{mv['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+            if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != cfg.steps:
+                _check_finite(done, m, last_saved)
+                _save_checked(ckpt, done, state, meta_now(), last_saved)
+                last_saved = done
             if bar is not None:
-                bar.set_postfix(loss=f"{mv['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
-        if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != cfg.steps:
-            ckpt.save(done, state, meta_now())
-            last_saved = done
+                bar.update(1)
+            for cb in callbacks:
+                cb(StepEvent(done, rec, ckpt))
+        if pending is not None:
+            _check_finite(*pending, last_saved)
+        if last_saved != cfg.steps:
+            _save_checked(ckpt, cfg.steps, state, meta_now(), last_saved)
+    finally:
         if bar is not None:
-            bar.update(1)
-        for cb in callbacks:
-            cb(StepEvent(done, rec, ckpt))
-    if bar is not None:
-        bar.close()
+            bar.close()
+        ckpt.close()
+        metrics.close()
     t_end = time.time()
-    if last_saved != cfg.steps:
-        ckpt.save(cfg.steps, state, meta_now())
-    ckpt.close()
-    metrics.close()
 
     # ---- outputs ---------------------------------------------------------------------------
     if cfg.plot and main and metrics.records:
