@@ -261,12 +261,12 @@ def test_resuming_with_other_weights_is_refused(real_engine, hf_tied, task_file,
     """Same path, same flags, different weights (a model retrained in place): the results on disk
     were not made by this model, so resuming would mix two models in one report."""
     from conftest import tiny_vocab_tokenizer
-    from sprint_jax.curation.tasks import load_math_jsonl
+    from sprint_jax.tasks import load_task_file
     from sprint_jax.errors import UserError
     from sprint_jax.infer import Engine
     from sprint_jax.model import from_pretrained
 
-    tasks = load_math_jsonl(task_file, limit=1)
+    tasks = load_task_file(task_file, "math", limit=1)
     cfg = OrchestratorConfig(max_planner_tokens=4, max_branch_tokens=4, max_total_tokens=4)
     evaluate(real_engine, tasks, "sequential", orchestrator_config=cfg, out_dir=tmp_path, progress=False)
     other = Engine(from_pretrained(hf_tied), tiny_vocab_tokenizer(), eos_token_ids=[], **ENGINE_KW)
