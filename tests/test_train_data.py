@@ -194,7 +194,8 @@ def params():
 
 @jax.jit
 def _packed_logits(params, rows):
-    return forward(params, CFG, rows["tokens"], rows["positions"], attention_mask=attention_mask(rows["span_end"]))
+    """The packed row through flash attention on span_end (what the train step runs)."""
+    return forward(params, CFG, rows["tokens"], rows["positions"], span_end=rows["span_end"])
 
 
 @jax.jit

@@ -39,11 +39,9 @@ State = dict[str, Any]   # {"step": int32[], "params": tree, "opt_state": optax 
 # Loss
 # ---------------------------------------------------------------------------------------------
 def attention_mask(span_end: jax.Array) -> jax.Array:
-    """[B, T] span ends -> [B, T, T] mask: row i sees column j iff j <= i < span_end[j]."""
-    t = span_end.shape[1]
-    i = jnp.arange(t, dtype=jnp.int32)[:, None]
-    j = jnp.arange(t, dtype=jnp.int32)[None, :]
-    return (j <= i)[None] & (i[None] < span_end[:, None, :])
+    """[B, T] span ends -> [B, T, T] dense mask: row i sees column j iff j <= i < span_end[j].
+    The reference for tests; the step itself runs flash attention on span_end (no [T, T] mask)."""
+    return qwen2.span_mask(span_end)
 
 
 def _chunk_nll(params, config: Qwen2Config, hidden: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -62,7 +60,7 @@ def token_nll(params, config: Qwen2Config, batch: dict, remat: str = "none", los
     at once; the backward pass recomputes each chunk's logits.
     """
     hidden = qwen2.forward(params, config, batch["tokens"], batch["positions"],
-                           attention_mask=attention_mask(batch["span_end"]), remat=remat,
+                           span_end=batch["span_end"], remat=remat,
                            return_hidden=True)                               # [B, T, E]
     src = jnp.maximum(batch["parents"], 0)
     hidden = jnp.take_along_axis(hidden, src[..., None], axis=1)           # [B, T, E]
