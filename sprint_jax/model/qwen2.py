@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from sprint_jax.model.attention import (  # noqa: F401  (re-exported: the engine and kernels use them)
-    NEG_INF, attend_partial, flash_attention, merge_partials, segment_causal_mask, span_mask)
+    NEG_INF, attend_partial, constrain, flash_attention, merge_partials, segment_causal_mask, span_mask)
 from sprint_jax.model.config import Qwen2Config
 
 Params = dict[str, Any]
@@ -202,7 +202,11 @@ def masked_attend(mask: jax.Array) -> AttendFn:
 def span_attend(span_end: jax.Array, impl: str | None = None) -> AttendFn:
     """The attend hook for a plain pass under the span rule (train/data.py): flash attention."""
     def attend(q, k, v, layer_cache):
-        return flash_attention(q, k, v, span_end, impl=impl), layer_cache
+        q = constrain(q, ("batch", None, "heads", None))
+        k = constrain(k, ("batch", None, "kv_heads", None))
+        v = constrain(v, ("batch", None, "kv_heads", None))
+        out = flash_attention(q, k, v, span_end, impl=impl)
+        return constrain(out, ("batch", None, "heads", None)), layer_cache
     return attend
 
 
@@ -225,8 +229,8 @@ def decoder(params: Params, config: Qwen2Config, x: jax.Array, positions: jax.Ar
     """The layer stack under lax.scan. `cache` is any pytree with a leading layers axis (or None)."""
     def body(carry, xs):
         lp, lc = xs
-        y, new_lc = _layer(config, carry, lp, positions, attend, lc)
-        return y, new_lc
+        y, new_lc = _layer(config, constrain(carry, ("batch", None, None)), lp, positions, attend, lc)
+        return constrain(y, ("batch", None, None)), new_lc
 
     if remat == "full":
         body = jax.checkpoint(body)

@@ -46,7 +46,8 @@ def attention_mask(span_end: jax.Array) -> jax.Array:
 
 def _chunk_nll(params, config: Qwen2Config, hidden: jax.Array, tokens: jax.Array) -> jax.Array:
     """NLL of `tokens` [B, C] from the hidden states that predict them [B, C, E]; fp32 [B, C]."""
-    logits = qwen2.unembed(params, config, hidden)                          # [B, C, V] fp32
+    hidden = qwen2.constrain(hidden, ("batch", None, None))
+    logits = qwen2.constrain(qwen2.unembed(params, config, hidden), ("batch", None, None))  # [B, C, V] fp32
     lse = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
     return lse - target
@@ -212,7 +213,14 @@ def build_step(config: Qwen2Config, opt: OptimSection, total_steps: int, mesh: M
     state_shardings = {"step": repl, "params": p_shard, "opt_state": opt_shard, "rng": repl}
     bs = mesh_lib.batch_sharding(mesh)
     batch_shardings = {k: bs for k in BATCH_KEYS}
-    fn = make_step_fn(config, tx, schedule, remat, opt.grad_accum, loss_chunk)
+    inner = make_step_fn(config, tx, schedule, remat, opt.grad_accum, loss_chunk)
+
+    def fn(state, batch):
+        # traced under the mesh: activation constraints and the Pallas attention's shard_map
+        # read it (qwen2.constrain, attention.flash_attention)
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return inner(state, batch)
+
     jitted = jax.jit(fn, in_shardings=(state_shardings, batch_shardings),
                      out_shardings=(state_shardings, repl), donate_argnums=(0,))
     return StepSetup(config, mesh, tx, schedule, p_shard, state_shardings, batch_shardings, jitted, notes)
