@@ -174,7 +174,8 @@ def _gpu_dkdv_kernel(off_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, s
     d = k.shape[1]
     zeros = jnp.zeros((bk, d), jnp.float32)
     lo = jnp.minimum(lax.div(jnp.maximum(c0 - off, 0), bq), nq)
-    dk, dv = lax.fori_loop(lo, nq, body, (zeros, zeros))
+    hi = jnp.maximum(jnp.minimum(lax.div(jnp.maximum(kmax - off, 0) + bq - 1, bq), nq), lo)
+    dk, dv = lax.fori_loop(lo, hi, body, (zeros, zeros))
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 

@@ -17,8 +17,10 @@ scores. Memory is O(T) per head instead of O(T^2).
 
 Bodies, chosen per backend behind the one function:
   * "xla": blockwise jnp under lax loops (CPU, and the readable version of the kernels): a scan
-    over query blocks with a loop over the key blocks up to the causal limit, each tile under
-    `lax.cond` on its visibility (XLA runs only the taken branch; under vmap cond becomes select).
+    over query blocks with a loop over the key blocks from the first one whose spans reach the
+    query block to the causal limit (backward: a scan over key blocks, looping over the query
+    blocks from the causal start to the block's largest span_end), each tile under `lax.cond` on
+    its visibility (XLA runs only the taken branch; under vmap cond becomes select).
   * "gpu" / "tpu": Pallas kernels in `sprint_jax.kernels.flash_attention` (Triton / Mosaic).
 The platform libraries cover only the flat layout's segment mask (cuDNN's fused attention through
 `jax.nn.dot_product_attention` with `is_causal` + segment ids; TPU splash attention with a
@@ -193,6 +195,8 @@ def _xla_forward(q, k, v, span_end, q_offset, cfg: FlashConfig):
         row_lo = q_offset + qi * bq                                        # [B]
         row_hi = row_lo + bq - 1
         hi = jnp.clip(jnp.max(row_hi) // bk + 1, 0, nk)                   # causal limit
+        # key blocks before the first one whose spans reach this query block are all empty
+        lo = jnp.argmax(jnp.any(kmax > row_lo[None, :], axis=1))
 
         def step(ki, carry):
             m, l, acc = carry
@@ -214,7 +218,7 @@ def _xla_forward(q, k, v, span_end, q_offset, cfg: FlashConfig):
         init = (jnp.full((b, hkv, g, bq), _M_INIT, jnp.float32),
                 jnp.zeros((b, hkv, g, bq), jnp.float32),
                 jnp.zeros((b, hkv, g, bq, d), jnp.float32))
-        m, l, acc = lax.fori_loop(0, hi, body, init)
+        m, l, acc = lax.fori_loop(jnp.minimum(lo, hi), hi, body, init)
         seen = l > 0
         l_safe = jnp.where(seen, l, 1.0)
         o = acc / l_safe[..., None]
@@ -255,6 +259,8 @@ def _xla_backward(q, k, v, span_end, q_offset, o, lse, do, dlse, cfg: FlashConfi
         k_start = ki * bk
         # first query block whose last row can reach this key block (rows >= k_start)
         lo = jnp.clip(jnp.min(k_start - q_offset) // bq, 0, nq)
+        # rows at or past the block's largest span_end see none of its keys
+        hi = jnp.clip(-(-jnp.max(kmax_t - q_offset) // bq), lo, nq)
 
         def step(qi, carry):
             dk, dv, dq = carry
@@ -278,7 +284,7 @@ def _xla_backward(q, k, v, span_end, q_offset, o, lse, do, dlse, cfg: FlashConfi
             return lax.cond(vis, functools.partial(step, qi), lambda c: c, carry)
 
         zeros = jnp.zeros((b, bk, hkv, d), jnp.float32)
-        dk, dv, dq = lax.fori_loop(lo, nq, body, (zeros, zeros, dq))
+        dk, dv, dq = lax.fori_loop(lo, hi, body, (zeros, zeros, dq))
         return dq, (dk, dv)
 
     dq0 = jnp.zeros(qb.shape, jnp.float32)
