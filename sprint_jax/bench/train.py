@@ -1,14 +1,17 @@
 """Training benchmarks: our sharded train step vs an HF PyTorch step, and the 7B step's memory.
 
-`sprint-jax bench train`: tokens/s and step time of `train.step` for a small Qwen2 / Qwen3 on the
-local devices, side by side with transformers' `Qwen2ForCausalLM` / `Qwen3ForCausalLM` +
-`torch.optim.AdamW` on the same config, the same weights and the same batch, in one run (DESIGN.md
-performance contract: ratios in one run, never timed tests). The first-step losses of both are printed too: an independent
-check of our loss. On GPU/TPU the MFU of our step is reported against a peak-FLOPs table.
+`sprint-jax bench train`: tokens/s and step time of `train.step` for a small Qwen2 / Qwen3 on the local
+devices, side by side with the same step on the dense-attention reference (the [T, T] mask path
+training used before flash attention) and with `transformers.Qwen2ForCausalLM` / `Qwen3ForCausalLM` +
+`torch.optim.AdamW` on the same config, the same weights and the same batch, in one run
+(DESIGN.md performance contract: ratios in one run, never timed tests). The first-step losses are
+printed too: an independent check of our loss. On GPU/TPU the MFU of our step is reported against
+a peak-FLOPs table.
 
 `sprint-jax bench train-memory`: the 7B preset's train step lowered and compiled from
 ShapeDtypeStructs (nothing allocated) on a fake 8-device CPU mesh; prints the per-device memory
-XLA plans for it (`compiled.memory_analysis()`).
+XLA plans for it (`compiled.memory_analysis()`), one row per `--seq-len` (a list), for flash
+attention and optionally the dense reference (`--attention flash dense`).
 """
 from __future__ import annotations
 
@@ -62,10 +65,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "(auto: float32 on CPU, bfloat16 on accelerators)")
     p.add_argument("--remat", choices=("none", "full", "dots"), default="none")
     p.add_argument("--no-torch", action="store_true", help="skip the HF PyTorch step")
+    p.add_argument("--no-dense", action="store_true",
+                   help="skip the dense-attention reference step (the [T, T] mask path)")
     p.add_argument("--out", help="write the JSON result here")
 
 
-def _jax_bench(cfg, batch_np, steps: int, remat: str, lr: float):
+def _jax_bench(cfg, batch_np, steps: int, remat: str, lr: float, attention: str = "flash"):
     import jax
 
     from sprint_jax.train import mesh as mesh_lib
@@ -77,7 +82,7 @@ def _jax_bench(cfg, batch_np, steps: int, remat: str, lr: float):
     if b % mesh_lib.batch_divisor(mesh):
         raise SystemExit(f"--batch {b} must be a multiple of the device count {mesh_lib.batch_divisor(mesh)}")
     opt = OptimSection(lr=lr, warmup_steps=0, min_lr_ratio=1.0, clip_norm=0.0, batch_size=b, b2=0.999)
-    setup = step_lib.build_step(cfg, opt, steps + 1, mesh, remat)
+    setup = step_lib.build_step(cfg, opt, steps + 1, mesh, remat, attention=attention)
     state = setup.init_state(0)
     params0 = jax.tree.map(lambda x: jax.device_get(x), state["params"])
     batch = {k: jax.device_put(v, setup.batch_shardings[k]) for k, v in batch_np.items()}
@@ -154,6 +159,13 @@ def run_train_bench(args: argparse.Namespace) -> int:
     lr = 1e-3
     params0, jax_loss, compile_s, jax_times = _jax_bench(cfg, batch_np, args.steps, args.remat, lr)
     jax_step = statistics.median(jax_times)
+    dense = None
+    if not args.no_dense:
+        _, dense_loss, dense_compile_s, dense_times = _jax_bench(cfg, batch_np, args.steps, args.remat, lr,
+                                                                 attention="dense")
+        ds = statistics.median(dense_times)
+        dense = {"step_s": ds, "tokens_per_s": b * t / ds, "first_loss": dense_loss,
+                 "compile_and_first_step_s": dense_compile_s, "step_times_s": dense_times}
     dev = jax.devices()[0]
     result = {
         "model": args.model, "config": cfg.to_hf_config(), "params": param_count(cfg), "batch": b, "seq_len": t, "dtype": dtype,
@@ -165,6 +177,9 @@ def run_train_bench(args: argparse.Namespace) -> int:
     flops = train_flops_per_step(cfg, b, t)
     result["jax"]["model_flops_per_step"] = flops
     result["jax"]["mfu"] = flops / jax_step / (peak * jax.device_count()) if peak else None
+    if dense is not None:
+        result["jax_dense"] = dense
+        result["speedup_flash_over_dense"] = dense["step_s"] / jax_step
     want_torch = not args.no_torch and (backend == "cpu" or dtype == "float32")
     if want_torch:
         try:
@@ -185,15 +200,19 @@ def run_train_bench(args: argparse.Namespace) -> int:
           f"vocab {cfg.vocab_size}), batch {b} x {t} tokens, "
           f"{dtype}, remat={args.remat}, {backend} ({dev.device_kind}) x{jax.device_count()}")
     print("step times are medians over the timed steps (this machine may be shared: compare ratios)")
-    header = f"{'impl':<26}{'step ms':>10}{'min ms':>10}{'tokens/s':>12}{'first loss':>12}"
+    header = f"{'impl':<30}{'step ms':>10}{'min ms':>10}{'tokens/s':>12}{'first loss':>12}"
     print(header)
     print("-" * len(header))
-    rows = [("sprint-jax (jit, sharded)", result["jax"])]
+    rows = [("sprint-jax (flash attention)", result["jax"])]
+    if dense is not None:
+        rows.append(("sprint-jax (dense reference)", dense))
     if "torch" in result:
         rows.append((f"HF torch + AdamW ({result['torch']['threads']} thr)", result["torch"]))
     for name, r in rows:
-        print(f"{name:<26}{r['step_s'] * 1e3:>10.1f}{min(r['step_times_s']) * 1e3:>10.1f}"
+        print(f"{name:<30}{r['step_s'] * 1e3:>10.1f}{min(r['step_times_s']) * 1e3:>10.1f}"
               f"{r['tokens_per_s']:>12.0f}{r['first_loss']:>12.5f}")
+    if dense is not None:
+        print(f"speed-up (dense step / flash step): {result['speedup_flash_over_dense']:.2f}x")
     if "torch" in result:
         print(f"speed-up (torch step / jax step): {result['speedup_jax_over_torch']:.2f}x; "
               f"|first loss difference|: {result['first_loss_abs_diff']:.2e}")
@@ -216,7 +235,9 @@ def add_train_memory_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", type=int, default=1, help="mesh data size")
     p.add_argument("--tensor", type=int, default=1, help="mesh tensor size (fsdp takes the rest)")
     p.add_argument("--batch", type=int, default=8, help="rows per step (global)")
-    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--seq-len", type=int, nargs="+", default=[4096], help="tokens per row (one or more)")
+    p.add_argument("--attention", nargs="+", choices=("flash", "dense"), default=["flash"],
+                   help="attention(s) to plan: flash (what training runs) and/or the dense reference")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--remat", choices=("none", "full", "dots"), default="full")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16",
@@ -226,7 +247,8 @@ def add_train_memory_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def compile_train_step(model: str, devices: int, data: int, tensor: int, batch: int, seq_len: int,
-                       grad_accum: int = 1, remat: str = "full", dtype: str = "bfloat16", loss_chunk: int = 1024):
+                       grad_accum: int = 1, remat: str = "full", dtype: str = "bfloat16", loss_chunk: int = 1024,
+                       attention: str = "flash"):
     """Lower + compile the train step from abstract inputs on `devices` CPU devices.
     Returns (compiled, lower_s, compile_s, setup)."""
     import jax
@@ -243,7 +265,7 @@ def compile_train_step(model: str, devices: int, data: int, tensor: int, batch: 
     cfg = resolve_model_config(model).replace(param_dtype="float32", dtype=dtype)
     mesh = mesh_lib.make_mesh(data, -1, tensor, devices=cpus[:devices])
     opt = OptimSection(lr=1e-5, batch_size=batch, grad_accum=grad_accum)
-    setup = step_lib.build_step(cfg, opt, 1000, mesh, remat, loss_chunk)
+    setup = step_lib.build_step(cfg, opt, 1000, mesh, remat, loss_chunk, attention)
     t = time.perf_counter()
     lowered = setup.step.lower(setup.abstract_state(), setup.abstract_batch(batch, seq_len))
     lower_s = time.perf_counter() - t
@@ -256,31 +278,42 @@ def run_train_memory_bench(args: argparse.Namespace) -> int:
     flag = f"--xla_force_host_platform_device_count={args.devices}"
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
-    import jax
 
     from sprint_jax.model.qwen2 import param_count
 
-    compiled, lower_s, compile_s, setup = compile_train_step(
-        args.model, args.devices, args.data, args.tensor, args.batch, args.seq_len, args.grad_accum,
-        args.remat, args.dtype, args.loss_chunk)
-    ma = compiled.memory_analysis()
     gib = 2 ** 30
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
               "generated_code_size_in_bytes")
-    mem = {f: int(getattr(ma, f, 0) or 0) for f in fields}
-    peak = mem["argument_size_in_bytes"] + mem["output_size_in_bytes"] - mem["alias_size_in_bytes"] + \
-        mem["temp_size_in_bytes"]
+    rows, setup = [], None
+    for seq_len in args.seq_len:
+        for attention in args.attention:
+            compiled, lower_s, compile_s, setup = compile_train_step(
+                args.model, args.devices, args.data, args.tensor, args.batch, seq_len, args.grad_accum,
+                args.remat, args.dtype, args.loss_chunk, attention)
+            ma = compiled.memory_analysis()
+            mem = {f: int(getattr(ma, f, 0) or 0) for f in fields}
+            peak = mem["argument_size_in_bytes"] + mem["output_size_in_bytes"] - \
+                mem["alias_size_in_bytes"] + mem["temp_size_in_bytes"]
+            rows.append({"seq_len": seq_len, "attention": attention, "lower_s": lower_s,
+                         "compile_s": compile_s, "per_device": mem, "per_device_peak_bytes": peak})
+            del compiled
     result = {"model": args.model, "params": param_count(setup.config), "mesh": dict(setup.mesh.shape),
-              "batch": args.batch, "seq_len": args.seq_len, "grad_accum": args.grad_accum, "remat": args.remat,
-              "dtype": args.dtype, "loss_chunk": args.loss_chunk, "lower_s": lower_s, "compile_s": compile_s, "per_device": mem,
-              "per_device_peak_bytes": peak, "sharding_notes": setup.sharding_notes}
+              "batch": args.batch, "grad_accum": args.grad_accum, "remat": args.remat, "dtype": args.dtype,
+              "loss_chunk": args.loss_chunk, "rows": rows, "sharding_notes": setup.sharding_notes}
     print(f"train step memory: {args.model} ({result['params'] / 1e9:.2f}B params), mesh {result['mesh']}, "
-          f"batch {args.batch} x {args.seq_len}, grad_accum {args.grad_accum}, {args.dtype} compute, "
+          f"batch {args.batch} rows, grad_accum {args.grad_accum}, {args.dtype} compute, "
           f"fp32 master + AdamW, remat={args.remat}, loss_chunk={args.loss_chunk}")
-    print(f"lowered in {lower_s:.1f} s, compiled in {compile_s:.1f} s (XLA CPU; a GPU/TPU compile plans differently)")
-    for f in fields:
-        print(f"  {f.replace('_in_bytes', ''):<28}{mem[f] / gib:>10.2f} GiB per device")
-    print(f"  {'peak (args + out - alias + temp)':<28}{peak / gib:>10.2f} GiB per device")
+    print("GiB per device as XLA CPU plans it (a GPU/TPU compile plans differently; there the flash "
+          "attention is a Pallas kernel, here its XLA body)")
+    header = f"{'seq_len':>8}  {'attention':<10}{'args':>8}{'temp':>8}{'peak':>8}{'compile s':>11}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        m = r["per_device"]
+        print(f"{r['seq_len']:>8}  {r['attention']:<10}{m['argument_size_in_bytes'] / gib:>8.2f}"
+              f"{m['temp_size_in_bytes'] / gib:>8.2f}{r['per_device_peak_bytes'] / gib:>8.2f}"
+              f"{r['compile_s']:>11.1f}")
+    print("peak = args + out - alias + temp")
     for note in setup.sharding_notes:
         print(f"  note: {note}")
     print(json.dumps(result))

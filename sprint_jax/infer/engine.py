@@ -13,9 +13,10 @@ Fork modes of `decode_branches` (paper §10: every executor of a stage decodes a
   reads the prefix once per step for all branches.
 - copy: the prefix is copied into every branch's cache (the baseline to beat).
 - serial: one branch after another on the planner's own cache (no copy at all).
-All three use the same layer code. Attention is `qwen2.attend_partial` (+ `merge_partials`),
-except a shared-mode decode step with attention_impl="pallas", which runs the prefix + suffix
-attention of all branches in the Pallas kernel (sprint_jax.kernels.shared_prefix_attention).
+All three use the same layer code and the one attention module (`model/attention.py`): prefill and
+extend chunks run `flash_attention` over the cache, a decode step the dense `attend_partial`.
+A shared-mode decode step with attention_impl="pallas" runs the prefix + suffix attention of all
+branches in the Pallas kernel (sprint_jax.kernels.shared_prefix_attention).
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ import numpy as np
 
 from sprint_jax.infer.sampling import GREEDY, Sampling, sample_tokens
 from sprint_jax.model.config import Qwen2Config
-from sprint_jax.model.qwen2 import attend_partial, decoder, dtype_of, embed, merge_partials, unembed
+from sprint_jax.model.qwen2 import (attend_partial, decoder, dtype_of, embed, flash_attention, merge_partials,
+                                   unembed)
 
 
 class EngineError(ValueError):
@@ -130,7 +132,13 @@ def _cached_hidden(params, config: Qwen2Config, tokens, cache: KVCache, start, p
             ck, cv, pk, pv = layer
         ck = _write_rows(ck, k, start)
         cv = _write_rows(cv, v, start)
-        part_s = attend_partial(q, ck, cv, mask_suffix)
+        if t > 1:
+            # prefill / extend chunk: flash attention over the cache; key blocks past this chunk's
+            # last row are never read, so the work follows the used length, not the capacity
+            part_s = flash_attention(q, ck, cv, jnp.full((b, cap), cap + t, jnp.int32), q_offset=start,
+                                     return_lse=True)
+        else:
+            part_s = attend_partial(q, ck, cv, mask_suffix)
         if prefix is None:
             return part_s[0], (ck, cv)
         plen = prefix[2]

@@ -9,9 +9,10 @@ parameters are stacked on a leading "layers" axis and the decoder runs under `la
 (optionally `jax.checkpoint` per layer): one compiled layer body, fast compiles at 7B.
 
 `forward` is pure (params dict in, logits out) and takes an `attend` hook, so the KV-cache
-engine (sprint_jax.infer) reuses the same layers with its own cache layouts. There is one
-attention implementation, `attend_partial`, returning the output and its log-sum-exp so that
-partial attentions (shared prefix + per-branch suffix, Hydragen-style) merge exactly.
+engine (sprint_jax.infer) reuses the same layers with its own cache layouts. Attention lives in
+`sprint_jax.model.attention` (re-exported here): the dense reference `attend_partial` +
+`merge_partials` (partial attentions merge exactly by log-sum-exp, Hydragen-style) and the
+blockwise `flash_attention` over the span rule that training and prefill run.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sprint_jax.model.attention import (  # noqa: F401  (re-exported: the engine and kernels use them)
+    NEG_INF, attend_partial, constrain, flash_attention, merge_partials, segment_causal_mask, span_mask)
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.dtypes import dtype_of
 
@@ -175,53 +178,6 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
-NEG_INF = -1e30
-
-
-def attend_partial(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):
-    """Grouped-query attention over one block of keys, returning (output, log-sum-exp).
-
-    q [B, T, H, D]; k, v [B, S, Hkv, D]; mask [B, T, S] (True = may attend).
-    Returns out [B, T, H, D] (normalised within this block, in q's dtype) and lse [B, T, H]
-    (natural log, fp32). Rows with no visible key give out = 0 and lse = -inf-ish, so they
-    vanish when merged with `merge_partials`.
-    """
-    b, t, h, d = q.shape
-    hkv = k.shape[2]
-    qg = q.reshape(b, t, hkv, h // hkv, d)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    s = s / jnp.sqrt(jnp.float32(d))
-    s = jnp.where(mask[:, None, None, :, :], s, NEG_INF)
-    m = jnp.max(s, axis=-1, keepdims=True)                                   # [B, K, G, T, 1]
-    p = jnp.exp(s - m)
-    p = jnp.where(mask[:, None, None, :, :], p, 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    safe = jnp.where(denom > 0, denom, 1.0)
-    o = jnp.einsum("bkgts,bskd->btkgd", (p / safe).astype(v.dtype), v,
-                   preferred_element_type=jnp.float32)
-    lse = jnp.where(denom[..., 0] > 0, m[..., 0] + jnp.log(safe[..., 0]), NEG_INF)  # [B, K, G, T]
-    lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, h)
-    return o.reshape(b, t, h, d).astype(q.dtype), lse
-
-
-def merge_partials(parts: Sequence[tuple[jax.Array, jax.Array]]):
-    """Merge attention outputs over disjoint key blocks by their log-sum-exps (exact)."""
-    lses = jnp.stack([l for _, l in parts])                                   # [P, B, T, H]
-    m = jnp.max(lses, axis=0)
-    w = jnp.exp(lses - m)                                                     # [P, B, T, H]
-    tot = jnp.sum(w, axis=0)
-    out = sum(o.astype(jnp.float32) * (wi / tot)[..., None] for (o, _), wi in zip(parts, w))
-    return out.astype(parts[0][0].dtype), m + jnp.log(tot)
-
-
-def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
-    """[B, T] segment ids -> [B, T, T] mask: causal, and never across segments."""
-    t = segment_ids.shape[1]
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return causal[None] & same
-
-
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
@@ -250,9 +206,20 @@ def _layer(config: Qwen2Config, x, lp, positions, attend: AttendFn, layer_cache)
 
 
 def masked_attend(mask: jax.Array) -> AttendFn:
-    """The attend hook for a plain (cache-free) pass: attention over this call's own keys."""
+    """The attend hook for a plain (cache-free) pass with a dense mask (the reference path)."""
     def attend(q, k, v, layer_cache):
         return attend_partial(q, k, v, mask)[0], layer_cache
+    return attend
+
+
+def span_attend(span_end: jax.Array, impl: str | None = None) -> AttendFn:
+    """The attend hook for a plain pass under the span rule (train/data.py): flash attention."""
+    def attend(q, k, v, layer_cache):
+        q = constrain(q, ("batch", None, "heads", None))
+        k = constrain(k, ("batch", None, "kv_heads", None))
+        v = constrain(v, ("batch", None, "kv_heads", None))
+        out = flash_attention(q, k, v, span_end, impl=impl)
+        return constrain(out, ("batch", None, "heads", None)), layer_cache
     return attend
 
 
@@ -275,8 +242,8 @@ def decoder(params: Params, config: Qwen2Config, x: jax.Array, positions: jax.Ar
     """The layer stack under lax.scan. `cache` is any pytree with a leading layers axis (or None)."""
     def body(carry, xs):
         lp, lc = xs
-        y, new_lc = _layer(config, carry, lp, positions, attend, lc)
-        return y, new_lc
+        y, new_lc = _layer(config, constrain(carry, ("batch", None, None)), lp, positions, attend, lc)
+        return constrain(y, ("batch", None, None)), new_lc
 
     if remat == "full":
         body = jax.checkpoint(body)
@@ -290,22 +257,31 @@ def decoder(params: Params, config: Qwen2Config, x: jax.Array, positions: jax.Ar
 
 def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: jax.Array | None = None,
             segment_ids: jax.Array | None = None, attention_mask: jax.Array | None = None,
-            *, remat: str = "none", return_hidden: bool = False) -> jax.Array:
+            *, span_end: jax.Array | None = None, attention_impl: str | None = None,
+            remat: str = "none", return_hidden: bool = False) -> jax.Array:
     """Plain forward pass: tokens [B, T] -> logits [B, T, V] (fp32).
 
-    positions default to arange(T). segment_ids [B, T] restrict attention to the same segment
-    (packing; segment 0 can mark padding). attention_mask [B, T, T] (True = may attend) replaces
-    the causal/segment mask entirely (the trainer's trie layout uses it).
+    positions default to arange(T). span_end [B, T] selects flash attention under the span rule
+    (row i sees j iff j <= i < span_end[j]; the trainer's one mask for both layouts), with
+    `attention_impl` its body (None: per backend). Otherwise the dense reference runs: segment_ids
+    [B, T] restrict a causal mask to the same segment (packing; segment 0 can mark padding), or
+    attention_mask [B, T, T] (True = may attend) replaces it entirely.
     """
     b, t = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    if attention_mask is None:
-        if segment_ids is None:
-            segment_ids = jnp.ones((b, t), jnp.int32)
-        attention_mask = segment_causal_mask(segment_ids)
+    if span_end is not None:
+        if attention_mask is not None or segment_ids is not None:
+            raise ValueError("pass span_end, or segment_ids / attention_mask, not both")
+        attend = span_attend(span_end, attention_impl)
+    else:
+        if attention_mask is None:
+            if segment_ids is None:
+                segment_ids = jnp.ones((b, t), jnp.int32)
+            attention_mask = segment_causal_mask(segment_ids)
+        attend = masked_attend(attention_mask)
     x = embed(params, config, tokens)
-    x, _ = decoder(params, config, x, positions, masked_attend(attention_mask), None, remat)
+    x, _ = decoder(params, config, x, positions, attend, None, remat)
     if return_hidden:
         return x
     return unembed(params, config, x)

@@ -39,31 +39,39 @@ State = dict[str, Any]   # {"step": int32[], "params": tree, "opt_state": optax 
 # Loss
 # ---------------------------------------------------------------------------------------------
 def attention_mask(span_end: jax.Array) -> jax.Array:
-    """[B, T] span ends -> [B, T, T] mask: row i sees column j iff j <= i < span_end[j]."""
-    t = span_end.shape[1]
-    i = jnp.arange(t, dtype=jnp.int32)[:, None]
-    j = jnp.arange(t, dtype=jnp.int32)[None, :]
-    return (j <= i)[None] & (i[None] < span_end[:, None, :])
+    """[B, T] span ends -> [B, T, T] dense mask: row i sees column j iff j <= i < span_end[j].
+    The reference for tests; the step itself runs flash attention on span_end (no [T, T] mask)."""
+    return qwen2.span_mask(span_end)
 
 
 def _chunk_nll(params, config: Qwen2Config, hidden: jax.Array, tokens: jax.Array) -> jax.Array:
     """NLL of `tokens` [B, C] from the hidden states that predict them [B, C, E]; fp32 [B, C]."""
-    logits = qwen2.unembed(params, config, hidden)                          # [B, C, V] fp32
+    hidden = qwen2.constrain(hidden, ("batch", None, None))
+    logits = qwen2.constrain(qwen2.unembed(params, config, hidden), ("batch", None, None))  # [B, C, V] fp32
     lse = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
     return lse - target
 
 
-def token_nll(params, config: Qwen2Config, batch: dict, remat: str = "none", loss_chunk: int = 0) -> jax.Array:
+def token_nll(params, config: Qwen2Config, batch: dict, remat: str = "none", loss_chunk: int = 0,
+              attention: str = "flash") -> jax.Array:
     """Negative log-likelihood of every token given its parent's hidden state, fp32 [B, T].
 
     With `loss_chunk` = C dividing T, the vocabulary projection runs over C tokens at a time
     under `jax.checkpoint`, so [B, T, V] logits (5 GB per 8k-token row at V = 152k) never exist
     at once; the backward pass recomputes each chunk's logits.
+
+    `attention`: "flash" (blockwise, `model.attention.flash_attention` on span_end; what training
+    runs) or "dense" (the [T, T] mask reference, kept for tests and `bench train`).
     """
-    hidden = qwen2.forward(params, config, batch["tokens"], batch["positions"],
-                           attention_mask=attention_mask(batch["span_end"]), remat=remat,
-                           return_hidden=True)                               # [B, T, E]
+    if attention == "flash":
+        mask_kw = {"span_end": batch["span_end"]}
+    elif attention == "dense":
+        mask_kw = {"attention_mask": attention_mask(batch["span_end"])}
+    else:
+        raise ValueError(f"attention must be 'flash' or 'dense', got {attention!r}")
+    hidden = qwen2.forward(params, config, batch["tokens"], batch["positions"], remat=remat,
+                           return_hidden=True, **mask_kw)                    # [B, T, E]
     src = jnp.maximum(batch["parents"], 0)
     hidden = jnp.take_along_axis(hidden, src[..., None], axis=1)           # [B, T, E]
     b, t, e = hidden.shape
@@ -78,9 +86,9 @@ def token_nll(params, config: Qwen2Config, batch: dict, remat: str = "none", los
 
 
 def weighted_loss_sum(params, config: Qwen2Config, batch: dict, remat: str = "none",
-                      loss_chunk: int = 0) -> jax.Array:
+                      loss_chunk: int = 0, attention: str = "flash") -> jax.Array:
     w = jnp.where(batch["parents"] >= 0, batch["weights"], 0.0)
-    return jnp.sum(w * token_nll(params, config, batch, remat, loss_chunk))
+    return jnp.sum(w * token_nll(params, config, batch, remat, loss_chunk, attention))
 
 
 def loss_weight(batch: dict) -> jax.Array:
@@ -124,8 +132,8 @@ def _microbatches(batch: dict, n: int) -> dict:
 
 
 def make_step_fn(config: Qwen2Config, tx: optax.GradientTransformation, schedule: Callable,
-                 remat: str = "none", grad_accum: int = 1,
-                 loss_chunk: int = 0) -> Callable[[State, dict], tuple[State, dict]]:
+                 remat: str = "none", grad_accum: int = 1, loss_chunk: int = 0,
+                 attention: str = "flash") -> Callable[[State, dict], tuple[State, dict]]:
     """The pure train step: (state, batch of [B, T] arrays) -> (new state, metrics)."""
     grad_fn = jax.value_and_grad(weighted_loss_sum)
 
@@ -134,11 +142,11 @@ def make_step_fn(config: Qwen2Config, tx: optax.GradientTransformation, schedule
         total_w = loss_weight(batch)
         denom = jnp.where(total_w > 0, total_w, 1.0)
         if grad_accum == 1:
-            loss_sum, grads = grad_fn(params, config, batch, remat, loss_chunk)
+            loss_sum, grads = grad_fn(params, config, batch, remat, loss_chunk, attention)
         else:
             def body(carry, mb):
                 acc_loss, acc_grads = carry
-                l, g = grad_fn(params, config, mb, remat, loss_chunk)
+                l, g = grad_fn(params, config, mb, remat, loss_chunk, attention)
                 return (acc_loss + l, jax.tree.map(jnp.add, acc_grads, g)), None
             zeros = jax.tree.map(jnp.zeros_like, params)
             (loss_sum, grads), _ = jax.lax.scan(body, (jnp.float32(0.0), zeros),
@@ -198,7 +206,7 @@ class StepSetup:
 
 
 def build_step(config: Qwen2Config, opt: OptimSection, total_steps: int, mesh: Mesh,
-               remat: str = "none", loss_chunk: int = 0) -> StepSetup:
+               remat: str = "none", loss_chunk: int = 0, attention: str = "flash") -> StepSetup:
     """Optimizer, shardings from the one rules table, and the jitted step."""
     if config.param_dtype != "float32":
         raise ValueError("train with fp32 master weights: model param_dtype must be float32")
@@ -214,7 +222,14 @@ def build_step(config: Qwen2Config, opt: OptimSection, total_steps: int, mesh: M
     state_shardings = {"step": repl, "params": p_shard, "opt_state": opt_shard, "rng": repl}
     bs = mesh_lib.batch_sharding(mesh)
     batch_shardings = {k: bs for k in BATCH_KEYS}
-    fn = make_step_fn(config, tx, schedule, remat, opt.grad_accum, loss_chunk)
+    inner = make_step_fn(config, tx, schedule, remat, opt.grad_accum, loss_chunk, attention)
+
+    def fn(state, batch):
+        # traced under the mesh: activation constraints and the Pallas attention's shard_map
+        # read it (qwen2.constrain, attention.flash_attention)
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return inner(state, batch)
+
     jitted = jax.jit(fn, in_shardings=(state_shardings, batch_shardings),
                      out_shardings=(state_shardings, repl), donate_argnums=(0,))
     return StepSetup(config, mesh, tx, schedule, p_shard, state_shardings, batch_shardings, jitted, notes)

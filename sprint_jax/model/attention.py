@@ -1,0 +1,424 @@
+"""The one attention module: the dense reference and a blockwise (flash) attention for span masks.
+
+Dense reference. `attend_partial(q, k, v, mask)` is grouped-query attention over one block of keys
+with an explicit [B, T, S] mask, returning the output and its log-sum-exp; `merge_partials` merges
+partial attentions over disjoint key blocks exactly by log-sum-exp (Hydragen's decomposition; the
+engine's shared-prefix decode uses both). It materialises the [T, S] scores: it is the reference.
+
+Flash attention. The trainer has one mask rule for both layouts (train/data.py): row i sees
+column j iff `j <= i < span_end[j]`. Flat packing (segments: span_end[j] = end of j's example) and
+the trie (span_end[j] = end of j's subtree, depth-first order) are both this rule. A (query block,
+key block) tile is empty when the key block starts after the query block ends, or when the largest
+span_end in the key block is <= the query block's first row; `flash_attention` never computes such
+a tile. It follows FlashAttention-2 (Dao, 2023): the online-softmax recurrence over key blocks in
+the forward pass, which stores only the output and the log-sum-exp, and a `custom_vjp` backward
+that recomputes each visible tile's probabilities from the saved log-sum-exp instead of storing
+scores. Memory is O(T) per head instead of O(T^2).
+
+Bodies, chosen per backend behind the one function:
+  * "xla": blockwise jnp under lax loops (CPU, and the readable version of the kernels): a scan
+    over query blocks with a loop over the key blocks from the first one whose spans reach the
+    query block to the causal limit (backward: a scan over key blocks, looping over the query
+    blocks from the causal start to the block's largest span_end), each tile under `lax.cond` on
+    its visibility (XLA runs only the taken branch; under vmap cond becomes select).
+  * "gpu" / "tpu": Pallas kernels in `sprint_jax.kernels.flash_attention` (Triton / Mosaic).
+The platform libraries cover only the flat layout's segment mask (cuDNN's fused attention through
+`jax.nn.dot_product_attention` with `is_causal` + segment ids; TPU splash attention with a
+block-sparse causal-segment mask); the trie's ancestor mask is ours, so one kernel serves both.
+
+Queries may sit at an offset into the keys (`q_offset`, per batch row): query t of row b is row
+i = q_offset[b] + t of the rule. The engine's prefill uses that to attend a chunk to its cache.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+NEG_INF = -1e30
+_M_INIT = -1e30            # running max before any key: finite, so exp(m - m_new) is never NaN
+_PAD_LSE = 1e30            # lse of padded query rows in the backward: exp(s - lse) = 0 there
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense reference
+# ---------------------------------------------------------------------------------------------
+def attend_partial(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):
+    """Grouped-query attention over one block of keys, returning (output, log-sum-exp).
+
+    q [B, T, H, D]; k, v [B, S, Hkv, D]; mask [B, T, S] (True = may attend).
+    Returns out [B, T, H, D] (normalised within this block, in q's dtype) and lse [B, T, H]
+    (natural log, fp32). Rows with no visible key give out = 0 and lse = -inf-ish, so they
+    vanish when merged with `merge_partials`.
+    """
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, t, hkv, h // hkv, d)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    s = s / jnp.sqrt(jnp.float32(d))
+    s = jnp.where(mask[:, None, None, :, :], s, NEG_INF)
+    m = jnp.max(s, axis=-1, keepdims=True)                                   # [B, K, G, T, 1]
+    p = jnp.exp(s - m)
+    p = jnp.where(mask[:, None, None, :, :], p, 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    safe = jnp.where(denom > 0, denom, 1.0)
+    o = jnp.einsum("bkgts,bskd->btkgd", (p / safe).astype(v.dtype), v,
+                   preferred_element_type=jnp.float32)
+    lse = jnp.where(denom[..., 0] > 0, m[..., 0] + jnp.log(safe[..., 0]), NEG_INF)  # [B, K, G, T]
+    lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, h)
+    return o.reshape(b, t, h, d).astype(q.dtype), lse
+
+
+def merge_partials(parts: Sequence[tuple[jax.Array, jax.Array]]):
+    """Merge attention outputs over disjoint key blocks by their log-sum-exps (exact)."""
+    lses = jnp.stack([l for _, l in parts])                                   # [P, B, T, H]
+    m = jnp.max(lses, axis=0)
+    w = jnp.exp(lses - m)                                                     # [P, B, T, H]
+    tot = jnp.sum(w, axis=0)
+    out = sum(o.astype(jnp.float32) * (wi / tot)[..., None] for (o, _), wi in zip(parts, w))
+    return out.astype(parts[0][0].dtype), m + jnp.log(tot)
+
+
+def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
+    """[B, T] segment ids -> [B, T, T] mask: causal, and never across segments."""
+    t = segment_ids.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return causal[None] & same
+
+
+def span_mask(span_end: jax.Array, num_queries: int | None = None,
+              q_offset: jax.Array | int = 0) -> jax.Array:
+    """[B, S] span ends -> [B, T, S] dense mask: query t (row i = q_offset + t) sees key j iff
+    j <= i < span_end[j]. T defaults to S (queries are the keys)."""
+    b, s = span_end.shape
+    t = s if num_queries is None else num_queries
+    i = jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32).reshape(-1, 1), (b, 1)) + \
+        jnp.arange(t, dtype=jnp.int32)[None]                                 # [B, T]
+    j = jnp.arange(s, dtype=jnp.int32)
+    return (j[None, None, :] <= i[:, :, None]) & (i[:, :, None] < span_end[:, None, :])
+
+
+def span_segments(segment_ids: jax.Array) -> jax.Array:
+    """[B, T] segment ids of contiguous segments -> span_end [B, T] (the end of j's segment):
+    `span_mask(span_segments(s))` == `segment_causal_mask(s)` when each id is one contiguous run."""
+    b, t = segment_ids.shape
+    idx = jnp.arange(t, dtype=jnp.int32)
+    starts_next = jnp.concatenate([segment_ids[:, 1:] != segment_ids[:, :-1],
+                                   jnp.ones((b, 1), bool)], axis=1)          # last of its run
+    ends = jnp.where(starts_next, idx + 1, t)
+    return lax.cummin(ends, axis=1, reverse=True).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flash attention: tiling
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+    """Static choices of one flash call (hashable: a custom_vjp non-differentiable argument)."""
+    impl: str            # "xla" | "gpu" | "tpu"
+    block_q: int
+    block_k: int
+    interpret: bool = False
+
+
+def default_blocks(impl: str, t: int, s: int) -> tuple[int, int]:
+    """Tile sizes: 128 x 128 on GPU (a 128 x 128 fp32 tile is what 8 warps hold), 512 x 512 on TPU
+    (lane-dense, long DMAs; VMEM holds it), and 64 x 64 for the XLA body (measured on CPU at the
+    demo's shape, fwd + bwd: 64 beat 32 and 128; small enough that empty tiles are skipped at
+    packing granularity); never more than the (16-rounded) length itself."""
+    base = {"gpu": 128, "tpu": 512}.get(impl, 64)
+    r16 = lambda n: max(16, -(-n // 16) * 16)  # noqa: E731
+    return min(base, r16(t)), min(base, r16(s))
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _pad_to(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
+    if x.shape[axis] == size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def tile_visible(kmax: jax.Array, k_start, row_lo: jax.Array, row_hi: jax.Array) -> jax.Array:
+    """A (query rows row_lo..row_hi, key block from k_start with max span_end kmax) tile has a
+    visible pair: the key block starts at or before the last row, and some key's span reaches
+    past the first row. Elementwise over any leading batch shape."""
+    return (k_start <= row_hi) & (kmax > row_lo)
+
+
+# ---------------------------------------------------------------------------------------------
+# The XLA body
+# ---------------------------------------------------------------------------------------------
+def _blocks(q, k, v, span_end, q_offset, bq, bk):
+    """Pad to whole blocks and lay out block-major: q [nq, B, bq, Hkv, G, D], k/v [nk, B, bk, Hkv,
+    D], span_end [nk, B, bk] (padded keys get span_end 0: never visible), kmax [nk, B]."""
+    b, t, h, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    tp, sp = _round_up(t, bq), _round_up(s, bk)
+    nq, nk = tp // bq, sp // bk
+    qb = jnp.moveaxis(_pad_to(q, 1, tp).reshape(b, nq, bq, hkv, h // hkv, d), 1, 0)
+    kb = jnp.moveaxis(_pad_to(k, 1, sp).reshape(b, nk, bk, hkv, d), 1, 0)
+    vb = jnp.moveaxis(_pad_to(v, 1, sp).reshape(b, nk, bk, hkv, d), 1, 0)
+    se = jnp.moveaxis(_pad_to(span_end, 1, sp).reshape(b, nk, bk), 1, 0)
+    return qb, kb, vb, se, jnp.max(se, axis=-1)
+
+
+def _tile_mask(q_offset, qi, ki, bq, bk, se_tile):
+    """[B, bq, bk] mask of the tile (query block qi, key block ki)."""
+    rows = q_offset[:, None] + qi * bq + jnp.arange(bq, dtype=jnp.int32)[None]       # [B, bq]
+    cols = ki * bk + jnp.arange(bk, dtype=jnp.int32)                                  # [bk]
+    return (cols[None, None, :] <= rows[:, :, None]) & (rows[:, :, None] < se_tile[:, None, :])
+
+
+def _xla_forward(q, k, v, span_end, q_offset, cfg: FlashConfig):
+    b, t, h, d = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
+    bq, bk = cfg.block_q, cfg.block_k
+    qb, kb, vb, se, kmax = _blocks(q, k, v, span_end, q_offset, bq, bk)
+    nq, nk = qb.shape[0], kb.shape[0]
+    scale = 1.0 / math.sqrt(d)
+
+    def q_block(_, xs):
+        qi, qt = xs                                                        # qt [B, bq, Hkv, G, D]
+        row_lo = q_offset + qi * bq                                        # [B]
+        row_hi = row_lo + bq - 1
+        hi = jnp.clip(jnp.max(row_hi) // bk + 1, 0, nk)                   # causal limit
+        # key blocks before the first one whose spans reach this query block are all empty
+        lo = jnp.argmax(jnp.any(kmax > row_lo[None, :], axis=1))
+
+        def step(ki, carry):
+            m, l, acc = carry
+            mask = _tile_mask(q_offset, qi, ki, bq, bk, se[ki])[:, None, None]      # [B,1,1,bq,bk]
+            s = jnp.einsum("bqkgd,bskd->bkgqs", qt, kb[ki],
+                           preferred_element_type=jnp.float32) * scale
+            s = jnp.where(mask, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            p = jnp.exp(s - m_new[..., None])
+            alpha = jnp.exp(m - m_new)
+            pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), vb[ki],
+                            preferred_element_type=jnp.float32)
+            return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
+
+        def body(ki, carry):
+            vis = jnp.any(tile_visible(kmax[ki], ki * bk, row_lo, row_hi))
+            return lax.cond(vis, functools.partial(step, ki), lambda c: c, carry)
+
+        init = (jnp.full((b, hkv, g, bq), _M_INIT, jnp.float32),
+                jnp.zeros((b, hkv, g, bq), jnp.float32),
+                jnp.zeros((b, hkv, g, bq, d), jnp.float32))
+        m, l, acc = lax.fori_loop(jnp.minimum(lo, hi), hi, body, init)
+        seen = l > 0
+        l_safe = jnp.where(seen, l, 1.0)
+        o = acc / l_safe[..., None]
+        lse = jnp.where(seen, m + jnp.log(l_safe), NEG_INF)
+        o = jnp.einsum("bkgqd->bqkgd", o).reshape(b, bq, h, d).astype(q.dtype)
+        return None, (o, jnp.einsum("bkgq->bqkg", lse).reshape(b, bq, h))
+
+    _, (o, lse) = lax.scan(q_block, None, (jnp.arange(nq, dtype=jnp.int32), qb))
+    o = jnp.moveaxis(o, 0, 1).reshape(b, nq * bq, h, d)[:, :t]
+    lse = jnp.moveaxis(lse, 0, 1).reshape(b, nq * bq, h)[:, :t]
+    return o, lse
+
+
+def _xla_backward(q, k, v, span_end, q_offset, o, lse, do, dlse, cfg: FlashConfig):
+    """FlashAttention-2 backward: per key block, loop over the query blocks that can see it,
+    recompute p from the saved lse; dk, dv accumulate in the loop, dq in the scan carry."""
+    b, t, h, d = q.shape
+    s_len, hkv = k.shape[1], k.shape[2]
+    g = h // hkv
+    bq, bk = cfg.block_q, cfg.block_k
+    qb, kb, vb, se, kmax = _blocks(q, k, v, span_end, q_offset, bq, bk)
+    nq, nk = qb.shape[0], kb.shape[0]
+    tp = nq * bq
+    scale = 1.0 / math.sqrt(d)
+    # delta_i = rowsum(dO * O) - dlse_i: the lse cotangent enters as a shift of the same term
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1) - dlse    # [B, T, H]
+
+    def q_layout(x, fill=0.0):                                            # [B, T, H] -> [nq,B,Hkv,G,bq]
+        x = _pad_to(x, 1, tp, fill).reshape(b, nq, bq, hkv, g)
+        return jnp.einsum("bnqkg->nbkgq", x)
+
+    lse_b = q_layout(lse, _PAD_LSE)
+    delta_b = q_layout(delta)
+    dob = jnp.moveaxis(_pad_to(do, 1, tp).reshape(b, nq, bq, hkv, g, d), 1, 0)
+
+    def k_block(dq, xs):
+        ki, kt, vt, se_t, kmax_t = xs
+        k_start = ki * bk
+        # first query block whose last row can reach this key block (rows >= k_start)
+        lo = jnp.clip(jnp.min(k_start - q_offset) // bq, 0, nq)
+        # rows at or past the block's largest span_end see none of its keys
+        hi = jnp.clip(-(-jnp.max(kmax_t - q_offset) // bq), lo, nq)
+
+        def step(qi, carry):
+            dk, dv, dq = carry
+            qt, dot = qb[qi], dob[qi]
+            mask = _tile_mask(q_offset, qi, ki, bq, bk, se_t)[:, None, None]
+            s = jnp.einsum("bqkgd,bskd->bkgqs", qt, kt, preferred_element_type=jnp.float32) * scale
+            p = jnp.where(mask, jnp.exp(s - lse_b[qi][..., None]), 0.0)      # [B, Hkv, G, bq, bk]
+            dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p.astype(do.dtype), dot,
+                                 preferred_element_type=jnp.float32)
+            dp = jnp.einsum("bqkgd,bskd->bkgqs", dot, vt, preferred_element_type=jnp.float32)
+            ds = p * (dp - delta_b[qi][..., None]) * scale
+            dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds.astype(q.dtype), qt,
+                                 preferred_element_type=jnp.float32)
+            dq_t = jnp.einsum("bkgqs,bskd->bqkgd", ds.astype(k.dtype), kt,
+                              preferred_element_type=jnp.float32)
+            return dk, dv, dq.at[qi].add(dq_t)
+
+        def body(qi, carry):
+            row_lo = q_offset + qi * bq
+            vis = jnp.any(tile_visible(kmax_t, k_start, row_lo, row_lo + bq - 1))
+            return lax.cond(vis, functools.partial(step, qi), lambda c: c, carry)
+
+        zeros = jnp.zeros((b, bk, hkv, d), jnp.float32)
+        dk, dv, dq = lax.fori_loop(lo, hi, body, (zeros, zeros, dq))
+        return dq, (dk, dv)
+
+    dq0 = jnp.zeros(qb.shape, jnp.float32)
+    dq, (dk, dv) = lax.scan(k_block, dq0, (jnp.arange(nk, dtype=jnp.int32), kb, vb, se, kmax))
+    dq = jnp.moveaxis(dq, 0, 1).reshape(b, tp, h, d)[:, :t]
+    dk = jnp.moveaxis(dk, 0, 1).reshape(b, nk * bk, hkv, d)[:, :s_len]
+    dv = jnp.moveaxis(dv, 0, 1).reshape(b, nk * bk, hkv, d)[:, :s_len]
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# custom_vjp over the bodies
+# ---------------------------------------------------------------------------------------------
+def _body_forward(q, k, v, span_end, q_offset, cfg: FlashConfig):
+    if cfg.impl == "xla":
+        return _xla_forward(q, k, v, span_end, q_offset, cfg)
+    from sprint_jax.kernels import flash_attention as kernel
+    return kernel.flash_forward(q, k, v, span_end, q_offset, platform=cfg.impl,
+                                block_q=cfg.block_q, block_k=cfg.block_k, interpret=cfg.interpret)
+
+
+def _body_backward(q, k, v, span_end, q_offset, o, lse, do, dlse, cfg: FlashConfig):
+    if cfg.impl == "xla":
+        return _xla_backward(q, k, v, span_end, q_offset, o, lse, do, dlse, cfg)
+    from sprint_jax.kernels import flash_attention as kernel
+    return kernel.flash_backward(q, k, v, span_end, q_offset, o, lse, do, dlse,
+                                 platform=cfg.impl, block_q=cfg.block_q, block_k=cfg.block_k,
+                                 interpret=cfg.interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, span_end, q_offset, cfg: FlashConfig):
+    return _body_forward(q, k, v, span_end, q_offset, cfg)
+
+
+def _flash_fwd(q, k, v, span_end, q_offset, cfg):
+    o, lse = _body_forward(q, k, v, span_end, q_offset, cfg)
+    return (o, lse), (q, k, v, span_end, q_offset, o, lse)
+
+
+def _flash_bwd(cfg, res, cts):
+    q, k, v, span_end, q_offset, o, lse = res
+    do, dlse = cts
+    dq, dk, dv = _body_backward(q, k, v, span_end, q_offset, o, lse, do,
+                                dlse.astype(jnp.float32), cfg)
+    return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def resolve_impl(impl: str | None) -> str:
+    """None -> the body for jax's default backend: Pallas on GPU / TPU, XLA elsewhere."""
+    if impl is None:
+        backend = jax.default_backend()
+        return backend if backend in ("gpu", "tpu") else "xla"
+    if impl not in ("xla", "gpu", "tpu"):
+        raise ValueError(f"flash attention impl must be 'xla', 'gpu' or 'tpu', got {impl!r}")
+    return impl
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """Pin an activation to the trainer's rules table (logical axis names, None = whole) under
+    the active mesh (`jax.sharding.use_abstract_mesh` / `jax.set_mesh`); a no-op without one.
+
+    Why: with FSDP the weights are sharded over the model width and the rows over (data, fsdp);
+    left alone, GSPMD may keep the weights sharded and gather the *activations* of every row
+    instead (measured: the 7B step at 8 x 2048 computed its MLP and logits on all 8 rows on every
+    device). Pinning the rows keeps FSDP what it should be: gather weights, never rows."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    from sprint_jax.train.mesh import logical_to_spec
+    spec = logical_to_spec([a or "head_dim" for a in axes], x.shape, mesh)   # head_dim: whole
+    spec = P(*[None if a is None else sp for a, sp in zip(axes, spec)])
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _mesh_specs(mesh, q, k):
+    """shard_map specs for a Pallas body under the rules table: rows over (data, fsdp) and heads
+    over tensor, each only where the size divides (query and KV heads both, so that a shard's
+    query heads use that shard's KV heads); everything else whole."""
+    from sprint_jax.train.mesh import RULES
+
+    def axes(rule, size):
+        names = (rule,) if isinstance(rule, str) else tuple(rule or ())
+        names = tuple(n for n in names if n in mesh.shape and mesh.shape[n] > 1)
+        n = math.prod(mesh.shape[a] for a in names) if names else 1
+        return (names if len(names) > 1 else (names[0] if names else None)) if size % n == 0 else None
+
+    bax = axes(RULES["batch"], q.shape[0])
+    hax = axes(RULES["heads"], q.shape[2])
+    if axes(RULES["kv_heads"], k.shape[2]) != hax:
+        hax = None
+    return P(bax, None, hax, None), P(bax, None, hax, None), P(bax, None), P(bax), P(bax, None, hax)
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, span_end: jax.Array, *,
+                    q_offset: jax.Array | int | None = None, impl: str | None = None,
+                    block_q: int | None = None, block_k: int | None = None,
+                    interpret: bool = False, return_lse: bool = False):
+    """Blockwise attention under the span rule, with a recomputing backward (custom_vjp).
+
+    q [B, T, H, D]; k, v [B, S, Hkv, D] (H % Hkv == 0; query head h uses KV head h // (H/Hkv));
+    span_end [B, S] int: query t of row b (rule row i = q_offset[b] + t) sees key j iff
+    j <= i < span_end[b, j]. q_offset: int or [B] (default 0: the queries are the keys).
+    Returns out [B, T, H, D] in q's dtype (0 for a row that sees no key) and with return_lse
+    also lse [B, T, H] (natural log, fp32; NEG_INF for such a row). Softmax scale 1/sqrt(D).
+    Gradients flow to q, k, v (and through lse); span_end and q_offset are integers.
+
+    impl: "xla" (blockwise jnp), "gpu" (Pallas Triton) or "tpu" (Pallas Mosaic); default by
+    jax.default_backend(). interpret=True runs a Pallas body in the interpreter (CPU tests).
+    Under an active mesh (`jax.set_mesh`) a Pallas body runs per shard (shard_map): batch over
+    (data, fsdp), heads over tensor, per the trainer's rules table.
+    """
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+        raise ValueError(f"q must be [B, T, H, D] and k, v both [B, S, Hkv, D]; got {q.shape}, "
+                         f"{k.shape}, {v.shape}")
+    b, t, h, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d or h % k.shape[2]:
+        raise ValueError(f"k/v {k.shape} do not fit q {q.shape} (batch, head dim, H % Hkv)")
+    if span_end.shape != (b, k.shape[1]):
+        raise ValueError(f"span_end must be [B, S] = {(b, k.shape[1])}, got {span_end.shape}")
+    impl = resolve_impl(impl)
+    dq_, dk_ = default_blocks(impl, t, k.shape[1])
+    cfg = FlashConfig(impl, block_q or dq_, block_k or dk_, interpret)
+    off = jnp.zeros((b,), jnp.int32) if q_offset is None else \
+        jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32).reshape(-1), (b,))
+    span_end = span_end.astype(jnp.int32)
+    run = lambda *a: _flash(*a, cfg)  # noqa: E731
+    mesh = jax.sharding.get_abstract_mesh()
+    if impl != "xla" and not mesh.empty:
+        qs, ks, ss, os_, ls = _mesh_specs(mesh, q, k)
+        run = jax.shard_map(lambda *a: _flash(*a, cfg), mesh=mesh,
+                            in_specs=(qs, ks, ks, ss, os_), out_specs=(qs, ls), check_vma=False)
+    o, lse = run(q, k, v, span_end, off)
+    return (o, lse) if return_lse else o
