@@ -85,6 +85,7 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
     from sprint_jax.eval.evaluate import evaluate
     from sprint_jax.infer import Engine, OrchestratorConfig
     from sprint_jax.model.convert import load_model
+    from sprint_jax.model.hf import read_export_meta
     from sprint_jax.model.tokenizer import VocabTokenizer
     from sprint_jax.train.config import TrainConfig
     from sprint_jax.train.trainer import train
@@ -161,8 +162,9 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
                                          prefill_chunk=128)
             _warm(engines[model_name], test_tasks[0], orch)
         t0 = time.perf_counter()
+        layout = read_export_meta(trained[model_name]["export_dir"]).get("layout", "flat")
         _, rep = evaluate(engines[model_name], test_tasks, mode, prompt_fn=chains.prompt_for,
-                            orchestrator_config=orch, out_dir=out / "eval" / run_name, progress=progress,
+                            orchestrator_config=dataclasses.replace(orch, layout=layout), out_dir=out / "eval" / run_name, progress=progress,
                             meta={"model": model_name, "mode": mode})
         wall = time.perf_counter() - t0
         entry = {"accuracy": rep["accuracy"], "mean_sequential_tokens": rep["mean_sequential_tokens"],

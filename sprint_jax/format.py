@@ -38,6 +38,10 @@ SPAN_KINDS: tuple[str, ...] = ("query", "plan", "prompt", "execution", "answer",
 FINAL_OPEN = "<Final Answer>"
 FINAL_CLOSE = "</Final Answer>"
 
+# Canonical whitespace, used by `render` and by the orchestrator's forced text (one place per fact).
+BLOCK_GAP = "\n"      # between blocks (plans, executions, the final answer) and after the query
+CLOSE_GAP = " "       # between a tag and the content it opens or closes
+
 
 def plan_open(i: int) -> str:
     return f"<Plan_{i}>"
@@ -176,7 +180,8 @@ class Trajectory:
 # ---------------------------------------------------------------------------------------------
 
 def _block(open_tag: str, content: str, close_tag: str) -> str:
-    return f"{open_tag} {content} {close_tag}" if content else f"{open_tag} {close_tag}"
+    inner = CLOSE_GAP + content + CLOSE_GAP if content else CLOSE_GAP
+    return open_tag + inner + close_tag
 
 
 def _checked(content: str, where: str) -> str:
@@ -206,7 +211,7 @@ def render_completion(traj: Trajectory) -> str:
             lines.append(_block(execution_open(i, j), content, execution_close(i, j)))
     if traj.final_answer is not None:
         lines.append(_block(FINAL_OPEN, _checked(traj.final_answer.strip(), "final answer"), FINAL_CLOSE))
-    return "\n".join(lines)
+    return BLOCK_GAP.join(lines)
 
 
 def render(traj: Trajectory) -> str:
@@ -215,7 +220,7 @@ def render(traj: Trajectory) -> str:
     query = _checked(traj.query.strip(), "query")
     if not query:
         return body
-    return query + "\n" + body if body else query
+    return query + BLOCK_GAP + body if body else query
 
 
 # ---------------------------------------------------------------------------------------------

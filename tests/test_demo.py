@@ -5,6 +5,7 @@ import json
 
 from sprint_jax.config import from_dict
 from sprint_jax.demo import DemoConfig, run_demo
+from sprint_jax.model.hf import read_export_meta
 
 
 def test_scaled_down_demo_produces_every_artifact(tmp_path):
@@ -18,9 +19,11 @@ def test_scaled_down_demo_produces_every_artifact(tmp_path):
     for f in ("curate/sprint.jsonl", "curate/rft.jsonl", "curate/curation_report.json", "report.json",
               "plots/loss_curves.png", "plots/tokens.png", "plots/wall_clock.png"):
         assert (tmp_path / f).exists(), f
-    for run in ("sprint", "rft"):
+    for run, layout in (("sprint", "trie"), ("rft", "flat")):
         assert (tmp_path / "train" / run / "metrics.jsonl").exists()
         assert (tmp_path / "train" / run / "hf" / "model.safetensors").exists()
+        meta = read_export_meta(tmp_path / "train" / run / "hf")     # train records how it trained
+        assert meta["layout"] == layout and meta["tokenizer"] == "VocabTokenizer"
     sprint = [json.loads(x) for x in (tmp_path / "curate/sprint.jsonl").read_text().splitlines()]
     assert len(sprint) == 24 and all("<Plan_1>" in r["completion"] for r in sprint)
 
@@ -34,6 +37,8 @@ def test_scaled_down_demo_produces_every_artifact(tmp_path):
         if name.startswith("sprint"):
             assert 0.0 <= r["format_valid"] <= 1.0
             assert 0.0 <= r["executions_exact"] <= 1.0 and 0.0 <= r["answer_matches_executions"] <= 1.0
+        run_config = json.loads((tmp_path / "eval" / name / "report.json").read_text())["meta"]["config"]
+        assert run_config["layout"] == ("trie" if name.startswith("sprint") else "flat")   # read from the export
         results = [json.loads(x) for x in (tmp_path / "eval" / name / "results.jsonl").read_text().splitlines()]
         assert len(results) == 3
         assert abs(sum(x["sequential_tokens"] for x in results) / 3 - r["mean_sequential_tokens"]) < 1e-9

@@ -14,6 +14,7 @@ from sprint_jax.eval.evaluate import evaluate
 from sprint_jax.eval.report import RunFileError, compare, format_compare_table, load_results
 from sprint_jax.infer.infer_cli import LiveDisplay
 from sprint_jax.infer.orchestrator import OrchestratorConfig, run_query
+from sprint_jax.model.hf import update_export_meta
 from test_orchestrator import DRUG_EXECUTORS, DRUG_PLANNER, QUERY, ScriptedEngine
 
 TASKS = [
@@ -185,10 +186,19 @@ def test_eval_and_infer_commands(hf_untied, task_file, tmp_path, capsys):
                  "--out", str(out), "--no-progress", *caps]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["n"] == 2 and report["meta"]["config"]["max_planner_tokens"] == 6
+    assert report["meta"]["config"]["layout"] == "flat"       # no sprint_jax.json: the documented default
     assert len(load_results(out)) == 2
+    update_export_meta(model, layout="trie")                  # what `train` writes into its export
     assert main(["infer", "--model", str(model), "What is 1+1?", "--record", str(tmp_path / "r.json"), *caps]) == 0
     printed = capsys.readouterr().out
     assert "stage 1 · planner: 6 tokens" in printed and "termination:        planner_token_limit" in printed
-    assert json.loads((tmp_path / "r.json").read_text())["total_tokens"] == 6
+    record = json.loads((tmp_path / "r.json").read_text())
+    assert record["total_tokens"] == 6 and record["config"]["layout"] == "trie"
+    assert main(["infer", "--model", str(model), "hi", "--record", str(tmp_path / "r.json"), "--set", "layout=flat",
+                 *caps]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["config"]["layout"] == "flat"
+    update_export_meta(model, layout="diagonal")
+    assert main(["infer", "--model", str(model), "hi", *caps]) == 2
+    assert "layout" in capsys.readouterr().err
     assert main(["infer", "--model", str(tmp_path / "none"), "hi"]) == 2
     assert main(["infer", "--model", str(model), "hi", "--set", "max_stages=0"]) == 2

@@ -9,6 +9,7 @@ import re
 from typing import Sequence
 
 import hypothesis.strategies as st
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
@@ -97,6 +98,13 @@ class ScriptedEngine:
             raise EngineError("extend exceeds max_seq_len")
         self.calls.append({"kind": "extend", "text": self.decode_text(ids)})
         state.tokens = state.tokens + list(ids)
+        return state
+
+    def truncate(self, state: State, n: int) -> State:
+        if not 1 <= n <= len(state.tokens):
+            raise EngineError(f"truncate to {n} of {len(state.tokens)} tokens")
+        self.calls.append({"kind": "truncate", "keep": n})
+        state.tokens = state.tokens[:n]
         return state
 
     def _emit(self, script: str, limit: int, stops: Sequence[str]) -> Generation:
@@ -196,6 +204,11 @@ DRUG_TRAJECTORY = fmt.Trajectory(query=QUERY, stages=[
 ], final_answer="A quinazoline lead.")
 
 
+# The scripts are what a trie-trained model writes: every planner call starts with its own block
+# gap. A flat-trained model is handed that gap by the sync (see the Qwen2 token-boundary tests).
+TRIE = OrchestratorConfig(layout="trie")
+
+
 def drug_engine(**kw) -> ScriptedEngine:
     return ScriptedEngine(DRUG_PLANNER, DRUG_EXECUTORS, **kw)
 
@@ -213,7 +226,8 @@ def _untimed(record) -> dict:
 def test_drug_discovery_trajectory_stages_and_exact_accounting():
     engine = drug_engine()
     events = []
-    rec = run_query(engine, QUERY, "parallel", on_event=lambda e: events.append((e.kind, e.stage and e.stage.index)))
+    rec = run_query(engine, QUERY, "parallel", TRIE,
+                    on_event=lambda e: events.append((e.kind, e.stage and e.stage.index)))
     assert rec.termination == "final_answer" and rec.problems == [] and rec.format_valid
     assert [s.index for s in rec.stages] == [1, 2, 3]
     assert [len(s.executions) for s in rec.stages] == [1, 3, 1]
@@ -284,7 +298,7 @@ def test_truncated_and_eos_executions_are_closed_by_the_orchestrator():
     planner = ["<Plan_1> <prompt_1.1> a </prompt_1.1> <prompt_1.2> b </prompt_1.2> </Plan_1>",
                "\n<Final Answer> 1 </Final Answer>"]
     engine = ScriptedEngine(planner, {(1, 1): " one two three four five six", (1, 2): " x<eos>"})
-    rec = run_query(engine, "Q", "parallel", OrchestratorConfig(max_branch_tokens=5))
+    rec = run_query(engine, "Q", "parallel", OrchestratorConfig(max_branch_tokens=5, layout="trie"))
     ex = rec.stages[0].executions
     assert [e.stop_reason for e in ex] == ["length", "eos"]
     assert [e.tokens for e in ex] == [5, 3]            # the EOS was decoded, so it counts
@@ -427,16 +441,16 @@ def _well_formed_prefix(draw) -> str:
 @given(planner=st.lists(st.one_of(_text, _well_formed_prefix()), max_size=6),
        executors=st.dictionaries(st.tuples(st.integers(1, 3), st.integers(1, 3)), st.one_of(_text, _well_formed_prefix()),
                                  max_size=6),
-       mode=st.sampled_from(["parallel", "serial", "sequential"]),
+       mode=st.sampled_from(["parallel", "serial", "sequential"]), layout=st.sampled_from(["flat", "trie"]),
        budgets=st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(1, 30), st.integers(1, 30),
                          st.integers(1, 120)),
        capacity=st.tuples(st.integers(8, 200), st.integers(1, 4), st.integers(2, 40)))
-def test_fuzz_never_crashes_and_always_terminates(planner, executors, mode, budgets, capacity):
+def test_fuzz_never_crashes_and_always_terminates(planner, executors, mode, layout, budgets, capacity):
     stages, prompts, ptok, btok, total = budgets
     engine = ScriptedEngine(planner, executors, max_seq_len=capacity[0], max_branches=capacity[1],
                             max_branch_tokens=capacity[2])
     cfg = OrchestratorConfig(max_stages=stages, max_prompts=prompts, max_planner_tokens=ptok,
-                             max_branch_tokens=btok, max_total_tokens=total)
+                             max_branch_tokens=btok, max_total_tokens=total, layout=layout)
     rec = run_query(engine, "Query text", mode, cfg)
     assert rec.termination in TERMINATIONS and rec.termination != "engine_error", rec.problems
     assert rec.total_tokens == engine.generated <= total
@@ -508,8 +522,25 @@ def test_real_engine_parallel_equals_serial_and_counts_match_an_independent_deco
     planner_tokens = [len(real_engine.encode(t)) for t in REAL_PLANNER]
     assert par.sequential_tokens == planner_tokens[0] + max(e.tokens for e in par.stages[0].executions) + planner_tokens[1]
     assert par.total_tokens == sum(planner_tokens) + sum(e.tokens for e in par.stages[0].executions)
-    assert par.stages[0].sync_tokens == sum(e.forced_tokens + e.tokens for e in par.stages[0].executions)
+    # flat (the default layout): the sync also prefills the block gap that follows the last execution
+    assert par.stages[0].sync_tokens == sum(e.forced_tokens + e.tokens for e in par.stages[0].executions) + \
+        len(real_engine.encode(fmt.BLOCK_GAP))
     assert par.stages[0].branch_cache_bytes > 0
+
+
+def test_real_engine_truncate_then_extend_equals_a_fresh_prefill(real_engine):
+    """The orchestrator's roll-back at a token boundary: keep a prefix, prefill a different tail;
+    the next-token logits are those of a fresh prefill of the same tokens."""
+    ids = real_engine.encode(REAL_QUERY + REAL_PLANNER[0])
+    state = real_engine.prefill(ids)
+    real_engine.truncate(state, len(ids) - 5)
+    tail = real_engine.encode(" x y")
+    real_engine.extend(state, tail)
+    ref = real_engine.prefill(ids[:-5] + tail)
+    assert state.tokens == ref.tokens
+    np.testing.assert_allclose(real_engine.step_logits(state), real_engine.step_logits(ref), rtol=1e-5, atol=1e-5)
+    with pytest.raises(EngineError, match="truncate"):
+        real_engine.truncate(state, 0)
 
 
 def test_real_engine_unscripted_planner_ends_on_its_budget(real_engine):

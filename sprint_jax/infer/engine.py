@@ -13,7 +13,9 @@ Fork modes of `decode_branches` (paper §10: every executor of a stage decodes a
   reads the prefix once per step for all branches.
 - copy: the prefix is copied into every branch's cache (the baseline to beat).
 - serial: one branch after another on the planner's own cache (no copy at all).
-All three use the same layer code and the one attention (`qwen2.attend_partial`).
+All three use the same layer code. Attention is `qwen2.attend_partial` (+ `merge_partials`),
+except a shared-mode decode step with attention_impl="pallas", which runs the prefix + suffix
+attention of all branches in the Pallas kernel (sprint_jax.kernels.shared_prefix_attention).
 """
 from __future__ import annotations
 
@@ -340,6 +342,15 @@ class Engine:
                                         attention_impl=self.attention_impl)
             pos += len(piece)
         state.tokens = state.tokens + token_ids
+        return state
+
+    def truncate(self, state: DecodeState, n: int) -> DecodeState:
+        """Keep the first n tokens of state (1 <= n <= its length): the orchestrator rolls a state
+        back to where its tokens agree with the training layout's tokenization. Nothing moves on
+        device: the KV past the new length is never read and the next write overwrites it."""
+        if not 1 <= n <= len(state.tokens):
+            raise EngineError(f"truncate to {n} tokens: the state holds {len(state.tokens)}")
+        state.tokens = state.tokens[:n]
         return state
 
     def step_logits(self, state: DecodeState) -> np.ndarray:

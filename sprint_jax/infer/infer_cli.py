@@ -20,6 +20,11 @@ Budgets: --max-stages, --max-prompts, --max-planner-tokens, --max-branch-tokens,
 --max-total-tokens, --time-limit (or --config FILE.yaml / --set field=value with the
 OrchestratorConfig fields). The query is given to the model exactly as written (training
 prompts are the bare problem text; see `sprint-jax eval --help`).
+
+Token convention: where forced text (an executor's opening, the sync) meets generated text, the
+context is tokenized the way the model's training layout did (flat or trie). The layout is read
+from MODEL/sprint_jax.json, which `sprint-jax train` writes into its export; a model without it
+is treated as flat (the paper's layout). `--set layout=trie` overrides.
 """
 
 
@@ -61,6 +66,7 @@ def add_run_arguments(p) -> None:
 
 
 def config_from_args(args):
+    """OrchestratorConfig: the model export's layout, then --config, then --set and the flags."""
     from sprint_jax.config import load_config
     from sprint_jax.infer.orchestrator import OrchestratorConfig
 
@@ -69,7 +75,22 @@ def config_from_args(args):
         value = getattr(args, field, None)
         if value is not None:
             overrides.append(f"{field}={value}")
-    return load_config(OrchestratorConfig, args.config, overrides)
+    return load_config(OrchestratorConfig, args.config, overrides, data=model_defaults(args.model))
+
+
+def model_defaults(model: str | None) -> dict:
+    """OrchestratorConfig fields fixed by how the model was trained: its layout, from the export's
+    sprint_jax.json (none for a model without one: the layout default, flat, applies)."""
+    from sprint_jax.errors import UserError
+    from sprint_jax.model.hf import CheckpointError, read_export_meta
+
+    if not model or not Path(model).is_dir():
+        return {}
+    try:
+        layout = read_export_meta(model).get("layout")
+    except CheckpointError as e:
+        raise UserError(str(e)) from None
+    return {"layout": layout} if layout is not None else {}
 
 
 def load_model_arg(model: str | None, dtype: str | None):

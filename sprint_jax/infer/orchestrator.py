@@ -13,9 +13,21 @@ One stage (DESIGN.md "Orchestrator"):
 
 The text the planner ends up holding is exactly `format.render_completion` of the trajectory when
 the model writes canonical blocks (the forced openings and repairs use the gaps `render_completion`
-writes), because training data is rendered that way. The sync tokens are the forced-opening tokens
-and each executor's own generated tokens, which is also how the `trie` training layout tokenizes
-the pieces (train/data.py).
+writes), because training data is rendered that way.
+
+Token boundaries (issue 11). With a BPE tokenizer the tokens of forced text depend on the text
+next to it (Qwen2 writes `>\n` as one token), so wherever forced text meets generated text
+(fork, sync, repair) the orchestrator re-tokenizes a small window the way the model's training
+layout did (`config.layout`, written by `train` into the export) and rolls the state back to the
+longest common token prefix before prefilling the rest (`engine.truncate` + `extend`):
+  flat  one string: tokenize(query) + tokenize(completion) (train/data.py `layout_flat`). The
+        window starts a few tokens before the last boundary; after a sync the block gap is
+        forced too, since a flat model saw `</execution_i.j>` and the gap as one token.
+  trie  the pieces of train/data.py `split_pieces`, each tokenized on its own: every planner call
+        (cut after its stop), each forced opening, each execution body. The planner is settled
+        after every call, so the window is always the current piece.
+So after every fork and every sync, a model that writes what it was trained on holds exactly
+its training tokens: the flat prefix, or the trie unit's context.
 
 Modes:
   parallel    executors of a stage decode together over a shared-prefix fork (`mode="shared"`).
@@ -80,21 +92,13 @@ TERMINATIONS = {
 }
 
 
-def _gaps() -> tuple[str, str]:
-    """(gap between blocks, gap between content and closing tag) as `render_completion` writes
-    them, read off a probe so the orchestrator's forced text cannot drift from the renderer."""
-    probe = fmt.render_completion(fmt.Trajectory(stages=[fmt.Stage(1, [fmt.Prompt("p")], ["e"])]))
-    block_gap = probe[probe.index(fmt.plan_close(1)) + len(fmt.plan_close(1)): probe.index(fmt.execution_open(1, 1))]
-    body = probe[probe.index(fmt.execution_open(1, 1)) + len(fmt.execution_open(1, 1)): probe.index(fmt.execution_close(1, 1))]
-    return block_gap, body[body.index("e") + 1:]
-
-
-BLOCK_GAP, CLOSE_GAP = _gaps()
+LAYOUTS = ("flat", "trie")      # the training layouts (train/data.py); they fix the token convention
+_FLAT_MARGIN = 8                # flat: tokens re-tokenized before the last boundary
 
 
 def execution_opening(i: int, j: int) -> str:
     """The forced start of executor j of stage i: what render_completion writes before its content."""
-    return BLOCK_GAP + fmt.execution_open(i, j)
+    return fmt.BLOCK_GAP + fmt.execution_open(i, j)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,12 +117,15 @@ class OrchestratorConfig:
     top_k: int = 0                       # 0 = off
     top_p: float = 1.0                   # 1 = off
     seed: int = 0                        # each engine call gets its own seed derived from this
+    layout: str = "flat"                 # the model's training layout (token convention at boundaries)
 
     def __post_init__(self) -> None:
         for name in ("max_stages", "max_prompts", "max_planner_tokens", "max_branch_tokens", "max_total_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {self.layout!r}")
         if self.time_limit_s is not None and not self.time_limit_s > 0:
             raise ValueError(f"time_limit_s must be > 0 or null, got {self.time_limit_s!r}")
         Sampling(self.temperature, self.top_k, self.top_p, self.seed)   # validates the sampling fields
@@ -241,7 +248,7 @@ def _which_stop(text: str, stops: list[str]) -> str | None:
 
 class Orchestrator:
     """Runs SPRINT stages over an engine. Only the engine's public interface is used: encode,
-    decode_text, prefill, extend, generate, decode_branches, max_seq_len, max_branches,
+    decode_text, prefill, extend, truncate, generate, decode_branches, max_seq_len, max_branches,
     max_branch_tokens (and last_branch_stats when present), so a test double can stand in."""
 
     def __init__(self, engine: Any, config: OrchestratorConfig | None = None,
@@ -274,6 +281,52 @@ class Orchestrator:
     def _text_of(self, tokens: list[int]) -> str:
         return self.engine.decode_text(tokens) if tokens else ""
 
+    # -- token boundaries (see the module docstring) --------------------------------------------
+    def _window(self, state, cut: int) -> tuple[int, str]:
+        """(w, head): a token index of the planner state where the layout's tokenization cuts, and
+        the state's text from there less its last `cut` characters (decoded past a stop).
+
+        trie: the mark (the current piece starts there). flat: _FLAT_MARGIN tokens before the
+        mark, kept when re-tokenizing its text gives back the token at w (so w is a cut the
+        tokenizer makes), else the whole completion."""
+        tokens = list(state.tokens)
+        starts = [self._mark]
+        if self.config.layout == "flat":
+            starts = sorted({max(self._prompt_len, self._mark - _FLAT_MARGIN), self._prompt_len}, reverse=True)
+        for w in starts:
+            text = self._text_of(tokens[w:])
+            head = text[:len(text) - cut]
+            if w in (self._mark, self._prompt_len) or self.engine.encode(head)[:1] == tokens[w:w + 1]:
+                break
+        return w, head
+
+    def _canonical(self, pieces: list[str]) -> list[int]:
+        """The tokens the training layout gives consecutive text pieces (see the module docstring)."""
+        if self.config.layout == "flat":
+            return self.engine.encode("".join(pieces))
+        return [t for p in pieces if p for t in self.engine.encode(p)]
+
+    def _rejoin(self, state, w: int, tails: list[list[str]]) -> tuple[int, list[list[int]]]:
+        """Where the state's tokens from w stop agreeing with each canonical window (w's text is
+        tails[k][0..]), and per window the tokens to force after that point."""
+        have = list(state.tokens)[w:]
+        windows = [self._canonical(t) for t in tails]
+        keep = w + min(_common_prefix(have, c) for c in windows)
+        return keep, [c[keep - w:] for c in windows]
+
+    def _settle(self, state, w: int, pieces: list[str]):
+        """Make the state's tokens from w the canonical tokens of `pieces`; the mark moves to the end."""
+        keep, (tail,) = self._rejoin(state, w, [pieces])
+        if keep + len(tail) >= self.engine.max_seq_len:
+            raise _Stop("context_full", f"adding {len(tail)} tokens would fill the planner context "
+                                        f"(max_seq_len={self.engine.max_seq_len})")
+        if keep < len(state.tokens):
+            state = self.engine.truncate(state, keep)
+        if tail:
+            state = self.engine.extend(state, tail)
+        self._mark = len(state.tokens)
+        return state, len(tail)
+
     # -- entry --------------------------------------------------------------------------------
     def run(self, query: str, mode: str = "parallel") -> RunRecord:
         """One run of `query` (the text the model sees before its completion). Model output never
@@ -295,6 +348,7 @@ class Orchestrator:
                 raise _Stop("context_full", f"the query has {len(prompt_ids)} tokens; max_seq_len is "
                                             f"{self.engine.max_seq_len}")
             state = self.engine.prefill(prompt_ids)
+            self._prompt_len = self._mark = len(prompt_ids)
             if mode == "sequential":
                 self._sequential(state, record)
             else:
@@ -346,6 +400,7 @@ class Orchestrator:
     # -- SPRINT stages ------------------------------------------------------------------------
     def _stages(self, state, record: RunRecord, t0: float, branch_mode: str) -> None:
         cfg = self.config
+        trie = cfg.layout == "trie"
         used = 0            # generated tokens so far (Σ planner + Σ executors)
         call = 0            # engine calls so far (seeds)
         i = 1
@@ -362,6 +417,7 @@ class Orchestrator:
             call += 1
             used += len(g.tokens)
             which = _which_stop(g.text, stops) if g.stop_reason == "stop" else None
+            cut = len(g.text) - _stop_end(g.text, which) if which else 0   # characters decoded past the stop
 
             if implicit is not None:
                 first = fmt.find_tags(g.text)[:1]
@@ -371,6 +427,10 @@ class Orchestrator:
                         1, implicit.plan, g.text, len(g.tokens), "stop", 0))
                     implicit.executor_mode = "inline"
                     implicit.executors_s = dt
+                    if trie:   # trained as two pieces: the opening, then the body
+                        w, head = self._window(state, cut)
+                        at = head.index(opening) + len(opening)
+                        state, _ = self._settle(state, w, [head[:at], head[at:]])
                     self._emit("implicit_execution", record, implicit, g.text)
                     implicit = None
                     continue
@@ -403,7 +463,10 @@ class Orchestrator:
             self._emit("planner", record, stage, g.text)
             if i > cfg.max_stages:
                 raise _Stop("max_stages", f"stage {i}: a plan beyond max_stages={cfg.max_stages}; not run")
+            w, head = self._window(state, cut)
             if not prompts:
+                if trie:   # the plan is a piece of its own; the planner's next call starts a new one
+                    state, _ = self._settle(state, w, [head])
                 implicit = stage
                 i += 1
                 continue
@@ -414,20 +477,23 @@ class Orchestrator:
                                         f"{cfg.max_prompts}, engine max_branches={self.engine.max_branches})")
             run_prompts = prompts[:cap]
             k = len(run_prompts)
-            openings = [self.engine.encode(execution_opening(i, j)) for j in range(1, k + 1)]
+            # fork: roll the planner back to where every executor's canonical context agrees with it
+            keep, openings = self._rejoin(state, w, [[head, execution_opening(i, j)] for j in range(1, k + 1)])
             room = cfg.max_total_tokens - used
             if room // k < 1:
                 raise _Stop("token_budget", f"stage {i}: no token budget left for {k} executors")
             limits = []
             for o in openings:
                 m = min(cfg.max_branch_tokens, room // k, self.engine.max_branch_tokens - len(o) - 1,
-                        self.engine.max_seq_len - len(state.tokens) - len(o))
+                        self.engine.max_seq_len - keep - len(o))
                 if m < 1:
                     raise _Stop("context_full", f"stage {i}: no room for executor tokens")
                 limits.append(m)
             self._check_clock(t0)
             self._emit("executors_start", record, stage, f"{k} executor(s), {branch_mode} fork")
             t = time.perf_counter()
+            if keep < len(state.tokens):
+                state = self.engine.truncate(state, keep)
             gens = self.engine.decode_branches(state, openings, limits,
                                                stop=[[fmt.execution_close(i, j)] for j in range(1, k + 1)],
                                                sampling=cfg.sampling(call), mode=branch_mode)
@@ -436,39 +502,50 @@ class Orchestrator:
             stage.branch_cache_bytes = getattr(stats, "cache_bytes", None)
             stage.executor_mode = branch_mode
             call += 1
-            sync: list[int] = []
+            sync = [head]
             for j, (prompt, o, gen, m) in enumerate(zip(run_prompts, openings, gens, limits), start=1):
                 used += len(gen.tokens)
-                body = list(gen.tokens)
-                text = gen.text
-                if gen.stop_reason == "eos":
-                    body = body[:-1]
-                    text = self._text_of(body)
                 close = fmt.execution_close(i, j)
-                repaired = gen.stop_reason != "stop" or close not in text
-                repair: list[int] = []
+                if gen.stop_reason == "stop" and close in gen.text:
+                    text = gen.text[:_stop_end(gen.text, close)]
+                else:
+                    text = self._text_of(gen.tokens[:-1]) if gen.stop_reason == "eos" else gen.text
+                repaired = gen.stop_reason != "stop" or close not in gen.text
+                repair = ""
                 if repaired:
                     how = {"eos": "ended (EOS)", "length": f"reached its {m}-token limit"}.get(
                         gen.stop_reason, "stopped")
                     _problem(record, stage, f"stage {i}: execution {i}.{j} {how} before {close}; closed by "
                                             f"the orchestrator")
-                    gap = "" if (not text or text[-1].isspace()) else CLOSE_GAP
-                    repair = self.engine.encode(gap + close)
-                sync += o + body + repair
+                    repair = ("" if (not text or text[-1].isspace()) else fmt.CLOSE_GAP) + close
+                sync += [execution_opening(i, j), text + repair]
                 stage.executions.append(ExecutionRecord(j, prompt, text, len(gen.tokens), gen.stop_reason,
-                                                        len(o) + len(repair), repaired))
+                                                        len(o) + len(self.engine.encode(repair) if repair else []),
+                                                        repaired))
             self._emit("executors", record, stage)
-            if len(state.tokens) + len(sync) >= self.engine.max_seq_len:
-                raise _Stop("context_full", f"stage {i}: syncing {len(sync)} tokens would fill the planner "
-                                            f"context (max_seq_len={self.engine.max_seq_len})")
+            if not trie:   # a flat model saw the last close tag and the next block's gap together
+                sync.append(fmt.BLOCK_GAP)
             self._check_clock(t0)
             t = time.perf_counter()
-            state = self.engine.extend(state, sync)
+            state, stage.sync_tokens = self._settle(state, w, sync)
             _block(state)
             stage.sync_s = time.perf_counter() - t
-            stage.sync_tokens = len(sync)
             self._emit("sync", record, stage)
             i += 1
+
+
+def _stop_end(text: str, stop: str) -> int:
+    """Where the first occurrence of `stop` in `text` ends."""
+    return text.index(stop) + len(stop)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _problem(record: RunRecord, stage: StageRecord, message: str) -> None:
@@ -491,5 +568,5 @@ def run_query(engine: Any, query: str, mode: str = "parallel", config: Orchestra
     return Orchestrator(engine, config, on_event).run(query, mode)
 
 
-__all__ = ["MODES", "TERMINATIONS", "BLOCK_GAP", "CLOSE_GAP", "execution_opening", "OrchestratorConfig",
+__all__ = ["MODES", "TERMINATIONS", "LAYOUTS", "execution_opening", "OrchestratorConfig",
            "ExecutionRecord", "StageRecord", "RunRecord", "Event", "Orchestrator", "run_query"]

@@ -295,3 +295,31 @@ def save_pretrained(model: Qwen2, path: str | Path, max_shard_size: int | str = 
                     progress: bool = False) -> None:
     """Write an nnx `Qwen2` as HF safetensors (sharded with an index past max_shard_size)."""
     save_params(model.config, model.params, path, max_shard_size=max_shard_size, dtype=dtype, progress=progress)
+
+
+# ---------------------------------------------------------------------------------------------
+# What sprint-jax knows about an export beyond the HF files
+# ---------------------------------------------------------------------------------------------
+EXPORT_META_FILE = "sprint_jax.json"   # one dict written by `train` into its HF export
+
+
+def read_export_meta(path: str | Path) -> dict[str, Any]:
+    """The export's sprint_jax.json; {} for a directory without one (an older export, or a
+    checkpoint sprint-jax did not train). Readers use `.get(key)` with their documented default."""
+    f = Path(path) / EXPORT_META_FILE
+    if not f.is_file():
+        return {}
+    try:
+        meta = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{f}: not readable JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{f}: expected a JSON object")
+    return meta
+
+
+def update_export_meta(path: str | Path, **fields: Any) -> None:
+    """Add `fields` to the export's sprint_jax.json (other keys are kept)."""
+    meta = read_export_meta(path)
+    meta.update(fields)
+    (Path(path) / EXPORT_META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")

@@ -109,8 +109,22 @@ def plot_loss(records: Sequence[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def export_hf(config, params, tokenizer, path: Path, dtype: str) -> None:
-    """Final params -> HF safetensors directory (+ tokenizer). Every process joins the gather;
+def _tokenizer_name(cfg, given: bool, tokenizer) -> str:
+    """What the model was trained with, for the export: qwen2, bytes, a tokenizer directory, the
+    checkpoint's own directory (data.tokenizer=auto when fine-tuning), or the class of a
+    tokenizer object handed to train()."""
+    if given:
+        return type(tokenizer).__name__
+    spec = cfg.data.tokenizer
+    if spec != "auto":
+        return spec
+    pretrained = cfg.model.init == "pretrained" and isinstance(cfg.model.name, str) and Path(cfg.model.name).is_dir()
+    return str(cfg.model.name) if pretrained else "qwen2"
+
+
+def export_hf(config, params, tokenizer, path: Path, dtype: str, meta: dict | None = None) -> None:
+    """Final params -> HF safetensors directory (+ tokenizer, + `meta` in sprint_jax.json: what
+    inference must know about the training, e.g. its layout). Every process joins the gather;
     process 0 writes."""
     import jax
     import jax.numpy as jnp
@@ -131,6 +145,9 @@ def export_hf(config, params, tokenizer, path: Path, dtype: str) -> None:
     elif hasattr(tokenizer, "save"):
         from sprint_jax.model.tokenizer import VOCAB_TOKENIZER_FILE
         tokenizer.save(path / VOCAB_TOKENIZER_FILE)
+    if meta:
+        from sprint_jax.model.hf import update_export_meta
+        update_export_meta(path, **meta)
 
 
 def train(config: TrainConfig, out_dir: str | Path, tokenizer=None, progress: bool = True,
@@ -170,6 +187,7 @@ def train(config: TrainConfig, out_dir: str | Path, tokenizer=None, progress: bo
         raise ConfigError(f"model.name: init is pretrained but {cfg.model.name!r} is not an HF checkpoint "
                           "directory (no config.json)")
     model_cfg = _resolve_model(cfg)
+    tokenizer_name = _tokenizer_name(cfg, tokenizer is not None, tokenizer)
     if tokenizer is None:
         tokenizer = data_lib.resolve_tokenizer(cfg.data.tokenizer, cfg.model.name, cfg.model.init == "pretrained")
     if len(tokenizer) > model_cfg.vocab_size:
@@ -290,7 +308,8 @@ def train(config: TrainConfig, out_dir: str | Path, tokenizer=None, progress: bo
     export_dir = None
     if cfg.export.enabled:
         export_dir = out / "hf"
-        export_hf(model_cfg, state["params"], tokenizer, export_dir, cfg.export.dtype)
+        export_hf(model_cfg, state["params"], tokenizer, export_dir, cfg.export.dtype,
+                  meta={"layout": cfg.data.layout, "tokenizer": tokenizer_name})
         say(f"exported HF safetensors to {export_dir}")
     steady = (t_end - t_first) if t_first is not None else 0.0
     summary = {
