@@ -29,8 +29,13 @@ then run with --data gpqa.jsonl --task-kind choice. Answers are graded as letter
 Prompts: the model sees the task's problem text (Countdown: TinyZero's prompt), the same text
 curation put in the training prompts (sprint_jax.curation.teacher.task_prompt).
 
+--concurrency N (default 8): N problems run at once on the batched engine (sprint_jax.infer.batch):
+one decode step serves every planner and executor of them. Results are written in problem order
+and, under greedy decoding, do not depend on N (timings aside); wall clock per problem at N=1 is
+the latency, problems per second at N the throughput.
+
 Modes: parallel (executors batched over a shared-prefix fork), serial (the same executors one
-after another), sequential (plain decoding: the RFT baseline, or a SPRINT model run as an ordinary
+after another; on the batched engine they run as a fork too), sequential (plain decoding: the RFT baseline, or a SPRINT model run as an ordinary
 model).
 
 Output (--out DIR): results.jsonl (per problem: id, correct, sequential_tokens, total_tokens,
@@ -58,6 +63,10 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default=None, help="output directory")
     p.add_argument("--names", default="SPRINT,RFT", help="compare: column names of RUN_A,RUN_B")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--concurrency", type=int, default=8,
+                   help="problems run at once on the batched engine (every planner and executor of them "
+                        "decodes in one step); 1 = one at a time. results.jsonl does not depend on it "
+                        "under greedy decoding (default 8)")
     add_run_arguments(p)
 
 
@@ -102,7 +111,8 @@ def load_tasks(data: str, limit: int | None = None, task_kind: str = "auto", cou
 
 def _compare(args) -> int:
     from sprint_jax.errors import UserError
-    from sprint_jax.eval.report import compare, format_compare_table, load_results, plot_reduction
+    from sprint_jax.eval.report import (compare, format_compare_table, format_wall_clock, load_results,
+                                        plot_reduction, wall_clock_summary)
 
     if len(args.compare) != 3 or args.compare[0] != "compare":
         raise UserError("usage: sprint-jax eval compare RUN_A RUN_B (or eval --model ... --data ... --out ...)")
@@ -110,9 +120,13 @@ def _compare(args) -> int:
     if len(names) != 2 or not all(names):
         raise UserError(f"--names must be two comma-separated names, got {args.names!r}")
     run_a, run_b = args.compare[1:]
-    table = compare(load_results(run_a), load_results(run_b), *names)
+    results_a, results_b = load_results(run_a), load_results(run_b)
+    table = compare(results_a, results_b, *names)
     table["runs"] = [run_a, run_b]
+    table["wall_clock"] = {names[0]: wall_clock_summary(run_a, results_a),
+                           names[1]: wall_clock_summary(run_b, results_b)}
     print(format_compare_table(table))
+    print("\n" + format_wall_clock(names, [table["wall_clock"][n] for n in names]))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -127,7 +141,7 @@ def _compare(args) -> int:
 def run(args) -> int:
     from sprint_jax.errors import UserError
     from sprint_jax.eval.evaluate import evaluate
-    from sprint_jax.infer.infer_cli import build_engine, config_from_args
+    from sprint_jax.infer.infer_cli import build_batch_engine, config_from_args
 
     if args.compare:
         return _compare(args)
@@ -138,7 +152,7 @@ def run(args) -> int:
     tasks = load_tasks(args.data, args.limit, args.task_kind, args.countdown_n, args.data_seed)
     if not tasks:
         raise UserError(f"--data {args.data}: no tasks")
-    engine = build_engine(args, config)
+    engine = build_batch_engine(args, config, args.concurrency)
     from sprint_jax.eval.evaluate import default_prompt
     for task in tasks:   # a tokenizer that cannot read the data is a setup mistake, caught up front
         try:
@@ -146,7 +160,7 @@ def run(args) -> int:
         except ValueError as e:
             raise UserError(f"task {task.id}: the tokenizer cannot encode its prompt ({e})") from None
     _, report = evaluate(engine, tasks, args.mode, orchestrator_config=config, out_dir=args.out,
-                         progress=not args.no_progress,
+                         progress=not args.no_progress, concurrency=args.concurrency,
                          meta={"model": str(args.model), "data": str(args.data), "limit": args.limit})
     print(f"accuracy {100 * report['accuracy']:.1f}% ({report['correct']}/{report['n']}), "
           f"sequential tokens {report['mean_sequential_tokens']:.1f}, total tokens "

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 from sprint_jax.curation.types import Task
 from sprint_jax.eval.graders import grade
 from sprint_jax.eval.report import make_report, write_plots
-from sprint_jax.infer.orchestrator import MODES, Orchestrator, OrchestratorConfig, RunRecord
+from sprint_jax.infer.orchestrator import MODES, Orchestrator, OrchestratorConfig, RunRecord, run_many
 
 RESULTS_FILE = "results.jsonl"
 RECORDS_FILE = "records.jsonl"
@@ -61,10 +61,14 @@ def result_of(task: Task, record: RunRecord) -> dict[str, Any]:
 def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
              prompt_fn: Callable[[Task], str] | None = None,
              orchestrator_config: OrchestratorConfig | None = None, out_dir: str | Path | None = None,
-             progress: bool = True, meta: dict | None = None) -> tuple[list[dict], dict]:
+             progress: bool = True, meta: dict | None = None,
+             concurrency: int | None = None) -> tuple[list[dict], dict]:
     """Run every task in `mode` and grade it. Returns (results, report); writes them to out_dir.
 
-    `meta` (e.g. model and data names) is copied into the report.
+    On a `BatchEngine` up to `concurrency` problems run at once (default: its sequence slots), every
+    planner and executor of them decoding in one batched step; results are written in task order
+    either way, so results.jsonl does not depend on the concurrency (timings aside). On the
+    single-run `Engine` problems run one after another. `meta` is copied into the report.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -73,7 +77,9 @@ def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
         dup = next(i for i in ids if ids.count(i) > 1)
         raise ValueError(f"task ids must be unique; {dup!r} appears twice")
     prompt_fn = prompt_fn or default_prompt
-    orchestrator = Orchestrator(engine, orchestrator_config or OrchestratorConfig())
+    config = orchestrator_config or OrchestratorConfig()
+    batched = hasattr(engine, "max_seqs")
+    concurrency = (concurrency or engine.max_seqs) if batched else 1
     out = Path(out_dir) if out_dir is not None else None
     results: list[dict] = []
     bar = None
@@ -86,25 +92,38 @@ def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
             files = [open(out / RESULTS_FILE, "w", encoding="utf-8"), open(out / RECORDS_FILE, "w", encoding="utf-8")]
-        for task in tasks:
-            record = orchestrator.run(prompt_fn(task), mode)
-            result = result_of(task, record)
-            results.append(result)
-            if files:
-                for f, row in zip(files, (result, {"id": task.id, **record.to_json()})):
-                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                    f.flush()
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(acc=f"{sum(r['correct'] for r in results) / len(results):.3f}",
-                                seq=f"{sum(r['sequential_tokens'] for r in results) / len(results):.0f}")
+        finished: dict[int, RunRecord] = {}
+
+        def on_record(i: int, record: RunRecord) -> None:
+            finished[i] = record
+            while len(results) in finished:       # write in task order as soon as possible
+                task = tasks[len(results)]
+                record = finished.pop(len(results))
+                result = result_of(task, record)
+                results.append(result)
+                if files:
+                    for f, row in zip(files, (result, {"id": task.id, **record.to_json()})):
+                        f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                        f.flush()
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(acc=f"{sum(r['correct'] for r in results) / len(results):.3f}",
+                                    seq=f"{sum(r['sequential_tokens'] for r in results) / len(results):.0f}")
+
+        if batched:
+            run_many(engine, [prompt_fn(t) for t in tasks], mode, config, concurrency=concurrency,
+                     on_record=on_record)
+        else:
+            orchestrator = Orchestrator(engine, config)
+            for i, task in enumerate(tasks):
+                on_record(i, orchestrator.run(prompt_fn(task), mode))
     finally:
         for f in files:
             f.close()
         if bar is not None:
             bar.close()
     report = make_report(results, mode, wall_clock_s=time.perf_counter() - t0, meta={
-        **(meta or {}), "config": (orchestrator_config or OrchestratorConfig()).__dict__})
+        **(meta or {}), "config": config.__dict__, "concurrency": concurrency})
     if out is not None:
         report["plots"] = write_plots(results, out)
         (out / REPORT_FILE).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
