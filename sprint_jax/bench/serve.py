@@ -1,5 +1,8 @@
 """`sprint-jax bench serve`: many SPRINT-shaped runs at once on the batched engine (issue 13).
 
+Model: random weights in the demo's model shape (`demo-size`: sprint_jax.demo.DemoModel, vocabulary
+512) by default; --preset bench-tiny or any configs/model_NAME.json.
+
 Rows, all measured in one run:
   throughput   problems/s and generated tokens/s at each --concurrency on `BatchEngine`, and the
                same problems one after another on the single-run `Engine` (the current per-run
@@ -11,9 +14,10 @@ Rows, all measured in one run:
                strings, greedy. Random weights, so what a model would write does not matter.
   capacity     one sequence's decode step at used length --used (256) in a cache of capacity 512
                vs 8192, for the batched engine (attends over the bucketed used length) and the
-               single-run engine (attends over its capacity): step_ms = (wall(N) - wall(1)) /
-               (N - 1), the N vs 1 difference cancels prefill and set-up.
-Every point runs once untimed first (compiles), then --repeats times interleaved; the best is
+               single-run engine (attends over its capacity). The sequence is prefilled once;
+               each timed call decodes N tokens and rolls back (truncate), and
+               step_ms = (wall(8 chunks) - wall(1 chunk)) / (7 chunks) cancels per-call set-up.
+Every point runs once untimed first (compiles every shape it meets), then --repeats times interleaved; the best is
 reported and every sample is kept in the JSON.
 
 Targets (issue 13, 2-core CPU): throughput at concurrency 16 >= 6x concurrency 1; decode step at
@@ -34,34 +38,45 @@ import numpy as np
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", help="random weights for bench-tiny (default) or a configs/model_NAME.json")
+    parser.add_argument("--preset", help="random weights: demo-size (default: the demo's model shape), bench-tiny, "
+                                         "or a configs/model_NAME.json (e.g. r1-distill-qwen-7b)")
     parser.add_argument("--quick", action="store_true", help="concurrency 1,4,16 and fewer problems")
     parser.add_argument("--out", metavar="FILE.json", help="write the results here as JSON")
     parser.add_argument("--concurrency", default=None, help="comma-separated (default 1,4,16,64; quick 1,4,16)")
-    parser.add_argument("--problems", type=int, default=None, help="problems per point (default 64; quick 16)")
-    parser.add_argument("--prompt-len", type=int, default=48)
-    parser.add_argument("--planner-tokens", type=int, default=24)
-    parser.add_argument("--executors", type=int, default=3)
-    parser.add_argument("--executor-tokens", type=int, default=24)
-    parser.add_argument("--final-tokens", type=int, default=8)
+    parser.add_argument("--problems", type=int, default=None, help="problems per point (default 128; quick 32)")
+    parser.add_argument("--prompt-len", type=int, default=48, help="prompt tokens per problem")
+    parser.add_argument("--planner-tokens", type=int, default=24, help="first planner call's tokens")
+    parser.add_argument("--executors", type=int, default=3, help="executors forked per problem")
+    parser.add_argument("--executor-tokens", type=int, default=24, help="tokens each executor decodes")
+    parser.add_argument("--final-tokens", type=int, default=8, help="final planner call's tokens")
     parser.add_argument("--used", type=int, default=256, help="capacity row: used length")
     parser.add_argument("--capacities", default="512,8192", help="capacity row: cache capacities")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--decode-chunk", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2, help="timed passes per point (best reported)")
+    parser.add_argument("--decode-chunk", type=int, default=16, help="decode steps per host round trip")
     parser.add_argument("--no-single", action="store_true", help="skip the single-run Engine rows")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+
+
+DEMO_NAME = "demo-size"   # the demo's model shape (sprint_jax.demo.DemoModel), vocabulary 512
 
 
 def _model(preset: str | None, seed: int):
+    import dataclasses
+
     import jax
 
     from sprint_jax.bench.decode import BENCH_TINY, BENCH_TINY_NAME, synthetic_tokenizer
+    from sprint_jax.demo import DemoModel
     from sprint_jax.model import Qwen2, Qwen2Config, init_params
     on_accel = jax.default_backend() != "cpu"
     dt = "bfloat16" if on_accel else "float32"
-    name = preset or BENCH_TINY_NAME
-    config = (Qwen2Config(**BENCH_TINY, param_dtype=dt, dtype=dt) if name == BENCH_TINY_NAME
-              else Qwen2Config.preset(name, param_dtype=dt, dtype=dt))
+    name = preset or DEMO_NAME
+    if name == DEMO_NAME:
+        config = Qwen2Config(vocab_size=512, **dataclasses.asdict(DemoModel()), param_dtype=dt, dtype=dt)
+    elif name == BENCH_TINY_NAME:
+        config = Qwen2Config(**BENCH_TINY, param_dtype=dt, dtype=dt)
+    else:
+        config = Qwen2Config.preset(name, param_dtype=dt, dtype=dt)
     params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(seed))
     return Qwen2(config, params=params), synthetic_tokenizer(config.vocab_size), name
 
@@ -141,7 +156,7 @@ def serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     from sprint_jax.infer.batch import BatchEngine
 
     conc = [int(x) for x in (args.concurrency or ("1,4,16" if args.quick else "1,4,16,64")).split(",")]
-    n_problems = args.problems or (16 if args.quick else 64)
+    n_problems = args.problems or (32 if args.quick else 128)
     caps = [int(x) for x in args.capacities.split(",")]
     if min(conc) < 1 or n_problems < 1 or args.repeats < 1 or min(caps) <= args.used:
         raise UserError("--concurrency, --problems, --repeats must be >= 1 and every capacity > --used")
@@ -157,9 +172,10 @@ def serve_bench(args: argparse.Namespace) -> dict[str, Any]:
                                throughput=[], capacity=[])
     engines = {c: BatchEngine(model, tok, max_seqs=c, max_children=max(s["executors"], 1), **common) for c in conc}
     single = None if args.no_single else Engine(model, tok, max_branches=max(s["executors"], 1), **common)
-    # compile every shape once (a full pass), then interleave the timed repeats
+    # compile every shape once: an untimed pass over the same work (the scheduler meets the same
+    # batch shapes again in the timed passes), then interleave the timed repeats
     for c, e in engines.items():
-        run_batched(e, prompts[: max(c, 1)], s, c)
+        run_batched(e, prompts, s, c)
     if single is not None:
         run_single(single, prompts[:1], s)
     samples: dict[str, list[tuple[float, int]]] = {}
@@ -178,25 +194,39 @@ def serve_bench(args: argparse.Namespace) -> dict[str, Any]:
                                       tokens_per_s=n_tok / wall, samples_s=[x for x, _ in xs]))
     # capacity row
     used_prompt = [int(x) for x in np.random.default_rng(1).integers(2, model.config.vocab_size, args.used)]
-    n_new = 4 * args.decode_chunk
+    n_new = 8 * args.decode_chunk
     for cap in caps:
         kw = dict(common, max_seq_len=cap, max_branch_tokens=16)
         row = dict(capacity=cap, used=args.used)
         be = BatchEngine(model, tok, max_seqs=1, max_children=1, **kw)
-        paths = [("batched", lambda n: be.generate_one(used_prompt, n))]
+        op = be.open(used_prompt)
+        be.run([op])
+        seq = op.result
+
+        def batched(n, be=be, seq=seq):
+            g = be.generate(seq, n)
+            be.run([g])
+            be.truncate(seq, len(used_prompt))       # back to the used length for the next call
+        paths = [("batched", batched)]
         if single is not None:
             se = Engine(model, tok, max_branches=1, **kw)
-            paths.append(("single", lambda n: se.generate(se.prefill(used_prompt), n)))
+            state = se.prefill(used_prompt)
+
+            def one(n, se=se, state=state):
+                se.generate(state, n)
+                se.truncate(state, len(used_prompt))
+            paths.append(("single", one))
+        lo_n = args.decode_chunk
         for label, fn in paths:
-            for n in (1, n_new):
+            for n in (lo_n, n_new):
                 fn(n)                                  # compile
-            walls = {1: [], n_new: []}
-            for _ in range(args.repeats + 1):
-                for n in (1, n_new):
+            walls = {lo_n: [], n_new: []}
+            for _ in range(args.repeats + 2):
+                for n in (lo_n, n_new):
                     t0 = time.perf_counter()
                     fn(n)
                     walls[n].append(time.perf_counter() - t0)
-            step = (min(walls[n_new]) - min(walls[1])) / (n_new - 1)
+            step = (min(walls[n_new]) - min(walls[lo_n])) / (n_new - lo_n)
             row[f"{label}_step_ms"] = 1000 * step if step > 0 else None
             row[f"{label}_samples_s"] = walls
         out["capacity"].append(row)

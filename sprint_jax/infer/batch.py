@@ -513,7 +513,7 @@ class BatchEngine:
             run, done, op = self._prefill_work[seq.id]
             piece = run[done: done + self.prefill_chunk]
             rows.append((seq, piece, done))
-        r_b = _bucket(len(rows), 4)       # few distinct shapes: few compiles
+        r_b = _bucket(len(rows), 1)
         t_b = _bucket(max(len(p) for _, p, _ in rows), 16)
         toks = np.zeros((r_b, t_b), np.int32)
         slot = np.full(r_b, self.max_seqs, np.int32)   # padding rows write nowhere (dropped)
@@ -554,7 +554,7 @@ class BatchEngine:
         if not work:
             return
         pieces = [row.run[row.prefill_pos: len(row.run) - 1][: self.prefill_chunk] for _, _, row in work]
-        r_b = _bucket(len(work), 4)
+        r_b = _bucket(len(work), 1)
         t_b = _bucket(max(len(p) for p in pieces), 16)
         s_b = min(_bucket(max(row.op.seq.length for _, _, row in work), self.min_bucket), self.parent_capacity)
         c_b = min(_bucket(max(row.prefill_pos for _, _, row in work) + 1, self.min_bucket), self.child_capacity)
