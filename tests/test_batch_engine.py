@@ -122,6 +122,17 @@ def test_fork_children_equal_each_branch_decoded_alone_from_a_fresh_prefill(setu
     for j, (p, m) in enumerate(zip(prefixes, limits)):
         ref = alone.generate(alone.prefill(context + p), m)
         assert fork.result[j].tokens == ref.tokens, j
+    # What the fork holds, read off the arrays (slots written = any non-zero K): the parent slot
+    # still holds exactly the context (read-only while its children ran, nothing copied out of it)
+    # and child j exactly its suffix: forced prefix + one entry per decode step.
+    written = lambda a: np.asarray(jnp.any(a != 0, axis=(0, 3, 4)))  # noqa: E731  [slots, positions]
+    slot = op.result.slot
+    parent = written(engine.cache.pk)
+    assert parent[slot].sum() == len(context) - 1 and parent.sum() == len(context) - 1
+    child = written(engine.cache.ck)
+    per_child = [int(child[slot * engine.max_children + j].sum()) for j in range(engine.max_children)]
+    assert per_child == [len(p) + m for p, m in zip(prefixes, limits)]
+    assert child.sum() == sum(per_child)                   # no other slot was touched
 
 
 def test_n_samples_fork_from_one_prefill(setup):
