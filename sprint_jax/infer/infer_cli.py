@@ -146,6 +146,8 @@ def build_batch_engine(args, config, concurrency: int):
 
     if concurrency < 1:
         raise UserError(f"--concurrency must be >= 1, got {concurrency}")
+    if getattr(args, "attention", "xla") != "xla":
+        raise UserError("--attention pallas: the batched engine has no Pallas path yet (use xla)")
     model = load_model_arg(args.model, args.dtype)
     tok = load_tokenizer_arg(args.tokenizer, args.model)
     try:
