@@ -22,6 +22,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from sprint_jax.config import load_config, to_dict
 
@@ -53,6 +54,7 @@ class DemoConfig:
     layouts: list[str] = dataclasses.field(default_factory=lambda: ["trie"])  # SPRINT layouts to train
     max_branch_tokens: int = 24      # per executor (a chain is 13 digits + its closing tag)
     max_planner_tokens: int = 48     # per planner call
+    concurrency: int = 1             # test problems run at once on the batched engine (1: latency)
     seed: int = 0
     out: str = "runs/demo"
 
@@ -100,6 +102,7 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
     from sprint_jax.curation.pipeline import run_pipeline
     from sprint_jax.eval.evaluate import evaluate
     from sprint_jax.infer import Engine, OrchestratorConfig
+    from sprint_jax.infer.batch import BatchEngine
     from sprint_jax.model.convert import load_model
     from sprint_jax.model.hf import read_export_meta
     from sprint_jax.model.tokenizer import VocabTokenizer
@@ -169,19 +172,23 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
              "rft_sequential": ("rft", "sequential")}
     if "sprint_flat" in trained:
         evals["sprint_flat_parallel"] = ("sprint_flat", "parallel")
-    engines: dict[str, Engine] = {}
+    engines: dict[tuple[str, bool], Any] = {}
     results: dict[str, dict] = {}
     for k, (run_name, (model_name, mode)) in enumerate(evals.items()):
         _say(f"[3/5] evaluating {run_name} on {len(test_tasks)} held-out problems ({k + 1}/{len(evals)})")
-        if model_name not in engines:
+        # the batched engine runs parallel and sequential modes; serial keeps the single-run engine
+        # (on the batched engine executors always run as a fork)
+        key = (model_name, mode != "serial")
+        if key not in engines:
             model = load_model(trained[model_name]["export_dir"])
-            engines[model_name] = Engine(model, tok, max_seq_len=512, max_branches=cfg.chains,
-                                         max_branch_tokens=cfg.max_branch_tokens + 8, decode_chunk=16,
-                                         prefill_chunk=128)
-            _warm(engines[model_name], test_tasks[0], orch)
+            kw = dict(max_seq_len=512, max_branch_tokens=cfg.max_branch_tokens + 8, decode_chunk=16,
+                      prefill_chunk=128)
+            engines[key] = (BatchEngine(model, tok, max_seqs=cfg.concurrency, max_children=cfg.chains, **kw)
+                            if key[1] else Engine(model, tok, max_branches=cfg.chains, **kw))
+            _warm(engines[key], test_tasks[0], orch, mode)
         t0 = time.perf_counter()
         layout = read_export_meta(trained[model_name]["export_dir"]).get("layout", "flat")
-        _, rep = evaluate(engines[model_name], test_tasks, mode, prompt_fn=chains.prompt_for,
+        _, rep = evaluate(engines[key], test_tasks, mode, prompt_fn=chains.prompt_for,
                             orchestrator_config=dataclasses.replace(orch, layout=layout), out_dir=out / "eval" / run_name, progress=progress,
                             meta={"model": model_name, "mode": mode}, overwrite=True)   # models retrained above
         wall = time.perf_counter() - t0
@@ -232,12 +239,14 @@ def _execution_quality(records_path: Path, length: int) -> dict:
     return {"executions_exact": exact / max(total, 1), "answer_matches_executions": consistent / max(runs, 1)}
 
 
-def _warm(engine, task, orch) -> None:
+def _warm(engine, task, orch, mode) -> None:
     """Compile the engine's shapes once so that wall-clock comparisons measure decoding."""
+    from sprint_jax.infer.orchestrator import Orchestrator, run_many
     from sprint_jax.tasks import chains
-    from sprint_jax.infer import Orchestrator
 
-    for mode in ("parallel", "serial", "sequential"):
+    if hasattr(engine, "max_seqs"):
+        run_many(engine, [chains.prompt_for(task)] * engine.max_seqs, mode, orch)
+    else:
         Orchestrator(engine, orch).run(chains.prompt_for(task), mode)
 
 

@@ -39,8 +39,13 @@ Contamination guard: `sprint-jax train` writes the hashes of its training proble
 trained on and refuses to report (exit 2) unless --allow-overlap is given. Grader failures are
 counted (report.json grader_errors) and logged, never silently graded "wrong".
 
+--concurrency N (default 8): N problems run at once on the batched engine (sprint_jax.infer.batch):
+one decode step serves every planner and executor of them. Results are written in problem order
+and, under greedy decoding, do not depend on N (timings aside); wall clock per problem at N=1 is
+the latency, problems per second at N the throughput.
+
 Modes: parallel (executors batched over a shared-prefix fork), serial (the same executors one
-after another), sequential (plain decoding: the RFT baseline, or a SPRINT model run as an ordinary
+after another; on the batched engine they run as a fork too), sequential (plain decoding: the RFT baseline, or a SPRINT model run as an ordinary
 model).
 
 Output (--out DIR): results.jsonl (per problem: id, correct, sequential_tokens, total_tokens,
@@ -78,6 +83,10 @@ def add_arguments(p) -> None:
     p.add_argument("--overwrite", action="store_true", help="start --out afresh instead of resuming it")
     p.add_argument("--names", default="SPRINT,RFT", help="compare: column names of RUN_A,RUN_B")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--concurrency", type=int, default=8,
+                   help="problems run at once on the batched engine (every planner and executor of them "
+                        "decodes in one step); 1 = one at a time. results.jsonl does not depend on it "
+                        "under greedy decoding (default 8)")
     add_data_arguments(p)
     add_run_arguments(p)
 
@@ -118,7 +127,8 @@ def load_tasks(data: str, limit: int | None = None, task_kind: str = "auto", cou
 
 def _compare(args) -> int:
     from sprint_jax.errors import UserError
-    from sprint_jax.eval.report import compare, format_compare_table, load_results
+    from sprint_jax.eval.report import (compare, format_compare_table, format_wall_clock, load_results,
+                                        wall_clock_summary)
 
     if len(args.compare) != 3 or args.compare[0] != "compare":
         raise UserError("usage: sprint-jax eval compare RUN_A RUN_B (or eval --model ... --data ... --out ...)")
@@ -130,10 +140,13 @@ def _compare(args) -> int:
         raise UserError(f"--out {args.out} exists and is not a directory")
     if args.quantiles < 0:
         raise UserError(f"--quantiles must be >= 0, got {args.quantiles}")
-    table = compare(load_results(run_a), load_results(run_b), *names, bins=parse_bins(args.bins),
-                    quantiles=args.quantiles)
+    results_a, results_b = load_results(run_a), load_results(run_b)
+    table = compare(results_a, results_b, *names, bins=parse_bins(args.bins), quantiles=args.quantiles)
     table["runs"] = [run_a, run_b]
+    table["wall_clock"] = {names[0]: wall_clock_summary(run_a, results_a),
+                           names[1]: wall_clock_summary(run_b, results_b)}
     print(format_compare_table(table))
+    print("\n" + format_wall_clock(names, [table["wall_clock"][n] for n in names]))
     if args.out:
         from sprint_jax.eval.report import BINS_PLOT, SPEEDUP_PLOT, plot_bins, plot_speedups
         out = Path(args.out)
@@ -186,7 +199,7 @@ def check_overlap(model_dir: str | Path, tasks, allow: bool) -> dict:
 def run(args) -> int:
     from sprint_jax.errors import UserError
     from sprint_jax.eval.evaluate import evaluate
-    from sprint_jax.infer.infer_cli import build_engine, config_from_args
+    from sprint_jax.infer.infer_cli import build_batch_engine, config_from_args
 
     if args.compare:
         return _compare(args)
@@ -200,7 +213,7 @@ def run(args) -> int:
     if not tasks:
         raise UserError(f"--data {args.data}: no tasks")
     overlap = check_overlap(args.model, tasks, args.allow_overlap)
-    engine = build_engine(args, config)
+    engine = build_batch_engine(args, config, args.concurrency)
     from sprint_jax.eval.evaluate import default_prompt
     for task in tasks:   # a tokenizer that cannot read the data is a setup mistake, caught up front
         try:
@@ -209,6 +222,7 @@ def run(args) -> int:
             raise UserError(f"task {task.id}: the tokenizer cannot encode its prompt ({e})") from None
     _, report = evaluate(engine, tasks, args.mode, orchestrator_config=config, out_dir=args.out,
                          progress=not args.no_progress, answer_from=args.answer_from, overwrite=args.overwrite,
+                         concurrency=args.concurrency,
                          meta={"model": str(args.model), "data": str(args.data), "limit": args.limit,
                                "train_overlap": overlap})
     print(f"accuracy {100 * report['accuracy']:.1f}% ({report['correct']}/{report['n']}), "

@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 from sprint_jax.tasks import Task, extract_answer, grade_result, task_prompt
 from sprint_jax.eval.report import make_report, write_plots
-from sprint_jax.infer.orchestrator import MODES, Orchestrator, OrchestratorConfig, RunRecord
+from sprint_jax.infer.orchestrator import MODES, Orchestrator, OrchestratorConfig, RunRecord, run_many
 
 RESULTS_FILE = "results.jsonl"
 RECORDS_FILE = "records.jsonl"
@@ -156,9 +156,13 @@ def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
              prompt_fn: Callable[[Task], str] | None = None,
              orchestrator_config: OrchestratorConfig | None = None, out_dir: str | Path | None = None,
              progress: bool = True, meta: dict | None = None, overwrite: bool = False,
-             answer_from: str = "final_answer") -> tuple[list[dict], dict]:
+             answer_from: str = "final_answer", concurrency: int | None = None) -> tuple[list[dict], dict]:
     """Run every task in `mode` and grade it. Returns (results, report); writes them to out_dir.
 
+    On a `BatchEngine` up to `concurrency` problems run at once (default: its sequence slots), every
+    planner and executor of them decoding in one batched step; results are written in task order
+    either way, so results.jsonl does not depend on the concurrency (timings aside). On the
+    single-run `Engine` problems run one after another.
     `meta` (e.g. model and data names) is copied into the report. With `out_dir`, problems already
     finished there by the same run are skipped (see the module docstring); `overwrite` starts afresh.
     `answer_from` picks the graded text (see the module docstring).
@@ -173,7 +177,7 @@ def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
     prompt_fn = prompt_fn or default_prompt
     config = orchestrator_config or OrchestratorConfig()
     if out_dir is None:
-        return _evaluate(engine, tasks, mode, prompt_fn, config, None, progress, meta, {}, answer_from)
+        return _evaluate(engine, tasks, mode, prompt_fn, config, None, progress, meta, {}, answer_from, concurrency)
     from sprint_jax import outlock
 
     out = Path(out_dir)
@@ -187,12 +191,14 @@ def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
         run = json.loads(json.dumps(run, default=str))      # as it reads back from disk (tuples -> lists)
         problems = {str(t.id): _digest([prompt_fn(t), t.answer]) for t in tasks}
         done = _prepare_out(out, run, problems, overwrite)
-        return _evaluate(engine, tasks, mode, prompt_fn, config, out, progress, meta, done, answer_from)
+        return _evaluate(engine, tasks, mode, prompt_fn, config, out, progress, meta, done, answer_from, concurrency)
 
 
 def _evaluate(engine, tasks, mode, prompt_fn, config, out: Path | None, progress: bool, meta: dict | None,
-              done: dict[str, tuple[dict, dict]], answer_from: str) -> tuple[list[dict], dict]:
-    orchestrator = Orchestrator(engine, config)
+              done: dict[str, tuple[dict, dict]], answer_from: str,
+              concurrency: int | None) -> tuple[list[dict], dict]:
+    batched = hasattr(engine, "max_seqs")
+    concurrency = (concurrency or engine.max_seqs) if batched else 1
     results_by_id: dict[str, dict] = {i: r for i, (r, _) in done.items()}
     todo = [t for t in tasks if str(t.id) not in done]
     bar = None
@@ -204,19 +210,35 @@ def _evaluate(engine, tasks, mode, prompt_fn, config, out: Path | None, progress
     try:
         if out is not None:
             files = [open(out / RESULTS_FILE, "a", encoding="utf-8"), open(out / RECORDS_FILE, "a", encoding="utf-8")]
-        for task in todo:
-            record = orchestrator.run(prompt_fn(task), mode)
-            result = result_of(task, record, answer_from)
-            results_by_id[str(task.id)] = result
-            if files:
-                for f, row in zip(files, (result, {"id": task.id, **record.to_json()})):
-                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                    f.flush()
-            if bar is not None:
-                bar.update(1)
-                finished = list(results_by_id.values())
-                bar.set_postfix(acc=f"{sum(r['correct'] for r in finished) / len(finished):.3f}",
-                                seq=f"{sum(r['sequential_tokens'] for r in finished) / len(finished):.0f}")
+        finished: dict[int, RunRecord] = {}
+        written = 0
+
+        def on_record(i: int, record: RunRecord) -> None:
+            nonlocal written
+            finished[i] = record
+            while written in finished:            # write in task order as soon as possible
+                task = todo[written]
+                record = finished.pop(written)
+                written += 1
+                result = result_of(task, record, answer_from)
+                results_by_id[str(task.id)] = result
+                if files:
+                    for f, row in zip(files, (result, {"id": task.id, **record.to_json()})):
+                        f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                        f.flush()
+                if bar is not None:
+                    bar.update(1)
+                    done_ = list(results_by_id.values())
+                    bar.set_postfix(acc=f"{sum(r['correct'] for r in done_) / len(done_):.3f}",
+                                    seq=f"{sum(r['sequential_tokens'] for r in done_) / len(done_):.0f}")
+
+        if batched:
+            run_many(engine, [prompt_fn(t) for t in todo], mode, config, concurrency=concurrency,
+                     on_record=on_record)
+        else:
+            orchestrator = Orchestrator(engine, config)
+            for i, task in enumerate(todo):
+                on_record(i, orchestrator.run(prompt_fn(task), mode))
     finally:
         for f in files:
             f.close()
@@ -224,7 +246,7 @@ def _evaluate(engine, tasks, mode, prompt_fn, config, out: Path | None, progress
             bar.close()
     results = [results_by_id[str(t.id)] for t in tasks]
     report = make_report(results, mode, wall_clock_s=time.perf_counter() - t0, meta={
-        **(meta or {}), "answer_from": answer_from, "config": config.__dict__})
+        **(meta or {}), "answer_from": answer_from, "config": config.__dict__, "concurrency": concurrency})
     if done:
         report["resumed_problems"] = len(done)   # wall_clock_s covers only the problems run this time
     if out is not None:

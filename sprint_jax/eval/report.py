@@ -17,6 +17,7 @@ Two ratios, never to be confused:
 """
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Sequence
@@ -348,7 +349,38 @@ def format_compare_table(table: dict) -> str:
     return "\n".join(lines)
 
 
+def wall_clock_summary(run_dir: str | Path, results: Sequence[dict]) -> dict:
+    """Wall clock of one eval run: the whole run's clock (report.json) per problem and per correct
+    answer, the mean per-problem latency (results.jsonl wall_s), and the concurrency it ran at.
+    Per problem at concurrency 1 is latency; at N it is the inverse throughput."""
+    path = Path(run_dir) / "report.json"
+    report = {}
+    if path.is_file():
+        try:
+            report = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise RunFileError(f"{path}: not JSON ({e})") from None
+    wall = report.get("wall_clock_s")
+    n = len(results)
+    correct = sum(bool(r["correct"]) for r in results)
+    return {"concurrency": (report.get("meta") or {}).get("concurrency", 1), "wall_clock_s": wall,
+            "wall_per_problem_s": wall / n if wall is not None and n else None,
+            "wall_per_correct_s": wall / correct if wall is not None and correct else None,
+            "mean_latency_s": _mean([r["wall_s"] for r in results])}
+
+
+def format_wall_clock(names: Sequence[str], summaries: Sequence[dict]) -> str:
+    """The wall-clock rows of `eval compare` as aligned text."""
+    f = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
+    rows = [("concurrency", "concurrency", str), ("run wall clock / problem (s)", "wall_per_problem_s", f),
+            ("run wall clock / correct (s)", "wall_per_correct_s", f), ("latency / problem (s)", "mean_latency_s", f)]
+    lines = [f"{'':30}{names[0]:>12}{names[1]:>12}"]
+    for label, key, fmt_ in rows:
+        lines.append(f"{label:30}{fmt_(summaries[0][key]):>12}{fmt_(summaries[1][key]):>12}")
+    return "\n".join(lines)
+
+
 __all__ = ["RunFileError", "make_report", "sequential_to_total_by_length", "length_bins", "speedups",
            "plot_tokens", "plot_sequential_to_total", "plot_bins", "plot_speedups", "write_plots",
            "load_results", "compare", "format_compare_table", "TOKENS_PLOT", "INTERNAL_PLOT", "SPEEDUP_PLOT",
-           "BINS_PLOT"]
+           "BINS_PLOT", "wall_clock_summary", "format_wall_clock"]

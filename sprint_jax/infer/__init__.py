@@ -3,6 +3,7 @@ from sprint_jax.infer.engine import DecodeState, Engine, EngineError, Generation
 from sprint_jax.infer.sampling import Sampling
 
 __all__ = ["Engine", "EngineError", "DecodeState", "Generation", "KVCache", "Sampling"]
-from sprint_jax.infer.orchestrator import Orchestrator, OrchestratorConfig, RunRecord, run_query  # noqa: E402
+from sprint_jax.infer.batch import BatchEngine  # noqa: E402
+from sprint_jax.infer.orchestrator import Orchestrator, OrchestratorConfig, RunRecord, run_many, run_query  # noqa: E402
 
-__all__ += ["Orchestrator", "OrchestratorConfig", "RunRecord", "run_query"]
+__all__ += ["BatchEngine", "Orchestrator", "OrchestratorConfig", "RunRecord", "run_many", "run_query"]

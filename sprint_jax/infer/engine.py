@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sprint_jax.infer.sampling import GREEDY, Sampling, sample_tokens
+from sprint_jax.infer.stops import StopScanner
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.model.qwen2 import (attend_partial, decoder, dtype_of, embed, flash_attention, merge_partials,
                                    unembed)
@@ -385,19 +386,6 @@ class Engine:
             arr[i, : len(r)] = r
         return jnp.asarray(arr)
 
-    def _find_stop(self, gen: list[int], stops: Sequence[str], checked: int) -> int | None:
-        """Smallest k > checked such that decode(gen[:k]) contains a stop string, else None."""
-        if not stops:
-            return None
-        text = self.decode_text(gen)
-        if not any(s in text for s in stops):
-            return None
-        for k in range(max(checked, 1), len(gen) + 1):
-            t = self.decode_text(gen[:k])
-            if any(s in t for s in stops):
-                return k
-        return None
-
     # ---- the decode loop shared by generate and the branch modes ---------------------------
     def _run_decode(self, cache, lengths, pending, limits, stops, sampling, prefix, branched, row_ids):
         """Decode rows until each stops. Returns (cache, per-row Generations, steps)."""
@@ -405,7 +393,7 @@ class Engine:
         gens: list[list[int]] = [[] for _ in range(b)]
         reasons: list[str | None] = [None] * b
         overshoot = [0] * b
-        checked = [0] * b
+        scanners = [StopScanner(self.decode_text, st) for st in stops]
         done = jnp.zeros((b,), bool)
         remaining = jnp.asarray(limits, jnp.int32)
         stop_ids = self._stop_id_array(stops)
@@ -426,7 +414,7 @@ class Engine:
                     continue
                 new = [int(t) for t in out_h[r] if t >= 0]
                 gens[r].extend(new)
-                k = self._find_stop(gens[r], stops[r], checked[r])
+                k = scanners[r].feed(new)
                 if k is not None:
                     overshoot[r] = len(gens[r]) - k
                     gens[r] = gens[r][:k]
@@ -438,7 +426,6 @@ class Engine:
                         reasons[r] = "eos" if last in self.eos_token_ids else "stop"
                     else:
                         reasons[r] = "length"
-                checked[r] = len(gens[r])
             if all(x is not None for x in reasons):
                 break
             done = jnp.asarray(host_done)

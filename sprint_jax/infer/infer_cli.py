@@ -155,6 +155,27 @@ def build_engine(args, config):
         raise UserError(str(e)) from None
 
 
+def build_batch_engine(args, config, concurrency: int):
+    """The model, its tokenizer and a BatchEngine with `concurrency` sequence slots, each sized as
+    build_engine sizes its one sequence (children per slot = max_prompts)."""
+    from sprint_jax.errors import UserError
+    from sprint_jax.infer import EngineError
+    from sprint_jax.infer.batch import BatchEngine
+
+    if concurrency < 1:
+        raise UserError(f"--concurrency must be >= 1, got {concurrency}")
+    if getattr(args, "attention", "xla") != "xla":
+        raise UserError("--attention pallas: the batched engine has no Pallas path yet (use xla)")
+    model = load_model_arg(args.model, args.dtype)
+    tok = load_tokenizer_arg(args.tokenizer, args.model)
+    try:
+        return BatchEngine(model, tok, max_seqs=concurrency, max_children=config.max_prompts,
+                           max_seq_len=args.max_seq_len, max_branch_tokens=config.max_branch_tokens + 32,
+                           decode_chunk=args.decode_chunk, prefill_chunk=args.prefill_chunk)
+    except EngineError as e:
+        raise UserError(str(e)) from None
+
+
 # ---------------------------------------------------------------------------------------------
 # Live display
 # ---------------------------------------------------------------------------------------------

@@ -320,16 +320,23 @@ class Orchestrator:
             raise _Stop("context_full", f"adding {len(tail)} tokens would fill the planner context "
                                         f"(max_seq_len={self.engine.max_seq_len})")
         if keep < len(state.tokens):
-            state = self.engine.truncate(state, keep)
+            state = yield EngineCall("truncate", state, n=keep)
         if tail:
-            state = self.engine.extend(state, tail)
+            state = yield EngineCall("extend", state, tokens=tail)
         self._mark = len(state.tokens)
         return state, len(tail)
 
     # -- entry --------------------------------------------------------------------------------
     def run(self, query: str, mode: str = "parallel") -> RunRecord:
-        """One run of `query` (the text the model sees before its completion). Model output never
-        raises; a bad mode, an empty query, or a query the tokenizer cannot encode does."""
+        """One run of `query` (the text the model sees before its completion) on the single-run
+        engine. Model output never raises; a bad mode, an empty query, or a query the tokenizer
+        cannot encode does."""
+        return drive_single(self.engine, self.steps(query, mode))
+
+    def steps(self, query: str, mode: str = "parallel"):
+        """The run as a generator: it yields `EngineCall`s, receives each call's result (or has the
+        engine's EngineError thrown in), and returns the RunRecord. `drive_single` answers the calls
+        on `Engine`; `run_many` advances many runs at once on a `BatchEngine`."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not query:
@@ -346,12 +353,12 @@ class Orchestrator:
             if len(prompt_ids) >= self.engine.max_seq_len:
                 raise _Stop("context_full", f"the query has {len(prompt_ids)} tokens; max_seq_len is "
                                             f"{self.engine.max_seq_len}")
-            state = self.engine.prefill(prompt_ids)
+            state = yield EngineCall("prefill", tokens=prompt_ids)
             self._prompt_len = self._mark = len(prompt_ids)
             if mode == "sequential":
-                self._sequential(state, record)
+                yield from self._sequential(state, record)
             else:
-                self._stages(state, record, t0, _BRANCH_MODE[mode])
+                yield from self._stages(state, record, t0, _BRANCH_MODE[mode])
         except _Stop as stop:
             record.termination = stop.reason
             if stop.problem:
@@ -383,7 +390,8 @@ class Orchestrator:
         limit, reason = min((self.config.max_total_tokens, "token_budget"),
                             (self.engine.max_seq_len - len(state.tokens), "context_full"), key=lambda o: o[0])
         t = time.perf_counter()
-        g = self.engine.generate(state, limit, stop=[fmt.FINAL_CLOSE], sampling=self.config.sampling(0))
+        g = yield EngineCall("generate", state, limits=[limit], stops=[[fmt.FINAL_CLOSE]],
+                             sampling=self.config.sampling(0))
         record.final_s = time.perf_counter() - t
         record.final_tokens = len(g.tokens)
         record.final_text = g.text
@@ -411,7 +419,7 @@ class Orchestrator:
             if implicit is not None:
                 stops = stops + [fmt.execution_close(implicit.index, 1)]
             t = time.perf_counter()
-            g = self.engine.generate(state, limit, stop=stops, sampling=cfg.sampling(call))
+            g = yield EngineCall("generate", state, limits=[limit], stops=[stops], sampling=cfg.sampling(call))
             dt = time.perf_counter() - t
             call += 1
             used += len(g.tokens)
@@ -429,7 +437,7 @@ class Orchestrator:
                     if trie:   # trained as two pieces: the opening, then the body
                         w, head = self._window(state, cut)
                         at = head.index(opening) + len(opening)
-                        state, _ = self._settle(state, w, [head[:at], head[at:]])
+                        state, _ = yield from self._settle(state, w, [head[:at], head[at:]])
                     self._emit("implicit_execution", record, implicit, g.text)
                     implicit = None
                     continue
@@ -465,7 +473,7 @@ class Orchestrator:
             w, head = self._window(state, cut)
             if not prompts:
                 if trie:   # the plan is a piece of its own; the planner's next call starts a new one
-                    state, _ = self._settle(state, w, [head])
+                    state, _ = yield from self._settle(state, w, [head])
                 implicit = stage
                 i += 1
                 continue
@@ -492,10 +500,10 @@ class Orchestrator:
             self._emit("executors_start", record, stage, f"{k} executor(s), {branch_mode} fork")
             t = time.perf_counter()
             if keep < len(state.tokens):
-                state = self.engine.truncate(state, keep)
-            gens = self.engine.decode_branches(state, openings, limits,
-                                               stop=[[fmt.execution_close(i, j)] for j in range(1, k + 1)],
-                                               sampling=cfg.sampling(call), mode=branch_mode)
+                state = yield EngineCall("truncate", state, n=keep)
+            gens = yield EngineCall("branches", state, prefixes=openings, limits=limits,
+                                    stops=[[fmt.execution_close(i, j)] for j in range(1, k + 1)],
+                                    sampling=cfg.sampling(call), mode=branch_mode)
             stage.executors_s = time.perf_counter() - t
             stats = getattr(self.engine, "last_branch_stats", None)
             stage.branch_cache_bytes = getattr(stats, "cache_bytes", None)
@@ -526,7 +534,7 @@ class Orchestrator:
                 sync.append(fmt.BLOCK_GAP)
             self._check_clock(t0)
             t = time.perf_counter()
-            state, stage.sync_tokens = self._settle(state, w, sync)
+            state, stage.sync_tokens = yield from self._settle(state, w, sync)
             _block(state)
             stage.sync_s = time.perf_counter() - t
             self._emit("sync", record, stage)
@@ -561,6 +569,127 @@ def _block(state: Any) -> None:
         jax.block_until_ready(cache)
 
 
+# ---------------------------------------------------------------------------------------------
+# Engine calls and the two drivers
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class EngineCall:
+    """One request of the stage loop. prefill -> a state; generate -> a Generation; branches ->
+    one Generation per prefix; extend / truncate -> the state. `state` is the handle a prefill
+    returned (a `DecodeState` on `Engine`, a `Seq` on `BatchEngine`); both hold `.tokens`."""
+    kind: str                                   # prefill | generate | branches | extend | truncate
+    state: Any = None
+    tokens: list[int] = dataclasses.field(default_factory=list)        # prefill / extend
+    n: int = 0                                                         # truncate
+    prefixes: list[list[int]] = dataclasses.field(default_factory=list)  # branches
+    limits: list[int] = dataclasses.field(default_factory=list)
+    stops: list[list[str]] = dataclasses.field(default_factory=list)
+    sampling: Sampling | None = None
+    mode: str = "shared"                        # branches on Engine: shared | serial
+
+
+def answer_single(engine: Any, call: EngineCall):
+    """Run one call on the single-run `Engine`."""
+    if call.kind == "prefill":
+        return engine.prefill(call.tokens)
+    if call.kind == "generate":
+        return engine.generate(call.state, call.limits[0], stop=call.stops[0], sampling=call.sampling)
+    if call.kind == "branches":
+        return engine.decode_branches(call.state, call.prefixes, call.limits, stop=call.stops,
+                                      sampling=call.sampling, mode=call.mode)
+    if call.kind == "extend":
+        return engine.extend(call.state, call.tokens)
+    if call.kind == "truncate":
+        return engine.truncate(call.state, call.n)
+    raise ValueError(f"unknown engine call {call.kind!r}")
+
+
+def drive_single(engine: Any, steps) -> RunRecord:
+    """Advance one run's generator to its end, answering every call on `engine` as it comes."""
+    value, error = None, None
+    while True:
+        try:
+            call = steps.throw(error) if error is not None else steps.send(value)
+        except StopIteration as done:
+            return done.value
+        value, error = None, None
+        try:
+            value = answer_single(engine, call)
+        except EngineError as e:
+            error = e
+
+
+def run_many(engine: Any, queries: list[str], mode: str = "parallel", config: OrchestratorConfig | None = None,
+             concurrency: int | None = None, on_event: Callable[[Event], None] | None = None,
+             on_record: Callable[[int, RunRecord], None] | None = None) -> list[RunRecord]:
+    """Many runs at once on a `BatchEngine`: up to `concurrency` runs (default: the engine's
+    sequence slots) advance together; each engine step serves the calls of all of them (prefill
+    chunks, every planner and executor decoding in one batched step). A run's records, accounting
+    and policies are those of `Orchestrator.run` (the same generator); its wall_s includes the
+    time it shared the engine. `on_record(i, record)` is called as each run ends."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    concurrency = concurrency or engine.max_seqs
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    records: list[RunRecord | None] = [None] * len(queries)
+    runs: dict[int, dict] = {}                  # run index -> its generator, sequence, op in flight
+    todo = list(range(len(queries)))[::-1]
+
+    def advance(i: int, value=None, error=None) -> None:
+        run = runs[i]
+        while True:
+            try:
+                call = run["steps"].throw(error) if error is not None else run["steps"].send(value)
+            except StopIteration as done:
+                records[i] = done.value
+                if run["seq"] is not None and not run["seq"].closed:
+                    engine.close(run["seq"])
+                del runs[i]
+                if on_record is not None:
+                    on_record(i, done.value)
+                return
+            value, error = None, None
+            try:
+                if call.kind == "truncate":
+                    value = engine.truncate(call.state, call.n)
+                    continue
+                if call.kind == "prefill":
+                    op = engine.open(call.tokens)
+                elif call.kind == "generate":
+                    op = engine.generate(call.state, call.limits[0], call.stops[0], call.sampling)
+                elif call.kind == "branches":
+                    op = engine.fork(call.state, call.prefixes, call.limits, call.stops, call.sampling)
+                elif call.kind == "extend":
+                    op = engine.extend(call.state, call.tokens)
+                else:
+                    raise ValueError(f"unknown engine call {call.kind!r}")
+            except EngineError as e:
+                error = e
+                continue
+            if call.kind == "prefill":
+                run["seq"] = op.seq
+            if op.done:
+                value = op.result
+                continue
+            run["op"] = op
+            return
+
+    while todo or runs:
+        while todo and len(runs) < concurrency:
+            i = todo.pop()
+            runs[i] = dict(steps=Orchestrator(engine, config, on_event).steps(queries[i], mode), seq=None, op=None)
+            advance(i)
+        if not runs:
+            continue
+        if engine.step() is False:
+            raise EngineError("no progress: every sequence slot is held by a run that waits for a slot")
+        for i in [i for i, r in runs.items() if r["op"] is not None and r["op"].done]:
+            op, runs[i]["op"] = runs[i]["op"], None
+            advance(i, op.result)
+    return records
+
+
 def run_query(engine: Any, query: str, mode: str = "parallel", config: OrchestratorConfig | None = None,
               on_event: Callable[[Event], None] | None = None) -> RunRecord:
     """One run of `query` (the text the model sees before its completion)."""
@@ -568,4 +697,5 @@ def run_query(engine: Any, query: str, mode: str = "parallel", config: Orchestra
 
 
 __all__ = ["MODES", "TERMINATIONS", "execution_opening", "OrchestratorConfig",
-           "ExecutionRecord", "StageRecord", "RunRecord", "Event", "Orchestrator", "run_query"]
+           "ExecutionRecord", "StageRecord", "RunRecord", "Event", "Orchestrator", "run_query",
+           "EngineCall", "answer_single", "drive_single", "run_many"]

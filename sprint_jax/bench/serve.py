@@ -1,0 +1,268 @@
+"""`sprint-jax bench serve`: many SPRINT-shaped runs at once on the batched engine (issue 13).
+
+Model: random weights in the demo's model shape (`demo-size`: sprint_jax.demo.DemoModel, vocabulary
+512) by default; --preset bench-tiny or any configs/model_NAME.json.
+
+Rows, all measured in one run:
+  throughput   problems/s and generated tokens/s at each --concurrency on `BatchEngine`, and the
+               same problems one after another on the single-run `Engine` (the current per-run
+               path), on identical work. A problem is a SPRINT run with scripted stage lengths:
+               prompt (--prompt-len tokens) -> planner call (--planner-tokens) -> fork of
+               --executors executors (forced 4-token opening, --executor-tokens each) -> sync
+               (the executors' tokens prefilled onto the planner) -> final planner call
+               (--final-tokens). Lengths are exact: the engines run with no EOS and no stop
+               strings, greedy. Random weights, so what a model would write does not matter.
+  capacity     one sequence's decode step at used length --used (256) in a cache of capacity 512
+               vs 8192, for the batched engine (attends over the bucketed used length) and the
+               single-run engine (attends over its capacity). The sequence is prefilled once;
+               each timed call decodes N tokens and rolls back (truncate), and
+               step_ms = (wall(8 chunks) - wall(1 chunk)) / (7 chunks) cancels per-call set-up.
+Every point runs once untimed first (compiles every shape it meets), then --repeats times interleaved; the best is
+reported and every sample is kept in the JSON.
+
+Targets (issue 13, 2-core CPU): throughput at concurrency 16 >= 6x concurrency 1; decode step at
+used length 256: capacity 8192 <= 1.2x capacity 512.
+
+Run:
+    sprint-jax bench serve --quick --out bench_serve.json     # CPU, a few minutes
+    sprint-jax bench serve --preset r1-distill-qwen-7b        # accelerator, random weights
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", help="random weights: demo-size (default: the demo's model shape), bench-tiny, "
+                                         "or a configs/model_NAME.json (e.g. r1-distill-qwen-7b)")
+    parser.add_argument("--quick", action="store_true", help="concurrency 1,4,16 and fewer problems")
+    parser.add_argument("--out", metavar="FILE.json", help="write the results here as JSON")
+    parser.add_argument("--concurrency", default=None, help="comma-separated (default 1,4,16,64; quick 1,4,16)")
+    parser.add_argument("--problems", type=int, default=None, help="problems per point (default 128; quick 32)")
+    parser.add_argument("--prompt-len", type=int, default=48, help="prompt tokens per problem")
+    parser.add_argument("--planner-tokens", type=int, default=24, help="first planner call's tokens")
+    parser.add_argument("--executors", type=int, default=3, help="executors forked per problem")
+    parser.add_argument("--executor-tokens", type=int, default=24, help="tokens each executor decodes")
+    parser.add_argument("--final-tokens", type=int, default=8, help="final planner call's tokens")
+    parser.add_argument("--used", type=int, default=256, help="capacity row: used length")
+    parser.add_argument("--capacities", default="512,8192", help="capacity row: cache capacities")
+    parser.add_argument("--repeats", type=int, default=2, help="timed passes per point (best reported)")
+    parser.add_argument("--decode-chunk", type=int, default=16, help="decode steps per host round trip")
+    parser.add_argument("--no-single", action="store_true", help="skip the single-run Engine rows")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+
+
+DEMO_NAME = "demo-size"   # the demo's model shape (sprint_jax.demo.DemoModel), vocabulary 512
+
+
+def _model(preset: str | None, seed: int):
+    import dataclasses
+
+    import jax
+
+    from sprint_jax.bench.decode import BENCH_TINY, BENCH_TINY_NAME, synthetic_tokenizer
+    from sprint_jax.demo import DemoModel
+    from sprint_jax.model import Qwen2, Qwen2Config, init_params
+    on_accel = jax.default_backend() != "cpu"
+    dt = "bfloat16" if on_accel else "float32"
+    name = preset or DEMO_NAME
+    if name == DEMO_NAME:
+        config = Qwen2Config(vocab_size=512, **dataclasses.asdict(DemoModel()), param_dtype=dt, dtype=dt)
+    elif name == BENCH_TINY_NAME:
+        config = Qwen2Config(**BENCH_TINY, param_dtype=dt, dtype=dt)
+    else:
+        config = Qwen2Config.preset(name, param_dtype=dt, dtype=dt)
+    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(seed))
+    return Qwen2(config, params=params), synthetic_tokenizer(config.vocab_size), name
+
+
+def _problems(n: int, s: dict, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(x) for x in rng.integers(2, vocab, s["prompt_len"])] for _ in range(n)]
+
+
+def _openings(s: dict) -> list[list[int]]:
+    return [[3, 4, 5, 6 + j] for j in range(s["executors"])]
+
+
+def run_batched(engine, prompts: list[list[int]], s: dict, concurrency: int) -> int:
+    """The problems on the BatchEngine, `concurrency` at a time; returns generated tokens."""
+    tokens = 0
+    todo = list(range(len(prompts)))[::-1]
+    live: dict[int, dict] = {}
+
+    def advance(i):
+        nonlocal tokens
+        st = live[i]
+        op = st["op"]
+        if op.kind == "open":
+            st["seq"] = op.result
+            st["op"] = engine.generate(st["seq"], s["planner_tokens"])
+        elif op.kind == "generate" and not st["forked"]:
+            tokens += len(op.result.tokens)
+            st["forked"] = True
+            st["op"] = engine.fork(st["seq"], _openings(s), s["executor_tokens"])
+        elif op.kind == "fork":
+            sync = [t for o, g in zip(_openings(s), op.result) for t in o + g.tokens]
+            tokens += sum(len(g.tokens) for g in op.result)
+            st["op"] = engine.extend(st["seq"], sync)
+        elif op.kind == "extend":
+            st["op"] = engine.generate(st["seq"], s["final_tokens"])
+        else:
+            tokens += len(op.result.tokens)
+            engine.close(st["seq"])
+            del live[i]
+
+    while todo or live:
+        while todo and len(live) < concurrency:
+            i = todo.pop()
+            live[i] = dict(op=engine.open(prompts[i]), seq=None, forked=False)
+        engine.step()
+        for i in [i for i, st in live.items() if st["op"].done]:
+            advance(i)
+            while i in live and live[i]["op"].done:
+                advance(i)
+    return tokens
+
+
+def run_single(engine, prompts: list[list[int]], s: dict) -> int:
+    """The same problems one after another on the single-run Engine."""
+    tokens = 0
+    for p in prompts:
+        state = engine.prefill(p)
+        g = engine.generate(state, s["planner_tokens"])
+        gens = engine.decode_branches(state, _openings(s), s["executor_tokens"], mode="shared")
+        engine.extend(state, [t for o, b in zip(_openings(s), gens) for t in o + b.tokens])
+        f = engine.generate(state, s["final_tokens"])
+        tokens += len(g.tokens) + sum(len(b.tokens) for b in gens) + len(f.tokens)
+    return tokens
+
+
+def run_serve_bench(args: argparse.Namespace) -> int:
+    serve_bench(args)
+    return 0
+
+
+def serve_bench(args: argparse.Namespace) -> dict[str, Any]:
+    import jax
+
+    from sprint_jax.errors import UserError
+    from sprint_jax.infer import Engine
+    from sprint_jax.infer.batch import BatchEngine
+
+    conc = [int(x) for x in (args.concurrency or ("1,4,16" if args.quick else "1,4,16,64")).split(",")]
+    n_problems = args.problems or (32 if args.quick else 128)
+    caps = [int(x) for x in args.capacities.split(",")]
+    if min(conc) < 1 or n_problems < 1 or args.repeats < 1 or min(caps) <= args.used:
+        raise UserError("--concurrency, --problems, --repeats must be >= 1 and every capacity > --used")
+    s = dict(prompt_len=args.prompt_len, planner_tokens=args.planner_tokens, executors=args.executors,
+             executor_tokens=args.executor_tokens, final_tokens=args.final_tokens)
+    model, tok, name = _model(args.preset, args.seed)
+    prompts = _problems(n_problems, s, model.config.vocab_size, args.seed)
+    seq_len = s["prompt_len"] + s["planner_tokens"] + s["executors"] * (4 + s["executor_tokens"]) + \
+        s["final_tokens"] + 8
+    common = dict(max_seq_len=seq_len, max_branch_tokens=4 + 1 + s["executor_tokens"],
+                  decode_chunk=args.decode_chunk, prefill_chunk=128, eos_token_ids=[])
+    out: dict[str, Any] = dict(model=name, backend=jax.default_backend(), settings=dict(s, problems=n_problems),
+                               throughput=[], capacity=[])
+    engines = {c: BatchEngine(model, tok, max_seqs=c, max_children=max(s["executors"], 1), **common) for c in conc}
+    single = None if args.no_single else Engine(model, tok, max_branches=max(s["executors"], 1), **common)
+    # compile every shape once: an untimed pass over the same work (the scheduler meets the same
+    # batch shapes again in the timed passes), then interleave the timed repeats
+    for c, e in engines.items():
+        run_batched(e, prompts, s, c)
+    if single is not None:
+        run_single(single, prompts[:1], s)
+    samples: dict[str, list[tuple[float, int]]] = {}
+    for _ in range(args.repeats):
+        for c, e in engines.items():
+            t0 = time.perf_counter()
+            n_tok = run_batched(e, prompts, s, c)
+            samples.setdefault(f"batched@{c}", []).append((time.perf_counter() - t0, n_tok))
+        if single is not None:
+            t0 = time.perf_counter()
+            n_tok = run_single(single, prompts, s)
+            samples.setdefault("single", []).append((time.perf_counter() - t0, n_tok))
+    for key, xs in samples.items():
+        wall, n_tok = min(xs)
+        out["throughput"].append(dict(path=key, problems=n_problems, best_wall_s=wall, problems_per_s=n_problems / wall,
+                                      tokens_per_s=n_tok / wall, samples_s=[x for x, _ in xs]))
+    # capacity row
+    used_prompt = [int(x) for x in np.random.default_rng(1).integers(2, model.config.vocab_size, args.used)]
+    n_new = 8 * args.decode_chunk
+    for cap in caps:
+        kw = dict(common, max_seq_len=cap, max_branch_tokens=16)
+        row = dict(capacity=cap, used=args.used)
+        be = BatchEngine(model, tok, max_seqs=1, max_children=1, **kw)
+        op = be.open(used_prompt)
+        be.run([op])
+        seq = op.result
+
+        def batched(n, be=be, seq=seq):
+            g = be.generate(seq, n)
+            be.run([g])
+            be.truncate(seq, len(used_prompt))       # back to the used length for the next call
+        paths = [("batched", batched)]
+        if single is not None:
+            se = Engine(model, tok, max_branches=1, **kw)
+            state = se.prefill(used_prompt)
+
+            def one(n, se=se, state=state):
+                se.generate(state, n)
+                se.truncate(state, len(used_prompt))
+            paths.append(("single", one))
+        lo_n = args.decode_chunk
+        for label, fn in paths:
+            for n in (lo_n, n_new):
+                fn(n)                                  # compile
+            walls = {lo_n: [], n_new: []}
+            for _ in range(args.repeats + 2):
+                for n in (lo_n, n_new):
+                    t0 = time.perf_counter()
+                    fn(n)
+                    walls[n].append(time.perf_counter() - t0)
+            step = (min(walls[n_new]) - min(walls[lo_n])) / (n_new - lo_n)
+            row[f"{label}_step_ms"] = 1000 * step if step > 0 else None
+            row[f"{label}_samples_s"] = walls
+        out["capacity"].append(row)
+    _report(out, conc, caps)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2, default=str)
+        print(f"written: {args.out}")
+    return out
+
+
+def _report(out: dict, conc: list[int], caps: list[int]) -> None:
+    print(f"model {out['model']} on {out['backend']}; {out['settings']}")
+    print(f"{'path':<14}{'problems/s':>12}{'tokens/s':>12}{'wall s':>10}")
+    rows = {r["path"]: r for r in out["throughput"]}
+    for r in out["throughput"]:
+        print(f"{r['path']:<14}{r['problems_per_s']:>12.2f}{r['tokens_per_s']:>12.1f}{r['best_wall_s']:>10.2f}")
+    targets = {}
+    one = rows.get(f"batched@{min(conc)}")
+    for c in conc:
+        r = rows.get(f"batched@{c}")
+        if one and r:
+            targets[f"throughput concurrency {c} / {min(conc)}"] = r["problems_per_s"] / one["problems_per_s"]
+    if "single" in rows and one:
+        targets[f"batched@{min(conc)} / single (latency path)"] = one["problems_per_s"] / rows["single"]["problems_per_s"]
+    print(f"\n{'capacity':<10}{'used':>6}{'batched step ms':>18}{'single step ms':>16}")
+    for r in out["capacity"]:
+        b, s = r.get("batched_step_ms"), r.get("single_step_ms")
+        print(f"{r['capacity']:<10}{r['used']:>6}{(f'{b:.3f}' if b else 'n/a'):>18}{(f'{s:.3f}' if s else 'n/a'):>16}")
+    cap_rows = {r["capacity"]: r for r in out["capacity"]}
+    lo, hi = min(caps), max(caps)
+    for label in ("batched", "single"):
+        a, b = cap_rows[lo].get(f"{label}_step_ms"), cap_rows[hi].get(f"{label}_step_ms")
+        if a and b:
+            targets[f"{label} step capacity {hi} / {lo}"] = b / a
+    out["ratios"] = targets
+    print("\nratios (issue 13 targets: concurrency 16 / 1 >= 6; batched step 8192 / 512 <= 1.2):")
+    for k, v in targets.items():
+        print(f"  {k:<44}{v:>8.2f}")

@@ -1,0 +1,717 @@
+"""The batched engine: a two-level slot cache and a scheduler that decodes many sequences per step
+(issue 13, DESIGN.md "Scale path").
+
+Cache. `SlotCache` holds P parent slots (a planner, a prompt; capacity max_seq_len) and, for each
+parent slot, G child slots (an executor, one of n samples; capacity max_branch_tokens). Child slot
+g of parent p is row p*G + g of the child arrays. A child reads its parent's KV up to the fork
+point plus its own suffix; the prefix is never copied. While a parent has live children it is
+read-only (one operation per sequence at a time), so all its children share one fork point.
+
+Step. One decode step runs every active row: the rows are grouped by parent slot, [parent row,
+child rows...], and one attention over the parent's cache serves the whole group (the children's
+queries ride along the query axis, so each parent's prefix is read once per step for all its
+children); the children then attend to their own suffixes, every row to its new token, and the
+partial attentions merge by log-sum-exp (Hydragen). Attention reads only the used length of the
+cache (bucketed: a gather of the first S_b slots of the group's rows), never the capacity. The
+layer scan carries no cache: each layer returns this step's new K/V (a few rows), and the whole
+step's K/V is scattered into the donated cache after the scan, in place (no per-step copy of the
+cache; tests/test_batch_engine.py checks the compiled HLO).
+
+Scheduler. Requests are operations on sequences: open (prefill a prompt into a parent slot;
+queued while every slot is taken), extend (prefill more tokens), generate (decode on the parent),
+fork (k children with forced prefixes, decoded together), close (free the slot). Each
+`BatchEngine.step()` admits queued opens, runs one prefill chunk for every sequence that has
+tokens to prefill (one call for parents, one for children) and `decode_chunk` decode steps for
+every decoding row (one call), then checks stops on the host (`StopScanner`, incremental) and
+finishes rows. Sampling per row is the single-run engine's: key fold_in(fold_in(key(seed), j),
+step), j = the branch index, step = tokens this request generated so far, so a request gives the
+same tokens here as alone on `Engine`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from collections import deque
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sprint_jax.infer.engine import EngineError, Generation
+from sprint_jax.infer.sampling import GREEDY, Sampling, sample_tokens
+from sprint_jax.infer.stops import StopScanner
+from sprint_jax.model.config import Qwen2Config
+from sprint_jax.model.qwen2 import NEG_INF, attend_partial, decoder, dtype_of, embed, merge_partials, unembed
+
+STOP_WIDTH = 8    # device-checked stop ids per row (EOS ids first, then one-token stop strings)
+
+
+def _bucket(n: int, lo: int) -> int:
+    b = lo
+    while b < n:
+        b *= 2
+    return b
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SlotCache:
+    """Parent slots pk, pv [L, P, Sp, Hkv, D]; child slots ck, cv [L, P*G, Sc, Hkv, D]."""
+    pk: jax.Array
+    pv: jax.Array
+    ck: jax.Array
+    cv: jax.Array
+
+    @staticmethod
+    def zeros(config: Qwen2Config, parents: int, children: int, parent_cap: int, child_cap: int) -> "SlotCache":
+        dt = dtype_of(config.dtype)
+        tail = (config.num_key_value_heads, config.head_dim)
+        p = (config.num_hidden_layers, parents, parent_cap) + tail
+        c = (config.num_hidden_layers, parents * children, child_cap) + tail
+        return SlotCache(jnp.zeros(p, dt), jnp.zeros(p, dt), jnp.zeros(c, dt), jnp.zeros(c, dt))
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(a.size * a.dtype.itemsize for a in (self.pk, self.pv, self.ck, self.cv)))
+
+
+def _gather_rows(cache: jax.Array, layer, rows: jax.Array, size: int) -> jax.Array:
+    """cache [L, N, C, Hkv, D] -> the first `size` slots of `rows` at `layer`: [R, size, Hkv, D]."""
+    return cache[layer, rows[:, None], jnp.arange(size)[None, :]]
+
+
+def _self_partial(q, k, v, n_valid=None):
+    """Each row's attention to this call's own new keys (causal; only the first n_valid)."""
+    t = q.shape[1]
+    mask = jnp.tril(jnp.ones((t, t), bool))[None]
+    if n_valid is not None:
+        mask = mask & (jnp.arange(t)[None, None, :] < n_valid[:, None, None])
+    return attend_partial(q, k, v, jnp.broadcast_to(mask, (q.shape[0], t, t)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill: tokens [R, T] appended to R parent slots, or to R child slots (forced prefixes)
+# ---------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("config", "kind", "s_b", "c_b"), donate_argnames=("cache",))
+def _prefill(params, config: Qwen2Config, cache: SlotCache, tokens, slot, parent, fork_len, start, n_valid,
+             kind: str, s_b: int, c_b: int):
+    """kind "parent": rows are parent slots `slot`, tokens written at start..start+n_valid.
+    kind "child": rows are child slots `slot` of parent slots `parent`; they see the parent's
+    first fork_len slots and their own first `start` slots; positions are fork_len + start + t."""
+    r, t = tokens.shape
+    offs = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]                  # [R, T]
+    positions = offs if kind == "parent" else offs + fork_len[:, None]
+    plen = start if kind == "parent" else fork_len
+    p_mask = jnp.broadcast_to(jnp.arange(s_b)[None, None, :] < plen[:, None, None], (r, t, s_b))
+    c_mask = jnp.broadcast_to(jnp.arange(c_b)[None, None, :] < start[:, None, None], (r, t, c_b))
+
+    def attend(q, k, v, layer):
+        prow = slot if kind == "parent" else parent
+        parts = [attend_partial(q, _gather_rows(cache.pk, layer, prow, s_b),
+                                _gather_rows(cache.pv, layer, prow, s_b), p_mask)]
+        if kind == "child":
+            parts.append(attend_partial(q, _gather_rows(cache.ck, layer, slot, c_b),
+                                        _gather_rows(cache.cv, layer, slot, c_b), c_mask))
+        parts.append(_self_partial(q, k, v, n_valid))
+        return merge_partials(parts)[0], (k, v)
+
+    x = embed(params, config, tokens)
+    _, (nk, nv) = decoder(params, config, x, positions, attend, jnp.arange(config.num_hidden_layers))
+    pos = jnp.where(jnp.arange(t)[None] < n_valid[:, None], offs, 1 << 30)       # padding: dropped
+    if kind == "parent":
+        pk = cache.pk.at[:, slot[:, None], pos].set(nk.astype(cache.pk.dtype), mode="drop")
+        pv = cache.pv.at[:, slot[:, None], pos].set(nv.astype(cache.pv.dtype), mode="drop")
+        return SlotCache(pk, pv, cache.ck, cache.cv)
+    ck = cache.ck.at[:, slot[:, None], pos].set(nk.astype(cache.ck.dtype), mode="drop")
+    cv = cache.cv.at[:, slot[:, None], pos].set(nv.astype(cache.cv.dtype), mode="drop")
+    return SlotCache(cache.pk, cache.pv, ck, cv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode: `chunk` steps for Rg groups of rows [parent, child_1..child_G] on device
+# ---------------------------------------------------------------------------------------------
+def _sample_rows(logits, keys, temperature, top_k, top_p):
+    """Per-row sampling (temperature 0 = argmax); the sorting path runs only when a row samples."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sampled():
+        tok = jax.vmap(lambda lg, k, t, tk, tp: sample_tokens(lg[None], k[None], t, tk, tp, False)[0])(
+            logits, keys, temperature, top_k, top_p)
+        return jnp.where(temperature > 0, tok, greedy)
+    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "g", "chunk", "s_b", "c_b"),
+                   donate_argnames=("cache",))
+def _decode(params, config: Qwen2Config, cache: SlotCache, pslot, fork_len, lengths, pending, active,
+            remaining, stop_ids, seeds, branch, steps, temperature, top_k, top_p,
+            g: int, chunk: int, s_b: int, c_b: int):
+    """Rows are [Rg, 1+g] flattened (row 0 of a group: the parent slot pslot[i]; rows 1..g its
+    child slots). lengths = KV entries of the row's own slot (parent slot or child suffix);
+    a child's positions start at its group's fork_len. Returns the cache, the emitted tokens
+    [B, chunk] (-1 = none), per-row reason codes (1 stop id / EOS, 2 length), steps run."""
+    rg = pslot.shape[0]
+    w = 1 + g
+    b = rg * w
+    is_child = jnp.tile(jnp.arange(w) > 0, rg)                                      # [B]
+    grp_fork = jnp.repeat(fork_len, w)                                               # [B]
+    cslot = (pslot[:, None] * g + jnp.arange(g)[None]).reshape(-1) if g else None   # [Rg*g]
+    base = jax.vmap(lambda s, j: jax.random.fold_in(jax.random.key(s), j))(seeds, branch)
+    n_layers = config.num_hidden_layers
+
+    def one_step(cache, lengths, pending, active, steps):
+        positions = jnp.where(is_child, grp_fork + lengths, lengths)[:, None]        # [B, 1]
+        # what the parent attention sees: the parent's own past, or a child's fork prefix
+        plen = jnp.where(is_child, grp_fork, lengths).reshape(rg, w)
+        p_mask = jnp.arange(s_b)[None, None, :] < plen[:, :, None]                   # [Rg, w, S_b]
+        if g:
+            clen = lengths.reshape(rg, w)[:, 1:].reshape(-1)
+            c_mask = (jnp.arange(c_b)[None, None, :] < clen[:, None, None])          # [Rg*g, 1, C_b]
+
+        def attend(q, k, v, layer):
+            h, d = q.shape[2], q.shape[3]
+            qg = q.reshape(rg, w, h, d)                    # the group's queries share the parent keys
+            o_p, l_p = attend_partial(qg, _gather_rows(cache.pk, layer, pslot, s_b),
+                                      _gather_rows(cache.pv, layer, pslot, s_b), p_mask)
+            parts = [(o_p.reshape(b, 1, h, d), l_p.reshape(b, 1, h))]
+            if g:
+                qc = qg[:, 1:].reshape(rg * g, 1, h, d)
+                o_c, l_c = attend_partial(qc, _gather_rows(cache.ck, layer, cslot, c_b),
+                                          _gather_rows(cache.cv, layer, cslot, c_b), c_mask)
+                o_c = jnp.concatenate([jnp.zeros((rg, 1, h, d), o_c.dtype), o_c.reshape(rg, g, h, d)], 1)
+                l_c = jnp.concatenate([jnp.full((rg, 1, h), NEG_INF, l_c.dtype), l_c.reshape(rg, g, h)], 1)
+                parts.append((o_c.reshape(b, 1, h, d), l_c.reshape(b, 1, h)))
+            parts.append(_self_partial(q, k, v))
+            return merge_partials(parts)[0], (k, v)
+
+        x = embed(params, config, pending[:, None])
+        hidden, (nk, nv) = decoder(params, config, x, positions, attend, jnp.arange(n_layers))
+        nk, nv = nk[:, :, 0], nv[:, :, 0]                                            # [L, B, Hkv, D]
+        nk = nk.reshape((n_layers, rg, w) + nk.shape[2:])
+        nv = nv.reshape((n_layers, rg, w) + nv.shape[2:])
+        act = active.reshape(rg, w)
+        lens = lengths.reshape(rg, w)
+        drop = 1 << 30
+        ppos = jnp.where(act[:, 0], lens[:, 0], drop)
+        pk = cache.pk.at[:, pslot, ppos].set(nk[:, :, 0].astype(cache.pk.dtype), mode="drop")
+        pv = cache.pv.at[:, pslot, ppos].set(nv[:, :, 0].astype(cache.pv.dtype), mode="drop")
+        ck, cv = cache.ck, cache.cv
+        if g:
+            cpos = jnp.where(act[:, 1:], lens[:, 1:], drop).reshape(-1)
+            ck = ck.at[:, cslot, cpos].set(nk[:, :, 1:].reshape((n_layers, rg * g) + nk.shape[3:]).astype(ck.dtype),
+                                           mode="drop")
+            cv = cv.at[:, cslot, cpos].set(nv[:, :, 1:].reshape((n_layers, rg * g) + nv.shape[3:]).astype(cv.dtype),
+                                           mode="drop")
+        logits = unembed(params, config, hidden)[:, 0]
+        keys = jax.vmap(jax.random.fold_in)(base, steps)
+        tok = _sample_rows(logits, keys, temperature, top_k, top_p)
+        return SlotCache(pk, pv, ck, cv), tok
+
+    out = jnp.full((b, chunk), -1, jnp.int32)
+    reason = jnp.zeros((b,), jnp.int32)
+
+    def cond(c):
+        return (c[0] < chunk) & jnp.any(c[4])
+
+    def body(c):
+        i, cache, lengths, pending, active, remaining, steps, out, reason = c
+        cache, tok = one_step(cache, lengths, pending, active, steps)
+        tok = jnp.where(active, tok, -1)
+        out = out.at[:, i].set(tok)
+        hit_stop = active & jnp.any(tok[:, None] == stop_ids, axis=-1)
+        remaining = remaining - active.astype(jnp.int32)
+        hit_len = active & ~hit_stop & (remaining <= 0)
+        reason = jnp.where(hit_stop, 1, jnp.where(hit_len, 2, reason))
+        lengths = jnp.where(active, lengths + 1, lengths)
+        pending = jnp.where(active, tok, pending)
+        steps = jnp.where(active, steps + 1, steps)
+        active = active & ~hit_stop & ~hit_len
+        return i + 1, cache, lengths, pending, active, remaining, steps, out, reason
+
+    init = (jnp.int32(0), cache, lengths, pending, active, remaining, steps, out, reason)
+    i, cache, *_, out, reason = jax.lax.while_loop(cond, body, init)
+    return cache, out, reason, i
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: sequences, operations, rows
+# ---------------------------------------------------------------------------------------------
+class Seq:
+    """A parent sequence (a planner or a prompt): its tokens, the last one pending (not yet run)."""
+    _ids = itertools.count()
+
+    def __init__(self, tokens: list[int]):
+        self.id = next(Seq._ids)
+        self.tokens = tokens
+        self.slot: int | None = None
+        self.op: "Op | None" = None       # the operation in flight (one at a time)
+        self.closed = False
+
+    @property
+    def length(self) -> int:              # tokens whose KV is in the slot
+        return len(self.tokens) - 1
+
+
+@dataclasses.dataclass
+class Op:
+    """An operation on a sequence. `result`: Generation (generate), list[Generation] (fork),
+    the Seq (open, extend, close)."""
+    kind: str                             # open | extend | generate | fork | close
+    seq: Seq
+    tokens: list[int] = dataclasses.field(default_factory=list)          # open / extend
+    prefixes: list[list[int]] = dataclasses.field(default_factory=list)  # fork
+    limits: list[int] = dataclasses.field(default_factory=list)
+    stops: list[list[str]] = dataclasses.field(default_factory=list)
+    sampling: Sampling = GREEDY
+    done: bool = False
+    result: object = None
+    tag: object = None                    # the caller's (e.g. which run this op belongs to)
+
+
+class _Row:
+    """A decoding stream: the parent of a generate op (g = 0) or child g >= 1 of a fork."""
+
+    def __init__(self, op: Op, j: int, run: list[int], limit: int, stops: list[str], scanner: StopScanner):
+        self.op, self.j = op, j
+        self.run = run                    # child: [parent pending] + prefix (+ generated); parent: unused
+        self.limit = limit
+        self.stops = stops
+        self.scanner = scanner
+        self.gen: list[int] = []
+        self.reason: str | None = None
+        self.overshoot = 0
+        self.prefill_pos = 0              # child: how much of run[:-1] is in its suffix slot
+
+
+class BatchEngine:
+    """Many sequences, one decode step: the two-level slot cache and its scheduler.
+
+    Capacities:
+      max_seqs           parent slots (sequences held at once; more opens queue)    (default 16)
+      max_children       child slots per parent (executors of a stage, n of n>1)     (default 8)
+      max_seq_len        tokens one parent sequence may hold                         (default 2048)
+      max_branch_tokens  forced prefix + generated tokens per child                   (default 512)
+      decode_chunk       decode steps per host round trip                             (default 16)
+      prefill_chunk      tokens per sequence per prefill call                         (default 256)
+    """
+
+    def __init__(self, model, tokenizer, *, max_seqs: int = 16, max_children: int = 8, max_seq_len: int = 2048,
+                 max_branch_tokens: int = 512, decode_chunk: int = 16, prefill_chunk: int = 256,
+                 eos_token_ids: Sequence[int] | None = None, min_bucket: int = 64):
+        for name, v in (("max_seqs", max_seqs), ("max_children", max_children), ("max_seq_len", max_seq_len),
+                        ("max_branch_tokens", max_branch_tokens), ("decode_chunk", decode_chunk),
+                        ("prefill_chunk", prefill_chunk)):
+            if v <= 0:
+                raise EngineError(f"{name} must be positive, got {v}")
+        self.config: Qwen2Config = model.config
+        self.params = model.params
+        self.tokenizer = tokenizer
+        self.max_seqs, self.max_children = max_seqs, max_children
+        self.max_seq_len, self.max_branch_tokens = max_seq_len, max_branch_tokens
+        self.decode_chunk, self.prefill_chunk = decode_chunk, prefill_chunk
+        self.min_bucket = min_bucket
+        if eos_token_ids is None:
+            eos_token_ids = list(self.config.eos_token_ids)
+            tok_eos = getattr(tokenizer, "eos_token_id", None)
+            if tok_eos is not None and tok_eos not in eos_token_ids:
+                eos_token_ids.append(tok_eos)
+        self.eos_token_ids = [int(e) for e in eos_token_ids][:STOP_WIDTH]
+        # the decode chunk may run past a row's last token before the host sees the stop
+        self.parent_capacity = max_seq_len + decode_chunk
+        self.child_capacity = max_branch_tokens + decode_chunk
+        self.cache = SlotCache.zeros(self.config, max_seqs, max_children, self.parent_capacity,
+                                     self.child_capacity)
+        self._free = list(range(max_seqs))
+        self._waiting: deque[Op] = deque()             # opens waiting for a slot
+        self._prefill: list[Seq] = []                  # parents with tokens to prefill
+        self._prefill_work: dict[int, tuple[list[int], int, Op]] = {}   # seq id -> (run, done, op)
+        self._groups: dict[int, list[_Row | None]] = {}                  # slot -> [parent row, children...]
+        self._single_token: dict[str, int | None] = {}
+        self.stats = dict(steps=0, decode_calls=0, prefill_calls=0, tokens=0)
+
+    # ---- tokens <-> text ------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode_text(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(tokens))
+
+    # ---- submitting operations ------------------------------------------------------------
+    def open(self, tokens: Sequence[int], tag=None) -> Op:
+        """A new sequence holding `tokens` (queued until a parent slot is free)."""
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise EngineError("open needs at least one token (got an empty input)")
+        if len(tokens) > self.max_seq_len:
+            raise EngineError(f"input of {len(tokens)} tokens exceeds max_seq_len={self.max_seq_len}")
+        seq = Seq([])
+        op = Op("open", seq, tokens=tokens, tag=tag)
+        seq.op = op
+        self._waiting.append(op)
+        return op
+
+    def _check_idle(self, seq: Seq, what: str):
+        if seq.closed:
+            raise EngineError(f"{what}: sequence {seq.id} is closed")
+        if seq.op is not None:
+            raise EngineError(f"{what}: sequence {seq.id} still runs a {seq.op.kind} (one operation at a time)")
+
+    def extend(self, seq: Seq, tokens: Sequence[int], tag=None) -> Op:
+        """Append tokens to a sequence, prefilling only them (the orchestrator's sync)."""
+        self._check_idle(seq, "extend")
+        tokens = [int(t) for t in tokens]
+        if len(seq.tokens) + len(tokens) > self.max_seq_len:
+            raise EngineError(f"extending to {len(seq.tokens) + len(tokens)} tokens exceeds "
+                              f"max_seq_len={self.max_seq_len}")
+        op = Op("extend", seq, tokens=tokens, tag=tag)
+        seq.op = op
+        if tokens:
+            self._prefill_work[seq.id] = ([seq.tokens[-1]] + tokens[:-1], 0, op)
+            self._prefill.append(seq)
+            seq.tokens = seq.tokens + tokens
+        else:
+            self._finish(op, seq)
+        return op
+
+    def generate(self, seq: Seq, max_new_tokens: int, stop: Sequence[str] = (), sampling: Sampling | None = None,
+                 tag=None) -> Op:
+        """Decode on the sequence itself until EOS, a stop string or max_new_tokens; the
+        generated tokens (up to the stop) are appended to it."""
+        self._check_idle(seq, "generate")
+        if max_new_tokens <= 0:
+            raise EngineError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        if len(seq.tokens) + max_new_tokens > self.max_seq_len:
+            raise EngineError(f"{len(seq.tokens)} tokens + max_new_tokens={max_new_tokens} exceeds "
+                              f"max_seq_len={self.max_seq_len}")
+        op = Op("generate", seq, limits=[max_new_tokens], stops=[list(stop)], sampling=sampling or GREEDY, tag=tag)
+        seq.op = op
+        row = _Row(op, 0, [], max_new_tokens, list(stop), StopScanner(self.decode_text, stop))
+        self._groups.setdefault(seq.slot, [None] * (1 + self.max_children))[0] = row
+        return op
+
+    def fork(self, seq: Seq, prefixes: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
+             stop: Sequence[Sequence[str]] | Sequence[str] = (), sampling: Sampling | None = None, tag=None) -> Op:
+        """len(prefixes) children of `seq`: child j continues seq with prefixes[j] (forced) and
+        decodes until its own stops / EOS / limit. Result: one Generation per child (generated
+        tokens only); `seq` keeps its content and is read-only until the fork finishes."""
+        self._check_idle(seq, "fork")
+        n = len(prefixes)
+        if n == 0:
+            raise EngineError("fork needs at least one child prefix")
+        if n > self.max_children:
+            raise EngineError(f"{n} children exceed max_children={self.max_children}")
+        limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else [int(m) for m in max_new_tokens]
+        if stop and isinstance(stop[0], str):
+            stops = [list(stop)] * n
+        else:
+            stops = [list(s) for s in stop] if stop else [[] for _ in range(n)]
+        if len(limits) != n or len(stops) != n:
+            raise EngineError(f"fork of {n} children got {len(limits)} limits and {len(stops)} stop lists")
+        prefixes = [[int(t) for t in p] for p in prefixes]
+        for j, (p, m) in enumerate(zip(prefixes, limits)):
+            if m <= 0:
+                raise EngineError(f"child {j}: max_new_tokens must be positive, got {m}")
+            if len(p) + 1 + m > self.max_branch_tokens:
+                raise EngineError(f"child {j}: prefix of {len(p)} tokens + max_new_tokens={m} exceeds "
+                                  f"max_branch_tokens={self.max_branch_tokens}")
+        op = Op("fork", seq, prefixes=prefixes, limits=limits, stops=stops, sampling=sampling or GREEDY, tag=tag)
+        seq.op = op
+        group = self._groups.setdefault(seq.slot, [None] * (1 + self.max_children))
+        for j, (p, m, st) in enumerate(zip(prefixes, limits, stops)):
+            group[1 + j] = _Row(op, j, [seq.tokens[-1]] + p, m, st, StopScanner(self.decode_text, st))
+        op.result = [None] * n
+        return op
+
+    def truncate(self, seq: Seq, n: int) -> Seq:
+        """Keep the first n tokens (1 <= n <= its length), at once: the KV past the new length is
+        never read and the next write overwrites it (the orchestrator's token-boundary rollback)."""
+        self._check_idle(seq, "truncate")
+        if not 1 <= n <= len(seq.tokens):
+            raise EngineError(f"truncate to {n} tokens: the sequence holds {len(seq.tokens)}")
+        seq.tokens = seq.tokens[:n]
+        return seq
+
+    @property
+    def max_branches(self) -> int:        # the orchestrator's name for children per parent
+        return self.max_children
+
+    def close(self, seq: Seq) -> None:
+        """Free the sequence's slot (immediately; the sequence must be idle)."""
+        self._check_idle(seq, "close")
+        seq.closed = True
+        if seq.slot is not None:
+            self._groups.pop(seq.slot, None)
+            self._free.append(seq.slot)
+            self._free.sort()
+            seq.slot = None
+
+    # ---- state ----------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return bool(self._waiting or self._prefill or any(
+            r is not None for rows in self._groups.values() for r in rows))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def _finish(self, op: Op, result) -> None:
+        op.done, op.result = True, result
+        op.seq.op = None
+
+    def _stop_ids(self, stops: list[str]) -> list[int]:
+        ids = list(self.eos_token_ids)
+        for s in stops:
+            if s not in self._single_token:
+                t = self.encode(s)
+                self._single_token[s] = t[0] if len(t) == 1 and self.decode_text(t) == s else None
+            if self._single_token[s] is not None and len(ids) < STOP_WIDTH:
+                ids.append(self._single_token[s])
+        return ids + [-2] * (STOP_WIDTH - len(ids))
+
+    # ---- one engine step ------------------------------------------------------------------
+    def step(self) -> bool:
+        """Admit, prefill one chunk per sequence, decode one chunk for every decoding row.
+        Returns whether anything happened (False: idle, or opens wait for slots that idle
+        sequences hold; only closing one of them frees a slot)."""
+        self.stats["steps"] += 1
+        before = (len(self._waiting), self.stats["prefill_calls"], self.stats["decode_calls"])
+        while self._waiting and self._free:
+            op = self._waiting.popleft()
+            seq = op.seq
+            seq.slot = self._free.pop(0)
+            seq.tokens = op.tokens
+            self._groups.pop(seq.slot, None)
+            if len(op.tokens) > 1:
+                self._prefill_work[seq.id] = (op.tokens[:-1], 0, op)
+                self._prefill.append(seq)
+            else:
+                self._finish(op, seq)
+        self._prefill_parents()
+        self._prefill_children()
+        self._decode()
+        return before != (len(self._waiting), self.stats["prefill_calls"], self.stats["decode_calls"])
+
+    def run(self, ops: Sequence[Op] = ()) -> None:
+        """Step until the given operations are done (or, without ops, until idle). Raises
+        EngineError instead of waiting forever when no step can make progress."""
+        while (not all(o.done for o in ops)) if ops else self.busy:
+            self._step_or_raise()
+
+    def _step_or_raise(self) -> None:
+        if not self.step():
+            raise EngineError(f"no progress: {len(self._waiting)} open(s) wait for a slot and all "
+                              f"{self.max_seqs} slots hold idle sequences (close one)")
+
+    def _prefill_parents(self) -> None:
+        if not self._prefill:
+            return
+        rows = []
+        for seq in self._prefill:
+            run, done, op = self._prefill_work[seq.id]
+            piece = run[done: done + self.prefill_chunk]
+            rows.append((seq, piece, done))
+        r_b = _bucket(len(rows), 1)
+        t_b = _bucket(max(len(p) for _, p, _ in rows), 16)
+        toks = np.zeros((r_b, t_b), np.int32)
+        slot = np.full(r_b, self.max_seqs, np.int32)   # padding rows write nowhere (dropped)
+        start = np.zeros(r_b, np.int32)
+        nval = np.zeros(r_b, np.int32)
+        for i, (seq, piece, done) in enumerate(rows):
+            toks[i, : len(piece)] = piece
+            slot[i] = seq.slot
+            start[i] = self._prefill_base(seq) + done
+            nval[i] = len(piece)
+        s_b = min(_bucket(int(start.max()) + 1, self.min_bucket), self.parent_capacity)
+        self.cache = _prefill(self.params, self.config, self.cache, jnp.asarray(toks), jnp.asarray(slot),
+                              jnp.asarray(slot), jnp.zeros(r_b, jnp.int32), jnp.asarray(start),
+                              jnp.asarray(nval), kind="parent", s_b=s_b, c_b=1)
+        self.stats["prefill_calls"] += 1
+        keep = []
+        for seq, piece, done in rows:
+            run, _, op = self._prefill_work[seq.id]
+            if done + len(piece) >= len(run):
+                del self._prefill_work[seq.id]
+                self._finish(op, seq)
+            else:
+                self._prefill_work[seq.id] = (run, done + len(piece), op)
+                keep.append(seq)
+        self._prefill = keep
+
+    def _prefill_base(self, seq: Seq) -> int:
+        """Where the sequence's prefill run starts in its slot."""
+        run, _, op = self._prefill_work[seq.id]
+        return 0 if op.kind == "open" else len(seq.tokens) - len(op.tokens) - 1
+
+    def _prefill_children(self) -> None:
+        work = []
+        for slot, rows in self._groups.items():
+            for g, row in enumerate(rows[1:]):
+                if row is not None and row.prefill_pos < len(row.run) - 1:
+                    work.append((slot, g, row))
+        if not work:
+            return
+        pieces = [row.run[row.prefill_pos: len(row.run) - 1][: self.prefill_chunk] for _, _, row in work]
+        r_b = _bucket(len(work), 1)
+        t_b = _bucket(max(len(p) for p in pieces), 16)
+        s_b = min(_bucket(max(row.op.seq.length for _, _, row in work), self.min_bucket), self.parent_capacity)
+        c_b = min(_bucket(max(row.prefill_pos for _, _, row in work) + 1, self.min_bucket), self.child_capacity)
+        toks = np.zeros((r_b, t_b), np.int32)
+        cslot = np.full(r_b, self.max_seqs * self.max_children, np.int32)
+        parent = np.zeros(r_b, np.int32)
+        fork = np.zeros(r_b, np.int32)
+        start = np.zeros(r_b, np.int32)
+        nval = np.zeros(r_b, np.int32)
+        for i, ((slot, g, row), piece) in enumerate(zip(work, pieces)):
+            toks[i, : len(piece)] = piece
+            cslot[i] = slot * self.max_children + g
+            parent[i] = slot
+            fork[i] = row.op.seq.length
+            start[i] = row.prefill_pos
+            nval[i] = len(piece)
+        self.cache = _prefill(self.params, self.config, self.cache, jnp.asarray(toks), jnp.asarray(cslot),
+                              jnp.asarray(parent), jnp.asarray(fork), jnp.asarray(start), jnp.asarray(nval),
+                              kind="child", s_b=s_b, c_b=c_b)
+        self.stats["prefill_calls"] += 1
+        for (_, _, row), piece in zip(work, pieces):
+            row.prefill_pos += len(piece)
+
+    def _decoding(self, row: _Row | None, child: bool) -> bool:
+        if row is None or row.reason is not None:
+            return False
+        if child:
+            return row.prefill_pos >= len(row.run) - 1
+        return row.op.seq.id not in self._prefill_work
+
+    def _decode(self) -> None:
+        groups = []
+        for slot, rows in sorted(self._groups.items()):
+            live = [self._decoding(r, j > 0) for j, r in enumerate(rows)]
+            if any(live):
+                groups.append((slot, rows, live))
+        if not groups:
+            return
+        has_children = any(any(live[1:]) for _, _, live in groups)
+        g = self.max_children if has_children else 0
+        w = 1 + g
+        rg = min(_bucket(len(groups), 1), self.max_seqs)
+        b = rg * w
+        pslot = np.full(rg, self.max_seqs, np.int32)
+        fork = np.zeros(rg, np.int32)
+        lengths = np.zeros(b, np.int32)
+        pending = np.zeros(b, np.int32)
+        active = np.zeros(b, bool)
+        remaining = np.ones(b, np.int32)
+        stop_ids = np.full((b, STOP_WIDTH), -2, np.int32)
+        seeds = np.zeros(b, np.int32)
+        branch = np.zeros(b, np.int32)
+        steps = np.zeros(b, np.int32)
+        temp = np.zeros(b, np.float32)
+        top_k = np.zeros(b, np.int32)
+        top_p = np.ones(b, np.float32)
+        need_p, need_c = 1, 1
+        placed: list[tuple[int, _Row, bool]] = []
+        for gi, (slot, rows, live) in enumerate(groups):
+            seq = rows[0].op.seq if rows[0] is not None else next(r for r in rows if r is not None).op.seq
+            pslot[gi] = slot
+            fork[gi] = seq.length
+            for j in range(w):
+                if not live[j]:
+                    continue
+                row, i = rows[j], gi * w + j
+                if j == 0:
+                    lengths[i] = seq.length + len(row.gen)
+                    pending[i] = row.gen[-1] if row.gen else seq.tokens[-1]
+                    need_p = max(need_p, lengths[i] + self.decode_chunk)
+                else:
+                    lengths[i] = len(row.run) - 1 + len(row.gen)
+                    pending[i] = row.gen[-1] if row.gen else row.run[-1]
+                    need_c = max(need_c, lengths[i] + self.decode_chunk)
+                    need_p = max(need_p, seq.length)
+                active[i] = True
+                remaining[i] = row.limit - len(row.gen)
+                stop_ids[i] = self._stop_ids(row.stops)
+                s = row.op.sampling
+                seeds[i], branch[i], steps[i] = s.seed, row.j, len(row.gen)
+                temp[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
+                placed.append((i, row, j > 0))
+        s_b = min(_bucket(need_p, self.min_bucket), self.parent_capacity)
+        c_b = min(_bucket(need_c, self.min_bucket), self.child_capacity) if g else 1
+        self.cache, out, reason, n = _decode(
+            self.params, self.config, self.cache, jnp.asarray(pslot), jnp.asarray(fork), jnp.asarray(lengths),
+            jnp.asarray(pending), jnp.asarray(active), jnp.asarray(remaining), jnp.asarray(stop_ids),
+            jnp.asarray(seeds), jnp.asarray(branch), jnp.asarray(steps), jnp.asarray(temp), jnp.asarray(top_k),
+            jnp.asarray(top_p), g=g, chunk=self.decode_chunk, s_b=s_b, c_b=c_b)
+        out, reason = jax.device_get((out, reason))
+        self.stats["decode_calls"] += 1
+        for i, row, child in placed:
+            new = [int(t) for t in out[i] if t >= 0]
+            self.stats["tokens"] += len(new)
+            row.gen.extend(new)
+            k = row.scanner.feed(new)
+            if k is not None:
+                row.overshoot = len(row.gen) - k
+                row.gen = row.gen[:k]
+                row.reason = "stop"
+            elif reason[i] == 1:
+                row.reason = "eos" if row.gen and row.gen[-1] in self.eos_token_ids else "stop"
+            elif reason[i] == 2 or len(row.gen) >= row.limit:
+                row.reason = "length"
+            if row.reason is not None:
+                self._row_done(row, child)
+
+    def _row_done(self, row: _Row, child: bool) -> None:
+        op, seq = row.op, row.op.seq
+        gen = Generation(tokens=row.gen, text=self.decode_text(row.gen), stop_reason=row.reason,
+                         overshoot=row.overshoot, steps=len(row.gen) + row.overshoot)
+        group = self._groups[seq.slot]
+        if not child:
+            group[0] = None
+            seq.tokens = seq.tokens + row.gen
+            self._finish(op, gen)
+            return
+        group[1 + row.j] = None
+        op.result[row.j] = gen
+        if all(r is not None for r in op.result):
+            self._finish(op, op.result)
+
+    # ---- convenience: whole requests ------------------------------------------------------
+    def generate_many(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
+                      stop: Sequence[str] | Sequence[Sequence[str]] = (), sampling: Sampling | Sequence[Sampling] | None = None,
+                      n: int = 1) -> list[list[Generation]]:
+        """Each prompt's n samples (n=1: decoded on the prompt's own slot; n>1: n children forked
+        from one prefill, each its own key stream). Prompts beyond the free slots queue."""
+        k = len(prompts)
+        limits = [max_new_tokens] * k if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        stops = [list(stop)] * k if (not stop or isinstance(stop[0], str)) else [list(s) for s in stop]
+        samplings = [sampling or GREEDY] * k if (sampling is None or isinstance(sampling, Sampling)) else list(sampling)
+        if n < 1:
+            raise EngineError(f"n must be >= 1, got {n}")
+        opens = [self.open(p, tag=i) for i, p in enumerate(prompts)]
+        results: list[list[Generation] | None] = [None] * k
+        pending: list[Op] = list(opens)
+        while pending:
+            self._step_or_raise()
+            nxt = []
+            for op in pending:
+                if not op.done:
+                    nxt.append(op)
+                    continue
+                i, seq = op.tag, op.seq
+                if op.kind == "open":
+                    if n == 1:
+                        nxt.append(self.generate(seq, limits[i], stops[i], samplings[i], tag=i))
+                    else:
+                        nxt.append(self.fork(seq, [[]] * n, limits[i], stops[i], samplings[i], tag=i))
+                else:
+                    results[i] = [op.result] if op.kind == "generate" else list(op.result)
+                    self.close(seq)
+            pending = nxt
+        return results
+
+    def generate_one(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[str] = (),
+                     sampling: Sampling | None = None, n: int = 1) -> list[Generation]:
+        """`generate(prompt, n=k)`: k samples of one prompt from one prefill."""
+        return self.generate_many([prompt], max_new_tokens, stop, sampling, n=n)[0]

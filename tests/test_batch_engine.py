@@ -1,0 +1,280 @@
+"""The batched engine (issue 13) against independent references: each request decoded alone on
+the single-run `Engine` (itself tested against a plain full forward and HF generate), each fork
+child decoded alone from a fresh prefill, and the compiled HLO of the decode step."""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_vocab_tokenizer
+from sprint_jax.infer import Engine, EngineError, Sampling
+from sprint_jax.infer import engine as single
+from sprint_jax.infer.batch import STOP_WIDTH, BatchEngine, _decode
+from sprint_jax.model import from_pretrained
+
+CAPS = dict(max_seq_len=96, max_branch_tokens=48, decode_chunk=8, prefill_chunk=32, eos_token_ids=[])
+
+
+@pytest.fixture(scope="module")
+def setup(hf_untied):
+    model = from_pretrained(hf_untied)
+    tok = tiny_vocab_tokenizer()
+    alone = Engine(model, tok, max_branches=16, **CAPS)
+    return model, tok, alone
+
+
+def _batch(model, tok, slots=4):
+    return BatchEngine(model, tok, max_seqs=slots, max_children=4, **CAPS)
+
+
+def _ids(seed, n):
+    return [int(x) for x in np.random.default_rng(seed).integers(3, 307, n)]
+
+
+def _drive(engine, scripts):
+    """Run request scripts concurrently: each is a list of ("generate"|"fork"|"extend", args) after
+    an open of its prompt; every op is submitted as soon as the previous one of its run is done."""
+    state = [dict(prompt=p, steps=list(s), out=[], op=None, seq=None) for p, s in scripts]
+    for i, st in enumerate(state):
+        st["op"] = engine.open(st["prompt"], tag=i)
+    while any(st["op"] is not None for st in state):
+        engine.step()
+        for st in state:
+            op = st["op"]
+            if op is None or not op.done:
+                continue
+            if op.kind == "open":
+                st["seq"] = op.result
+            elif op.kind in ("generate", "fork"):
+                st["out"].append(op.result)
+            if not st["steps"]:
+                engine.close(st["seq"])
+                st["op"] = None
+                continue
+            kind, args = st["steps"].pop(0)
+            st["op"] = getattr(engine, kind)(st["seq"], *args[0], **args[1])
+    return [st["out"] for st in state]
+
+
+def _alone(engine, prompt, steps):
+    """The same script on the single-run path."""
+    state = engine.prefill(prompt)
+    out = []
+    for kind, (a, kw) in steps:
+        if kind == "generate":
+            out.append(engine.generate(state, *a, **kw))
+        elif kind == "fork":
+            out.append(engine.decode_branches(state, *a, **kw))
+        else:
+            engine.extend(state, *a)
+    return out
+
+
+def _toks(results):
+    return [[g.tokens for g in r] if isinstance(r, list) else r.tokens for r in results]
+
+
+def _reasons(results):
+    return [[g.stop_reason for g in r] if isinstance(r, list) else r.stop_reason for r in results]
+
+
+def test_mixed_batch_rows_equal_each_request_alone(setup):
+    model, tok, alone = setup
+    free = alone.generate(alone.prefill(_ids(1, 9)), 16).tokens
+    stop_a = tok.decode(free[5:7])            # a two-token stop reached mid-chunk
+    s_hot = Sampling(temperature=1.0, seed=3)
+    s_topk = Sampling(temperature=0.8, top_k=5, seed=11)
+    scripts = [
+        (_ids(1, 9), [("generate", ((16,), dict(stop=[stop_a])))]),
+        (_ids(2, 17), [("generate", ((20,), dict(sampling=s_hot)))]),
+        (_ids(3, 30), [("fork", (([[7], [8, 9], [10, 11, 12]], [5, 9, 7]), {})),
+                       ("extend", (([40, 41, 42],), {})), ("generate", ((6,), {}))]),
+        (_ids(4, 70), [("generate", ((12,), dict(sampling=s_topk)))]),     # prefill in 3 chunks
+        (_ids(5, 12), [("generate", ((5,), {})), ("fork", (([[], []], 10), dict(sampling=s_hot))),
+                       ("generate", ((9,), {}))]),
+        (_ids(6, 5), [("fork", (([[20, 21], [22]], [11, 4]), dict(stop=[[stop_a], []]))),
+                      ("generate", ((3,), {}))]),
+    ]
+    engine = _batch(model, tok, slots=4)      # 6 runs on 4 slots: two wait in the queue
+    got = _drive(engine, scripts)
+    for i, (prompt, steps) in enumerate(scripts):
+        ref = _alone(alone, prompt, steps)
+        assert _toks(got[i]) == _toks(ref), i
+        assert _reasons(got[i]) == _reasons(ref), i
+    assert got[0][0].stop_reason == "stop" and got[0][0].overshoot > 0
+    assert engine.free_slots == 4 and not engine.busy
+
+
+def test_fork_children_equal_each_branch_decoded_alone_from_a_fresh_prefill(setup):
+    model, tok, alone = setup
+    context = _ids(7, 23)
+    prefixes = [[30], [31, 32], [33, 34, 35], []]
+    limits = [6, 10, 8, 12]
+    engine = _batch(model, tok)
+    op = engine.open(context)
+    engine.run([op])
+    fork = engine.fork(op.result, prefixes, limits)
+    engine.run([fork])
+    for j, (p, m) in enumerate(zip(prefixes, limits)):
+        ref = alone.generate(alone.prefill(context + p), m)
+        assert fork.result[j].tokens == ref.tokens, j
+    # What the fork holds, read off the arrays (slots written = any non-zero K): the parent slot
+    # still holds exactly the context (read-only while its children ran, nothing copied out of it)
+    # and child j exactly its suffix: forced prefix + one entry per decode step.
+    written = lambda a: np.asarray(jnp.any(a != 0, axis=(0, 3, 4)))  # noqa: E731  [slots, positions]
+    slot = op.result.slot
+    parent = written(engine.cache.pk)
+    assert parent[slot].sum() == len(context) - 1 and parent.sum() == len(context) - 1
+    child = written(engine.cache.ck)
+    per_child = [int(child[slot * engine.max_children + j].sum()) for j in range(engine.max_children)]
+    assert per_child == [len(p) + m for p, m in zip(prefixes, limits)]
+    assert child.sum() == sum(per_child)                   # no other slot was touched
+
+
+def test_n_samples_fork_from_one_prefill(setup):
+    model, tok, alone = setup
+    engine = _batch(model, tok)
+    prompt = _ids(8, 14)
+    one = engine.generate_one(prompt, 10)
+    assert one[0].tokens == alone.generate(alone.prefill(prompt), 10).tokens
+    greedy4 = engine.generate_one(prompt, 10, n=4)
+    assert [g.tokens for g in greedy4] == [one[0].tokens] * 4       # greedy n identical == one
+    hot = Sampling(temperature=1.0, seed=5)
+    a = engine.generate_one(prompt, 10, sampling=hot, n=4)
+    assert len({tuple(g.tokens) for g in a}) == 4                   # each its own key stream
+    assert [g.tokens for g in a] == [g.tokens for g in engine.generate_one(prompt, 10, sampling=hot, n=4)]
+    ref = alone.decode_branches(alone.prefill(prompt), [[]] * 4, 10, sampling=hot)
+    assert [g.tokens for g in a] == [g.tokens for g in ref]
+    assert engine.free_slots == 4
+
+
+def test_full_pool_queues_then_serves(setup):
+    model, tok, alone = setup
+    engine = _batch(model, tok, slots=2)
+    prompts = [_ids(20 + i, 6 + i) for i in range(5)]
+    opens = [engine.open(p) for p in prompts]
+    engine.step()
+    assert [o.done for o in opens] == [True, True, False, False, False] and engine.free_slots == 0
+    with pytest.raises(EngineError, match="one operation at a time"):
+        engine.generate(opens[2].seq, 4)
+    engine.close(opens[0].result)
+    engine.step()
+    assert opens[2].done and not opens[3].done
+    engine.close(opens[1].result)
+    engine.step()                                  # opens[3] takes the freed slot; opens[4] waits
+    assert opens[3].done and not opens[4].done
+    with pytest.raises(EngineError, match="no progress"):   # every slot is held by an idle sequence
+        engine.run([opens[4]])
+    for o in (opens[2], opens[3]):
+        engine.close(o.result)
+    engine.run([opens[4]])
+    engine.close(opens[4].result)
+    res = engine.generate_many(prompts, 6)         # 5 requests on 2 slots: they queue, then all finish
+    assert [r[0].tokens for r in res] == [alone.generate(alone.prefill(p), 6).tokens for p in prompts]
+    assert engine.free_slots == 2 and not engine.busy
+
+
+def test_fuzz_runs_through_the_scheduler_end_and_free_every_slot(setup):
+    model, tok, _ = setup
+    engine = _batch(model, tok, slots=4)
+    rng = np.random.default_rng(0)
+    scripts = []
+    for _ in range(200):
+        steps = []
+        for _ in range(int(rng.integers(1, 4))):
+            kind = rng.choice(["generate", "fork", "extend"])
+            if kind == "generate":
+                steps.append(("generate", ((int(rng.integers(1, 9)),), dict(stop=[tok.decode(_ids(int(rng.integers(1e6)), 1))]))))
+            elif kind == "fork":
+                k = int(rng.integers(1, 5))
+                steps.append(("fork", (([_ids(int(rng.integers(1e6)), int(rng.integers(0, 3))) for _ in range(k)],
+                                        int(rng.integers(1, 9))), {})))
+            else:
+                steps.append(("extend", ((_ids(int(rng.integers(1e6)), int(rng.integers(0, 6))),), {})))
+        scripts.append((_ids(int(rng.integers(1e6)), int(rng.integers(1, 12))), steps))
+    got = _drive(engine, scripts)
+    n_results = 0
+    for (prompt, steps), out in zip(scripts, got):
+        assert len(out) == sum(k != "extend" for k, _ in steps)
+        for r in out:
+            for g in (r if isinstance(r, list) else [r]):
+                assert g.stop_reason in ("stop", "eos", "length") and g.tokens
+                n_results += 1
+    assert n_results > 200
+    assert engine.free_slots == 4 and not engine.busy and not engine._groups and not engine._prefill_work
+
+
+def _copies_of_the_cache(hlo: str, capacities: set[int]) -> list[str]:
+    """Instructions outside fusion bodies that produce an array with a cache-capacity axis and are
+    not an in-place update (scatter / dynamic-update-slice fusion) or a view of an existing buffer."""
+    comps = dict(re.findall(r"^(?:ENTRY )?%(\S+) .*?\{\n(.*?)\n\}", hlo, flags=re.S | re.M))
+    called = set(re.findall(r"calls=%([\w.\-]+)", hlo))
+    roots = {name: re.search(r"ROOT %\S+ = \S+ ([\w\-]+)\(", body).group(1) for name, body in comps.items()
+             if re.search(r"ROOT %\S+ = \S+ ([\w\-]+)\(", body)}
+    bad = []
+    for name, body in comps.items():
+        if name in called:
+            continue
+        for line in body.splitlines():
+            m = re.match(r"\s*(?:ROOT )?%\S+ = (\w+)\[([\d,]*)\]\S* ([\w\-]+)\(", line)
+            if not m or not capacities & {int(d) for d in m.group(2).split(",") if d}:
+                continue
+            op = m.group(3)
+            if op in ("parameter", "get-tuple-element", "bitcast", "scatter", "dynamic-update-slice"):
+                continue
+            if op == "fusion":
+                callee = re.search(r"calls=%([\w.\-]+)", line).group(1)
+                if roots.get(callee) in ("scatter", "dynamic-update-slice"):
+                    continue
+            bad.append(line.strip()[:160])
+    return bad
+
+
+def test_decode_step_hlo_has_no_full_cache_copy(setup):
+    """The compiled decode chunk updates the slot cache in place: nothing in it produces a fresh
+    array with a capacity axis. The same detector finds the copy in the single-run engine, whose
+    layer scan carries the cache through its outputs (the prototype the issue measured)."""
+    model, tok, alone = setup
+    engine = _batch(model, tok)
+    rg, g = 2, engine.max_children
+    b = rg * (1 + g)
+    z = lambda dt=jnp.int32: jnp.zeros(b, dt)  # noqa: E731
+    hlo = _decode.lower(engine.params, engine.config, engine.cache, jnp.zeros(rg, jnp.int32),
+                        jnp.zeros(rg, jnp.int32), z(), z(), z(bool), z(), jnp.zeros((b, STOP_WIDTH), jnp.int32),
+                        z(), z(), z(), z(jnp.float32), z(), z(jnp.float32), g=g, chunk=8,
+                        s_b=64, c_b=32).compile().as_text()   # used-length buckets below capacity
+    caps = {engine.parent_capacity, engine.child_capacity}
+    assert caps == {104, 56}
+    assert _copies_of_the_cache(hlo, caps) == []
+    assert "scatter" in hlo
+    old_cache = single.KVCache.zeros(model.config, 1, alone.seq_capacity)
+    o = lambda dt=jnp.int32: jnp.zeros(1, dt)  # noqa: E731
+    old = single._decode_fn.lower(
+        model.params, model.config, old_cache, o(), o(), o(bool), o(), jnp.zeros((1, 1), jnp.int32),
+        jax.vmap(jax.random.key)(o()), jnp.int32(0), jnp.float32(0), jnp.int32(0), jnp.float32(1), None,
+        branched=False, chunk=8, greedy=True, attention_impl="xla").compile().as_text()
+    assert _copies_of_the_cache(old, {alone.seq_capacity}) != []
+
+
+def test_errors_name_the_limit(setup):
+    model, tok, _ = setup
+    engine = _batch(model, tok)
+    with pytest.raises(EngineError, match="empty"):
+        engine.open([])
+    with pytest.raises(EngineError, match="max_seq_len"):
+        engine.open(list(range(3, 100)))
+    op = engine.open(_ids(1, 5))
+    engine.run([op])
+    with pytest.raises(EngineError, match="max_children"):
+        engine.fork(op.result, [[1]] * 5, 4)
+    with pytest.raises(EngineError, match="max_branch_tokens"):
+        engine.fork(op.result, [[1] * 40], 20)
+    with pytest.raises(EngineError, match="max_seq_len"):
+        engine.generate(op.result, 95)
+    engine.close(op.result)
+    with pytest.raises(EngineError, match="closed"):
+        engine.generate(op.result, 2)
