@@ -123,12 +123,11 @@ def load_tokenizer_arg(tokenizer: str | None, model: str):
                         f"pass --tokenizer DIR or --tokenizer qwen2") from None
 
 
-def build_engine(args, config):
-    """The model, its tokenizer and an Engine sized for `config` (branch capacity = the per-branch
-    budget plus room for the forced opening tag). Capacities and the tokenizer are checked against
-    the model's config.json before the weights are read."""
-    from sprint_jax.errors import UserError
-    from sprint_jax.infer import Engine, EngineError
+def _checked_load(args, config, seqs: int = 1):
+    """(model, tokenizer, max_seq_len, branch capacity) for `seqs` sequences, each with
+    config.max_prompts branches of the per-branch budget plus room for the forced opening tag.
+    Capacities, the KV-cache memory and the tokenizer are checked against the model's config.json
+    before the weights are read."""
     from sprint_jax.model.capacity import check_memory, check_positions, kv_cache_bytes
     from sprint_jax.model.config import Qwen2Config
     from sprint_jax.model.tokenizer import check_tokenizer_fits
@@ -141,12 +140,22 @@ def build_engine(args, config):
     max_seq_len = args.max_seq_len if args.max_seq_len is not None else min(8192, mcfg.max_position_embeddings)
     check_positions(mcfg, max_seq_len, "--max-seq-len")
     branch_tokens = config.max_branch_tokens + 32
-    check_memory(kv_cache_bytes(mcfg, max_seq_len + config.max_prompts * branch_tokens),
-                 f"the KV cache (--max-seq-len {max_seq_len}, {config.max_prompts} branches of {branch_tokens})",
-                 "lower --max-seq-len, --max-prompts or --max-branch-tokens")
+    what = f"{seqs} sequence(s) of --max-seq-len {max_seq_len} with {config.max_prompts} branches of {branch_tokens}"
+    check_memory(kv_cache_bytes(mcfg, seqs * (max_seq_len + config.max_prompts * branch_tokens)),
+                 f"the KV cache ({what})",
+                 "lower --max-seq-len, --max-prompts, --max-branch-tokens" + (" or --concurrency" if seqs > 1 else ""))
     tok = load_tokenizer_arg(args.tokenizer, args.model)
     check_tokenizer_fits(tok, mcfg.vocab_size, f"the model in {args.model}")
     model = load_model_arg(args.model, args.dtype)
+    return model, tok, max_seq_len, branch_tokens
+
+
+def build_engine(args, config):
+    """The model, its tokenizer and a single-run Engine sized for `config` (see `_checked_load`)."""
+    from sprint_jax.errors import UserError
+    from sprint_jax.infer import Engine, EngineError
+
+    model, tok, max_seq_len, branch_tokens = _checked_load(args, config)
     try:
         return Engine(model, tok, max_seq_len=max_seq_len, max_branches=config.max_prompts,
                       max_branch_tokens=branch_tokens, decode_chunk=args.decode_chunk,
@@ -164,13 +173,12 @@ def build_batch_engine(args, config, concurrency: int):
 
     if concurrency < 1:
         raise UserError(f"--concurrency must be >= 1, got {concurrency}")
-    if getattr(args, "attention", "xla") != "xla":
-        raise UserError("--attention pallas: the batched engine has no Pallas path yet (use xla)")
-    model = load_model_arg(args.model, args.dtype)
-    tok = load_tokenizer_arg(args.tokenizer, args.model)
+    if getattr(args, "attention_impl", "xla") != "xla":
+        raise UserError("--attention-impl pallas: the batched engine has no Pallas path yet (use xla)")
+    model, tok, max_seq_len, branch_tokens = _checked_load(args, config, concurrency)
     try:
         return BatchEngine(model, tok, max_seqs=concurrency, max_children=config.max_prompts,
-                           max_seq_len=args.max_seq_len, max_branch_tokens=config.max_branch_tokens + 32,
+                           max_seq_len=max_seq_len, max_branch_tokens=branch_tokens,
                            decode_chunk=args.decode_chunk, prefill_chunk=args.prefill_chunk)
     except EngineError as e:
         raise UserError(str(e)) from None
