@@ -143,6 +143,39 @@ def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
     return data
 
 
+def config_flags(cls) -> list[tuple[str, str, type, tuple | None]]:
+    """(flag, field, type, choices) for every scalar field of dataclass `cls`: command-line flags
+    are derived from the config (`max_stages` -> `--max-stages`), never retyped."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        choices = None
+        if typing.get_origin(kind) is typing.Literal:
+            kind, choices = type(args[0]), tuple(args)
+        elif args and typing.get_origin(kind) in (typing.Union, types.UnionType):
+            kind = args[0]
+        if kind in (int, float, str):
+            out.append(("--" + f.name.replace("_", "-"), f.name, kind, choices))
+    return out
+
+
+def add_config_flags(parser, cls, defaults: dict[str, str] | None = None) -> None:
+    """One flag per scalar field of `cls` (see config_flags); unset flags stay None so the config
+    file and --set decide. `defaults` replaces the default shown in --help for some fields."""
+    shown = {f.name: f.default for f in dataclasses.fields(cls)} | (defaults or {})
+    for flag, field, kind, choices in config_flags(cls):
+        parser.add_argument(flag, dest=field, type=kind, default=None, choices=choices,
+                            help=f"{cls.__name__}.{field} (default {shown[field]})")
+
+
+def flag_overrides(args, cls) -> list[str]:
+    """`field=value` overrides for the flags of `cls` that were given."""
+    return [f"{field}={getattr(args, field)}" for _, field, _, _ in config_flags(cls)
+            if getattr(args, field, None) is not None]
+
+
 def read_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():

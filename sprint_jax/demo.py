@@ -1,6 +1,6 @@
 """`sprint-jax demo`: the whole SPRINT method, in miniature but for real, on a laptop-class CPU.
 
-1. Tasks and serial traces made by the project: the digit-chains family (curation/chains.py),
+1. Tasks and serial traces made by the project: the digit-chains family (tasks/chains.py),
    whose chains are genuinely independent sub-computations. Held-out test problems are excluded
    from the training set by their start digits.
 2. The real curation pipeline and SQLite store with the offline curator: steps, DAG, σ packing,
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sprint_jax.config import CONFIG_DIR, load_config, to_dict
+from sprint_jax.config import load_config, to_dict
 
 DESCRIPTION = __doc__
 
@@ -62,7 +62,7 @@ class DemoConfig:
 def _vocabulary(cfg: DemoConfig) -> list[str]:
     """One token per tag (with the single spaces the format puts beside it) and per word."""
     from sprint_jax import format as fmt
-    from sprint_jax.curation import chains
+    from sprint_jax.tasks import chains
 
     vocab = ["<pad>", "<eos>", " ", "\n"] + chains.vocabulary()
     for tag in fmt.tag_vocabulary(max_stages=3, max_prompts=cfg.chains):
@@ -81,7 +81,7 @@ def _say(msg: str) -> None:
 
 def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
     from sprint_jax.config import from_dict
-    from sprint_jax.curation import chains
+    from sprint_jax.tasks import chains
     from sprint_jax.curation.config import CurateConfig
     from sprint_jax.curation.pipeline import run_pipeline
     from sprint_jax.eval.evaluate import evaluate
@@ -203,7 +203,7 @@ def _execution_quality(records_path: Path, length: int) -> dict:
     """Did the executors do the work? Accuracy alone cannot tell: the final answer is a function
     of the query, so a planner could shortcut the executions. Per run: the fraction of executions
     that are exactly the right chain, and of final answers equal to the max over the executions."""
-    from sprint_jax.curation import chains
+    from sprint_jax.tasks import chains
 
     exact = total = consistent = runs = 0
     for line in records_path.read_text().splitlines():
@@ -223,8 +223,8 @@ def _execution_quality(records_path: Path, length: int) -> dict:
 
 def _warm(engine, task, orch, mode) -> None:
     """Compile the engine's shapes once so that wall-clock comparisons measure decoding."""
-    from sprint_jax.curation import chains
     from sprint_jax.infer.orchestrator import Orchestrator, run_many
+    from sprint_jax.tasks import chains
 
     if hasattr(engine, "max_seqs"):
         run_many(engine, [chains.prompt_for(task)] * engine.max_seqs, mode, orch)
@@ -277,31 +277,32 @@ def _plots(out: Path, trained: dict, results: dict) -> None:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--out", default=None, help="output directory (default runs/demo)")
-    p.add_argument("--seed", type=int, default=None, help="seed for tasks, data order and init (default 0)")
+    from sprint_jax.config import add_config_flags
+
     p.add_argument("--layouts", default=None,
                    help="SPRINT training layouts, comma-separated: trie (default), flat, or trie,flat")
-    p.add_argument("--config", default=str(CONFIG_DIR / "demo.yaml"), help="demo config (YAML)")
+    p.add_argument("--config", default=None,
+                   help="demo config (YAML); default: the embedded defaults (the same as configs/demo.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set steps=100 (repeatable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_config_flags(p.add_argument_group("DemoConfig fields (flags override --config/--set)"), DemoConfig)
 
 
 def run(args) -> int:
+    from sprint_jax.config import flag_overrides
     from sprint_jax.errors import UserError
 
-    overrides = list(args.set)
-    if args.seed is not None:
-        overrides.append(f"seed={args.seed}")
-    if args.out is not None:
-        overrides.append(f"out={args.out}")
+    overrides = list(args.set) + flag_overrides(args, DemoConfig)
     if args.layouts is not None:
         layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
         bad = [x for x in layouts if x not in ("trie", "flat")]
         if bad or not layouts:
             raise UserError(f"--layouts takes trie, flat or trie,flat; got {args.layouts!r}")
         overrides.append(f"layouts=[{','.join(layouts)}]")
-    cfg = load_config(DemoConfig, args.config if Path(args.config).exists() else None, overrides)
+    if args.config is not None and not Path(args.config).is_file():
+        raise UserError(f"--config {args.config}: no such file")
+    cfg = load_config(DemoConfig, args.config, overrides)
     run_demo(cfg, Path(cfg.out), progress=not args.no_progress)
     return 0
 

@@ -31,12 +31,18 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Iterable, Union
+import typing
+from typing import Iterable, Literal, Union
 
 SPAN_KINDS: tuple[str, ...] = ("query", "plan", "prompt", "execution", "answer", "tag")
 
 FINAL_OPEN = "<Final Answer>"
 FINAL_CLOSE = "</Final Answer>"
+
+# How training lays a rendered example out (train/data.py): `flat`, the paper's one causal sequence,
+# or `trie`, one unit per planner / executor call. Inference tokenizes its contexts the same way.
+Layout = Literal["flat", "trie"]
+LAYOUTS: tuple[str, ...] = typing.get_args(Layout)
 
 # Canonical whitespace, used by `render` and by the orchestrator's forced text (one place per fact).
 BLOCK_GAP = "\n"      # between blocks (plans, executions, the final answer) and after the query

@@ -1,26 +1,41 @@
-"""Shared fixtures: tiny real HF Qwen2 checkpoints written by transformers itself."""
+"""Shared fixtures: tiny real HF Qwen2 / Qwen3 checkpoints written by transformers itself."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-# Odd sizes catch transposes (STYLE.md habit 5).
-TINY_HF = dict(vocab_size=307, hidden_size=72, intermediate_size=200, num_hidden_layers=3,
-               num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
-               rope_theta=10000.0, rms_norm_eps=1e-6)
+from sprint_jax.config import CONFIG_DIR
+
+# The one tiny test model: configs/model_tiny.json (`Qwen2Config.preset("tiny")`). Odd sizes catch
+# transposes (STYLE.md habit 5). Here as HF Qwen2Config keyword arguments.
+TINY_HF = {k: v for k, v in json.loads((CONFIG_DIR / "model_tiny.json").read_text()).items()
+           if k not in ("model_type", "tie_word_embeddings")}
+# The tiny Qwen3 preset: same odd sizes, head_dim 20 != hidden / heads (= 12).
+TINY_QWEN3_HF = {k: v for k, v in json.loads((CONFIG_DIR / "model_tiny-qwen3.json").read_text()).items()
+                 if k not in ("model_type", "tie_word_embeddings")}
 
 
-def make_hf_checkpoint(path: Path, tied: bool = False, seed: int = 0, **overrides) -> Path:
-    """Build a random Qwen2ForCausalLM with transformers (random biases and norms too) and save it."""
+def hf_classes(family: str):
+    """(config class, model class) of transformers for one family."""
+    import transformers
+
+    name = {"qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    return getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
+
+
+def make_hf_checkpoint(path: Path, tied: bool = False, seed: int = 0, family: str = "qwen2",
+                       **overrides) -> Path:
+    """Build a random Qwen2/Qwen3ForCausalLM with transformers (random biases and norms too), save it."""
     import torch
-    from transformers import Qwen2Config as HFConfig
-    from transformers import Qwen2ForCausalLM
 
+    HFConfig, HFModel = hf_classes(family)
     torch.manual_seed(seed)
-    cfg = HFConfig(**{**TINY_HF, **overrides}, tie_word_embeddings=tied, attn_implementation="eager",
+    base = TINY_HF if family == "qwen2" else TINY_QWEN3_HF
+    cfg = HFConfig(**{**base, **overrides}, tie_word_embeddings=tied, attn_implementation="eager",
                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = Qwen2ForCausalLM(cfg).eval()
+    model = HFModel(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
@@ -34,11 +49,12 @@ def make_hf_checkpoint(path: Path, tied: bool = False, seed: int = 0, **override
 
 
 def load_hf(path: Path, dtype=None):
+    """The HF model class named by the checkpoint's model_type, eager attention."""
     import torch
-    from transformers import Qwen2ForCausalLM
 
-    return Qwen2ForCausalLM.from_pretrained(path, attn_implementation="eager",
-                                            dtype=dtype or torch.float32).eval()
+    family = json.loads((Path(path) / "config.json").read_text())["model_type"]
+    return hf_classes(family)[1].from_pretrained(path, attn_implementation="eager",
+                                                 dtype=dtype or torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
@@ -49,6 +65,16 @@ def hf_untied(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def hf_tied(tmp_path_factory) -> Path:
     return make_hf_checkpoint(tmp_path_factory.mktemp("hf_tied"), tied=True, seed=1)
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3_untied(tmp_path_factory) -> Path:
+    return make_hf_checkpoint(tmp_path_factory.mktemp("hf_qwen3_untied"), tied=False, seed=2, family="qwen3")
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3_tied(tmp_path_factory) -> Path:
+    return make_hf_checkpoint(tmp_path_factory.mktemp("hf_qwen3_tied"), tied=True, seed=3, family="qwen3")
 
 
 def tiny_vocab_tokenizer(size: int = 307):

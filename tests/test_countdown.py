@@ -7,9 +7,10 @@ from fractions import Fraction
 
 import pytest
 
-from sprint_jax.curation import countdown
+from sprint_jax.tasks import countdown
 from sprint_jax.curation.types import Task
-from sprint_jax.eval.graders import grade, grade_countdown
+from sprint_jax.tasks import grade
+from sprint_jax.tasks.countdown import grade_countdown
 
 
 def whole_number_reachable(values: list[int], target: int) -> bool:

@@ -29,7 +29,7 @@ def config_data(base_url: str, tasks_path: Path, **extra) -> dict:
     endpoint = dict(base_url=base_url, api_key_env=KEY_ENV, max_retries=3, timeout_s=5.0,
                     backoff_base_s=0.01, backoff_max_s=0.05, concurrency=2, max_tokens=512)
     data = {
-        "tasks": {"source": "math_jsonl", "path": str(tasks_path)},
+        "tasks": {"source": "file", "path": str(tasks_path)},
         "teacher": {"kind": "openai", "model": "fake-teacher", **endpoint},
         "extractor": {"kind": "llm", "model": "fake-extractor", **endpoint},
         "dag": {"kind": "llm", "model": "fake-dag", **endpoint, "invalid_edge_policy": "drop"},
@@ -273,7 +273,7 @@ def test_bad_config_fields_are_named(tmp_path):
     with pytest.raises(ConfigError, match="teacher.model is required"):
         load_config(CurateConfig, None, ["teacher.kind=openai"])
     with pytest.raises(ConfigError, match="tasks: path is required"):
-        load_config(CurateConfig, None, ["tasks.source=math_jsonl", "teacher.kind=openai", "teacher.model=m"])
+        load_config(CurateConfig, None, ["tasks.source=file", "teacher.kind=openai", "teacher.model=m"])
 
 
 def test_teacher_trace_with_sprint_tags_or_truncation_is_discarded(server, tmp_path):
@@ -284,6 +284,7 @@ def test_teacher_trace_with_sprint_tags_or_truncation_is_discarded(server, tmp_p
     assert report["counts"]["teacher"] == 2
 
 
+@pytest.mark.slow
 def test_cli_run_and_status(server, tmp_path, capsys, monkeypatch):
     """`sprint-jax curate` as a real subprocess; `status` and a missing key through the same entry point."""
     from sprint_jax.cli import main
@@ -318,7 +319,7 @@ def test_cli_run_and_status(server, tmp_path, capsys, monkeypatch):
 def test_offline_curator_on_countdown_end_to_end(tmp_path):
     """No endpoint: programmatic teacher + offline extractor + offline DAG on generated Countdown."""
     from sprint_jax.curation.types import Task
-    from sprint_jax.eval.graders import grade
+    from sprint_jax.tasks import grade
 
     cfg = load_config(CurateConfig, REPO / "configs" / "curate_countdown_offline.yaml",
                       ["tasks.n=12", "tasks.seed=3"])

@@ -12,6 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 import yaml
 
 from fake_openai_server import FakeOpenAIServer, ScriptedCurator, write_math_jsonl
@@ -50,6 +51,7 @@ def script() -> ScriptedCurator:
     return s
 
 
+@pytest.mark.slow
 def test_killed_twice_then_resumed(tmp_path, monkeypatch):
     monkeypatch.setenv(KEY_ENV, SECRET)
     write_math_jsonl(tmp_path / "tasks.jsonl")

@@ -48,7 +48,7 @@ def test_scaled_down_demo_produces_every_artifact(tmp_path):
 
 
 def test_execution_quality_counts_exact_chains_and_consistent_answers(tmp_path):
-    from sprint_jax.curation.chains import chain
+    from sprint_jax.tasks.chains import chain
     from sprint_jax.demo import _execution_quality
 
     starts = [7, 3, 9, 2]
@@ -62,3 +62,15 @@ def test_execution_quality_counts_exact_chains_and_consistent_answers(tmp_path):
     path.write_text(json.dumps(rec) + "\n" + json.dumps(rec2) + "\n")
     q = _execution_quality(path, 12)
     assert q == {"executions_exact": 6 / 8, "answer_matches_executions": 0.5}
+
+
+def test_demo_config_missing_path_is_an_error_and_the_default_is_embedded(tmp_path, capsys):
+    from sprint_jax.cli import main
+    from sprint_jax.config import CONFIG_DIR, load_config
+
+    assert main(["demo", "--config", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nope.yaml: no such file" in err[0]
+    assert not (tmp_path / "o").exists()
+    # without --config the embedded defaults run; configs/demo.yaml says the same
+    assert load_config(DemoConfig, CONFIG_DIR / "demo.yaml") == DemoConfig()

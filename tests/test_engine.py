@@ -14,40 +14,62 @@ from sprint_jax.model import from_pretrained
 from sprint_jax.model.qwen2 import forward
 
 
+# One tiny checkpoint per family (few compiles): Qwen2 untied, Qwen3 tied with head_dim 20.
+CHECKPOINT = {"qwen2": "hf_untied", "qwen3": "hf_qwen3_tied"}
+
+
 @pytest.fixture(scope="module")
-def setup(hf_untied):
-    model = from_pretrained(hf_untied)
-    tok = tiny_vocab_tokenizer()
-    engine = Engine(model, tok, max_seq_len=96, max_branches=16, max_branch_tokens=48, decode_chunk=8,
-                    prefill_chunk=32, eos_token_ids=[])
-    return model, tok, engine
+def engines() -> dict:
+    return {}
+
+
+def _setup(family: str, request, engines: dict):
+    if family not in engines:
+        path = request.getfixturevalue(CHECKPOINT[family])
+        model = from_pretrained(path)
+        tok = tiny_vocab_tokenizer()
+        engine = Engine(model, tok, max_seq_len=96, max_branches=16, max_branch_tokens=48, decode_chunk=8,
+                        prefill_chunk=32, eos_token_ids=[])
+        engines[family] = (model, tok, engine, path)
+    return engines[family]
+
+
+@pytest.fixture(scope="module")
+def setup(request, engines):
+    """The Qwen2 engine (tests of engine mechanics that do not depend on the family)."""
+    return _setup("qwen2", request, engines)[:3]
+
+
+@pytest.fixture(params=list(CHECKPOINT))
+def family_setup(request, engines):
+    """The engine of each family (tests of numerics: cache == full forward, branches == alone)."""
+    return _setup(request.param, request, engines)
 
 
 def _context(seed=0, n=21):
     return [int(x) for x in np.random.default_rng(seed).integers(3, 307, n)]
 
 
-def test_cached_logits_equal_full_forward_every_step(setup):
-    model, _, engine = setup
+def test_cached_logits_equal_full_forward_every_step(family_setup):
+    model, _, engine, _ = family_setup
     seq = _context(1, 30)
-    fwd = jax.jit(lambda p, t: forward(p, model.config, t))
+    # one plain causal pass over all 30 tokens: row i-1 is the full forward of seq[:i]
+    full = np.asarray(jax.jit(forward, static_argnums=1)(model.params, model.config, jnp.asarray([seq])))[0]
     state = engine.prefill(seq[:5])
     for i in range(5, 30):
-        full = np.asarray(fwd(model.params, jnp.asarray([seq[:i]])))[0, -1]
         got = engine.step_logits(state)
-        assert np.abs(got - full).max() <= 1e-4, i
+        assert np.abs(got - full[i - 1]).max() <= 1e-4, i
         engine.extend(state, [seq[i]])
     # a multi-token extend across a bucket boundary (the orchestrator's sync)
     state = engine.prefill(seq[:3])
     engine.extend(state, seq[3:27])
-    full = np.asarray(fwd(model.params, jnp.asarray([seq[:27]])))[0, -1]
-    assert np.abs(engine.step_logits(state) - full).max() <= 1e-4
+    assert np.abs(engine.step_logits(state) - full[26]).max() <= 1e-4
 
 
-def test_greedy_generate_matches_hf_generate(setup, hf_untied):
-    _, _, engine = setup
+def test_greedy_generate_matches_hf_generate(family_setup):
+    _, _, engine, path = family_setup
     prompt = _context(2, 9)
-    hf = load_hf(hf_untied)
+    hf = load_hf(path)
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
                           pad_token_id=0, min_new_tokens=20).numpy()[0, len(prompt):]
@@ -64,8 +86,8 @@ def _alone(engine, context, prefix, limit, stop):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 8])
-def test_branch_modes_match_each_other_and_decoding_alone(setup, n):
-    _, tok, engine = setup
+def test_branch_modes_match_each_other_and_decoding_alone(family_setup, n):
+    _, tok, engine, _ = family_setup
     context = _context(3 + n, 17)
     rng = np.random.default_rng(n)
     prefixes = [[int(x) for x in rng.integers(3, 307, 1 + j % 3)] for j in range(n)]

@@ -64,7 +64,10 @@ def test_evaluate_grades_and_writes_consistent_outputs(tmp_path):
     assert written["mean_total_tokens"] == pytest.approx(sum(r["total_tokens"] for r in on_disk) / n)
     assert written["format_valid_rate"] == 1.0 and written["terminations"] == {"final_answer": 5}
     assert written["mode"] == "parallel" and written["n"] == 5 and written["wall_clock_s"] > 0
-    assert set(written["plots"]) == {"tokens.png", "reduction_by_length.png"}
+    assert set(written["plots"]) == {"tokens.png", "sequential_to_total_by_length.png"}
+    assert written["sequential_to_total"] == pytest.approx(
+        sum(r["sequential_tokens"] for r in on_disk) / sum(r["total_tokens"] for r in on_disk))
+    assert "token_reduction" not in written and written["grader_errors"] == 0
     for name in written["plots"]:
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
@@ -150,9 +153,9 @@ def task_file(tmp_path_factory):
 
 
 def test_real_model_eval_structure(real_engine, task_file, tmp_path):
-    from sprint_jax.curation.tasks import load_math_jsonl
+    from sprint_jax.tasks import load_task_file
 
-    tasks = load_math_jsonl(task_file, limit=3)
+    tasks = load_task_file(task_file, "math", limit=3)
     cfg = OrchestratorConfig(max_planner_tokens=10, max_branch_tokens=8, max_total_tokens=16)
     for mode in ("parallel", "sequential"):
         results, report = evaluate(real_engine, tasks, mode, orchestrator_config=cfg, out_dir=tmp_path / mode,

@@ -5,9 +5,12 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import load_hf
+
+pytestmark = pytest.mark.slow   # runs subprocesses (the `slow` marker: pyproject.toml)
 
 
 def _cli(*args):

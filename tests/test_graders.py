@@ -11,12 +11,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sprint_jax.errors import UserError
-from sprint_jax.curation.tasks import TaskFileError, load_choice_jsonl, load_math_jsonl
-from sprint_jax.curation.types import Task
-from sprint_jax.eval.graders import (countdown_equation, countdown_score, extract_boxed, extract_choice, grade,
-                                     grade_choice, grade_countdown, grade_math)
+from sprint_jax.tasks import Task, TaskFileError, extract_boxed, grade, load_math500, load_task_file
+from sprint_jax.tasks.choice import extract_choice, grade_choice, load_choice
+from sprint_jax.tasks.countdown import countdown_equation, countdown_score, grade_countdown
+from sprint_jax.tasks.math import grade_math
+from sprint_jax.tasks.sources import read_file_records
 
-MATH500 = Path("/work/shared/data/math500.jsonl")
+
+def load_math_jsonl(path, limit=None):
+    return load_task_file(path, "math", limit)
+
+
+def load_choice_jsonl(path, limit=None, shuffle_seed=0):
+    return load_choice(read_file_records(path), Path(path).stem, limit, shuffle_seed)
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -67,7 +74,7 @@ def test_math_from_a_worker_thread():
 def test_math500_reference_solutions_grade_correct():
     """Real data: each record's worked solution (last \\boxed{}) against its answer field; and a
     mismatched pairing (answer of the next record) is graded wrong for most records."""
-    tasks = load_math_jsonl(MATH500, limit=40)
+    tasks = load_math500(limit=40)
     assert len(tasks) == 40 and tasks[0].id == "test/precalculus/807.json"
     assert all(grade(t, t.meta["solution"]) for t in tasks)
     wrong = sum(grade_math(t.meta["solution"], nxt.answer) for t, nxt in zip(tasks, tasks[1:]))
@@ -204,13 +211,13 @@ def _write(tmp_path: Path, lines: list) -> Path:
 
 
 def test_load_math(tmp_path):
-    tasks = load_math_jsonl(MATH500)
+    tasks = load_math500()
     assert len(tasks) == 500 and len({t.id for t in tasks}) == 500
     assert tasks[0].answer == r"\left( 3, \frac{\pi}{2} \right)" and tasks[0].meta["level"] == 2
-    assert load_math_jsonl(MATH500, limit=3) == tasks[:3]
+    assert load_math500(limit=3) == tasks[:3]
     p = _write(tmp_path, [{"problem": "1+1?", "answer": 2}, "", {"question": "x?", "solution": r"so \boxed{4}"}])
     got = load_math_jsonl(p)
-    assert [(t.id, t.problem, t.answer) for t in got] == [("t-1", "1+1?", "2"), ("t-3", "x?", "4")]
+    assert [(t.id, t.problem, t.answer) for t in got] == [("t-1", "1+1?", "2"), ("t-2", "x?", "4")]
 
 
 @pytest.mark.parametrize("lines, match", [

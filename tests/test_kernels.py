@@ -218,7 +218,7 @@ def test_bench_kernels_quick_point(tmp_path):
     add_kernels_arguments(parser)
     out = tmp_path / "bench.json"
     args = parser.parse_args(["--quick", "--branches", "3", "--prefix-lens", "24", "--suffix-len",
-                              "5", "--dtype", "fp32", "--repeats", "1", "--out", str(out)])
+                              "5", "--dtype", "float32", "--repeats", "1", "--out", str(out)])
     assert run_kernels_bench(args) == 0
     report = json.loads(out.read_text())
     assert report["interpret"] is True and report["timings_meaningful"] is False

@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow   # runs subprocesses (the `slow` marker: pyproject.toml)
+
 REPO = Path(__file__).resolve().parents[1]
 OURS = str(REPO / "kernels")
 

@@ -401,10 +401,12 @@ def test_config_loads_and_rejects_bad_values():
         run_query(drug_engine(), QUERY, "batched")
 
 
-def test_execution_opening_is_what_render_writes():
-    text = fmt.render_completion(DRUG_TRAJECTORY)
-    for i, j in [(1, 1), (2, 1), (2, 2), (2, 3), (3, 1)]:
-        assert execution_opening(i, j) + " " in text
+def test_forced_text_is_the_canonical_whitespace():
+    """The forced opening is what the canonical format puts before an execution's content (one
+    newline between blocks, one space inside: DESIGN.md; test_format checks render against the
+    same literal text)."""
+    assert execution_opening(2, 3) == "\n<execution_2.3>"
+    assert (fmt.BLOCK_GAP, fmt.CLOSE_GAP) == ("\n", " ")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,17 +473,27 @@ class ForcedPlanner:
     returned as a Generation): a random model never writes tags, so this makes it run stages.
     Executors are decoded by the real engine; unscripted planner calls are real too."""
 
-    def __init__(self, engine, scripts: Sequence[str]):
+    def __init__(self, engine, scripts: Sequence[str], spell: Sequence[str] = ()):
         self.engine = engine
         self.scripts = list(scripts)
+        self.spell = list(spell)           # strings the "model" writes one character per token
+        self.contexts: list[list[int]] = []
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
+    def _encode(self, text: str) -> list[int]:
+        for word in self.spell:
+            if word in text:
+                a, b = text.split(word, 1)
+                return self._encode(a) + [t for ch in word for t in self.engine.encode(ch)] + self._encode(b)
+        return self.engine.encode(text)
+
     def generate(self, state, max_new_tokens, stop=(), sampling=None):
+        self.contexts.append(list(state.tokens))
         if not self.scripts:
             return self.engine.generate(state, max_new_tokens, stop=stop, sampling=sampling)
-        ids = self.engine.encode(self.scripts.pop(0))[:max_new_tokens]
+        ids = self._encode(self.scripts.pop(0))[:max_new_tokens]
         self.engine.extend(state, ids)
         text = self.engine.decode_text(ids)
         return Generation(ids, text, "stop" if any(s in text for s in stop) else "length", state=state)
@@ -526,6 +538,28 @@ def test_real_engine_parallel_equals_serial_and_counts_match_an_independent_deco
     assert par.stages[0].sync_tokens == sum(e.forced_tokens + e.tokens for e in par.stages[0].executions) + \
         len(real_engine.encode(fmt.BLOCK_GAP))
     assert par.stages[0].branch_cache_bytes > 0
+
+
+@pytest.mark.parametrize("mode", ["parallel", "serial"])
+def test_real_engine_rolls_back_to_the_layout_tokens_at_fork_and_sync(real_engine, mode):
+    """The planner writes `<t5>` as four character tokens where the tokenizer has one token: the
+    fork rolls the real engine's state back to before it, every executor starts from the flat
+    tokenization of its context (checked against a decode alone from a fresh prefill of exactly
+    that), and the planner holds the flat tokenization after the sync."""
+    planner = ["<Plan_1> <prompt_1.1> a </prompt_1.1> <prompt_1.2> b </prompt_1.2> see <t5> </Plan_1>",
+               "<Final Answer> 5 </Final Answer>"]
+    forced = ForcedPlanner(real_engine, planner, spell=["<t5>"])
+    assert len(forced._encode(planner[0])) == len(real_engine.encode(planner[0])) + 3
+    rec = run_query(forced, REAL_QUERY, mode, OrchestratorConfig(max_branch_tokens=6, layout="flat"))
+    assert rec.termination == "final_answer" and rec.final_answer == "5"
+    enc = real_engine.encode
+    for j, ex in enumerate(rec.stages[0].executions, start=1):
+        context = enc(REAL_QUERY) + enc(planner[0] + execution_opening(1, j))
+        ref = real_engine.generate(real_engine.prefill(context), 6, stop=[fmt.execution_close(1, j)])
+        assert ex.tokens == len(ref.tokens) and ex.text == ref.text[:len(ex.text)]
+    after_sync = forced.contexts[1]
+    assert after_sync == enc(REAL_QUERY) + enc(real_engine.decode_text(after_sync[len(enc(REAL_QUERY)):]))
+    assert real_engine.decode_text(after_sync).endswith(fmt.BLOCK_GAP)
 
 
 def test_real_engine_truncate_then_extend_equals_a_fresh_prefill(real_engine):

@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow   # runs subprocesses (the `slow` marker: pyproject.toml)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""

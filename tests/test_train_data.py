@@ -3,6 +3,7 @@ against independent references: the format module's spans, and the model run on 
 each unit alone as a plain causal sequence."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -182,8 +183,8 @@ def test_stream_is_deterministic_and_covers_every_item(tok):
 # ---------------------------------------------------------------------------------------------
 # packing == running alone (independent reference: a plain causal forward per sequence)
 # ---------------------------------------------------------------------------------------------
-CFG = Qwen2Config(vocab_size=307, hidden_size=72, intermediate_size=200, num_hidden_layers=3,
-                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096)
+CFG = Qwen2Config.preset("tiny")
+FAMILY_CFGS = {"qwen2": CFG, "qwen3": Qwen2Config.preset("tiny-qwen3")}  # one tiny shape per family
 L = 640   # one padded length for every "alone" run: a single compiled shape
 
 
@@ -192,23 +193,30 @@ def params():
     return init_params(CFG, jax.random.key(0), std=0.2)
 
 
-@jax.jit
-def _packed_logits(params, rows):
-    return forward(params, CFG, rows["tokens"], rows["positions"], attention_mask=attention_mask(rows["span_end"]))
+@pytest.fixture(scope="module", params=list(FAMILY_CFGS))
+def family_params(request):
+    """(config, params) of each family: packing must not depend on the layer internals."""
+    cfg = FAMILY_CFGS[request.param]
+    return cfg, init_params(cfg, jax.random.key(0), std=0.2)
 
 
-@jax.jit
-def _plain_logits(params, tokens):
-    return forward(params, CFG, tokens)       # default positions 0..L-1, plain causal mask
+@functools.partial(jax.jit, static_argnums=0)
+def _packed_logits(cfg, params, rows):
+    return forward(params, cfg, rows["tokens"], rows["positions"], attention_mask=attention_mask(rows["span_end"]))
 
 
-def _alone(params, seqs: list[list[int]]) -> np.ndarray:
+@functools.partial(jax.jit, static_argnums=0)
+def _plain_logits(cfg, params, tokens):
+    return forward(params, cfg, tokens)       # default positions 0..L-1, plain causal mask
+
+
+def _alone(cfg, params, seqs: list[list[int]]) -> np.ndarray:
     """Each sequence alone, right-padded to L (causal: padding never reaches earlier positions)."""
     toks = np.zeros((len(seqs), L), np.int32)
     for r, s in enumerate(seqs):
         assert len(s) <= L
         toks[r, :len(s)] = s
-    return np.asarray(_plain_logits(params, jnp.asarray(toks)))
+    return np.asarray(_plain_logits(cfg, params, jnp.asarray(toks)))
 
 
 def _pack_row(items: list[D.Item], seq_len: int) -> tuple[dict, list[int]]:
@@ -223,13 +231,14 @@ def _tensors(rows):
     return {k: jnp.asarray(v) for k, v in rows.items()}
 
 
-def test_flat_packed_row_equals_each_example_alone(tok, params):
+def test_flat_packed_row_equals_each_example_alone(tok, family_params):
+    cfg, params = family_params
     exs = _examples("sft_tiny_sprint.jsonl")[:2] + _examples("sft_tiny_rft.jsonl")[:2]
     items = [D.layout_example(tok, ex, "flat", W) for ex in exs]
     seq_len = sum(len(it) for it in items) + 7          # some padding at the end
     rows, order = _pack_row(items, seq_len)
-    packed = np.asarray(_packed_logits(params, _tensors(rows)))[0]
-    alone = _alone(params, [it.tokens.tolist() for it in items])
+    packed = np.asarray(_packed_logits(cfg, params, _tensors(rows)))[0]
+    alone = _alone(cfg, params, [it.tokens.tolist() for it in items])
     off = 0
     for k in order:
         n = len(items[k])
@@ -238,10 +247,11 @@ def test_flat_packed_row_equals_each_example_alone(tok, params):
     assert np.abs(packed).max() > 1.0                     # logits are not trivially small
 
 
-def test_trie_row_equals_every_unit_alone(tok, params):
+def test_trie_row_equals_every_unit_alone(tok, family_params):
     """For every unit (planner or executor call) and every completion token: the packed trie row's
     logits at that token's parent == the unit run alone as a plain sequence (context +
     completion, positions 0..n-1). Also: every trained row is some unit's completion token."""
+    cfg, params = family_params
     exs = [_example(), _examples("sft_tiny_sprint.jsonl")[0], _examples("sft_tiny_rft.jsonl")[1]]
     items, unit_seqs = [], []
     for ex in exs:
@@ -255,7 +265,7 @@ def test_trie_row_equals_every_unit_alone(tok, params):
             unit_seqs.append((ctx, piece_ids[path[-1]]))
     seq_len = sum(len(it) for it in items) + 5
     rows, _ = _pack_row(items, seq_len)
-    packed = np.asarray(_packed_logits(params, _tensors(rows)))[0]
+    packed = np.asarray(_packed_logits(cfg, params, _tensors(rows)))[0]
 
     tokens, parents, weights = rows["tokens"][0], rows["parents"][0], rows["weights"][0]
     chain_of: dict[tuple, int] = {}                       # ancestor token chain -> row
@@ -265,7 +275,7 @@ def test_trie_row_equals_every_unit_alone(tok, params):
             chain.append(int(tokens[j]))
             j = int(parents[j])
         chain_of.setdefault(tuple(reversed(chain)), i)
-    alone = _alone(params, [c + p for c, p in unit_seqs])
+    alone = _alone(cfg, params, [c + p for c, p in unit_seqs])
     matched = set()
     for u, (ctx, comp) in enumerate(unit_seqs):
         seq = ctx + comp
@@ -295,3 +305,72 @@ def test_chunked_loss_equals_whole_row_loss(tok, params):
     np.testing.assert_allclose(l1, l0, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
         np.testing.assert_allclose(b, a, rtol=0, atol=2e-5 * float(np.abs(a).max()))
+
+
+# ---------------------------------------------------------------------------------------------
+# SPRINT and RFT on the same problems (paired over-long filtering, issue 11 item 3)
+# ---------------------------------------------------------------------------------------------
+def test_paired_sets_drop_a_problem_overlong_in_either(tok, tmp_path):
+    sprint = _examples("sft_tiny_sprint.jsonl")[:4]
+    rft = _examples("sft_tiny_rft.jsonl")[:4]
+    assert [e.id for e in sprint] == [e.id for e in rft] == ["t0", "t1", "t2", "t3"]
+    seq_len = max(len(D.layout_example(tok, e, lay, W)) for e, lay in
+                  [(e, "trie") for e in sprint] + [(e, "flat") for e in rft])
+    long = rft[1]
+    rft[1] = Example(long.id, "rft", long.prompt, "x" * seq_len + "\n<Final Answer> 137 </Final Answer>")
+    alone, s_alone = D.build_items(sprint, tok, "trie", seq_len, "drop", W)
+    assert s_alone.used == 4                      # filtered alone, SPRINT would keep t1
+    s_items, s_stats = D.build_items(sprint, tok, "trie", seq_len, "drop", W,
+                                     paired=D.Paired(rft, "flat", files=["rft.jsonl"]))
+    r_items, r_stats = D.build_items(rft, tok, "flat", seq_len, "drop", W, paired=D.Paired(sprint, "trie"))
+    assert (s_stats.used, s_stats.dropped_paired, s_stats.dropped_overlong) == (3, 1, 0)
+    assert (r_stats.used, r_stats.dropped_paired, r_stats.dropped_overlong) == (3, 0, 1)
+    assert s_stats.used_prompts == r_stats.used_prompts == [sprint[k].prompt for k in (0, 2, 3)]
+    d = s_stats.as_dict()
+    assert d["dropped_paired"] == 1 and d["paired_with"] == ["rft.jsonl"] and "used_prompts" not in d
+    # a problem missing from the partner set is dropped too
+    _, s_missing = D.build_items(sprint, tok, "trie", seq_len, "drop", W, paired=D.Paired(rft[:2], "flat"))
+    assert s_missing.used == 1 and s_missing.dropped_paired == 3
+
+
+def test_both_7b_configs_name_each_other_as_pairs():
+    from sprint_jax.config import CONFIG_DIR
+    from sprint_jax.train.config import load_train_config
+    a = load_train_config(CONFIG_DIR / "sft_r1_distill_7b_sprint.yaml").data
+    b = load_train_config(CONFIG_DIR / "sft_r1_distill_7b_rft.yaml").data
+    assert a.paired.train == b.train and b.paired.train == a.train
+    assert a.paired.layout == b.layout and b.paired.layout == a.layout and a.seq_len == b.seq_len
+    assert not any("math500" in f for f in a.train + b.train)
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole trajectory as one more trie unit (ThreadWeaver; issue 11 item 9)
+# ---------------------------------------------------------------------------------------------
+def test_trie_whole_trajectory_unit_is_the_flat_example(tok, params):
+    ex = _example()            # implicit prompt, plan-only stage, two executors
+    flat = D.layout_example(tok, ex, "flat", W)
+    trie = D.layout_example(tok, ex, "trie", W)
+    whole = D.layout_example(tok, ex, "trie", W, whole_trajectory=True)
+    n_prompt, k = len(tok(ex.prompt)["input_ids"]), len(trie)
+    for f in ("tokens", "positions", "parents", "weights", "labels"):   # the orchestrator's units unchanged
+        np.testing.assert_array_equal(getattr(whole, f)[:k], getattr(trie, f)[:k])
+    tail = slice(k, len(whole))
+    assert len(whole) - k == len(flat) - n_prompt
+    np.testing.assert_array_equal(np.concatenate([whole.tokens[:n_prompt], whole.tokens[tail]]), flat.tokens)
+    for f in ("positions", "labels", "weights"):
+        np.testing.assert_array_equal(getattr(whole, f)[tail], getattr(flat, f)[n_prompt:])
+    assert whole.parents[k] == n_prompt - 1 and (whole.parents[k + 1:] == np.arange(k, len(whole) - 1)).all()
+    # what the model computes on the extra unit == the flat example run alone
+    rows, _ = _pack_row([whole], 1024)
+    packed = np.asarray(_packed_logits(CFG, params, _tensors(rows)))[0]
+    alone = _alone(CFG, params, [flat.tokens.tolist()])[0]
+    np.testing.assert_allclose(packed[k:len(whole)], alone[n_prompt:len(flat)], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(packed[:n_prompt], alone[:n_prompt], rtol=1e-4, atol=1e-4)
+    # a serial (RFT) example is one unit already: nothing is added
+    rft = _examples("sft_tiny_rft.jsonl")[0]
+    a, b = (D.layout_example(tok, rft, "trie", W, whole_trajectory=w) for w in (False, True))
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    # off by default, and on through the config
+    _, s_off = D.build_items([ex], tok, "trie", 2048, "drop", W)
+    _, s_on = D.build_items([ex], tok, "trie", 2048, "drop", W, whole_trajectory=True)
+    assert s_on.tokens == s_off.tokens + len(flat) - n_prompt

@@ -11,8 +11,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from sprint_jax.model.hf import SafetensorsFile
+
+pytestmark = pytest.mark.slow   # runs subprocesses (the `slow` marker: pyproject.toml)
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "sft_tiny_sprint.jsonl"

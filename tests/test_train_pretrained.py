@@ -1,13 +1,14 @@
 """Fine-tuning from an HF checkpoint: `train()` with init=pretrained starts from the checkpoint's
-weights, and its first logged loss equals HF transformers' own loss (Qwen2ForCausalLM with labels,
-query tokens ignored) on the same examples: an independent reference for the loading path, the
-span mask and the loss normalisation together."""
+weights, and its first logged loss equals HF transformers' own loss (Qwen2ForCausalLM or
+Qwen3ForCausalLM with labels, query tokens ignored) on the same examples: an independent reference
+for the loading path, the span mask and the loss normalisation together."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from sprint_jax.train import data as D
@@ -19,9 +20,11 @@ from conftest import load_hf
 DATA = Path(__file__).parent / "data" / "sft_tiny_rft.jsonl"
 
 
-def test_first_loss_equals_hf_loss(hf_untied, tmp_path):
+@pytest.mark.parametrize("fixture", ["hf_untied", "hf_qwen3_tied"])
+def test_first_loss_equals_hf_loss(fixture, request, tmp_path):
+    hf_dir = request.getfixturevalue(fixture)
     cfg = load_train_config(data={
-        "model": {"name": str(hf_untied), "init": "pretrained", "dtype": "float32", "remat": "none",
+        "model": {"name": str(hf_dir), "init": "pretrained", "dtype": "float32", "remat": "none",
                   "loss_chunk": 0},
         "data": {"train": [str(DATA)], "layout": "flat", "seq_len": 96, "overlong": "drop", "tokenizer": "bytes"},
         "optim": {"lr": 1e-4, "batch_size": 2},
@@ -38,7 +41,7 @@ def test_first_loss_equals_hf_loss(hf_untied, tmp_path):
     stream = D.RowStream(items, 96, seed=cfg.data.seed, pad_token=D.pad_id(tok))
     rows = [stream.row_items(r) for r in range(2)]
     assert all(len(r) == 1 for r in rows)
-    model = load_hf(hf_untied)
+    model = load_hf(hf_dir)
     nll_sum, count = 0.0, 0
     for (i,) in rows:
         ids = torch.tensor(items[i].tokens[None].astype(np.int64))

@@ -85,6 +85,7 @@ def runs(tmp_path_factory):
     return {"tmp": tmp, "cache": cache, "straight": straight, "resumed": resumed, "resume_log": r.stderr}
 
 
+@pytest.mark.slow
 def test_resume_after_kill_is_bitwise(runs):
     straight, resumed = runs["straight"], runs["resumed"]
     assert "resumed from step 3" in runs["resume_log"]
@@ -102,6 +103,7 @@ def test_resume_after_kill_is_bitwise(runs):
     assert any((straight / "tb").iterdir())
 
 
+@pytest.mark.slow
 def test_corrupt_latest_checkpoint_falls_back_loudly(runs):
     straight = runs["straight"]
     final_weights = (straight / "hf" / "model.safetensors").read_bytes()

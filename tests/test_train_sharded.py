@@ -31,8 +31,7 @@ assert jax.device_count() == 8, jax.devices()
 tok = D.byte_tokenizer()
 items, _ = D.build_items(D.read_examples([sys.argv[1]]), tok, "flat", 256, "truncate", SPAN_WEIGHTS_DEFAULT)
 stream = D.RowStream(items, 256, seed=0, pad_token=D.pad_id(tok))
-cfg = Qwen2Config(vocab_size=307, hidden_size=72, intermediate_size=200, num_hidden_layers=3,
-                  num_attention_heads=6, num_key_value_heads=2)
+cfg = Qwen2Config.preset("tiny")
 
 def run(mesh, grad_accum):
     opt = OptimSection(lr=3e-3, warmup_steps=1, weight_decay=0.01, batch_size=8, grad_accum=grad_accum)
@@ -88,6 +87,7 @@ LOSS_RTOL = 1e-6
 PARAM_ATOL = 1e-5
 
 
+@pytest.mark.slow
 def test_sharded_equals_unsharded(result):
     assert result["info"]["spec"] == str(P(None, "fsdp", "tensor", None))   # really sharded
     assert result["info"]["shard"] == [3, 36, 3, 12]                         # [L, E/2, H/2, D]
@@ -98,6 +98,7 @@ def test_sharded_equals_unsharded(result):
     assert result["ref"][2] < result["ref"][0]                              # it trains
 
 
+@pytest.mark.slow
 def test_put_batch_fallback_builds_the_same_arrays(result):
     assert result["fallback_same"]
 

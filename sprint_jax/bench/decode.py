@@ -7,8 +7,8 @@ run, what that buys (DESIGN.md "Performance contract"):
   copy     the prefix copied into every branch (the baseline to beat),
   serial   one branch after another on the planner's cache (what a non-parallel runtime does),
 for each branch count and context (prefix) length, plus single-sequence `engine.generate` vs
-HF transformers `generate` (PyTorch, `Qwen2ForCausalLM`, eager attention) on the same weights,
-the peer a user would otherwise pick.
+HF transformers `generate` (PyTorch, `Qwen2ForCausalLM` or `Qwen3ForCausalLM`, eager attention)
+on the same weights, the peer a user would otherwise pick.
 
 How it is timed. Every branch decodes exactly --new-tokens tokens: the engine runs with
 eos_token_ids=[] and no stop strings, and sampling is greedy. Each point is called once with
@@ -38,7 +38,7 @@ Models.
   default      `bench-tiny`: a random Qwen2 (hidden 256, 4 layers, 8 heads, 2 KV heads, head dim
                32, SwiGLU 768, vocab 1024, untied; 3.5M parameters): big enough that a step
                is real work on a CPU, small enough for the whole --quick run in under 5 minutes.
-  --preset X   any configs/model_X.json (e.g. tiny, r1-distill-qwen-7b) with random weights
+  --preset X   any configs/model_X.json (e.g. tiny, r1-distill-qwen-7b, qwen3-8b) with random weights
                (`init_params`, std 0.02) in --dtype; HF gets the same weights via `save_params`.
   --model DIR  a local HF checkpoint directory (both engines load it).
 Token ids are what is timed; the engine gets a synthetic vocabulary tokenizer (one entry per
@@ -74,6 +74,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from sprint_jax.dtypes import DTYPE_NAMES, dtype_of, torch_dtype
 
 DESCRIPTION = __doc__
 
@@ -112,9 +114,9 @@ CPU_PARAM_LIMIT = 1_000_000_000
 def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `sprint-jax bench decode`; unset ones take the --quick / full defaults."""
     src = parser.add_mutually_exclusive_group()
-    src.add_argument("--model", metavar="DIR", help="a local HF Qwen2 checkpoint directory")
+    src.add_argument("--model", metavar="DIR", help="a local HF Qwen2 or Qwen3 checkpoint directory")
     src.add_argument("--preset", help=f"random weights for a model preset: {BENCH_TINY_NAME} (default) "
-                                      "or a configs/model_NAME.json, e.g. tiny, r1-distill-qwen-7b")
+                                      "or a configs/model_NAME.json, e.g. tiny, r1-distill-qwen-7b, qwen3-8b")
     parser.add_argument("--quick", action="store_true",
                         help="branches 1,8 and two context lengths (CPU: under 5 minutes)")
     parser.add_argument("--out", metavar="FILE.json", help="write the results here as JSON")
@@ -125,8 +127,9 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens each branch decodes (default CPU 64, accelerator 128)")
     parser.add_argument("--branch-prefix-len", type=int,
                         help="forced tokens per branch before it decodes, like `<execution_k.j>` (default 4)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"),
-                        help="parameter and compute dtype (default fp32 on CPU, bf16 on an accelerator)")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES,
+                        help="parameter and compute dtype (activations, KV cache); default float32 on CPU, "
+                             "bfloat16 on an accelerator")
     parser.add_argument("--repeats", type=int, help="timed calls per point, best reported (default 3)")
     parser.add_argument("--decode-chunk", type=int,
                         help="decode steps per host round trip (default CPU 32, accelerator 64)")
@@ -182,7 +185,7 @@ def _settings(args: argparse.Namespace, on_accel: bool) -> dict[str, Any]:
         raise _user_error(f"--new-tokens must be >= 2 (the step time is wall(N) - wall(1)), got {s['new_tokens']}")
     if s["branch_prefix_len"] < 1:
         raise _user_error(f"--branch-prefix-len must be >= 1, got {s['branch_prefix_len']}")
-    s["dtype"] = args.dtype or ("bf16" if on_accel else "fp32")
+    s["dtype"] = args.dtype or ("bfloat16" if on_accel else "float32")
     s["hf"] = args.hf == "on" or (args.hf == "auto" and not on_accel)
     s["seed"] = args.seed
     s["attention_impl"] = args.attention_impl
@@ -199,10 +202,6 @@ def synthetic_tokenizer(vocab_size: int):
     return VocabTokenizer(vocab, eos_token="<eos>", pad_token="<pad>")
 
 
-def _dtype_name(dtype: str) -> str:
-    return {"fp32": "float32", "bf16": "bfloat16"}[dtype]
-
-
 def _load_model(args: argparse.Namespace, s: dict[str, Any], on_accel: bool, workdir: Path):
     """(Qwen2 model, description dict, HF directory holding the same weights or None)."""
     import jax
@@ -210,7 +209,7 @@ def _load_model(args: argparse.Namespace, s: dict[str, Any], on_accel: bool, wor
     from sprint_jax.model import (CheckpointError, Qwen2, Qwen2Config, from_pretrained, init_params,
                                   param_count, save_params)
 
-    dt = _dtype_name(s["dtype"])
+    dt = s["dtype"]
     if args.model:
         path = Path(args.model)
         if not path.is_dir():
@@ -265,19 +264,23 @@ def _torch_threads(threads: int):
 
 
 def _load_hf(hf_dir: Path, dtype: str):
-    """The HF peer on the same weights: Qwen2ForCausalLM with eager attention, on torch's device.
+    """The HF peer on the same weights: the family's HF class (Qwen2ForCausalLM / Qwen3ForCausalLM)
+    with eager attention, on torch's device.
 
     (torch's intra-op thread count is set by the caller: see `_torch_threads`.)
     """
     import torch
-    from transformers import Qwen2ForCausalLM
+    import transformers
     from transformers.utils import logging as hf_logging
+
+    from sprint_jax.model import Qwen2Config
 
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    tdt = torch_dtype(dtype)
     hf_logging.disable_progress_bar()
-    hf = Qwen2ForCausalLM.from_pretrained(hf_dir, attn_implementation="eager", dtype=tdt).to(device).eval()
+    hf_class = getattr(transformers, Qwen2Config.from_hf_config(hf_dir).family.architecture)
+    hf = hf_class.from_pretrained(hf_dir, attn_implementation="eager", dtype=tdt).to(device).eval()
     return hf, device
 
 
@@ -297,7 +300,6 @@ def _step_seconds(wall_n: float, wall_1: float, extra_steps: int) -> float | Non
 
 def kv_bytes_per_token(config) -> int:
     """K and V bytes one token occupies across all layers (the unit of every cache figure)."""
-    from sprint_jax.model.qwen2 import dtype_of
     itemsize = np.dtype(dtype_of(config.dtype)).itemsize
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
 

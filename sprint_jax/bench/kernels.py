@@ -17,8 +17,8 @@ Run on a GPU (jax[cuda12] installed, e.g. `pip install -e '.[cuda]'`; one comman
 sweep is 28 points, a few minutes, mostly compiles):
     sprint-jax bench kernels --out bench_kernels.json
     python -m sprint_jax.bench.kernels --out bench_kernels.json      # same, without the CLI
-With --dtype fp32 the kernel's products are IEEE fp32 (exact) while XLA's default fp32 matmul
-on recent GPUs may use TF32: compare bf16 (the engine's dtype) for speed.
+With --dtype float32 the kernel's products are IEEE fp32 (exact) while XLA's default fp32 matmul
+on recent GPUs may use TF32: compare bfloat16 (the engine's dtype) for speed.
 `--quick` runs fewer points (branches 1,8,64 x prefixes 1024,16384 on an accelerator). On CPU
 Pallas runs in interpret mode: `--quick` then uses tiny shapes (< 2 min) and the output is
 marked "interpret-mode timings are not meaningful" (they time the Pallas interpreter).
@@ -36,6 +36,8 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+
+from sprint_jax.dtypes import DTYPE_NAMES, dtype_of
 
 DESCRIPTION = __doc__
 
@@ -70,7 +72,8 @@ def add_kernels_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated prefix lengths (default {FULL['prefix_lens']})")
     parser.add_argument("--suffix-len", type=int,
                         help=f"suffix rows per branch (default {FULL['suffix_len']})")
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16",
+                        help="dtype of q, K, V (the engine's compute dtype)")
     parser.add_argument("--heads", type=int,
                         help=f"query heads H (default {FULL['heads']}, Qwen2-7B)")
     parser.add_argument("--kv-heads", type=int, help=f"KV heads Hkv (default {FULL['kv_heads']})")
@@ -154,7 +157,7 @@ def _copy_fork_attention(q, k_full, v_full, lens):
 def _bench_point(n: int, p: int, s: dict[str, Any], interpret: bool, seed: int) -> list[dict]:
     from sprint_jax.kernels import (bytes_read, copy_fork_bytes_read, default_block_sizes,
                                     shared_prefix_attention, shared_prefix_attention_reference)
-    dtype = jnp.bfloat16 if s["dtype"] == "bf16" else jnp.float32
+    dtype = dtype_of(s["dtype"])
     h, hkv, d, sl = s["heads"], s["kv_heads"], s["head_dim"], s["suffix_len"]
     keys = jax.random.split(jax.random.PRNGKey(seed), 5)
     q = jax.random.normal(keys[0], (n, h, d), dtype)

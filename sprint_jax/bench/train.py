@@ -1,9 +1,9 @@
 """Training benchmarks: our sharded train step vs an HF PyTorch step, and the 7B step's memory.
 
-`sprint-jax bench train`: tokens/s and step time of `train.step` for a small Qwen2 on the local
-devices, side by side with `transformers.Qwen2ForCausalLM` + `torch.optim.AdamW` on the same
-config, the same weights and the same batch, in one run (DESIGN.md performance contract: ratios
-in one run, never timed tests). The first-step losses of both are printed too: an independent
+`sprint-jax bench train`: tokens/s and step time of `train.step` for a small Qwen2 / Qwen3 on the
+local devices, side by side with transformers' `Qwen2ForCausalLM` / `Qwen3ForCausalLM` +
+`torch.optim.AdamW` on the same config, the same weights and the same batch, in one run (DESIGN.md
+performance contract: ratios in one run, never timed tests). The first-step losses of both are printed too: an independent
 check of our loss. On GPU/TPU the MFU of our step is reported against a peak-FLOPs table.
 
 `sprint-jax bench train-memory`: the 7B preset's train step lowered and compiled from
@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from sprint_jax.dtypes import DTYPE_NAMES
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets), matched by substring of device_kind.
 PEAK_FLOPS = {
@@ -55,8 +57,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per row")
     p.add_argument("--steps", type=int, default=10, help="timed steps (after one warm-up step)")
     p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                   help="compute dtype (auto: float32 on CPU, bfloat16 on accelerators)")
+    p.add_argument("--dtype", choices=("auto",) + DTYPE_NAMES, default="auto",
+                   help="compute dtype; parameters stay float32 master weights, as in training "
+                        "(auto: float32 on CPU, bfloat16 on accelerators)")
     p.add_argument("--remat", choices=("none", "full", "dots"), default="none")
     p.add_argument("--no-torch", action="store_true", help="skip the HF PyTorch step")
     p.add_argument("--out", help="write the JSON result here")
@@ -93,7 +96,7 @@ def _jax_bench(cfg, batch_np, steps: int, remat: str, lr: float):
 
 def _torch_bench(cfg, params0, tokens, steps: int, lr: float, threads: int = 0):
     import torch
-    from transformers import Qwen2ForCausalLM
+    import transformers
 
     from sprint_jax.model import save_params
 
@@ -101,7 +104,8 @@ def _torch_bench(cfg, params0, tokens, steps: int, lr: float, threads: int = 0):
         torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as d:
         save_params(cfg.replace(param_dtype="float32"), params0, d)
-        model = Qwen2ForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa")
+        hf_class = getattr(transformers, cfg.family.architecture)  # Qwen2ForCausalLM / Qwen3ForCausalLM
+        model = hf_class.from_pretrained(d, dtype=torch.float32, attn_implementation="sdpa")
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     x = torch.as_tensor(tokens, dtype=torch.long)
@@ -215,7 +219,8 @@ def add_train_memory_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--remat", choices=("none", "full", "dots"), default="full")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16",
+                   help="compute dtype; parameters stay float32 master weights, as in training")
     p.add_argument("--loss-chunk", type=int, default=1024, help="tokens per vocab-projection chunk (0 = off)")
     p.add_argument("--out", help="write the JSON result here")
 

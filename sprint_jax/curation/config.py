@@ -55,17 +55,27 @@ class EndpointConfig:
 
 @dataclasses.dataclass
 class TasksConfig:
-    """Where problems come from: a MATH-style jsonl ({problem, answer}) or generated Countdown."""
-    source: Literal["math_jsonl", "countdown", "chains"] = "countdown"
-    path: str = ""                  # math_jsonl: path to the jsonl file
+    """Where problems come from (sprint_jax.tasks): a local file, a Hugging Face dataset, or generated.
+
+    file        `path`: .jsonl / .parquet / .arrow, or a `datasets` save_to_disk directory
+    hf_dataset  `path`: a dataset name (hub) or a save_to_disk directory, with `split` / `name`
+                (needs the `[datasets]` extra)
+    countdown / chains  generated (`n`, `seed`)
+    Curate the MATH *train* split, never MATH-500: that is the evaluation set.
+    """
+    source: Literal["file", "hf_dataset", "countdown", "chains"] = "countdown"
+    path: str = ""                  # file / hf_dataset: where the records are
+    kind: Literal["math", "choice"] = "math"   # file / hf_dataset: what the records are
+    split: str = "train"            # hf_dataset (and save_to_disk directories holding several splits)
+    name: str | None = None         # hf_dataset: the dataset's config name, if it has several
     n: int = 64                     # countdown: number of generated instances
     seed: int = 0                   # countdown: generator seed
     chain_length: int = 12         # chains: digit-map steps per chain (the demo family)
     limit: int | None = None        # keep only the first `limit` tasks (None = all)
 
     def __post_init__(self) -> None:
-        if self.source == "math_jsonl" and not self.path:
-            raise ValueError("path is required when source is math_jsonl")
+        if self.source in ("file", "hf_dataset") and not self.path:
+            raise ValueError(f"path is required when source is {self.source}")
         if self.n < 1:
             raise ValueError("n must be >= 1")
         if self.limit is not None and self.limit < 1:

@@ -41,18 +41,18 @@ RATIO_BIN_EDGES = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0)
 
 
 def load_tasks(cfg: CurateConfig) -> list[Task]:
+    from sprint_jax import tasks as task_kinds
     t = cfg.tasks
-    if t.source == "math_jsonl":
-        from sprint_jax.curation.tasks import load_math_jsonl
+    if t.source == "file":
         if not Path(t.path).exists():
-            raise UserError(f"tasks.path: no such file {t.path}")
-        return load_math_jsonl(t.path, limit=t.limit)
+            raise UserError(f"tasks.path: no such file or directory {t.path}")
+        return task_kinds.load_task_file(t.path, t.kind, limit=t.limit, split=t.split)
+    if t.source == "hf_dataset":
+        return task_kinds.load_hf_dataset(t.path, t.kind, t.split, t.name, limit=t.limit)
     if t.source == "chains":
-        from sprint_jax.curation import chains
-        tasks = chains.generate(t.n, t.seed, length=t.chain_length)
+        tasks = task_kinds.chains.generate(t.n, t.seed, length=t.chain_length)
         return tasks[: t.limit] if t.limit is not None else tasks
-    from sprint_jax.curation import countdown
-    tasks = countdown.generate(t.n, t.seed)
+    tasks = task_kinds.countdown.generate(t.n, t.seed)
     return tasks[: t.limit] if t.limit is not None else tasks
 
 

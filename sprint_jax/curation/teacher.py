@@ -17,6 +17,7 @@ from sprint_jax.curation.config import CurateConfig
 from sprint_jax.format import contains_tag
 from sprint_jax.curation.llm import CachedChat
 from sprint_jax.curation.types import Task, Trace
+from sprint_jax.tasks import final_answer_of, grade_result, task_prompt
 
 SYSTEM_PROMPT = (
     "You are a careful problem solver. Think step by step in plain prose: set up the problem, try "
@@ -25,17 +26,6 @@ SYSTEM_PROMPT = (
 )
 
 _THINK_TAG = re.compile(r"\s*</?think>\s*")
-
-
-def task_prompt(task: Task) -> str:
-    """The query as both the teacher and the fine-tuned model see it."""
-    if task.kind == "countdown":
-        from sprint_jax.curation import countdown
-        return countdown.prompt_for(task)
-    if task.kind == "chains":
-        from sprint_jax.curation import chains
-        return chains.prompt_for(task)
-    return task.problem
 
 
 def teacher_messages(task: Task) -> list[dict]:
@@ -49,20 +39,6 @@ class TeacherRejected(Exception):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
         self.detail = detail
-
-
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
-
-
-def final_answer_of(task: Task, text: str) -> str:
-    """The trace's final answer: its last \\boxed{...} (for Countdown also a last <answer>...</answer>,
-    the format the Countdown prompt asks for); "" when there is none."""
-    from sprint_jax.eval.graders import extract_boxed
-    if task.kind == "countdown":
-        tagged = _ANSWER_TAG.findall(text)
-        if tagged:
-            return tagged[-1].strip()
-    return (extract_boxed(text) or "").strip()
 
 
 class OpenAITeacher:
@@ -99,11 +75,11 @@ class ProgrammaticTeacher:
 
     def generate(self, task: Task) -> Trace:
         if task.kind == "chains":
-            from sprint_jax.curation import chains
+            from sprint_jax.tasks import chains
             return chains.solve_trace(task)
         if task.kind != "countdown":
             raise TeacherRejected("unsupported_task", f"programmatic teacher cannot solve {task.kind!r} tasks")
-        from sprint_jax.curation import countdown
+        from sprint_jax.tasks import countdown
         seed = zlib.crc32(f"{self.seed}:{task.id}".encode()) & 0x7FFFFFFF
         trace = countdown.solve_trace(task, seed=seed)
         if not trace.teacher:
@@ -119,15 +95,14 @@ def make_teacher(cfg: CurateConfig, chat: CachedChat | None):
 
 
 def check_answer(task: Task, trace: Trace) -> tuple[bool, str]:
-    """(correct, discard reason). Graded by the task's own grader (math-verify / Countdown rules)."""
-    from sprint_jax.eval.graders import grade
+    """(correct, discard reason). Graded by the task's own grader (sprint_jax.tasks); a grader
+    crash is a discard counted as `grader_error:<type>` (and logged), never a dead run."""
     if not trace.final_answer.strip():
         return False, "no_final_answer"
-    try:
-        ok = bool(grade(task, trace.final_answer))
-    except Exception as e:  # a grader crash on odd model output is a discard, never a dead run
-        return False, f"grader_error:{type(e).__name__}"
-    return ok, "" if ok else "incorrect"
+    result = grade_result(task, trace.final_answer)
+    if result.error is not None:
+        return False, f"grader_error:{result.error.split(':', 1)[0]}"
+    return result.correct, "" if result.correct else "incorrect"
 
 
 __all__ = ["SYSTEM_PROMPT", "task_prompt", "teacher_messages", "OpenAITeacher", "ProgrammaticTeacher",

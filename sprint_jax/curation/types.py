@@ -1,28 +1,11 @@
-"""Plain data types shared by the curation stages (tasks, traces, steps, examples)."""
+"""Plain data types of the curation stages: steps and examples (tasks and traces live in
+`sprint_jax.tasks.types`, shared with evaluation, and are re-exported here)."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-
-@dataclasses.dataclass
-class Task:
-    """One problem. `kind` selects the grader: "math" | "countdown" | "choice"."""
-    id: str
-    kind: str
-    problem: str
-    answer: Any                      # math: str; countdown: {"target": int, "numbers": [int]}; choice: "A".."D"
-    meta: dict = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class Trace:
-    """A serial reasoning trace from a teacher (LLM or programmatic) and its final answer text."""
-    task_id: str
-    text: str
-    final_answer: str
-    teacher: str = ""
-    usage: dict = dataclasses.field(default_factory=dict)
+from sprint_jax.tasks.types import Task, Trace
 
 
 @dataclasses.dataclass
@@ -57,3 +40,6 @@ class Example:
     @classmethod
     def from_json(cls, d: dict) -> "Example":
         return cls(**d)
+
+
+__all__ = ["Task", "Trace", "Step", "Example"]

@@ -11,11 +11,12 @@ DESCRIPTION = """Evaluate a model with the SPRINT orchestrator (paper §13) and 
   sprint-jax eval compare runs/eval_sprint runs/eval_rft [--out runs/compare]
 
 --data
-  math500       MATH-500 (math500.jsonl in the shared data dir: ../shared/data beside the repo,
-                or $SPRINT_JAX_DATA); graded with math-verify.
+  math500       MATH-500, shipped with the package (sprint_jax/data, MIT; $SPRINT_JAX_DATA
+                overrides the directory); graded with math-verify.
   countdown     --countdown-n generated Countdown tasks (seed --data-seed); graded by the
                 Countdown rules (every number once, + - * / only, equals the target).
-  FILE.jsonl    a task file. --task-kind auto reads multiple choice when the first record has
+  FILE          a task file: .jsonl, .parquet, .arrow, or a `datasets` save_to_disk directory.
+                --task-kind auto reads multiple choice when the first record has
                 "choices"/"options" or the GPQA columns, else MATH ({"problem", "answer"}).
 
 GPQA is gated, so it is not shipped: accept its terms on Hugging Face
@@ -27,7 +28,16 @@ either keeping the original columns
 then run with --data gpqa.jsonl --task-kind choice. Answers are graded as letters.
 
 Prompts: the model sees the task's problem text (Countdown: TinyZero's prompt), the same text
-curation put in the training prompts (sprint_jax.curation.teacher.task_prompt).
+curation put in the training prompts (sprint_jax.tasks.task_prompt).
+
+--answer-from: which text is graded. final_answer (default): the <Final Answer> block of our
+format; boxed_last: the last \\boxed{} of the whole output (a base reasoning model, e.g. the untuned
+R1-distill, as a row of the same table); auto: the block, else the last box.
+
+Contamination guard: `sprint-jax train` writes the hashes of its training problems
+(train_fingerprint in MODEL/sprint_jax.json). eval lists every evaluated problem the model was
+trained on and refuses to report (exit 2) unless --allow-overlap is given. Grader failures are
+counted (report.json grader_errors) and logged, never silently graded "wrong".
 
 --concurrency N (default 8): N problems run at once on the batched engine (sprint_jax.infer.batch):
 one decode step serves every planner and executor of them. Results are written in problem order
@@ -41,10 +51,15 @@ model).
 Output (--out DIR): results.jsonl (per problem: id, correct, sequential_tokens, total_tokens,
 stages, wall_s, problems, termination, ...), records.jsonl (full run records), report.json
 (accuracy, mean sequential and total tokens, wall clock, format-valid rate, ...), tokens.png
-(sequential vs total tokens per problem) and reduction_by_length.png.
+(sequential vs total tokens per problem) and sequential_to_total_by_length.png (the run's own
+sequential / total tokens: SPRINT-internal, not a gain over RFT).
 
 `eval compare A B`: the paper's table (accuracy, sequential tokens, total tokens, wall clock,
-change) for run A (SPRINT) against run B (RFT) on the same problems, matched by id.
+change) for run A (SPRINT) against run B (RFT) on the same problems, matched by id; then, per bin
+of B's sequential length (--bins thresholds, default 2000,4000,8000 as in the paper's >8k
+analysis, and --quantiles equal-size bins), both runs' accuracy, sequential tokens and wall
+clock. With --out: compare.json, bins_by_baseline_length.png, speedup_histogram.png (per-problem
+B/A sequential tokens and wall clock, ThreadWeaver Fig. 5).
 """
 
 
@@ -53,7 +68,7 @@ def add_arguments(p) -> None:
 
     p.add_argument("compare", nargs="*", metavar="compare RUN_A RUN_B",
                    help="compare two eval output directories (SPRINT first, RFT second)")
-    p.add_argument("--data", default=None, help="math500 | countdown | FILE.jsonl")
+    p.add_argument("--data", default=None, help="math500 | countdown | FILE (.jsonl / .parquet / .arrow / dataset dir)")
     p.add_argument("--task-kind", choices=["auto", "math", "choice"], default="auto",
                    help="how to read FILE.jsonl")
     p.add_argument("--mode", choices=["parallel", "serial", "sequential"], default="parallel")
@@ -67,52 +82,48 @@ def add_arguments(p) -> None:
                    help="problems run at once on the batched engine (every planner and executor of them "
                         "decodes in one step); 1 = one at a time. results.jsonl does not depend on it "
                         "under greedy decoding (default 8)")
+    add_data_arguments(p)
     add_run_arguments(p)
+
+
+def add_data_arguments(p) -> None:
+    """What is graded, the contamination guard, and compare's length bins."""
+    from sprint_jax.tasks import EXTRACTION_MODES
+
+    p.add_argument("--answer-from", choices=EXTRACTION_MODES, default="final_answer",
+                   help="graded text: the <Final Answer> block, the last \\boxed{}, or auto (block, else box)")
+    p.add_argument("--allow-overlap", action="store_true",
+                   help="report even when evaluated problems are in the model's training set")
+    p.add_argument("--bins", default="2000,4000,8000",
+                   help="compare: fixed bins by the baseline's sequential tokens (comma-separated thresholds)")
+    p.add_argument("--quantiles", type=int, default=4, help="compare: equal-size bins by baseline length (0 = none)")
 
 
 def load_tasks(data: str, limit: int | None = None, task_kind: str = "auto", countdown_n: int = 100,
                data_seed: int = 0):
     """Tasks for --data (see DESCRIPTION)."""
     from sprint_jax.errors import UserError
-    from sprint_jax.curation.tasks import load_choice_jsonl, load_math_jsonl
-    from sprint_jax.model.tokenizer import shared_data_dir
+    from sprint_jax import tasks as task_kinds
 
     if limit is not None and limit < 1:
         raise UserError(f"--limit must be >= 1, got {limit}")
     if data == "math500":
-        path = shared_data_dir() / "math500.jsonl"
-        if not path.is_file():
-            raise UserError(f"MATH-500 not found at {path}; set SPRINT_JAX_DATA to the directory holding "
-                            f"math500.jsonl, or pass --data FILE.jsonl")
-        return load_math_jsonl(path, limit)
+        return task_kinds.load_math500(limit)
     if data == "countdown":
-        from sprint_jax.curation import countdown
         n = countdown_n if limit is None else min(limit, countdown_n)
         if n < 1:
             raise UserError(f"--countdown-n must be >= 1, got {countdown_n}")
-        return countdown.generate(n, data_seed)
+        return task_kinds.countdown.generate(n, data_seed)
     path = Path(data)
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"--data {data!r} is not math500, countdown, or an existing file")
-    if task_kind == "auto":
-        task_kind = "math"
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    try:
-                        first = json.loads(line)
-                    except json.JSONDecodeError:
-                        break   # the loader reports it with the line number
-                    if isinstance(first, dict) and ({"choices", "options", "Correct Answer"} & set(first)):
-                        task_kind = "choice"
-                    break
-    return (load_choice_jsonl if task_kind == "choice" else load_math_jsonl)(path, limit)
+    return task_kinds.load_task_file(path, task_kind, limit)
 
 
 def _compare(args) -> int:
     from sprint_jax.errors import UserError
     from sprint_jax.eval.report import (compare, format_compare_table, format_wall_clock, load_results,
-                                        plot_reduction, wall_clock_summary)
+                                        wall_clock_summary)
 
     if len(args.compare) != 3 or args.compare[0] != "compare":
         raise UserError("usage: sprint-jax eval compare RUN_A RUN_B (or eval --model ... --data ... --out ...)")
@@ -120,22 +131,62 @@ def _compare(args) -> int:
     if len(names) != 2 or not all(names):
         raise UserError(f"--names must be two comma-separated names, got {args.names!r}")
     run_a, run_b = args.compare[1:]
+    if args.quantiles < 0:
+        raise UserError(f"--quantiles must be >= 0, got {args.quantiles}")
     results_a, results_b = load_results(run_a), load_results(run_b)
-    table = compare(results_a, results_b, *names)
+    table = compare(results_a, results_b, *names, bins=parse_bins(args.bins), quantiles=args.quantiles)
     table["runs"] = [run_a, run_b]
     table["wall_clock"] = {names[0]: wall_clock_summary(run_a, results_a),
                            names[1]: wall_clock_summary(run_b, results_b)}
     print(format_compare_table(table))
     print("\n" + format_wall_clock(names, [table["wall_clock"][n] for n in names]))
     if args.out:
+        from sprint_jax.eval.report import BINS_PLOT, SPEEDUP_PLOT, plot_bins, plot_speedups
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "compare.json").write_text(json.dumps(table, indent=2) + "\n")
-        if table["reduction_by_baseline_length"]:
-            plot_reduction(table["reduction_by_baseline_length"], out / "reduction_by_baseline_length.png",
-                           f"{names[1]} tokens per problem (bins)")
-        print(f"\nwritten: {out / 'compare.json'}")
+        plot_bins(table["length_bins"]["fixed"] + table["length_bins"]["quantiles"], out / BINS_PLOT, names)
+        plot_speedups(table["speedups"], out / SPEEDUP_PLOT, names)
+        print(f"\nwritten: {out / 'compare.json'}, {out / BINS_PLOT}, {out / SPEEDUP_PLOT}")
     return 0
+
+
+def parse_bins(text: str) -> list[int]:
+    """--bins "2000,4000,8000" -> [2000, 4000, 8000] ("" = no fixed bins)."""
+    from sprint_jax.errors import UserError
+    try:
+        values = [int(float(x)) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--bins must be comma-separated token counts, got {text!r}") from None
+    if any(v <= 0 for v in values) or values != sorted(set(values)):
+        raise UserError(f"--bins must be increasing positive token counts, got {text!r}")
+    return values
+
+
+def check_overlap(model_dir: str | Path, tasks, allow: bool) -> dict:
+    """The contamination guard: evaluated problems whose normalised prompt hash is in the model's
+    `train_fingerprint` (written by `sprint-jax train` into MODEL/sprint_jax.json). Prints them;
+    raises UserError unless `allow`. A model without the file (not trained here) is not checked."""
+    from sprint_jax.errors import UserError
+    from sprint_jax.tasks import problem_hash, task_prompt
+    from sprint_jax.train.fingerprint import read_fingerprint
+
+    trained = read_fingerprint(model_dir)
+    if trained is None:
+        return {"checked": False, "overlap": 0, "overlap_ids": []}
+    hit = [t.id for t in tasks if problem_hash(task_prompt(t)) in trained]
+    if hit:
+        print(f"contamination guard: {len(hit)} of {len(tasks)} evaluated problems are in the training set "
+              f"of {model_dir}:")
+        for tid in hit[:50]:
+            print(f"  {tid}")
+        if len(hit) > 50:
+            print(f"  ... and {len(hit) - 50} more")
+        if not allow:
+            raise UserError(f"{len(hit)} of {len(tasks)} evaluated problems were in {model_dir}'s training data "
+                            f"(listed above); evaluate on held-out problems, or pass --allow-overlap to "
+                            f"report anyway")
+    return {"checked": True, "overlap": len(hit), "overlap_ids": hit}
 
 
 def run(args) -> int:
@@ -152,6 +203,7 @@ def run(args) -> int:
     tasks = load_tasks(args.data, args.limit, args.task_kind, args.countdown_n, args.data_seed)
     if not tasks:
         raise UserError(f"--data {args.data}: no tasks")
+    overlap = check_overlap(args.model, tasks, args.allow_overlap)
     engine = build_batch_engine(args, config, args.concurrency)
     from sprint_jax.eval.evaluate import default_prompt
     for task in tasks:   # a tokenizer that cannot read the data is a setup mistake, caught up front
@@ -161,9 +213,14 @@ def run(args) -> int:
             raise UserError(f"task {task.id}: the tokenizer cannot encode its prompt ({e})") from None
     _, report = evaluate(engine, tasks, args.mode, orchestrator_config=config, out_dir=args.out,
                          progress=not args.no_progress, concurrency=args.concurrency,
-                         meta={"model": str(args.model), "data": str(args.data), "limit": args.limit})
+                         answer_from=args.answer_from,
+                         meta={"model": str(args.model), "data": str(args.data), "limit": args.limit,
+                               "train_overlap": overlap})
     print(f"accuracy {100 * report['accuracy']:.1f}% ({report['correct']}/{report['n']}), "
           f"sequential tokens {report['mean_sequential_tokens']:.1f}, total tokens "
           f"{report['mean_total_tokens']:.1f}, format-valid {100 * report['format_valid_rate']:.1f}%, "
           f"wall clock {report['wall_clock_s']:.1f} s -> {args.out}")
+    if report["grader_errors"]:
+        print(f"grader errors: {report['grader_errors']} problem(s) could not be graded and count as wrong "
+              f"(ids in report.json grader_error_ids; messages in results.jsonl grader_error)")
     return 0

@@ -1,13 +1,15 @@
 """Evaluation: run the orchestrator over tasks, grade the final answers, write results and a report.
 
 Paper §13: accuracy and sequential tokens of a SPRINT model against its RFT baseline on the same
-problems. One problem = one orchestrator run (`sprint_jax.infer.orchestrator`); its final answer
-(the `<Final Answer>` block) is graded by `sprint_jax.eval.graders.grade` by task kind (MATH with
-math-verify, Countdown's equation rules, multiple-choice letters). A run with no final answer is
-graded wrong.
+problems. One problem = one orchestrator run (`sprint_jax.infer.orchestrator`); its answer is graded by
+`sprint_jax.tasks.grade_result` by task kind (MATH with math-verify, Countdown's equation rules,
+multiple-choice letters). Which text is the answer is `answer_from` (`sprint_jax.tasks.answers`):
+the `<Final Answer>` block (default), the last \\boxed{} (a base model without our format), or
+`auto` (the block, else the box). A run with no answer is graded wrong; a grader that fails is
+graded wrong AND counted (`grader_error` per result, `grader_errors` in the report) and logged.
 
 Prompts. `prompt_fn(task) -> str` forms the text the model sees before its completion. The
-default is `sprint_jax.curation.teacher.task_prompt`, the same function curation uses to write the
+default is `sprint_jax.tasks.task_prompt`, the same function curation uses to write the
 training examples' prompts: the task's problem text, and for Countdown `countdown.prompt_for`
 (TinyZero's prompt). Pass your own when the model was trained on another prompt (the demo does).
 
@@ -21,8 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from sprint_jax.curation.types import Task
-from sprint_jax.eval.graders import grade
+from sprint_jax.tasks import Task, extract_answer, grade_result, task_prompt
 from sprint_jax.eval.report import make_report, write_plots
 from sprint_jax.infer.orchestrator import MODES, Orchestrator, OrchestratorConfig, RunRecord, run_many
 
@@ -33,18 +34,19 @@ REPORT_FILE = "report.json"
 
 def default_prompt(task: Task) -> str:
     """The task as curation wrote it into the training prompts (see the module docstring)."""
-    from sprint_jax.curation.teacher import task_prompt
     return task_prompt(task)
 
 
-def result_of(task: Task, record: RunRecord) -> dict[str, Any]:
+def result_of(task: Task, record: RunRecord, answer_from: str = "final_answer") -> dict[str, Any]:
     """One results.jsonl line: the graded outcome and the accounting of one run."""
-    answer = record.final_answer
+    answer = extract_answer(record.final_answer, record.text, answer_from)
+    graded = grade_result(task, answer)
     return {
         "id": task.id,
         "kind": task.kind,
         "mode": record.mode,
-        "correct": bool(answer is not None and grade(task, answer)),
+        "correct": graded.correct,
+        "grader_error": graded.error,
         "final_answer": answer,
         "gold": task.answer,
         "sequential_tokens": record.sequential_tokens,
@@ -62,16 +64,19 @@ def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
              prompt_fn: Callable[[Task], str] | None = None,
              orchestrator_config: OrchestratorConfig | None = None, out_dir: str | Path | None = None,
              progress: bool = True, meta: dict | None = None,
-             concurrency: int | None = None) -> tuple[list[dict], dict]:
+             concurrency: int | None = None,
+             answer_from: str = "final_answer") -> tuple[list[dict], dict]:
     """Run every task in `mode` and grade it. Returns (results, report); writes them to out_dir.
 
     On a `BatchEngine` up to `concurrency` problems run at once (default: its sequence slots), every
     planner and executor of them decoding in one batched step; results are written in task order
     either way, so results.jsonl does not depend on the concurrency (timings aside). On the
-    single-run `Engine` problems run one after another. `meta` is copied into the report.
+    single-run `Engine` problems run one after another. `meta` is copied into the report; `answer_from` picks the graded
+    text (see the module docstring).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    extract_answer(None, "", answer_from)   # reject an unknown mode before any run
     ids = [t.id for t in tasks]
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
@@ -99,7 +104,7 @@ def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
             while len(results) in finished:       # write in task order as soon as possible
                 task = tasks[len(results)]
                 record = finished.pop(len(results))
-                result = result_of(task, record)
+                result = result_of(task, record, answer_from)
                 results.append(result)
                 if files:
                     for f, row in zip(files, (result, {"id": task.id, **record.to_json()})):
@@ -123,7 +128,7 @@ def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
         if bar is not None:
             bar.close()
     report = make_report(results, mode, wall_clock_s=time.perf_counter() - t0, meta={
-        **(meta or {}), "config": config.__dict__, "concurrency": concurrency})
+        **(meta or {}), "answer_from": answer_from, "config": config.__dict__, "concurrency": concurrency})
     if out is not None:
         report["plots"] = write_plots(results, out)
         (out / REPORT_FILE).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -2,8 +2,18 @@
 
 Paper §13: the headline table gives accuracy and sequential tokens (tokens on the critical path,
 DESIGN.md "Orchestrator") for SPRINT against RFT on the same problems, and the analysis shows the
-savings growing with the length of the baseline's trajectory. `compare` builds that table from two
-runs matched by problem id; `reduction_by_length` bins the saving by the baseline's length.
+savings growing with the length of the baseline's trajectory (the paper: problems whose RFT trace
+is over 8k tokens). `compare` builds that table from two runs matched by problem id, with
+`length_bins`: per bin of the baseline's sequential length (fixed thresholds such as 2000,4000,8000,
+and quantiles) the accuracy, sequential tokens and wall clock of both runs; `plot_speedups` draws
+the per-problem speedup histogram (ThreadWeaver, Fig. 5).
+
+Two ratios, never to be confused:
+* against the baseline (`compare`): SPRINT's sequential tokens / RFT's, on the same problems. This
+  is the gain over RFT.
+* `sequential_to_total` (one run's report): the run's own critical path over its own generated
+  tokens. It says how much of SPRINT's work ran in parallel, NOT that SPRINT beats RFT (the paper's
+  MATH-500 figure of 2,440 sequential vs 3,622 total tokens is this ratio).
 """
 from __future__ import annotations
 
@@ -15,7 +25,9 @@ from typing import Sequence
 from sprint_jax.errors import UserError
 
 TOKENS_PLOT = "tokens.png"
-REDUCTION_PLOT = "reduction_by_length.png"
+INTERNAL_PLOT = "sequential_to_total_by_length.png"
+SPEEDUP_PLOT = "speedup_histogram.png"
+BINS_PLOT = "bins_by_baseline_length.png"
 
 
 class RunFileError(UserError):
@@ -30,9 +42,10 @@ def make_report(results: Sequence[dict], mode: str, wall_clock_s: float, meta: d
     """report.json: accuracy, mean sequential / total tokens, wall clock, format-valid rate.
 
     `format_valid_rate` is the fraction of runs whose output parses with no problem and ends with
-    a final answer (RunRecord.format_valid). `token_reduction` = 1 - Σ sequential / Σ total: the
-    share of generated tokens taken off the critical path by parallel executors (0 for
-    sequential runs).
+    a final answer (RunRecord.format_valid). `sequential_to_total` = Σ sequential / Σ total is
+    SPRINT-internal (1.0 for sequential runs): the run's critical path over its own generated
+    tokens, not a comparison with RFT (use `eval compare` for that). `grader_errors` counts problems whose grader failed (graded wrong, logged,
+    listed by id in `grader_error_ids`): a non-zero count means the accuracy is a lower bound.
     """
     n = len(results)
     seq = [r["sequential_tokens"] for r in results]
@@ -44,48 +57,86 @@ def make_report(results: Sequence[dict], mode: str, wall_clock_s: float, meta: d
         "accuracy": _mean([float(bool(r["correct"])) for r in results]),
         "mean_sequential_tokens": _mean(seq),
         "mean_total_tokens": _mean(tot),
-        "token_reduction": (1.0 - sum(seq) / sum(tot)) if sum(tot) else 0.0,
+        "sequential_to_total": (sum(seq) / sum(tot)) if sum(tot) else None,
         "mean_stages": _mean([r["stages"] for r in results]),
         "mean_wall_s": _mean([r["wall_s"] for r in results]),
         "wall_clock_s": float(wall_clock_s),
         "format_valid_rate": _mean([float(bool(r["format_valid"])) for r in results]),
         "terminations": dict(Counter(r["termination"] for r in results)),
-        "reduction_by_length": reduction_by_length(results),
+        "grader_errors": sum(1 for r in results if r.get("grader_error")),
+        "grader_error_ids": [r["id"] for r in results if r.get("grader_error")][:20],
+        "sequential_to_total_by_length": sequential_to_total_by_length(results),
     }
     if meta:
         report["meta"] = meta
     return report
 
 
-def reduction_by_length(results: Sequence[dict], baseline: Sequence[dict] | None = None,
-                        bins: int = 5) -> list[dict]:
-    """The sequential-token saving binned by the baseline's length (paper §13's analysis).
-
-    With `baseline` (an RFT run, matched by id) the length is its generated tokens and the
-    saving is 1 - Σ sequential / Σ baseline tokens per bin. Without one, each run is its own
-    baseline: the length is its total tokens (what decoding the same trajectory serially costs).
-    Bins are quantiles of the baseline length (at most `bins`, fewer when lengths repeat).
-    """
-    if baseline is None:
-        pairs = [(r["total_tokens"], r["sequential_tokens"]) for r in results]
-    else:
-        base = {r["id"]: r for r in baseline}
-        pairs = [(base[r["id"]]["sequential_tokens"], r["sequential_tokens"]) for r in results if r["id"] in base]
-    pairs = sorted(p for p in pairs if p[0] > 0)
-    if not pairs:
-        return []
-    n_bins = max(1, min(bins, len(pairs)))
+def sequential_to_total_by_length(results: Sequence[dict], bins: int = 5) -> list[dict]:
+    """One run's own sequential / total tokens, in quantile bins of its total tokens (SPRINT-internal:
+    how much of the trajectory ran off the critical path, not a gain over RFT)."""
+    pairs = sorted((r["total_tokens"], r["sequential_tokens"]) for r in results if r["total_tokens"] > 0)
     out = []
-    for b in range(n_bins):
-        chunk = pairs[b * len(pairs) // n_bins:(b + 1) * len(pairs) // n_bins]
-        if not chunk:
-            continue
-        base_sum = sum(p[0] for p in chunk)
+    for chunk in _quantile_chunks(pairs, bins):
         out.append({"min_length": chunk[0][0], "max_length": chunk[-1][0], "n": len(chunk),
-                    "mean_baseline_tokens": base_sum / len(chunk),
+                    "mean_total_tokens": sum(p[0] for p in chunk) / len(chunk),
                     "mean_sequential_tokens": sum(p[1] for p in chunk) / len(chunk),
-                    "reduction": 1.0 - sum(p[1] for p in chunk) / base_sum})
+                    "sequential_to_total": sum(p[1] for p in chunk) / sum(p[0] for p in chunk)})
     return out
+
+
+def _quantile_chunks(sorted_items: Sequence, bins: int) -> list[list]:
+    """`sorted_items` cut into at most `bins` consecutive chunks of (nearly) equal size."""
+    n = len(sorted_items)
+    k = max(1, min(bins, n))
+    chunks = [list(sorted_items[b * n // k:(b + 1) * n // k]) for b in range(k)]
+    return [c for c in chunks if c]
+
+
+def _bin_row(pairs: Sequence[tuple[dict, dict]], lo: float, hi: float | None) -> dict:
+    """One bin of (A, B) result pairs: n, and per run accuracy, mean sequential tokens, mean wall
+    clock; the ratios A/B of summed sequential tokens and of summed wall clock."""
+    row: dict = {"min_baseline_tokens": lo, "max_baseline_tokens": hi, "n": len(pairs)}
+    for side, k in (("a", 0), ("b", 1)):
+        rows = [p[k] for p in pairs]
+        row[side] = {"accuracy": _mean([float(bool(r["correct"])) for r in rows]) if rows else None,
+                     "mean_sequential_tokens": _mean([r["sequential_tokens"] for r in rows]) if rows else None,
+                     "mean_wall_s": _mean([r["wall_s"] for r in rows]) if rows else None}
+    seq_b = sum(p[1]["sequential_tokens"] for p in pairs)
+    wall_b = sum(p[1]["wall_s"] for p in pairs)
+    row["sequential_ratio"] = sum(p[0]["sequential_tokens"] for p in pairs) / seq_b if seq_b else None
+    row["wall_ratio"] = sum(p[0]["wall_s"] for p in pairs) / wall_b if wall_b else None
+    return row
+
+
+def length_bins(pairs: Sequence[tuple[dict, dict]], thresholds: Sequence[int] = (), quantiles: int = 0) -> dict:
+    """Bins of matched (A, B) results by B's (the baseline's) sequential tokens.
+
+    `thresholds` t1 < t2 < ... give the fixed bins [0, t1), [t1, t2), ..., [tk, inf) (empty bins are
+    kept, n = 0); `quantiles` q gives q bins of (nearly) equal size over the sorted lengths
+    (`min/max_baseline_tokens` are the bin's actual extremes). Each bin: see `_bin_row`.
+    """
+    ts = list(thresholds)
+    if any(t <= 0 for t in ts) or ts != sorted(set(ts)):
+        raise UserError(f"--bins must be increasing positive token counts, got {','.join(map(str, ts))}")
+    fixed = []
+    edges = [0, *ts, None]
+    for lo, hi in zip(edges, edges[1:]):
+        inside = [p for p in pairs if p[1]["sequential_tokens"] >= lo and (hi is None or p[1]["sequential_tokens"] < hi)]
+        fixed.append(_bin_row(inside, lo, hi))
+    quant = []
+    if quantiles > 0:
+        ordered = sorted(pairs, key=lambda p: p[1]["sequential_tokens"])
+        for chunk in _quantile_chunks(ordered, quantiles):
+            quant.append(_bin_row(chunk, chunk[0][1]["sequential_tokens"], chunk[-1][1]["sequential_tokens"]))
+    return {"thresholds": ts, "fixed": fixed, "quantiles": quant}
+
+
+def speedups(pairs: Sequence[tuple[dict, dict]]) -> dict:
+    """Per problem: B's sequential tokens / A's (token speedup) and B's wall clock / A's."""
+    tok = [p[1]["sequential_tokens"] / p[0]["sequential_tokens"] for p in pairs if p[0]["sequential_tokens"] > 0]
+    wall = [p[1]["wall_s"] / p[0]["wall_s"] for p in pairs if p[0]["wall_s"] > 0]
+    return {"tokens": tok, "wall": wall}
 
 
 def _pyplot():
@@ -115,15 +166,58 @@ def plot_tokens(results: Sequence[dict], path: str | Path, title: str = "") -> P
     return Path(path)
 
 
-def plot_reduction(bins: Sequence[dict], path: str | Path, xlabel: str) -> Path:
+def plot_sequential_to_total(bins: Sequence[dict], path: str | Path) -> Path:
+    """One run's own sequential / total tokens by its total length (SPRINT-internal)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 4))
     labels = [f"{b['min_length']}-{b['max_length']}\n(n={b['n']})" for b in bins]
-    ax.bar(range(len(bins)), [100 * b["reduction"] for b in bins], color="tab:blue")
+    ax.bar(range(len(bins)), [b["sequential_to_total"] for b in bins], color="tab:blue")
     ax.set_xticks(range(len(bins)), labels, fontsize=7)
-    ax.axhline(0, color="k", lw=0.6)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("sequential-token reduction (%)")
+    ax.axhline(1.0, color="k", lw=0.6)
+    ax.set_xlabel("total tokens of the trajectory (quantile bins)")
+    ax.set_ylabel("sequential / total tokens (this run only)")
+    ax.set_title("SPRINT-internal: not a gain over RFT", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def _bin_label(b: dict) -> str:
+    hi = "inf" if b["max_baseline_tokens"] is None else b["max_baseline_tokens"]
+    return f"{b['min_baseline_tokens']}-{hi}\n(n={b['n']})"
+
+
+def plot_bins(bins: Sequence[dict], path: str | Path, names: Sequence[str]) -> Path:
+    """Per bin of the baseline's length: accuracy, mean sequential tokens and wall clock of both runs."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    x = list(range(len(bins)))
+    for ax, key, label in zip(axes, ("accuracy", "mean_sequential_tokens", "mean_wall_s"),
+                              ("accuracy", "sequential tokens (mean)", "wall clock s (mean)")):
+        for off, side, name in ((-0.2, "a", names[0]), (0.2, "b", names[1])):
+            ax.bar([i + off for i in x], [b[side][key] or 0 for b in bins], width=0.4, label=name)
+        ax.set_xticks(x, [_bin_label(b) for b in bins], fontsize=7)
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=8)
+    fig.supxlabel(f"{names[1]} sequential tokens per problem (bins)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def plot_speedups(speedup: dict, path: str | Path, names: Sequence[str]) -> Path:
+    """Histogram of per-problem speedups of A over B (ThreadWeaver Fig. 5): tokens and wall clock."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, key, label in zip(axes, ("tokens", "wall"), ("sequential tokens", "wall clock")):
+        values = speedup[key]
+        if values:
+            ax.hist(values, bins=min(30, max(5, len(values) // 3)), color="tab:green")
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_xlabel(f"{names[1]} / {names[0]} {label} per problem (> 1: {names[0]} faster)")
+        ax.set_ylabel("problems")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -131,11 +225,10 @@ def plot_reduction(bins: Sequence[dict], path: str | Path, xlabel: str) -> Path:
 
 
 def write_plots(results: Sequence[dict], out_dir: str | Path) -> list[str]:
-    """tokens.png and reduction_by_length.png (each run its own baseline) in out_dir."""
+    """tokens.png and sequential_to_total_by_length.png (this run only) in out_dir."""
     out = Path(out_dir)
     paths = [plot_tokens(results, out / TOKENS_PLOT),
-             plot_reduction(reduction_by_length(results), out / REDUCTION_PLOT,
-                            "total tokens of the trajectory (bins)")]
+             plot_sequential_to_total(sequential_to_total_by_length(results), out / INTERNAL_PLOT)]
     return [p.name for p in paths]
 
 
@@ -161,12 +254,13 @@ _ROWS = (("accuracy", "accuracy"), ("sequential tokens", "mean_sequential_tokens
 
 
 def compare(results_a: Sequence[dict], results_b: Sequence[dict], name_a: str = "SPRINT",
-            name_b: str = "RFT") -> dict:
+            name_b: str = "RFT", bins: Sequence[int] = (2000, 4000, 8000), quantiles: int = 4) -> dict:
     """The paper's table for run A (SPRINT) against run B (the RFT baseline) on the same problems.
 
     Problems are matched by id; different problem sets are an error (the comparison would not be
     of like with like). Change is A - B in percentage points for accuracy and (A - B) / B for the
-    rest. Also returns the saving binned by the baseline's length.
+    rest. Also returns `length_bins` (by B's sequential length: fixed `bins` thresholds and
+    `quantiles`) and the per-problem `speedups`.
     """
     ids_a = [r["id"] for r in results_a]
     ids_b = [r["id"] for r in results_b]
@@ -189,6 +283,7 @@ def compare(results_a: Sequence[dict], results_b: Sequence[dict], name_a: str = 
             "mean_sequential_tokens": _mean([r["sequential_tokens"] for r in rows]),
             "mean_total_tokens": _mean([r["total_tokens"] for r in rows]),
             "mean_wall_s": _mean([r["wall_s"] for r in rows]),
+            "grader_errors": sum(1 for r in rows if r.get("grader_error")),
         }
     rows = []
     for label, key in _ROWS:
@@ -198,8 +293,26 @@ def compare(results_a: Sequence[dict], results_b: Sequence[dict], name_a: str = 
         else:
             change = {"relative": (a - b) / b if b else None}
         rows.append({"metric": label, "key": key, name_a: a, name_b: b, **change})
+    pairs = list(zip(results_a, b_sorted))
     return {"n": len(ids_a), "names": [name_a, name_b], "rows": rows, "summary": summary,
-            "reduction_by_baseline_length": reduction_by_length(results_a, results_b)}
+            "length_bins": length_bins(pairs, bins, quantiles), "speedups": speedups(pairs)}
+
+
+def _format_bins(bins: Sequence[dict], name_a: str, name_b: str) -> list[str]:
+    lines = [f"  {name_b + ' seq tokens':>16} {'n':>5} {'acc ' + name_a:>11} {'acc ' + name_b:>11} "
+             f"{'seq ' + name_a:>10} {'seq ' + name_b:>10} {'seq ratio':>9} {'wall ' + name_a:>10} "
+             f"{'wall ' + name_b:>10} {'wall ratio':>10}"]
+
+    def num(v, f):
+        return "-" if v is None else format(v, f)
+    for b in bins:
+        hi = "inf" if b["max_baseline_tokens"] is None else str(b["max_baseline_tokens"])
+        lines.append(f"  {str(b['min_baseline_tokens']) + '-' + hi:>16} {b['n']:>5} "
+                     f"{num(b['a']['accuracy'], '.3f'):>11} {num(b['b']['accuracy'], '.3f'):>11} "
+                     f"{num(b['a']['mean_sequential_tokens'], '.1f'):>10} {num(b['b']['mean_sequential_tokens'], '.1f'):>10} "
+                     f"{num(b['sequential_ratio'], '.3f'):>9} {num(b['a']['mean_wall_s'], '.2f'):>10} "
+                     f"{num(b['b']['mean_wall_s'], '.2f'):>10} {num(b['wall_ratio'], '.3f'):>10}")
+    return lines
 
 
 def format_compare_table(table: dict) -> str:
@@ -216,12 +329,17 @@ def format_compare_table(table: dict) -> str:
                      f"{b:.1f}" if row["key"] != "mean_wall_s" else f"{b:.2f}",
                      "n/a" if rel is None else f"{100 * rel:+.1f}%")
         lines.append(f"{row['metric']:26}{cells[0]:>12}{cells[1]:>12}{cells[2]:>12}")
-    bins = table.get("reduction_by_baseline_length") or []
-    if bins:
-        lines.append("")
-        lines.append(f"sequential-token reduction vs {name_b}, by {name_b} length:")
-        for b in bins:
-            lines.append(f"  {b['min_length']:>6}-{b['max_length']:<6} n={b['n']:<4} {100 * b['reduction']:+.1f}%")
+    errors = {k: v["grader_errors"] for k, v in table["summary"].items() if v.get("grader_errors")}
+    if errors:
+        lines.append("grader errors (graded wrong): " + ", ".join(f"{k} {v}" for k, v in errors.items()))
+    bins = table.get("length_bins") or {}
+    ratio_note = f"ratios are {name_a} / {name_b} (summed over the bin; < 1: {name_a} needs less)"
+    if bins.get("fixed"):
+        lines += ["", f"by {name_b} sequential length, fixed bins ({ratio_note}):"]
+        lines += _format_bins(bins["fixed"], name_a, name_b)
+    if bins.get("quantiles"):
+        lines += ["", f"by {name_b} sequential length, quantile bins:"]
+        lines += _format_bins(bins["quantiles"], name_a, name_b)
     return "\n".join(lines)
 
 
@@ -256,6 +374,7 @@ def format_wall_clock(names: Sequence[str], summaries: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["RunFileError", "make_report", "reduction_by_length", "plot_tokens", "plot_reduction", "write_plots",
-           "load_results", "compare", "format_compare_table", "TOKENS_PLOT", "REDUCTION_PLOT",
-           "wall_clock_summary", "format_wall_clock"]
+__all__ = ["RunFileError", "make_report", "sequential_to_total_by_length", "length_bins", "speedups",
+           "plot_tokens", "plot_sequential_to_total", "plot_bins", "plot_speedups", "write_plots",
+           "load_results", "compare", "format_compare_table", "TOKENS_PLOT", "INTERNAL_PLOT", "SPEEDUP_PLOT",
+           "BINS_PLOT", "wall_clock_summary", "format_wall_clock"]

@@ -9,12 +9,12 @@ DESCRIPTION = """Generate text from a checkpoint with the JAX engine (plain deco
   sprint-jax generate --model DIR --token-ids 1,2,3 --max-new-tokens 20
 
 The tokenizer is loaded from the checkpoint directory (HF tokenizer files or vocab_tokenizer.json);
-use --qwen2-tokenizer to use the Qwen2 BPE from ../shared/data instead.
+--tokenizer qwen2 uses the Qwen2 BPE shipped with the package instead, --tokenizer DIR another directory.
 """
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", required=True, help="HF safetensors or orbax model directory")
+    p.add_argument("--model", required=True, help="HF safetensors or orbax model directory (Qwen2 or Qwen3)")
     p.add_argument("prompt", nargs="?", default=None, help="prompt text")
     p.add_argument("--token-ids", default=None, help="comma-separated prompt token ids instead of text")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -23,8 +23,9 @@ def add_arguments(p) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--qwen2-tokenizer", action="store_true", help="use the Qwen2 BPE from shared data")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    from sprint_jax.infer.infer_cli import add_dtype_argument, add_tokenizer_argument
+    add_tokenizer_argument(p)
+    add_dtype_argument(p)
 
 
 def run(args) -> int:
@@ -36,8 +37,8 @@ def run(args) -> int:
         raise UserError("give either a prompt text or --token-ids")
     model = load_model_arg(args.model, args.dtype)
     tok = None
-    if args.qwen2_tokenizer or args.prompt is not None or args.stop:
-        tok = load_tokenizer_arg("qwen2" if args.qwen2_tokenizer else None, args.model)
+    if args.tokenizer or args.prompt is not None or args.stop:
+        tok = load_tokenizer_arg(args.tokenizer, args.model)
     if args.token_ids is not None:
         try:
             ids = [int(x) for x in args.token_ids.split(",") if x.strip()]

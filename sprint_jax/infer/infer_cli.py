@@ -16,65 +16,49 @@ sequential vs total tokens and wall clock (no grading).
   sprint-jax infer --model DIR "..." --mode serial --max-stages 6 --temperature 0.6
   sprint-jax infer --model DIR "..." --mode sequential          # plain decoding (RFT baseline)
 
-Budgets: --max-stages, --max-prompts, --max-planner-tokens, --max-branch-tokens,
---max-total-tokens, --time-limit (or --config FILE.yaml / --set field=value with the
-OrchestratorConfig fields). The query is given to the model exactly as written (training
-prompts are the bare problem text; see `sprint-jax eval --help`).
+Budgets and sampling: one flag per OrchestratorConfig field (--max-stages, --max-prompts,
+--max-planner-tokens, --max-branch-tokens, --max-total-tokens, --time-limit-s, --temperature,
+--top-k, --top-p, --seed, --layout), or --config FILE.yaml / --set field=value. The query is
+given to the model exactly as written (training prompts are the bare problem text; see
+`sprint-jax eval --help`).
 
 Token convention: where forced text (an executor's opening, the sync) meets generated text, the
 context is tokenized the way the model's training layout did (flat or trie). The layout is read
 from MODEL/sprint_jax.json, which `sprint-jax train` writes into its export; a model without it
-is treated as flat (the paper's layout). `--set layout=trie` overrides.
+is treated as flat (the paper's layout). `--layout trie` overrides.
 """
 
 
 # ---------------------------------------------------------------------------------------------
 # Arguments shared with `sprint-jax eval`
 # ---------------------------------------------------------------------------------------------
-_CONFIG_FLAGS = (  # flag, OrchestratorConfig field, type
-    ("--max-stages", "max_stages", int), ("--max-prompts", "max_prompts", int),
-    ("--max-planner-tokens", "max_planner_tokens", int), ("--max-branch-tokens", "max_branch_tokens", int),
-    ("--max-total-tokens", "max_total_tokens", int), ("--time-limit", "time_limit_s", float),
-    ("--temperature", "temperature", float), ("--top-k", "top_k", int), ("--top-p", "top_p", float),
-    ("--seed", "seed", int),
-)
-
-
 def add_run_arguments(p) -> None:
     """Model, tokenizer, engine capacities and OrchestratorConfig flags."""
-    p.add_argument("--model", required=False, help="HF safetensors or orbax model directory")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer directory, or 'qwen2' for the Qwen2 BPE in the shared data dir "
-                        "(default: the model directory)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--model", required=False, help="HF safetensors or orbax model directory (Qwen2 or Qwen3)")
+    add_tokenizer_argument(p)
+    add_dtype_argument(p)
     p.add_argument("--config", default=None, help="YAML file of OrchestratorConfig fields")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override an OrchestratorConfig field (repeatable)")
+    from sprint_jax.config import add_config_flags
     from sprint_jax.infer.orchestrator import OrchestratorConfig
 
-    defaults = OrchestratorConfig()
     g = p.add_argument_group("budgets and sampling (OrchestratorConfig; flags override --config/--set)")
-    for flag, field, kind in _CONFIG_FLAGS:
-        g.add_argument(flag, dest=field, type=kind, default=None,
-                       help=f"OrchestratorConfig.{field} (default {getattr(defaults, field)})")
+    add_config_flags(g, OrchestratorConfig, defaults={"layout": "the model's sprint_jax.json, else flat"})
     e = p.add_argument_group("engine capacities")
     e.add_argument("--max-seq-len", type=int, default=8192, help="planner context capacity in tokens")
     e.add_argument("--decode-chunk", type=int, default=16, help="decode steps per host round trip")
     e.add_argument("--prefill-chunk", type=int, default=512, help="longest prefill piece")
-    e.add_argument("--attention", choices=["xla", "pallas"], default="xla",
+    e.add_argument("--attention-impl", choices=["xla", "pallas"], default="xla",
                    help="shared-prefix attention of the executor fork")
 
 
 def config_from_args(args):
     """OrchestratorConfig: the model export's layout, then --config, then --set and the flags."""
-    from sprint_jax.config import load_config
+    from sprint_jax.config import flag_overrides, load_config
     from sprint_jax.infer.orchestrator import OrchestratorConfig
 
-    overrides = list(args.set)
-    for _, field, _ in _CONFIG_FLAGS:
-        value = getattr(args, field, None)
-        if value is not None:
-            overrides.append(f"{field}={value}")
+    overrides = list(args.set) + flag_overrides(args, OrchestratorConfig)
     return load_config(OrchestratorConfig, args.config, overrides, data=model_defaults(args.model))
 
 
@@ -93,8 +77,23 @@ def model_defaults(model: str | None) -> dict:
     return {"layout": layout} if layout is not None else {}
 
 
+def add_tokenizer_argument(p) -> None:
+    """`--tokenizer`, the same in generate / infer / eval."""
+    p.add_argument("--tokenizer", default=None, metavar="qwen2|DIR",
+                   help="tokenizer directory, or 'qwen2' for the Qwen2 BPE (default: the model directory)")
+
+
+def add_dtype_argument(p) -> None:
+    """`--dtype`, the same in generate / infer / eval / bench decode."""
+    from sprint_jax.dtypes import DTYPE_NAMES
+
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
+                   help="parameter and compute dtype (activations, KV cache); default float32")
+
+
 def load_model_arg(model: str | None, dtype: str | None):
-    """The model of a `--model DIR` flag (HF or orbax directory), in compute dtype `dtype`."""
+    """The model of a `--model DIR` flag (HF or orbax directory), with parameters and compute
+    (activations, KV cache) in `dtype` (float32 when None)."""
     from sprint_jax.errors import UserError
     from sprint_jax.model.convert import load_model
 
@@ -103,10 +102,7 @@ def load_model_arg(model: str | None, dtype: str | None):
     model_dir = Path(model)
     if not model_dir.is_dir():
         raise UserError(f"model directory not found: {model_dir}")
-    m = load_model(model_dir, dtype=dtype)
-    if dtype == "bfloat16":
-        m.config = m.config.replace(dtype="bfloat16")
-    return m
+    return load_model(model_dir, param_dtype=dtype, compute_dtype=dtype)
 
 
 def load_tokenizer_arg(tokenizer: str | None, model: str):
@@ -132,7 +128,7 @@ def build_engine(args, config):
     try:
         return Engine(model, tok, max_seq_len=args.max_seq_len, max_branches=config.max_prompts,
                       max_branch_tokens=config.max_branch_tokens + 32, decode_chunk=args.decode_chunk,
-                      prefill_chunk=args.prefill_chunk, attention_impl=args.attention)
+                      prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl)
     except EngineError as e:
         raise UserError(str(e)) from None
 

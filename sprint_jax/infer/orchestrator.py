@@ -92,7 +92,6 @@ TERMINATIONS = {
 }
 
 
-LAYOUTS = ("flat", "trie")      # the training layouts (train/data.py); they fix the token convention
 _FLAT_MARGIN = 8                # flat: tokens re-tokenized before the last boundary
 
 
@@ -117,15 +116,15 @@ class OrchestratorConfig:
     top_k: int = 0                       # 0 = off
     top_p: float = 1.0                   # 1 = off
     seed: int = 0                        # each engine call gets its own seed derived from this
-    layout: str = "flat"                 # the model's training layout (token convention at boundaries)
+    layout: fmt.Layout = "flat"          # the model's training layout: token convention at boundaries
 
     def __post_init__(self) -> None:
         for name in ("max_stages", "max_prompts", "max_planner_tokens", "max_branch_tokens", "max_total_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {self.layout!r}")
+        if self.layout not in fmt.LAYOUTS:
+            raise ValueError(f"layout must be one of {list(fmt.LAYOUTS)}, got {self.layout!r}")
         if self.time_limit_s is not None and not self.time_limit_s > 0:
             raise ValueError(f"time_limit_s must be > 0 or null, got {self.time_limit_s!r}")
         Sampling(self.temperature, self.top_k, self.top_p, self.seed)   # validates the sampling fields
@@ -697,6 +696,6 @@ def run_query(engine: Any, query: str, mode: str = "parallel", config: Orchestra
     return Orchestrator(engine, config, on_event).run(query, mode)
 
 
-__all__ = ["MODES", "TERMINATIONS", "LAYOUTS", "execution_opening", "OrchestratorConfig",
+__all__ = ["MODES", "TERMINATIONS", "execution_opening", "OrchestratorConfig",
            "ExecutionRecord", "StageRecord", "RunRecord", "Event", "Orchestrator", "run_query",
            "EngineCall", "answer_single", "drive_single", "run_many"]

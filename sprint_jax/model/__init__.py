@@ -1,4 +1,4 @@
-"""Qwen2 in flax.nnx, its config, and HF checkpoint I/O."""
+"""Qwen2 and Qwen3 (one decoder, two families) in flax.nnx, its config, and HF checkpoint I/O."""
 from sprint_jax.model.config import Qwen2Config, resolve_model_config
 from sprint_jax.model.hf import CheckpointError, from_pretrained, load_params, save_params, save_pretrained
 from sprint_jax.model.qwen2 import (PARAM_SPECS, Qwen2, abstract_params, forward, init_params,

@@ -1,37 +1,52 @@
-"""Qwen2 model config: built from an HF `config.json`, with presets in configs/.
+"""Decoder config for the Qwen2 and Qwen3 families: built from an HF `config.json`, presets in configs/.
 
-Only what the architecture needs is kept; HF features we do not implement (sliding-window
-attention switched on, rope scaling) are rejected with an error that names the field.
+The two families share one model code; `FAMILIES` holds what differs (q/k/v biases, the per-head
+q/k RMSNorm, HF's default head_dim). Only what the architecture needs is kept; HF features we do
+not implement (sliding-window attention switched on, rope scaling, Qwen3 attention_bias) are
+rejected with an error that names the field.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from sprint_jax.config import CONFIG_DIR, ConfigError
+from sprint_jax.dtypes import DType
 
-DType = Literal["float32", "bfloat16"]
 
-# HF keys that carry no information our port needs (or that we check separately below).
-_IGNORED_HF_KEYS = {
-    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "use_cache",
-    "initializer_range", "hidden_act", "attention_dropout", "max_window_layers", "sliding_window",
-    "use_sliding_window", "rope_scaling", "rope_parameters", "rope_theta", "bos_token_id",
-    "eos_token_id", "pad_token_id", "layer_types", "_name_or_path", "output_attentions",
-    "output_hidden_states", "return_dict", "use_mrope", "tie_word_embeddings", "quantization_config",
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """What one HF `model_type` changes in the shared decoder."""
+    architecture: str               # HF class written into an exported config.json
+    qkv_bias: bool                  # q/k/v projections carry biases (Qwen2)
+    qk_norm: bool                   # per-head RMSNorm on q and k before RoPE (Qwen3)
+    default_head_dim: int | None    # HF's head_dim when config.json has none (None: hidden / heads)
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, qk_norm=False, default_head_dim=None),
+    "qwen3": Family("Qwen3ForCausalLM", qkv_bias=False, qk_norm=True, default_head_dim=128),
 }
+
+# HF's storage dtype of the checkpoint files (transformers writes "dtype" or "torch_dtype"). It is
+# not our compute dtype (nor our parameter dtype): those are chosen by the caller, e.g.
+# from_pretrained(param_dtype=..., compute_dtype=...), and default to float32.
+_HF_STORAGE_DTYPE_KEYS = ("dtype", "torch_dtype")
 
 
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config:
+    """One decoder of either family (`model_type`); the name predates Qwen3 and is kept for imports."""
+
     vocab_size: int                    # rows of the embedding table (152064 for the 7B models)
     hidden_size: int                   # model width E
     intermediate_size: int             # SwiGLU inner width
     num_hidden_layers: int             # decoder layers L (stacked under lax.scan)
     num_attention_heads: int           # query heads H
     num_key_value_heads: int           # KV heads (grouped-query attention: H % Hkv == 0)
+    model_type: str = "qwen2"          # decoder family, a key of FAMILIES ("qwen2" | "qwen3")
     head_dim: int = 0                  # per-head width; 0 means hidden_size // num_attention_heads
     rope_theta: float = 10000.0        # RoPE base
     rms_norm_eps: float = 1e-6         # RMSNorm epsilon
@@ -39,10 +54,13 @@ class Qwen2Config:
     max_position_embeddings: int = 32768  # longest position the model was trained for
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    param_dtype: DType = "float32"     # storage dtype of the parameters
-    dtype: DType = "float32"           # compute dtype of activations (bf16 for speed)
+    param_dtype: DType = "float32"     # dtype the parameters are held in
+    dtype: DType = "float32"           # compute dtype: activations and the KV cache (bf16 for speed)
 
     def __post_init__(self):
+        if self.model_type not in FAMILIES:
+            raise ConfigError(f"model_type must be one of {', '.join(map(repr, FAMILIES))}, "
+                              f"got {self.model_type!r}")
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_attention_heads, 1))
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -66,6 +84,18 @@ class Qwen2Config:
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
 
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.model_type]
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.family.qkv_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family.qk_norm
+
     def replace(self, **kw) -> "Qwen2Config":
         return dataclasses.replace(self, **kw)
 
@@ -87,11 +117,19 @@ class Qwen2Config:
                 raise ConfigError(f"{p}: not valid JSON: {e}") from e
             where = str(p)
         mt = d.get("model_type", "qwen2")
-        if mt != "qwen2":
-            raise ConfigError(f"{where}: model_type must be 'qwen2', got {mt!r}")
+        if mt not in FAMILIES:
+            raise ConfigError(f"{where}: model_type must be one of {', '.join(map(repr, FAMILIES))}, "
+                              f"got {mt!r}")
         if d.get("use_sliding_window"):
             raise ConfigError(f"{where}: use_sliding_window=true is not supported "
                               "(sliding-window attention is not implemented)")
+        sliding = sorted({t for t in d.get("layer_types") or () if t != "full_attention"})
+        if sliding:
+            raise ConfigError(f"{where}: layer_types holds {', '.join(map(repr, sliding))}; only "
+                              "'full_attention' is supported (sliding-window attention is not implemented)")
+        if mt == "qwen3" and d.get("attention_bias"):
+            raise ConfigError(f"{where}: attention_bias=true is not supported for qwen3 "
+                              "(biases on q/k/v/o projections are not implemented)")
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{where}: hidden_act must be 'silu', got {act!r}")
@@ -104,16 +142,17 @@ class Qwen2Config:
                     raise ConfigError(f"{where}: {key}.rope_type={rtype!r} is not supported "
                                       "(only plain RoPE is implemented)")
                 theta = rp.get("rope_theta", theta)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(k for k in d if k not in known and k not in _IGNORED_HF_KEYS)
+        # other HF keys (bookkeeping, generation settings) carry nothing the architecture needs;
+        # the architectural ones we do not implement were rejected above
+        known = {f.name for f in dataclasses.fields(cls)} - set(_HF_STORAGE_DTYPE_KEYS)
         kwargs = {k: v for k, v in d.items() if k in known}
+        kwargs["model_type"] = mt
+        if d.get("head_dim") is None and FAMILIES[mt].default_head_dim is not None:
+            kwargs["head_dim"] = FAMILIES[mt].default_head_dim
         if theta is not None:
             kwargs["rope_theta"] = float(theta)
         kwargs["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
-        if "dtype" in kwargs and kwargs["dtype"] not in ("float32", "bfloat16"):
-            kwargs.pop("dtype")  # HF's storage dtype (e.g. "bfloat16") is not our compute dtype
         kwargs.update(overrides)
-        del unknown  # extra HF bookkeeping keys are harmless; architectural ones are checked above
         try:
             return cls(**kwargs)
         except TypeError as e:
@@ -121,9 +160,9 @@ class Qwen2Config:
 
     def to_hf_config(self) -> dict[str, Any]:
         """The config.json transformers needs to load the exported checkpoint."""
-        return {
-            "architectures": ["Qwen2ForCausalLM"],
-            "model_type": "qwen2",
+        out = {
+            "architectures": [self.family.architecture],
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -142,10 +181,13 @@ class Qwen2Config:
             "torch_dtype": self.param_dtype,
             "attention_dropout": 0.0,
         }
+        if not self.qkv_bias:
+            out["attention_bias"] = False  # Qwen3's flag for biases on q/k/v/o
+        return out
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "Qwen2Config":
-        """A model preset from configs/ by name, e.g. 'r1-distill-qwen-7b', 'qwen2.5-7b', 'tiny'."""
+        """A model preset from configs/ by name, e.g. 'r1-distill-qwen-7b', 'qwen3-8b', 'tiny'."""
         path = CONFIG_DIR / f"model_{name}.json"
         if not path.exists():
             names = sorted(p.stem[len("model_"):] for p in CONFIG_DIR.glob("model_*.json"))

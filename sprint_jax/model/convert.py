@@ -11,13 +11,13 @@ import shutil
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 from sprint_jax.model.config import Qwen2Config
+from sprint_jax.dtypes import DTYPE_NAMES, dtype_name, dtype_of
 from sprint_jax.model.hf import CheckpointError, load_params, save_params
-from sprint_jax.model.qwen2 import Qwen2, abstract_params, dtype_of
+from sprint_jax.model.qwen2 import Qwen2, abstract_params
 
-DESCRIPTION = """Convert a Qwen2 checkpoint between the HF safetensors layout and an orbax checkpoint.
+DESCRIPTION = """Convert a Qwen2 or Qwen3 checkpoint between the HF safetensors layout and an orbax checkpoint.
 
   sprint-jax convert --to orbax HF_DIR OUT_DIR     # for sharded training / fast restore
   sprint-jax convert --to hf ORBAX_DIR OUT_DIR     # for transformers / other tools
@@ -47,44 +47,68 @@ def save_orbax(config: Qwen2Config, params, path: str | Path) -> None:
     (path / "config.json").write_text(json.dumps(config.to_hf_config(), indent=2))
 
 
-def load_orbax(path: str | Path, dtype=None, shardings=None) -> tuple[Qwen2Config, dict]:
+def _key_name(path) -> str:
+    return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+def _stored_shapes(ckptr, path: Path) -> dict[str, tuple]:
+    """Every tensor's name and shape from the checkpoint's metadata. The shapes are checked before
+    any restore, so a metadata file that cannot be read is an error, never a skipped check."""
+    try:
+        meta = ckptr.metadata(path / "params")
+    except Exception as e:   # noqa: BLE001 - orbax raises many types for a corrupt or foreign directory
+        raise CheckpointError(f"{path}: cannot read the orbax metadata of params/ "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    tree = getattr(meta, "item_metadata", meta)
+    shapes = {}
+    for kp, v in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        shape = getattr(v, "shape", None)
+        if shape is None:
+            raise CheckpointError(f"{path}: the orbax metadata gives no shape for {_key_name(kp)}")
+        shapes[_key_name(kp)] = tuple(shape)
+    if not shapes:
+        raise CheckpointError(f"{path}: cannot read the orbax metadata of params/ (it lists no tensor)")
+    return shapes
+
+
+def load_orbax(path: str | Path, param_dtype=None, shardings=None) -> tuple[Qwen2Config, dict]:
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
     config = Qwen2Config.from_hf_config(path / "config.json")
-    if dtype is not None:
-        config = config.replace(param_dtype="bfloat16" if jnp.dtype(dtype) == jnp.bfloat16 else "float32")
+    if param_dtype is not None:
+        config = config.replace(param_dtype=dtype_name(param_dtype))
     target = abstract_params(config)
     if shardings is not None:
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), target, shardings)
     with ocp.StandardCheckpointer() as ckptr:
-        meta = ckptr.metadata(path / "params")
-        tree = getattr(meta, "item_metadata", meta)
-        try:
-            got = {"/".join(str(getattr(k, "key", k)) for k in kp): tuple(v.shape)
-                   for kp, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
-        except Exception:  # metadata layout differs across orbax versions; restore will check
-            got = {}
-        for kp, v in jax.tree_util.tree_flatten_with_path(target)[0]:
-            name = "/".join(str(getattr(k, "key", k)) for k in kp)
-            if got and name not in got:
+        got = _stored_shapes(ckptr, path)
+        want = {_key_name(kp): tuple(v.shape) for kp, v in jax.tree_util.tree_flatten_with_path(target)[0]}
+        for name, shape in want.items():
+            if name not in got:
                 raise CheckpointError(f"{path}: missing tensor {name}")
-            if got and got[name] != tuple(v.shape):
-                raise CheckpointError(f"{path}: tensor {name} has shape {got[name]}, expected {tuple(v.shape)}")
+            if got[name] != shape:
+                raise CheckpointError(f"{path}: tensor {name} has shape {got[name]}, expected {shape}")
+        extra = sorted(set(got) - set(want))
+        if extra:
+            raise CheckpointError(f"{path}: unknown tensor {extra[0]} (config.json does not describe these params)")
         params = ckptr.restore(path / "params", target)
     params = jax.tree.map(lambda a: a.astype(dtype_of(config.param_dtype)), params)
     return config, params
 
 
-def load_model(path: str | Path, dtype=None) -> Qwen2:
-    """A Qwen2 from either an HF directory or an orbax model directory."""
+def load_model(path: str | Path, param_dtype=None, compute_dtype=None) -> Qwen2:
+    """A Qwen2 / Qwen3 model from either an HF directory or an orbax model directory (dtypes as in
+    `from_pretrained`: float32 unless given)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model directory not found: {path}")
     if is_orbax_dir(path):
-        config, params = load_orbax(path, dtype=dtype)
+        config, params = load_orbax(path, param_dtype=param_dtype)
     else:
-        config, params = load_params(path, dtype=dtype)
+        config, params = load_params(path, param_dtype=param_dtype)
+    if compute_dtype is not None:
+        config = config.replace(dtype=dtype_name(compute_dtype))
     return Qwen2(config, params=params)
 
 
@@ -98,7 +122,7 @@ def add_arguments(p) -> None:
     p.add_argument("--to", choices=["orbax", "hf"], required=True, help="target format")
     p.add_argument("src", help="source checkpoint directory")
     p.add_argument("dst", help="output directory (created)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                    help="parameter dtype of the output (default: keep the source's)")
     p.add_argument("--max-shard-size", default="5GB", help="HF output: shard files past this size")
 
@@ -109,19 +133,19 @@ def run(args) -> int:
     src, dst = Path(args.src), Path(args.dst)
     if not src.exists():
         raise UserError(f"source directory not found: {src}")
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, None: None}[args.dtype]
+    dtype = args.dtype
     try:
         if args.to == "orbax":
             if is_orbax_dir(src):
                 raise UserError(f"{src} is already an orbax model directory")
-            config, params = load_params(src, dtype=dtype, progress=True)
+            config, params = load_params(src, param_dtype=dtype, progress=True)
             print(f"writing orbax checkpoint to {dst} ...", flush=True)
             save_orbax(config, params, dst)
         else:
             if not is_orbax_dir(src):
                 raise UserError(f"{src} is not an orbax model directory (needs config.json and params/)")
             print(f"reading orbax checkpoint {src} ...", flush=True)
-            config, params = load_orbax(src, dtype=dtype)
+            config, params = load_orbax(src, param_dtype=dtype)
             save_params(config, params, dst, max_shard_size=args.max_shard_size, progress=True)
     except CheckpointError as e:
         raise UserError(str(e)) from e

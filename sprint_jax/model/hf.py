@@ -24,7 +24,8 @@ import ml_dtypes
 import numpy as np
 
 from sprint_jax.model.config import Qwen2Config
-from sprint_jax.model.qwen2 import Params, ParamSpec, Qwen2, _tree_set, dtype_of, param_specs, tree_get
+from sprint_jax.dtypes import dtype_name, dtype_of
+from sprint_jax.model.qwen2 import Params, ParamSpec, Qwen2, _tree_set, param_specs, tree_get
 
 _ST_DTYPES = {
     "F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
@@ -41,7 +42,8 @@ class CheckpointError(ValueError):
 # safetensors files
 # ---------------------------------------------------------------------------------------------
 class SafetensorsFile:
-    """Lazily reads tensors from one .safetensors file through a memory map."""
+    """Reads tensors from one .safetensors file on demand, each with a plain read into a fresh
+    buffer (no memory map)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -148,27 +150,27 @@ def hf_names(spec: ParamSpec, config: Qwen2Config) -> list[str]:
 _IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)
 
 
-def load_params(path: str | Path, config: Qwen2Config | None = None, dtype=None,
+def load_params(path: str | Path, config: Qwen2Config | None = None, param_dtype=None,
                 shardings: Params | None = None, progress: bool = False) -> tuple[Qwen2Config, Params]:
     """Read an HF checkpoint directory into (config, params dict).
 
-    dtype: parameter dtype (default: the config's param_dtype). shardings: an optional tree of
-    jax.sharding.Sharding matching the params; each tensor then goes straight to its devices.
+    param_dtype: the dtype the parameters are held in (default: the config's param_dtype,
+    float32 unless `config` says otherwise; the file's storage dtype does not decide it).
+    shardings: an optional tree of jax.sharding.Sharding matching the params; each tensor then
+    goes straight to its devices.
     """
     path = Path(path)
     file_cfg = Qwen2Config.from_hf_config(path)
     if config is None:
         config = file_cfg
     else:
-        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        for f in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings"):
             if getattr(config, f) != getattr(file_cfg, f):
                 raise CheckpointError(f"config mismatch: {f} = {getattr(config, f)} but the checkpoint's "
                                       f"config.json says {getattr(file_cfg, f)}")
-    if dtype is not None:
-        dtype = jnp.dtype(dtype)
-        config = config.replace(param_dtype={jnp.dtype(jnp.float32): "float32",
-                                             jnp.dtype(jnp.bfloat16): "bfloat16"}[dtype])
+    if param_dtype is not None:
+        config = config.replace(param_dtype=dtype_name(param_dtype))
     np_dtype = np.dtype(dtype_of(config.param_dtype))
     where = _open_checkpoint(path)
     specs = param_specs(config)
@@ -212,10 +214,18 @@ def load_params(path: str | Path, config: Qwen2Config | None = None, dtype=None,
     return config, params
 
 
-def from_pretrained(path: str | Path, dtype=None, config: Qwen2Config | None = None,
+def from_pretrained(path: str | Path, *, param_dtype=None, compute_dtype=None, config: Qwen2Config | None = None,
                     shardings: Params | None = None, progress: bool = False) -> Qwen2:
-    """Load a local HF Qwen2 directory (config.json + model.safetensors[.index.json]) as `Qwen2`."""
-    config, params = load_params(path, config=config, dtype=dtype, shardings=shardings, progress=progress)
+    """Load a local HF Qwen2 / Qwen3 directory (config.json + model.safetensors[.index.json]) as `Qwen2`.
+
+    param_dtype: what the parameters are held in; compute_dtype: what activations and the KV
+    cache are computed in (logits are float32 either way). Each defaults to the config's value,
+    float32, whatever dtype the checkpoint files store. A bf16 model: both bfloat16.
+    """
+    config, params = load_params(path, config=config, param_dtype=param_dtype, shardings=shardings,
+                                 progress=progress)
+    if compute_dtype is not None:
+        config = config.replace(dtype=dtype_name(compute_dtype))
     return Qwen2(config, params=params)
 
 
@@ -235,7 +245,7 @@ def save_params(config: Qwen2Config, params: Params, path: str | Path, max_shard
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     limit = _parse_size(max_shard_size)
-    out_dtype = np.dtype(dtype) if dtype is not None else None
+    out_dtype = np.dtype(dtype_of(dtype)) if dtype is not None else None
     hf_cfg = config.to_hf_config()
     current: dict[str, np.ndarray] = {}       # the shard being filled
     size = 0
@@ -286,8 +296,7 @@ def save_params(config: Qwen2Config, params: Params, path: str | Path, max_shard
         index = {"metadata": {"total_size": total}, "weight_map": {k: names[v] for k, v in weight_map.items()}}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     if out_dtype is not None:
-        hf_cfg["torch_dtype"] = {np.dtype(np.float32): "float32",
-                                 np.dtype(ml_dtypes.bfloat16): "bfloat16"}.get(out_dtype, hf_cfg["torch_dtype"])
+        hf_cfg["torch_dtype"] = dtype_name(out_dtype)
     (path / "config.json").write_text(json.dumps(hf_cfg, indent=2))
 
 
@@ -322,4 +331,7 @@ def update_export_meta(path: str | Path, **fields: Any) -> None:
     """Add `fields` to the export's sprint_jax.json (other keys are kept)."""
     meta = read_export_meta(path)
     meta.update(fields)
-    (Path(path) / EXPORT_META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    f = Path(path) / EXPORT_META_FILE
+    tmp = f.with_name(f.name + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    tmp.replace(f)   # atomic: a reader never sees half a file

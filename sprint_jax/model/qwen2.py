@@ -1,10 +1,12 @@
-"""Qwen2 decoder in JAX / flax.nnx (the architecture of DeepSeek-R1-Distill-Qwen-7B).
+"""Qwen2 / Qwen3 decoder in JAX / flax.nnx (DeepSeek-R1-Distill-Qwen-7B is Qwen2; ThreadWeaver's
+base is Qwen3). One model code for both families: Qwen3 drops the q/k/v biases and adds a per-head
+RMSNorm on q and k before RoPE (`config.qkv_bias`, `config.qk_norm`; see model/config.py FAMILIES).
 
-Parameters are declared once, in `PARAM_SPECS`: shape, logical axes, initialiser and the HF
-tensor name. The nnx module, the abstract tree (`jax.eval_shape`), the trainer's shardings and
-the HF conversion table are all derived from it. Per-layer parameters are stacked on a leading
-"layers" axis and the decoder runs under `lax.scan` (optionally `jax.checkpoint` per layer): one
-compiled layer body, fast compiles at 7B.
+Parameters are declared once, in `PARAM_SPECS`: shape, logical axes, initialiser, the HF tensor
+name and when a family has it (`only_if`). The nnx module, the abstract tree (`jax.eval_shape`),
+the trainer's shardings and the HF conversion table are all derived from it. Per-layer
+parameters are stacked on a leading "layers" axis and the decoder runs under `lax.scan`
+(optionally `jax.checkpoint` per layer): one compiled layer body, fast compiles at 7B.
 
 `forward` is pure (params dict in, logits out) and takes an `attend` hook, so the KV-cache
 engine (sprint_jax.infer) reuses the same layers with its own cache layouts. There is one
@@ -23,12 +25,11 @@ import numpy as np
 from flax import nnx
 
 from sprint_jax.model.config import Qwen2Config
+from sprint_jax.dtypes import dtype_of
 
 Params = dict[str, Any]
 
 
-def dtype_of(name: str):
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,15 +69,22 @@ PARAM_SPECS: tuple[ParamSpec, ...] = (
     ParamSpec(("layers", "q_proj", "kernel"), lambda c: (_E(c), c.num_attention_heads, c.head_dim),
               ("embed", "heads", "head_dim"), "normal", "model.layers.{i}.self_attn.q_proj.weight", True),
     ParamSpec(("layers", "q_proj", "bias"), lambda c: (c.num_attention_heads, c.head_dim),
-              ("heads", "head_dim"), "zeros", "model.layers.{i}.self_attn.q_proj.bias", False),
+              ("heads", "head_dim"), "zeros", "model.layers.{i}.self_attn.q_proj.bias", False,
+              only_if=lambda c: c.qkv_bias),
     ParamSpec(("layers", "k_proj", "kernel"), lambda c: (_E(c), c.num_key_value_heads, c.head_dim),
               ("embed", "kv_heads", "head_dim"), "normal", "model.layers.{i}.self_attn.k_proj.weight", True),
     ParamSpec(("layers", "k_proj", "bias"), lambda c: (c.num_key_value_heads, c.head_dim),
-              ("kv_heads", "head_dim"), "zeros", "model.layers.{i}.self_attn.k_proj.bias", False),
+              ("kv_heads", "head_dim"), "zeros", "model.layers.{i}.self_attn.k_proj.bias", False,
+              only_if=lambda c: c.qkv_bias),
     ParamSpec(("layers", "v_proj", "kernel"), lambda c: (_E(c), c.num_key_value_heads, c.head_dim),
               ("embed", "kv_heads", "head_dim"), "normal", "model.layers.{i}.self_attn.v_proj.weight", True),
     ParamSpec(("layers", "v_proj", "bias"), lambda c: (c.num_key_value_heads, c.head_dim),
-              ("kv_heads", "head_dim"), "zeros", "model.layers.{i}.self_attn.v_proj.bias", False),
+              ("kv_heads", "head_dim"), "zeros", "model.layers.{i}.self_attn.v_proj.bias", False,
+              only_if=lambda c: c.qkv_bias),
+    ParamSpec(("layers", "q_norm", "scale"), lambda c: (c.head_dim,), ("norm",), "ones",
+              "model.layers.{i}.self_attn.q_norm.weight", False, only_if=lambda c: c.qk_norm),
+    ParamSpec(("layers", "k_norm", "scale"), lambda c: (c.head_dim,), ("norm",), "ones",
+              "model.layers.{i}.self_attn.k_norm.weight", False, only_if=lambda c: c.qk_norm),
     ParamSpec(("layers", "o_proj", "kernel"), lambda c: (c.num_attention_heads, c.head_dim, _E(c)),
               ("heads", "head_dim", "embed"), "normal", "model.layers.{i}.self_attn.o_proj.weight", True),
     ParamSpec(("layers", "post_attention_layernorm", "scale"), lambda c: (_E(c),), ("norm",),
@@ -149,7 +157,7 @@ def param_count(config: Qwen2Config) -> int:
 # Layers
 # ---------------------------------------------------------------------------------------------
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm as Qwen2 computes it: statistics in fp32, then scale in the input dtype."""
+    """RMSNorm over the last axis as Qwen2/3 compute it: statistics in fp32, scale in the input dtype."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return scale.astype(x.dtype) * y.astype(x.dtype)
@@ -222,9 +230,14 @@ def _layer(config: Qwen2Config, x, lp, positions, attend: AttendFn, layer_cache)
     cdt = dtype_of(config.dtype)
     c = lambda a: a.astype(cdt)  # noqa: E731
     h = rms_norm(x, lp["input_layernorm"]["scale"], config.rms_norm_eps)
-    q = jnp.einsum("bte,ehd->bthd", h, c(lp["q_proj"]["kernel"])) + c(lp["q_proj"]["bias"])
-    k = jnp.einsum("bte,ehd->bthd", h, c(lp["k_proj"]["kernel"])) + c(lp["k_proj"]["bias"])
-    v = jnp.einsum("bte,ehd->bthd", h, c(lp["v_proj"]["kernel"])) + c(lp["v_proj"]["bias"])
+    q = jnp.einsum("bte,ehd->bthd", h, c(lp["q_proj"]["kernel"]))
+    k = jnp.einsum("bte,ehd->bthd", h, c(lp["k_proj"]["kernel"]))
+    v = jnp.einsum("bte,ehd->bthd", h, c(lp["v_proj"]["kernel"]))
+    if config.qkv_bias:                                                       # Qwen2
+        q, k, v = (y + c(lp[n]["bias"]) for y, n in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
+    if config.qk_norm:                                # Qwen3: per-head RMSNorm over D, before RoPE
+        q = rms_norm(q, lp["q_norm"]["scale"], config.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"]["scale"], config.rms_norm_eps)
     q = rope(q, positions, config.rope_theta)
     k = rope(k, positions, config.rope_theta)
     a, new_cache = attend(q, k, v, layer_cache)                               # [B, T, H, D]
@@ -311,7 +324,8 @@ class _Node(nnx.Module):
 
 
 class Qwen2(nnx.Module):
-    """Qwen2 as an nnx module. Each parameter is an `nnx.Param` with `logical_axes` metadata.
+    """Qwen2 or Qwen3 (by `config.model_type`) as an nnx module. Each parameter is an `nnx.Param`
+    with `logical_axes` metadata.
 
     `model(tokens, positions=None, segment_ids=None)` -> logits [B, T, V]. The pure function
     behind it is `forward(model.params, model.config, ...)`.

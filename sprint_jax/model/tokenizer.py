@@ -1,14 +1,17 @@
-"""Tokenizers: from a checkpoint directory, or the Qwen2 BPE built from ../shared/data.
+"""Tokenizers: from a checkpoint directory, or the Qwen2 BPE the package carries.
 
-transformers 5 silently ignores `vocab_file=`/`merges_file=`; we pass `vocab=`/`merges=` and
-register the special tokens, which are not in vocab.json (see shared/data/SOURCES.md).
+The Qwen2 vocab.json + merges.txt ship as package data (sprint_jax/data/qwen2_tokenizer, Apache-2.0;
+sprint_jax/data/SOURCES.md). transformers 5 silently ignores `vocab_file=`/`merges_file=`; we pass
+`vocab=`/`merges=` and register the special tokens, which are not in vocab.json.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from sprint_jax.config import REPO_ROOT
+from sprint_jax.errors import UserError
+
+DATA_ENV = "SPRINT_JAX_DATA"
 
 # Qwen2.5 special tokens, ids 151643.. in this order (SOURCES.md: same ids up to 151664).
 QWEN2_SPECIAL_TOKENS = (
@@ -19,21 +22,27 @@ QWEN2_SPECIAL_TOKENS = (
 )
 
 
-def shared_data_dir() -> Path:
-    """../shared/data beside the repo, or $SPRINT_JAX_DATA."""
-    env = os.environ.get("SPRINT_JAX_DATA")
-    return Path(env) if env else REPO_ROOT.parent / "shared" / "data"
+def data_dir() -> Path:
+    """The data files the package carries (sprint_jax/data), or $SPRINT_JAX_DATA when set (a
+    directory with the same layout: math500.jsonl, qwen2_tokenizer/{vocab.json,merges.txt})."""
+    env = os.environ.get(DATA_ENV)
+    return Path(env) if env else Path(__file__).resolve().parents[1] / "data"
+
+
+def data_file(relative: str) -> Path:
+    """A file under `data_dir()`; a missing one is a UserError naming where it was looked for."""
+    path = data_dir() / relative
+    if not path.is_file():
+        where = f"${DATA_ENV}={os.environ[DATA_ENV]}" if os.environ.get(DATA_ENV) else "the package data"
+        raise UserError(f"{relative} not found at {path} ({where}); reinstall sprint-jax or fix ${DATA_ENV}")
+    return path
 
 
 def qwen2_tokenizer(extra_special_tokens: list[str] | tuple[str, ...] = ()):
     """The Qwen2 byte-level BPE tokenizer (151,643 merges vocabulary) + its special tokens."""
     from transformers import Qwen2Tokenizer
 
-    d = shared_data_dir() / "qwen2_tokenizer"
-    vocab, merges = d / "vocab.json", d / "merges.txt"
-    for f in (vocab, merges):
-        if not f.exists():
-            raise FileNotFoundError(f"Qwen2 tokenizer file missing: {f} (set SPRINT_JAX_DATA to the data dir)")
+    vocab, merges = data_file("qwen2_tokenizer/vocab.json"), data_file("qwen2_tokenizer/merges.txt")
     tok = Qwen2Tokenizer(vocab=str(vocab), merges=str(merges), unk_token=None, bos_token=None,
                          eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     specials = [t for t in QWEN2_SPECIAL_TOKENS if t not in tok.get_vocab()]

@@ -4,7 +4,11 @@ from __future__ import annotations
 import argparse
 import json
 
-DESCRIPTION = """Sharded SFT of a Qwen2 model on SPRINT or RFT examples (paper §8-9).
+DESCRIPTION = """Sharded SFT of a Qwen2 or Qwen3 model on SPRINT or RFT examples (paper §8-9).
+
+model.name is a preset (configs/model_*.json: tiny, tiny-qwen3, r1-distill-qwen-7b, qwen2.5-7b,
+qwen3-8b, qwen3-0.6b) or an HF checkpoint directory / config.json; its model_type (qwen2 | qwen3)
+picks the family.
 
 Resumes automatically from DIR/checkpoints. Multi-host: pass --coordinator HOST:PORT
 --num-processes N --process-id I on every host (or run under SLURM / on a TPU pod, detected

@@ -11,16 +11,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sprint_jax.config import ConfigError, load_config, to_dict
+from sprint_jax.dtypes import DType
+from sprint_jax.format import Layout
 
 SPAN_WEIGHTS_DEFAULT = {"query": 0.0, "plan": 1.0, "prompt": 1.0, "execution": 1.0, "answer": 1.0, "tag": 1.0}
 
 
 @dataclasses.dataclass
 class ModelSection:
-    """Which Qwen2 to train and how to run it."""
+    """Which Qwen2 / Qwen3 model to train and how to run it."""
     name: str | dict[str, Any] = "tiny"       # preset name, HF dir / config.json path, or an HF config dict
     init: Literal["scratch", "pretrained"] = "scratch"  # pretrained: weights from the HF dir `name`
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"  # compute dtype; master weights stay fp32
+    dtype: DType = "bfloat16"  # compute dtype; master weights stay fp32
     remat: Literal["none", "full", "dots"] = "full"     # rematerialise each layer in the backward pass
     loss_chunk: int = 1024                     # tokens per vocab-projection chunk in the loss (0 = whole row)
     init_seed: int = 0                         # scratch init key
@@ -34,10 +36,20 @@ class ModelSection:
 
 
 @dataclasses.dataclass
+class PairedSection:
+    """The partner set of a SPRINT / RFT pair (paper §9: both train on the same problems). Each run
+    names the other's files and layout; with the same seq_len and tokenizer both keep exactly the
+    problems usable (parsable, not over-long) in both sets. Empty `train` = no pairing."""
+    train: list[str] = dataclasses.field(default_factory=list)  # the partner run's data.train
+    layout: Literal["flat", "trie"] = "flat"   # the partner run's data.layout
+    trie_whole_trajectory: bool = False        # the partner run's data.trie_whole_trajectory
+
+
+@dataclasses.dataclass
 class DataSection:
     """Examples -> packed token rows (DESIGN.md "Training": span-masked loss, flat or trie layout)."""
     train: list[str] = dataclasses.field(default_factory=list)  # jsonl files of Examples
-    layout: Literal["flat", "trie"] = "flat"   # flat = paper (one causal sequence); trie = inference calls
+    layout: Layout = "flat"                    # flat = paper (one causal sequence); trie = inference calls
     seq_len: int = 2048                        # tokens per packed row
     overlong: Literal["drop", "truncate"] = "drop"  # an example longer than seq_len
     span_weights: dict[str, float] = dataclasses.field(default_factory=lambda: dict(SPAN_WEIGHTS_DEFAULT))
@@ -45,6 +57,8 @@ class DataSection:
     seed: int = 0                              # example order (reshuffled every epoch from this seed)
     pack_open_rows: int = 8                    # rows kept open for first-fit packing
     max_examples: int | None = None            # use only the first N examples read (None = all)
+    trie_whole_trajectory: bool = False        # trie: also train the whole trajectory as one unit (ThreadWeaver)
+    paired: PairedSection = dataclasses.field(default_factory=lambda: PairedSection())
 
     def __post_init__(self) -> None:
         from sprint_jax.format import SPAN_KINDS
@@ -123,7 +137,7 @@ class CheckpointSection:
 class ExportSection:
     """The final model as an HF safetensors directory (OUT/hf) that transformers loads."""
     enabled: bool = True
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: DType = "float32"
 
 
 @dataclasses.dataclass

@@ -18,6 +18,12 @@ layouts, so the train step has a single attention mask and a single loss:
     j <= i < span_end[j]; positions are depths; only unit completions carry loss. Executor (k, j)
     sees the planner context, `<Plan_k> ... </Plan_k>` and its forced `<execution_k.j>`, never
     its siblings; planner k+1 sees every execution of stage k in prompt order, as after sync.
+    With `whole_trajectory` (config `data.trie_whole_trajectory`, ThreadWeaver) the trie also holds
+    the whole trajectory as one more unit, a child of the prompt: exactly the flat layout's tokens,
+    positions and loss (prompt + completion tokenized as in flat + EOS), so the same model also runs
+    as an ordinary sequential decoder without the orchestrator.
+Paired sets (paper §9: SPRINT and RFT train on the same problems): `build_items(paired=...)` drops an
+example whose partner (same id in the other set) is unusable or over-long there, and counts it.
 Several items are packed into one row (first-fit, deterministic order from the seed); items never
 see each other because their spans do not overlap.
 """
@@ -271,12 +277,19 @@ def layout_flat(tokenizer, ex: Example, span_weights: dict[str, float]) -> Item:
                 np.full(n, n, np.int32), w, np.asarray([LABEL_IDS[l] for l in labels], np.int8))
 
 
-def layout_trie(tokenizer, ex: Example, pieces: Pieces, span_weights: dict[str, float]) -> Item:
-    """The units of `pieces` as a prefix trie of pieces, depth-first; loss on unit completions only."""
+def layout_trie(tokenizer, ex: Example, pieces: Pieces, span_weights: dict[str, float],
+                whole_trajectory: bool = False) -> Item:
+    """The units of `pieces` as a prefix trie of pieces, depth-first; loss on unit completions only.
+    `whole_trajectory`: one more unit, the completion as one piece after the prompt (the flat chain)."""
     char_labels = fmt.span_labels(ex.prompt, ex.completion)
     toks = [_tokenize_piece(tokenizer, t, s, char_labels) for t, s in zip(pieces.texts, pieces.starts)]
     last = pieces.units[-1][-1]
     toks[last] = _Tok(toks[last].ids + [eos_id(tokenizer)], toks[last].labels + [EOS_LABEL])
+    units = list(pieces.units)
+    if whole_trajectory and len(units) > 1:     # one unit already is the whole trajectory
+        whole = _tokenize_piece(tokenizer, ex.completion, len(ex.prompt), char_labels)
+        toks.append(_Tok(whole.ids + [eos_id(tokenizer)], whole.labels + [EOS_LABEL]))
+        units.append((0, len(toks) - 1))
 
     # trie over piece paths (node = (parent node, piece)); children in insertion (= inference) order
     node_of: dict[tuple[int, int], int] = {}
@@ -284,7 +297,7 @@ def layout_trie(tokenizer, ex: Example, pieces: Pieces, span_weights: dict[str, 
     node_parent: list[int] = [-1]
     children: list[list[int]] = [[]]
     is_completion: list[bool] = [False]
-    for path in pieces.units:
+    for path in units:
         cur = 0
         for piece in path:
             key = (cur, piece)
@@ -355,13 +368,15 @@ def check_example(ex: Example) -> tuple[fmt.Trajectory | None, str | None]:
     return traj, None
 
 
-def layout_example(tokenizer, ex: Example, layout: str, span_weights: dict[str, float]) -> Item:
+def layout_example(tokenizer, ex: Example, layout: str, span_weights: dict[str, float],
+                   whole_trajectory: bool = False) -> Item:
     traj, why = check_example(ex)
     if traj is None:
         raise ValueError(why)
     if layout == "flat":
         return layout_flat(tokenizer, ex, span_weights)
-    return layout_trie(tokenizer, ex, split_pieces(ex.prompt, ex.completion, traj), span_weights)
+    return layout_trie(tokenizer, ex, split_pieces(ex.prompt, ex.completion, traj), span_weights,
+                       whole_trajectory)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,39 +389,82 @@ class DataStats:
     skipped_unparsable: int = 0
     dropped_overlong: int = 0
     truncated: int = 0
+    dropped_paired: int = 0              # usable here, but the partner set's example is not (or is missing)
+    paired_with: list[str] = dataclasses.field(default_factory=list)
     tokens: int = 0
     loss_tokens: int = 0
     first_skip_reasons: list[str] = dataclasses.field(default_factory=list)
     tokens_by_label: dict[str, int] = dataclasses.field(default_factory=dict)
 
+    used_prompts: list[str] = dataclasses.field(default_factory=list, repr=False)  # for the fingerprint
+
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        del d["used_prompts"]
+        return d
+
+
+@dataclasses.dataclass
+class Paired:
+    """The partner set of a paired run (SPRINT <-> RFT) and the layout its own run uses."""
+    examples: Sequence[Example]
+    layout: str
+    whole_trajectory: bool = False
+    files: list[str] = dataclasses.field(default_factory=list)
+
+
+def usable_ids(examples: Sequence[Example], tokenizer, layout: str, seq_len: int, overlong: str,
+               span_weights: dict[str, float], whole_trajectory: bool = False) -> set[str]:
+    """Ids of the examples `build_items` would keep with these settings (parsable; within seq_len
+    unless over-long ones are truncated)."""
+    keep = set()
+    for ex in examples:
+        try:
+            item = layout_example(tokenizer, ex, layout, span_weights, whole_trajectory)
+        except ValueError:
+            continue
+        if len(item) <= seq_len or overlong == "truncate":
+            keep.add(ex.id)
+    return keep
 
 
 def build_items(examples: Sequence[Example], tokenizer, layout: str, seq_len: int, overlong: str,
-                span_weights: dict[str, float], vocab_size: int | None = None) -> tuple[list[Item], DataStats]:
+                span_weights: dict[str, float], vocab_size: int | None = None,
+                whole_trajectory: bool = False, paired: Paired | None = None) -> tuple[list[Item], DataStats]:
     """Lay out every example; unparsable ones are counted and skipped, over-long ones dropped or
-    truncated per `overlong`, counted (never silently)."""
+    truncated per `overlong`, counted (never silently). With `paired`, an example whose partner
+    (same id in `paired.examples`, laid out in `paired.layout` with the same seq_len) is missing,
+    unparsable or over-long is dropped too (`dropped_paired`): both runs of the pair, each naming
+    the other, keep exactly the same problems."""
     stats = DataStats(read=len(examples))
+    partner_ok = None
+    if paired is not None:
+        partner_ok = usable_ids(paired.examples, tokenizer, paired.layout, seq_len, overlong, span_weights,
+                                paired.whole_trajectory)
+        stats.paired_with = list(paired.files)
     items: list[Item] = []
     for ex in examples:
         try:
-            item = layout_example(tokenizer, ex, layout, span_weights)
+            item = layout_example(tokenizer, ex, layout, span_weights, whole_trajectory)
         except ValueError as e:
             stats.skipped_unparsable += 1
             if len(stats.first_skip_reasons) < 5:
                 stats.first_skip_reasons.append(f"{ex.id}: {e}")
             continue
+        if len(item) > seq_len and overlong == "drop":
+            stats.dropped_overlong += 1
+            continue
+        if partner_ok is not None and ex.id not in partner_ok:
+            stats.dropped_paired += 1
+            continue
         if len(item) > seq_len:
-            if overlong == "drop":
-                stats.dropped_overlong += 1
-                continue
             item = item.truncate(seq_len)
             stats.truncated += 1
         if vocab_size is not None and len(item) and int(item.tokens.max()) >= vocab_size:
             raise DataError(f"example {ex.id}: token id {int(item.tokens.max())} >= the model's vocab_size "
                             f"{vocab_size}: the tokenizer does not match the model")
         items.append(item)
+        stats.used_prompts.append(ex.prompt)
         stats.tokens += len(item)
         stats.loss_tokens += int((item.weights > 0).sum())
         for k, i in LABEL_IDS.items():

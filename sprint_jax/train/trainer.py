@@ -127,11 +127,11 @@ def export_hf(config, params, tokenizer, path: Path, dtype: str, meta: dict | No
     inference must know about the training, e.g. its layout). Every process joins the gather;
     process 0 writes."""
     import jax
-    import jax.numpy as jnp
 
     from sprint_jax.model import save_params
+    from sprint_jax.dtypes import dtype_of
 
-    dt = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
+    dt = dtype_of(dtype)
     cast = jax.jit(lambda t: jax.tree.map(lambda x: x.astype(dt), t))
     host = jax.tree.map(distributed.gather_to_host, cast(params))
     if not _is_main():
@@ -194,12 +194,19 @@ def train(config: TrainConfig, out_dir: str | Path, tokenizer=None, progress: bo
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                           f"{model_cfg.vocab_size} (model.name / data.tokenizer do not match)")
     examples = data_lib.read_examples(cfg.data.train, cfg.data.max_examples)
+    paired = None
+    if cfg.data.paired.train:
+        p = cfg.data.paired
+        paired = data_lib.Paired(data_lib.read_examples(p.train), p.layout, p.trie_whole_trajectory, list(p.train))
     items, stats = data_lib.build_items(examples, tokenizer, cfg.data.layout, cfg.data.seq_len,
-                                        cfg.data.overlong, cfg.data.span_weights, model_cfg.vocab_size)
+                                        cfg.data.overlong, cfg.data.span_weights, model_cfg.vocab_size,
+                                        cfg.data.trie_whole_trajectory, paired)
     if main:
         (out / "data_stats.json").write_text(json.dumps(stats.as_dict(), indent=2))
     say(f"data: {stats.read} read, {stats.used} used, {stats.skipped_unparsable} skipped (unparsable), "
-        f"{stats.dropped_overlong} dropped (over {cfg.data.seq_len} tokens), {stats.truncated} truncated; "
+        f"{stats.dropped_overlong} dropped (over {cfg.data.seq_len} tokens), "
+        + (f"{stats.dropped_paired} dropped (unusable in the paired set), " if paired else "")
+        + f"{stats.truncated} truncated; "
         f"{stats.tokens} tokens, {stats.loss_tokens} in the loss ({cfg.data.layout} layout)")
     for why in stats.first_skip_reasons:
         say(f"  skipped {why}")
@@ -240,7 +247,7 @@ def train(config: TrainConfig, out_dir: str | Path, tokenizer=None, progress: bo
             ckpt_lib.warn(f"starting from step 0: no valid checkpoint, and {quarantine} holds bad ones")
         params = None
         if cfg.model.init == "pretrained":
-            _, params = load_params(cfg.model.name, config=model_cfg, dtype="float32",
+            _, params = load_params(cfg.model.name, config=model_cfg, param_dtype="float32",
                                     shardings=setup.param_shardings, progress=progress and main)
         state = setup.init_state(cfg.seed, params=params, init_seed=cfg.model.init_seed)
         start_step, rows, tokens_total = 0, 0, 0
@@ -308,8 +315,10 @@ def train(config: TrainConfig, out_dir: str | Path, tokenizer=None, progress: bo
     export_dir = None
     if cfg.export.enabled:
         export_dir = out / "hf"
+        from sprint_jax.train.fingerprint import fingerprint
         export_hf(model_cfg, state["params"], tokenizer, export_dir, cfg.export.dtype,
-                  meta={"layout": cfg.data.layout, "tokenizer": tokenizer_name})
+                  meta={"layout": cfg.data.layout, "tokenizer": tokenizer_name,
+                        "train_fingerprint": fingerprint(stats.used_prompts)})
         say(f"exported HF safetensors to {export_dir}")
     steady = (t_end - t_first) if t_first is not None else 0.0
     summary = {

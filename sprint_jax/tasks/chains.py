@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 
-from sprint_jax.curation.types import Task, Trace
+from sprint_jax.tasks.types import Task, Trace
 
 # The digit map as a single 10-cycle (every start digit walks through all ten digits).
 CYCLE = (0, 7, 3, 9, 1, 5, 8, 2, 6, 4)

@@ -1,6 +1,6 @@
 """Countdown: solvable instances, TinyZero's prompt, and a programmatic teacher that writes its search.
 
-Task format and prompt follow TinyZero (Jiayi-Pan/TinyZero, see shared/data/SOURCES.md): 3-4
+Task format, prompt and reward follow TinyZero (Jiayi-Pan/TinyZero, Apache-2.0): 3-4
 numbers and a target; use + - * / and each number once. TinyZero loads a fixed HF dataset; we
 generate instead, building the target from a random expression over *all* the numbers (every
 intermediate a whole number >= 0), so every instance is solvable.
@@ -16,11 +16,15 @@ first sentence of a paragraph is its plan, the rest its execution) is what
 """
 from __future__ import annotations
 
+import ast
 import functools
+import operator
 import random
-from typing import Sequence
+import re
+from typing import Any, Callable, Sequence
 
-from sprint_jax.curation.types import Task, Trace
+from sprint_jax.tasks.answers import extract_boxed
+from sprint_jax.tasks.types import Task, Trace
 
 TEMPLATES = ("base", "qwen-instruct")
 
@@ -289,4 +293,164 @@ def solve_trace(task: Task, seed: int = 0, max_failed_attempts: int = 3) -> Trac
     return Trace(task_id=task.id, text="\n\n".join(paragraphs), final_answer=equation, teacher="countdown-solver")
 
 
-__all__ = ["TEMPLATES", "instruction", "prompt_for", "generate", "solve_trace"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Grading: one core for TinyZero's reward and for our strict equation check
+# ---------------------------------------------------------------------------------------------
+_TINYZERO_CHARS = re.compile(r"^[\d+\-*/().\s]+$")
+_STRICT_CHARS = re.compile(r"^[0-9+\-*/()\s]+$")
+_TOLERANCE = 1e-5
+# Python would compute 99**99**99 for ever; TinyZero's `eval` hangs on it. A power whose result
+# would exceed this many bits is an evaluation error instead (score: format_score, the same score
+# any finite value that large gets since it cannot equal a Countdown target).
+_MAX_POW_BITS = 1 << 16
+
+_BINOPS: dict[type, Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv, ast.Pow: operator.pow,
+}
+_STRICT_BINOPS = (ast.Add, ast.Sub, ast.Mult, ast.Div)
+
+
+class _EvalError(Exception):
+    pass
+
+
+def _pow(a: Any, b: Any) -> Any:
+    if isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1:
+        if b * a.bit_length() > _MAX_POW_BITS:
+            raise _EvalError("power too large")
+    return operator.pow(a, b)
+
+
+def _evaluate(node: ast.AST, strict: bool) -> Any:
+    """Python's own arithmetic on the parsed expression (identical results to `eval` with no
+    builtins for everything the character whitelist admits), minus unbounded powers. `strict`:
+    only integer literals and binary + - * /."""
+    if isinstance(node, ast.Expression):
+        return _evaluate(node.body, strict)
+    if isinstance(node, ast.Constant):
+        if strict and not (type(node.value) is int):
+            raise _EvalError(f"literal {node.value!r} not allowed")
+        return node.value
+    if isinstance(node, ast.BinOp):
+        if strict and not isinstance(node.op, _STRICT_BINOPS):
+            raise _EvalError(f"operator {type(node.op).__name__} not allowed")
+        fn = _pow if isinstance(node.op, ast.Pow) else _BINOPS.get(type(node.op))
+        if fn is None:
+            raise _EvalError(f"operator {type(node.op).__name__} not allowed")
+        return fn(_evaluate(node.left, strict), _evaluate(node.right, strict))
+    if isinstance(node, ast.UnaryOp) and not strict:
+        if isinstance(node.op, ast.USub):
+            return -_evaluate(node.operand, strict)
+        if isinstance(node.op, ast.UAdd):
+            return +_evaluate(node.operand, strict)
+    if isinstance(node, ast.Tuple) and not strict:
+        return tuple(_evaluate(e, strict) for e in node.elts)
+    raise _EvalError(f"{type(node).__name__} not allowed")
+
+
+def _numbers_match(equation: str, numbers: list[int]) -> bool:
+    """Every given number used exactly once and no other integer literal (TinyZero's check:
+    all `\\d+` runs, as ints, sorted, equal the sorted numbers)."""
+    try:
+        used = sorted(int(n) for n in re.findall(r"\d+", equation))
+        return used == sorted(int(n) for n in numbers)
+    except (ValueError, TypeError):
+        return False
+
+
+def _equation_value(equation: str, strict: bool) -> Any:
+    """The value of the equation, or None when it does not pass the whitelist or fails to evaluate."""
+    allowed = _STRICT_CHARS if strict else _TINYZERO_CHARS
+    if not allowed.match(equation):
+        return None
+    try:
+        return _evaluate(ast.parse(equation, mode="eval"), strict)
+    except (SyntaxError, ValueError, ArithmeticError, TypeError, RecursionError, MemoryError, _EvalError):
+        return None
+
+
+def _hits_target(value: Any, target: float) -> bool:
+    try:
+        return bool(abs(value - target) < _TOLERANCE)
+    except Exception:  # a tuple, Ellipsis: TinyZero's bare except gives the format score
+        return False
+
+
+def _tinyzero_equation(solution_str: str) -> str | None:
+    """TinyZero's extraction: after the first "Assistant:" (else "<|im_start|>assistant"), the
+    last line, the last non-greedy <answer>...</answer> on it, stripped."""
+    for marker in ("Assistant:", "<|im_start|>assistant"):
+        if marker in solution_str:
+            rest = solution_str.split(marker, 1)[1]
+            break
+    else:
+        return None
+    last_line = rest.split("\n")[-1]
+    matches = re.findall(r"<answer>(.*?)</answer>", last_line)
+    return matches[-1].strip() if matches else None
+
+
+def countdown_score(solution_str: str, target: float, numbers: list[int],
+                    format_score: float = 0.1, score: float = 1.0) -> float:
+    """TinyZero's Countdown reward (verl/utils/reward_score/countdown.py), see
+    TinyZero's verl/utils/reward_score/countdown.py: 0 without an extractable <answer>; `format_score` when the numbers
+    do not match or the equation fails the whitelist / evaluation / target check; `score` when
+    it evaluates to the target within 1e-5. `solution_str` is prompt + response."""
+    if not isinstance(solution_str, str):
+        return 0
+    equation = _tinyzero_equation(solution_str)
+    if equation is None:
+        return 0
+    if not _numbers_match(equation, numbers):
+        return format_score
+    value = _equation_value(equation, strict=False)
+    if value is None:
+        return format_score
+    return score if _hits_target(value, target) else format_score
+
+
+_LATEX_OPS = [(r"\times", "*"), (r"\cdot", "*"), (r"\div", "/"), ("×", "*"), ("÷", "/"), ("−", "-"),
+              (r"\left", ""), (r"\right", ""), ("$", "")]
+
+
+def countdown_equation(text: str) -> str:
+    """Our final answer -> the bare equation: the last <answer>...</answer> or \\boxed{...} if
+    present, LaTeX / unicode operators mapped to + - * /, and a trailing `= value` dropped."""
+    eq = text.strip()
+    answers = re.findall(r"<answer>(.*?)</answer>", eq, flags=re.S)
+    if answers:
+        eq = answers[-1]
+    else:
+        boxed = extract_boxed(eq)
+        if boxed is not None:
+            eq = boxed
+    for src, dst in _LATEX_OPS:
+        eq = eq.replace(src, dst)
+    if "=" in eq:
+        eq = eq.split("=", 1)[0]
+    return eq.strip()
+
+
+def grade_countdown(equation_or_text: str, target: float, numbers: list[int]) -> bool:
+    """Our own final answers: every number exactly once, only integer literals, binary + - * / and
+    parentheses (no unary minus, no ** or //), value equal to the target within TinyZero's 1e-5.
+    Same core as `countdown_score` (number check, evaluator, tolerance), stricter whitelist."""
+    if not isinstance(equation_or_text, str):
+        return False
+    eq = countdown_equation(equation_or_text)
+    if not eq or not _numbers_match(eq, numbers):
+        return False
+    value = _equation_value(eq, strict=True)
+    return value is not None and _hits_target(value, target)
+
+
+def grade(task: Task, text: str) -> bool:
+    answer = task.answer
+    return grade_countdown(text, answer["target"], answer["numbers"])
+
+
+__all__ = ["TEMPLATES", "instruction", "prompt_for", "generate", "solve_trace", "countdown_score", "countdown_equation",
+           "grade_countdown", "grade"]

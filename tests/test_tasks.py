@@ -1,0 +1,214 @@
+"""sprint_jax.tasks: task sources (jsonl, parquet, arrow, HF datasets saved to disk), the loaders'
+bad-input errors (issue 12), answer extraction (issue 11 item 5), grader errors counted (item 7),
+and the package carrying its own data with no path outside the repository (item 0)."""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sprint_jax.errors import UserError
+from sprint_jax.tasks import (Task, TaskFileError, extract_answer, grade, grade_result, load_hf_dataset,
+                              load_math500, load_task_file, problem_hash, task_prompt)
+
+REPO = Path(__file__).resolve().parents[1]
+RECORDS = [{"problem": "What is 1+1?", "answer": "2", "solution": None, "level": 1},   # columnar formats
+           {"problem": "Compute $3^2$.", "answer": None, "solution": r"It is $\boxed{9}$.", "level": 2},
+           {"problem": "Half of 1?", "answer": r"\frac{1}{2}", "solution": None, "level": 3}]
+
+
+def _jsonl(path: Path, rows) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def _expected(stem: str) -> list[tuple]:
+    return [(f"{stem}-1", "What is 1+1?", "2"), (f"{stem}-2", "Compute $3^2$.", "9"),
+            (f"{stem}-3", "Half of 1?", r"\frac{1}{2}")]
+
+
+# ---------------------------------------------------------------------------------------------
+# sources: every format gives the same tasks as the jsonl (built independently with pyarrow /
+# datasets, read back through our loader)
+# ---------------------------------------------------------------------------------------------
+def test_jsonl_parquet_arrow_give_the_same_tasks(tmp_path):
+    import pyarrow as pa
+    import pyarrow.feather as feather
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist(RECORDS)
+    pq.write_table(table, tmp_path / "math.parquet")
+    feather.write_feather(table, tmp_path / "math.arrow")
+    rows = {}
+    for name in ("math.parquet", "math.arrow"):
+        rows[name] = [(t.id, t.problem, t.answer) for t in load_task_file(tmp_path / name)]
+    assert rows["math.parquet"] == _expected("math") == rows["math.arrow"]
+    jl = load_task_file(_jsonl(tmp_path / "math.jsonl", RECORDS))
+    assert [(t.id, t.problem, t.answer) for t in jl] == _expected("math")
+    assert load_task_file(tmp_path / "math.parquet", limit=2)[1].meta["level"] == 2
+
+
+def test_hf_dataset_saved_to_disk(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_list(RECORDS).save_to_disk(str(tmp_path / "ds"))
+    got = load_hf_dataset(str(tmp_path / "ds"), "math", "train")
+    assert [(t.id, t.problem, t.answer) for t in got] == _expected("ds")
+    # a DatasetDict with splits: the split is chosen, a missing one is named
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(RECORDS[:2]),
+                          "test": datasets.Dataset.from_list(RECORDS[2:])}).save_to_disk(str(tmp_path / "dd"))
+    assert [t.answer for t in load_hf_dataset(str(tmp_path / "dd"), "math", "test")] == [r"\frac{1}{2}"]
+    with pytest.raises(TaskFileError, match=r"splits \['test', 'train'\]"):
+        load_hf_dataset(str(tmp_path / "dd"), "math", "validation")
+    # the same directory is also a task *file* for eval --data / tasks.source: file
+    assert [t.problem for t in load_task_file(tmp_path / "ds")] == [r["problem"] for r in RECORDS]
+
+
+def test_curation_reads_an_hf_dataset(tmp_path):
+    import datasets
+
+    from sprint_jax.curation.config import load_curate_config
+    from sprint_jax.curation.pipeline import load_tasks
+
+    datasets.Dataset.from_list(RECORDS).save_to_disk(str(tmp_path / "ds"))
+    cfg = load_curate_config(None, ["tasks.source=hf_dataset", f"tasks.path={tmp_path / 'ds'}", "tasks.limit=2",
+                                    "teacher.kind=openai", "teacher.model=m"])
+    assert [t.answer for t in load_tasks(cfg)] == ["2", "9"]
+
+
+def test_unreadable_sources_are_one_line_errors(tmp_path):
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(TaskFileError, match="not readable as parquet"):
+        load_task_file(tmp_path / "bad.parquet")
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(TaskFileError, match="unknown format '.csv'"):
+        load_task_file(tmp_path / "x.csv")
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 12: the task loaders' bad input (each failed before the fix)
+# ---------------------------------------------------------------------------------------------
+def test_choice_loader_rejects_duplicate_ids(tmp_path):
+    p = _jsonl(tmp_path / "mc.jsonl", [{"id": "q", "question": "a?", "choices": ["x", "y"], "answer": "A"},
+                                       {"id": "q", "question": "b?", "choices": ["x", "y"], "answer": "B"}])
+    with pytest.raises(TaskFileError, match=r"mc\.jsonl:2: duplicate task id 'q' \(first at .*mc\.jsonl:1\)"):
+        load_task_file(p, "choice")
+
+
+def test_non_utf8_file_under_auto_is_one_line(tmp_path):
+    from sprint_jax.cli import main
+    p = tmp_path / "latin1.jsonl"
+    p.write_bytes('{"problem": "caf\u00e9?", "answer": "1"}\n'.encode("latin-1"))
+    with pytest.raises(TaskFileError, match="not UTF-8"):
+        load_task_file(p, "auto")
+    proc = subprocess.run([sys.executable, "-m", "sprint_jax.cli", "eval", "--model", str(tmp_path), "--data", str(p),
+                           "--out", str(tmp_path / "o")], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 2 and "not UTF-8" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("kind, record, field", [
+    ("math", {"problem": "", "answer": "1"}, "problem"),
+    ("math", {"problem": "   \n", "answer": "1"}, "problem"),
+    ("math", {"problem": "p", "answer": " "}, "answer"),
+    ("choice", {"question": "", "choices": ["x", "y"], "answer": "A"}, "question"),
+])
+def test_empty_problem_text_is_an_error(tmp_path, kind, record, field):
+    with pytest.raises(TaskFileError, match=rf":1: field '{field}' is empty"):
+        load_task_file(_jsonl(tmp_path / "t.jsonl", [record]), kind)
+
+
+def test_id_zero_is_kept(tmp_path):
+    math = load_task_file(_jsonl(tmp_path / "m.jsonl", [{"id": 0, "problem": "p", "answer": "1"},
+                                                        {"id": 1, "problem": "q", "answer": "2"}]), "math")
+    assert [t.id for t in math] == ["0", "1"]
+    mc = load_task_file(_jsonl(tmp_path / "c.jsonl", [{"id": 0, "question": "a", "choices": ["x", "y"],
+                                                       "answer": "A"}]), "choice")
+    assert mc[0].id == "0"
+    # 0 and the fallback name for record 1 are different ids; a real clash is still caught
+    with pytest.raises(TaskFileError, match="duplicate task id '0'"):
+        load_task_file(_jsonl(tmp_path / "d.jsonl", [{"id": 0, "problem": "p", "answer": "1"},
+                                                     {"id": "0", "problem": "q", "answer": "2"}]), "math")
+    with pytest.raises(TaskFileError, match="must be a string or an integer"):
+        load_task_file(_jsonl(tmp_path / "e.jsonl", [{"id": [1], "problem": "p", "answer": "1"}]), "math")
+
+
+# ---------------------------------------------------------------------------------------------
+# item 5: answer extraction; item 7: grader errors are counted, not silently wrong
+# ---------------------------------------------------------------------------------------------
+def test_answer_extraction_modes():
+    text = r"Thinking... so $x = \boxed{3}$, no wait, $\boxed{\frac{1}{2}}$."
+    assert extract_answer(None, text, "final_answer") is None
+    assert extract_answer(None, text, "boxed_last") == r"\boxed{\frac{1}{2}}"
+    assert extract_answer(None, text, "auto") == r"\boxed{\frac{1}{2}}"
+    assert extract_answer("7", text, "auto") == "7" and extract_answer("7", text, "final_answer") == "7"
+    assert extract_answer("7", text, "boxed_last") == r"\boxed{\frac{1}{2}}"
+    assert extract_answer(None, "no box", "auto") is None
+    task = Task("t", "math", "Half of 1?", "0.5")
+    assert grade(task, extract_answer(None, text, "boxed_last"))      # math-verify: 1/2 == 0.5
+    with pytest.raises(ValueError, match="final_answer, boxed_last, auto"):
+        extract_answer(None, text, "last")
+
+
+def test_grader_error_is_reported_and_logged(caplog):
+    broken = Task("cd-1", "countdown", "p", {"numbers": [1, 2]})          # no target: the grader fails
+    with caplog.at_level(logging.WARNING, logger="sprint_jax.tasks"):
+        result = grade_result(broken, "1 + 2")
+    assert result.correct is False and result.error.startswith("KeyError")
+    assert "grader error on task cd-1" in caplog.text
+    with pytest.raises(KeyError):
+        grade(broken, "1 + 2")                                          # the plain grader raises
+    assert grade_result(Task("m", "math", "p", "2"), None).error is None  # no answer: wrong, not an error
+
+
+def test_problem_hash_normalises_spacing_and_case():
+    assert problem_hash("What is  1+1?\n") == problem_hash("what is 1+1?")
+    assert problem_hash("What is 1+2?") != problem_hash("What is 1+1?")
+    assert task_prompt(Task("t", "math", "P?", "1")) == "P?"
+
+
+# ---------------------------------------------------------------------------------------------
+# item 0: the package carries its data; nothing refers to a directory beside the repository
+# ---------------------------------------------------------------------------------------------
+def test_package_data_is_inside_the_package():
+    import hashlib
+
+    import sprint_jax
+    from sprint_jax.model.tokenizer import data_dir
+    pkg = Path(sprint_jax.__file__).resolve().parent
+    assert data_dir() == pkg / "data"
+    m500 = (pkg / "data" / "math500.jsonl").read_bytes()
+    assert hashlib.sha256(m500).hexdigest() == "35dc41080a3680858b27fa7e0533d2d547825316fc5dafe5d316f4ccc5a06132"
+    tasks = load_math500()
+    assert len(tasks) == 500 and tasks[0].id == "test/precalculus/807.json"
+    pyproject = (REPO / "pyproject.toml").read_text()
+    for f in ("data/math500.jsonl", "data/qwen2_tokenizer/vocab.json", "data/qwen2_tokenizer/merges.txt",
+              "data/SOURCES.md"):
+        assert (pkg / f).is_file() and f'"{f}"' in pyproject, f
+
+
+def test_sprint_jax_data_override(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPRINT_JAX_DATA", str(tmp_path))
+    with pytest.raises(UserError, match=r"math500\.jsonl not found at .*SPRINT_JAX_DATA="):
+        load_math500()
+    _jsonl(tmp_path / "math500.jsonl", RECORDS[:1])
+    assert [t.answer for t in load_math500()] == ["2"]
+
+
+def test_nothing_refers_to_a_directory_beside_the_repo():
+    pattern = re.compile(r"\.\./shared|shared/data|/work/shared")
+    roots = [REPO / "sprint_jax", REPO / "configs", REPO / "tests", REPO / "kernels", REPO / ".ci"]
+    files = [REPO / "README.md", REPO / "dev.sh", REPO / "pyproject.toml"]
+    for root in roots:
+        files += [p for p in root.rglob("*") if p.is_file() and p.suffix not in (".pyc", ".json", ".txt")
+                  and "__pycache__" not in p.parts]
+    assert len(files) > 50
+    me = Path(__file__).resolve()
+    hits = [f"{p.relative_to(REPO)}:{n}" for p in files if p.resolve() != me
+            for n, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+            if pattern.search(line)]
+    assert hits == []
