@@ -51,6 +51,8 @@ def add_run_arguments(p) -> None:
     e.add_argument("--prefill-chunk", type=int, default=512, help="longest prefill piece")
     e.add_argument("--attention-impl", choices=["xla", "pallas"], default="xla",
                    help="shared-prefix attention of the executor fork")
+    from sprint_jax.infer.sharding import add_mesh_argument
+    add_mesh_argument(e)
 
 
 def config_from_args(args):
@@ -91,9 +93,10 @@ def add_dtype_argument(p) -> None:
                    help="parameter and compute dtype (activations, KV cache); default float32")
 
 
-def load_model_arg(model: str | None, dtype: str | None):
+def load_model_arg(model: str | None, dtype: str | None, mesh=None):
     """The model of a `--model DIR` flag (HF or orbax directory), with parameters and compute
-    (activations, KV cache) in `dtype` (float32 when None)."""
+    (activations, KV cache) in `dtype` (float32 when None); on `mesh`, each parameter is loaded
+    straight into its sharding (a 7B checkpoint never sits whole on one device)."""
     from sprint_jax.errors import UserError
     from sprint_jax.model.convert import load_model
 
@@ -102,7 +105,17 @@ def load_model_arg(model: str | None, dtype: str | None):
     model_dir = Path(model)
     if not model_dir.is_dir():
         raise UserError(f"model directory not found: {model_dir}")
-    return load_model(model_dir, param_dtype=dtype, compute_dtype=dtype)
+    shardings_fn = None
+    if mesh is not None:
+        from sprint_jax.infer.sharding import param_shardings
+        shardings_fn = lambda config: param_shardings(config, mesh)   # noqa: E731
+    return load_model(model_dir, param_dtype=dtype, compute_dtype=dtype, shardings_fn=shardings_fn)
+
+
+def mesh_arg(args):
+    """The Mesh of `--mesh` (None without the flag)."""
+    from sprint_jax.infer.sharding import mesh_from_flag
+    return mesh_from_flag(getattr(args, "mesh", None))
 
 
 def load_tokenizer_arg(tokenizer: str | None, model: str):
@@ -123,12 +136,13 @@ def build_engine(args, config):
     from sprint_jax.errors import UserError
     from sprint_jax.infer import Engine, EngineError
 
-    model = load_model_arg(args.model, args.dtype)
+    mesh = mesh_arg(args)
+    model = load_model_arg(args.model, args.dtype, mesh)
     tok = load_tokenizer_arg(args.tokenizer, args.model)
     try:
         return Engine(model, tok, max_seq_len=args.max_seq_len, max_branches=config.max_prompts,
                       max_branch_tokens=config.max_branch_tokens + 32, decode_chunk=args.decode_chunk,
-                      prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl)
+                      prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl, mesh=mesh)
     except EngineError as e:
         raise UserError(str(e)) from None
 
@@ -142,12 +156,13 @@ def build_batch_engine(args, config, concurrency: int):
 
     if concurrency < 1:
         raise UserError(f"--concurrency must be >= 1, got {concurrency}")
-    model = load_model_arg(args.model, args.dtype)
+    mesh = mesh_arg(args)
+    model = load_model_arg(args.model, args.dtype, mesh)
     tok = load_tokenizer_arg(args.tokenizer, args.model)
     try:
         return BatchEngine(model, tok, max_seqs=concurrency, max_children=config.max_prompts,
                            max_seq_len=args.max_seq_len, max_branch_tokens=config.max_branch_tokens + 32,
-                           decode_chunk=args.decode_chunk, prefill_chunk=args.prefill_chunk)
+                           decode_chunk=args.decode_chunk, prefill_chunk=args.prefill_chunk, mesh=mesh)
     except EngineError as e:
         raise UserError(str(e)) from None
 
