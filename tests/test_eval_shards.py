@@ -33,6 +33,15 @@ def test_shard_spec_and_positions():
     for bad in ("3/3", "-1/3", "1", "a/b", "0/0"):
         with pytest.raises(UserError):
             parse_shard(bad)
+    env = {"SLURM_JOB_ID": "1", "SLURM_NTASKS": "4", "SLURM_PROCID": "2"}
+    import os
+    from unittest import mock
+    with mock.patch.dict(os.environ, env):
+        assert parse_shard("auto") == (2, 4)
+    with mock.patch.dict(os.environ, {"TPU_WORKER_HOSTNAMES": "a,b", "TPU_WORKER_ID": "1"}):
+        for k in ("SLURM_JOB_ID", "JAX_COORDINATOR_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS"):
+            os.environ.pop(k, None)
+        assert parse_shard("auto") == (1, 2)
     parts = [shard_positions(7, i, 3) for i in range(3)]
     assert parts == [[0, 3, 6], [1, 4], [2, 5]]
     assert sorted(sum(parts, [])) == list(range(7))
@@ -53,8 +62,8 @@ def test_three_shards_merge_to_the_unsharded_eval(hf_untied, tmp_path, capsys):
             "--max-total-tokens", "14"]
     assert main(base + ["--out", str(tmp_path / "full")]) == 0
     shards = [tmp_path / f"s{i}" for i in range(3)]
-    for i, d in enumerate(shards):
-        assert main(base + ["--shard", f"{i}/3", "--out", str(d)]) == 0
+    for i, d in enumerate(shards):   # the last shard through the --mesh path (a 1-device mesh here)
+        assert main(base + ["--shard", f"{i}/3", "--out", str(d)] + (["--mesh", "tensor=1"] if i == 2 else [])) == 0
     assert [len((d / "results.jsonl").read_text().splitlines()) for d in shards] == [3, 2, 2]
     merged = tmp_path / "merged"
     assert main(["eval", "merge", *map(str, shards), "--out", str(merged)]) == 0
@@ -81,3 +90,5 @@ def test_three_shards_merge_to_the_unsharded_eval(hf_untied, tmp_path, capsys):
     assert main(["eval", "merge", str(shards[0]), str(shards[0]), str(shards[2]), "--out", str(tmp_path / "x")]) == 2
     assert main(["eval", "merge", str(shards[0]), str(tmp_path / "full"), "--out", str(tmp_path / "x")]) == 2
     assert main(base + ["--shard", "3/3", "--out", str(tmp_path / "x")]) == 2
+    assert main(base + ["--mesh", "tensor=2", "--out", str(tmp_path / "x")]) == 2     # 2 devices asked, 1 here
+    assert "devices" in capsys.readouterr().err

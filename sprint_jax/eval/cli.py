@@ -73,7 +73,8 @@ def add_arguments(p) -> None:
     from sprint_jax.infer.infer_cli import add_run_arguments
 
     p.add_argument("--shard", default=None, metavar="I/N",
-                   help="evaluate only shard I of N (problems I, I+N, ...; 0 <= I < N); join with `eval merge`")
+                   help="evaluate only shard I of N (problems I, I+N, ...; 0 <= I < N), or `auto` (SLURM / "
+                        "multi-host TPU task id and count); join the shards with `eval merge`")
     p.add_argument("compare", nargs="*", metavar="compare RUN_A RUN_B | merge SHARD_DIR...",
                    help="compare two eval output directories (SPRINT first, RFT second)")
     p.add_argument("--data", default=None, help="math500 | countdown | FILE (.jsonl / .parquet / .arrow / dataset dir)")

@@ -25,8 +25,39 @@ MERGE_FILE = "merge.json"
 _PER_SHARD = ("shard", "train_overlap")
 
 
+def detect_shard() -> tuple[int, int]:
+    """`--shard auto`: this process's place in the cluster, found as the trainer finds it
+    (`train.distributed.detect_cluster`): SLURM (SLURM_PROCID of SLURM_NTASKS), a multi-host Cloud
+    TPU (TPU_WORKER_ID of the TPU_WORKER_HOSTNAMES), or JAX's own variables (JAX_PROCESS_ID of
+    JAX_NUM_PROCESSES)."""
+    import os
+
+    from sprint_jax.train.distributed import detect_cluster
+
+    kind = detect_cluster()
+    env = os.environ
+    keys = {"slurm": ("SLURM_PROCID", None), "tpu": ("TPU_WORKER_ID", None),
+            "jax-env": ("JAX_PROCESS_ID", "JAX_NUM_PROCESSES")}.get(kind)
+    if keys is None:
+        raise UserError("--shard auto: no SLURM job with several tasks, multi-host TPU or JAX_NUM_PROCESSES "
+                        "found; pass --shard I/N")
+    try:
+        index = int(env[keys[0]])
+        if kind == "slurm":
+            count = int(env.get("SLURM_NTASKS") or env["SLURM_NPROCS"])
+        elif kind == "tpu":
+            count = len(env["TPU_WORKER_HOSTNAMES"].split(","))
+        else:
+            count = int(env[keys[1]])
+    except (KeyError, ValueError):
+        raise UserError(f"--shard auto: {kind} detected but {keys[0]} is missing or not a number") from None
+    return parse_shard(f"{index}/{count}")
+
+
 def parse_shard(text: str) -> tuple[int, int]:
-    """"I/N" -> (I, N) with 0 <= I < N."""
+    """"I/N" -> (I, N) with 0 <= I < N; "auto" -> `detect_shard()`."""
+    if text == "auto":
+        return detect_shard()
     i, slash, n = (text or "").partition("/")
     try:
         index, count = int(i), int(n)
