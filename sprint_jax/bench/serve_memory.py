@@ -63,8 +63,10 @@ def compile_decode_step(preset: str, mesh_spec: str, max_seqs: int, max_children
         raise SystemExit(f"only {len(cpus)} CPU devices; run with "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={n} in a fresh process")
     cfg = resolve_model_config(preset).replace(param_dtype=dtype, dtype=dtype)
+    n_params = param_count(cfg)
     mesh = sh.mesh_from_flag(mesh_spec, devices=cpus[:n])
     notes: list[str] = []
+    cfg = sh.serving_config(cfg, mesh, notes)     # the heads as the engine lays them out on this mesh
     pshard = sh.param_shardings(cfg, mesh, notes)
     params = jax.tree.map(lambda a, s: SDS(a.shape, a.dtype, sharding=s), abstract_params(cfg), pshard)
     pc, cc = max_seq_len + decode_chunk, max_branch_tokens + decode_chunk
@@ -107,7 +109,7 @@ def compile_decode_step(preset: str, mesh_spec: str, max_seqs: int, max_children
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
               "generated_code_size_in_bytes")
     mem = {f: int(getattr(ma, f, 0) or 0) for f in fields}
-    info = {"preset": preset, "params": param_count(cfg), "dtype": dtype, "mesh": dict(mesh.shape),
+    info = {"preset": preset, "params": n_params, "dtype": dtype, "mesh": dict(mesh.shape),
             "max_seqs": max_seqs, "max_children": max_children, "parent_capacity": pc, "child_capacity": cc,
             "decode_chunk": decode_chunk, "lower_s": lower_s, "compile_s": compile_s,
             "per_device_weight_bytes": weights, "per_device_cache_bytes": cache_b, "per_device": mem,

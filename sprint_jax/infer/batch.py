@@ -344,7 +344,7 @@ class BatchEngine:
         else:
             from sprint_jax.infer import sharding as sh
             notes = self.sharding_notes
-            self.params = sh.place_params(model.params, sh.param_shardings(self.config, mesh, notes))
+            self.config, self.params = sh.shard_model(self.config, model.params, mesh, notes)
             self._kv = (sh.kv_sharding(self.config, mesh, max_seqs, notes, "parent slots"),
                         sh.kv_sharding(self.config, mesh, max_seqs * max_children, notes, "child slots"))
             sh.log_notes(notes, "BatchEngine on mesh " + ",".join(f"{k}={v}" for k, v in mesh.shape.items()))

@@ -6,8 +6,10 @@ kv_heads and mlp (and vocab) over `tensor`, the model width over `fsdp`. The KV 
 engines, [L, slots, tokens, Hkv, D], carry the logical axes ("layers", "batch", "kv_seq",
 "kv_heads", "head_dim"): slots over `data` (x `fsdp`), KV heads over `tensor`. Where a size does
 not divide its mesh axis the table replicates that dimension, and `sharding_notes` says so; the
-engines log the notes (Qwen2-7B's 4 KV heads on tensor=8: the KV heads are replicated over the
-tensor axis, each device holding every head of its slots).
+engines log the notes. The batched engine first makes the heads fit where it can (`head_layout`):
+when `tensor` is a multiple of the KV heads it copies each KV head and pads the query heads with
+zero heads, an equivalent model (Qwen2-7B at tensor=8: 8 KV and 32 query heads, each device one KV
+head of every slot instead of all 4).
 
 The jitted engine steps get these shardings explicitly (the cache is constrained to its
 NamedSharding inside each step, and donated), so GSPMD inserts the collectives; only token ids
@@ -156,6 +158,7 @@ def plan_slots(config: Qwen2Config, mesh: Mesh, hbm_bytes: int, max_children: in
     fragmentation). Slots are a multiple of the slot sharding (data x fsdp) so every device holds
     the same number."""
     notes: list[str] = []
+    config = serving_config(config, mesh, notes)
     weights = weight_bytes_per_device(config, mesh)
     usable = int(hbm_bytes * (1 - reserve)) - weights
     step = math.prod(mesh.shape[m] for m in ("data", "fsdp"))
@@ -165,3 +168,78 @@ def plan_slots(config: Qwen2Config, mesh: Mesh, hbm_bytes: int, max_children: in
     n = max(0, usable // per) * step if per else 0
     cache = cache_bytes_per_device(config, mesh, n, max_children, pc, cc, notes) if n else 0
     return SlotPlan(n, max_children, pc, cc, weights, cache, hbm_bytes, notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# More tensor shards than heads: duplicate KV heads, pad query heads
+# ---------------------------------------------------------------------------------------------
+def head_layout(config: Qwen2Config, tensor: int) -> tuple[Qwen2Config, np.ndarray, int] | None:
+    """When the heads do not divide `tensor` but `tensor` is a multiple of the KV heads K, an
+    equivalent model whose heads do: each KV head copied r = tensor / K times, and the G = H / K
+    query heads of each KV head spread over its r copies, ceil(G / r) per copy, padded with zero
+    heads (a zero query head with zero o_proj rows adds nothing). Returns (config, src, r) with
+    src[new q head] = the original q head or -1 (a pad); None when no change is needed or possible.
+    Qwen2-7B at tensor=8: 4 -> 8 KV heads, 28 -> 32 query heads (4 pads), every head split 8 ways."""
+    h, k = config.num_attention_heads, config.num_key_value_heads
+    if tensor <= 1 or (h % tensor == 0 and k % tensor == 0) or tensor % k:
+        return None
+    r = tensor // k
+    g = h // k
+    per = -(-g // r)
+    src = np.full(k * r * per, -1, np.int64)
+    for kv in range(k):
+        for c in range(r):
+            for i in range(per):
+                j = c * per + i
+                if j < g:
+                    src[(kv * r + c) * per + i] = kv * g + j
+    return config.replace(num_attention_heads=k * r * per, num_key_value_heads=k * r), src, r
+
+
+def expand_heads(params: Any, src: np.ndarray, r: int) -> Any:
+    """The parameters of `head_layout`'s model (jit-able; q/k/v/o leaves only change)."""
+    import jax.numpy as jnp
+
+    idx, keep = jnp.asarray(np.maximum(src, 0)), jnp.asarray(src >= 0)
+
+    def q_heads(a, axis):                    # gather query heads, zero the pads
+        out = jnp.take(a, idx, axis=axis)
+        shape = [1] * out.ndim
+        shape[axis] = len(src)
+        return out * keep.reshape(shape).astype(out.dtype)
+
+    lay = dict(params["layers"])
+    lay["q_proj"] = {n: q_heads(v, 2 if n == "kernel" else 1) for n, v in lay["q_proj"].items()}
+    lay["o_proj"] = {n: q_heads(v, 1) for n, v in lay["o_proj"].items()}
+    for name in ("k_proj", "v_proj"):
+        lay[name] = {n: jnp.repeat(v, r, axis=2 if n == "kernel" else 1) for n, v in lay[name].items()}
+    return {**params, "layers": lay}
+
+
+def _heads_note(config: Qwen2Config, new: Qwen2Config, tensor: int) -> str:
+    return (f"tensor={tensor} does not divide the heads ({config.num_attention_heads} query, "
+            f"{config.num_key_value_heads} KV): KV heads copied -> {new.num_key_value_heads}, query heads "
+            f"padded with zero heads -> {new.num_attention_heads}")
+
+
+def serving_config(config: Qwen2Config, mesh: Mesh, notes: list[str] | None = None) -> Qwen2Config:
+    """The config the engine runs on `mesh` (`head_layout`'s, where it applies)."""
+    layout = head_layout(config, mesh.shape["tensor"])
+    if layout is None:
+        return config
+    if notes is not None:
+        notes.append(_heads_note(config, layout[0], mesh.shape["tensor"]))
+    return layout[0]
+
+
+def shard_model(config: Qwen2Config, params: Any, mesh: Mesh, notes: list[str]) -> tuple[Qwen2Config, Any]:
+    """(config, params) placed on `mesh` by the rules table; where the heads do not divide the
+    tensor axis but KV heads can be copied to fit (`head_layout`), the equivalent model with
+    copied KV heads and padded query heads is built on the devices, and a note says so."""
+    layout = head_layout(config, mesh.shape["tensor"])
+    if layout is None:
+        return config, place_params(params, param_shardings(config, mesh, notes))
+    new, src, r = layout
+    notes.append(_heads_note(config, new, mesh.shape["tensor"]))
+    shards = param_shardings(new, mesh, notes)
+    return new, jax.jit(lambda p: expand_heads(p, src, r), out_shardings=shards)(params)
