@@ -117,3 +117,25 @@ def test_parse_mesh_flag():
     for bad in ("tensor=4,model=2", "tensor", "tensor=x", "tensor=0", "data=2,data=2", "data=-1,tensor=-1"):
         with pytest.raises(ConfigError):
             sh.parse_mesh(bad)
+
+
+def test_copied_kv_heads_and_padded_query_heads_are_the_same_model():
+    """head_layout's model (tiny at tensor=4: 2 -> 4 KV heads, 6 -> 8 query heads) gives the
+    original's logits (a plain full forward, one device)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sprint_jax.model import qwen2 as Q
+    from sprint_jax.model.config import Qwen2Config
+
+    cfg = Qwen2Config.preset("tiny")
+    assert sh.head_layout(cfg, 2) is None                   # 6 heads, 2 KV heads split 2 ways as they are
+    new, src, r = sh.head_layout(cfg, 4)
+    assert (new.num_attention_heads, new.num_key_value_heads, r) == (8, 4, 2)
+    assert src.tolist() == [0, 1, 2, -1, 3, 4, 5, -1]       # each KV head's 3 query heads over its 2 copies
+    params = Q.init_params(cfg, jax.random.key(0), std=0.1)
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, 307, (2, 11)), jnp.int32)
+    ref = Q.forward(params, cfg, toks)
+    got = Q.forward(sh.expand_heads(params, src, r), new, toks)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
