@@ -12,6 +12,7 @@ DESCRIPTION = """Benchmarks (each prints a table and writes JSON with --out):
   sprint-jax bench decode         engine decode: shared vs copy vs serial branches, vs HF generate
   sprint-jax bench kernels        Pallas shared-prefix attention vs the XLA shared path vs copy-fork
   sprint-jax bench serve          many SPRINT runs at once on the batched engine; decode cost vs capacity
+  sprint-jax bench serve-memory   per-device weights + KV cache of the batched decode step on a mesh
   sprint-jax bench train          train step tokens/s vs an HF PyTorch step (MFU on GPU/TPU)
   sprint-jax bench train-memory   per-device memory of the 7B train step on a fake 8-device mesh
 
@@ -23,6 +24,7 @@ BENCHES = {
     "decode": ("sprint_jax.bench.decode", "add_decode_arguments", "run_decode_bench"),
     "kernels": ("sprint_jax.bench.kernels", "add_kernels_arguments", "run_kernels_bench"),
     "serve": ("sprint_jax.bench.serve", "add_serve_arguments", "run_serve_bench"),
+    "serve-memory": ("sprint_jax.bench.serve_memory", "add_serve_memory_arguments", "run_serve_memory_bench"),
     "train": ("sprint_jax.bench.train", "add_train_arguments", "run_train_bench"),
     "train-memory": ("sprint_jax.bench.train", "add_train_memory_arguments", "run_train_memory_bench"),
 }
@@ -36,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     module_name, add_fn, run_fn = BENCHES[args.name]
     # train-memory fakes 8 host devices; that must happen before jax initialises its backends
-    if args.name == "train-memory":
+    if args.name in ("train-memory", "serve-memory"):
         import os
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:

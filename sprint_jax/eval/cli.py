@@ -57,6 +57,12 @@ An existing --out is resumed: problems already in its results.jsonl are skipped 
 mode, budgets, model weights and problems are the same (eval_run.json); --overwrite starts it afresh.
 One run at a time per --out (a second one exits naming the first).
 
+Over hosts / device groups: `--shard I/N` evaluates problems I, I+N, I+2N, ... (0 <= I < N) of
+the task list into its own --out; `eval merge SHARD_DIR... --out DIR` joins N finished shards into
+the results.jsonl / records.jsonl / report.json one run writes (timings aside; merge.json lists
+the shards). A shard that died is rerun alone with its own command. --mesh tensor=4,data=2 runs
+one process over several devices (sprint_jax.infer.sharding).
+
 `eval compare A B`: the paper's table (accuracy, sequential tokens, total tokens, wall clock,
 change) for run A (SPRINT) against run B (RFT) on the same problems, matched by id; then, per bin
 of B's sequential length (--bins thresholds, default 2000,4000,8000 as in the paper's >8k
@@ -69,7 +75,10 @@ B/A sequential tokens and wall clock, ThreadWeaver Fig. 5).
 def add_arguments(p) -> None:
     from sprint_jax.infer.infer_cli import add_run_arguments
 
-    p.add_argument("compare", nargs="*", metavar="compare RUN_A RUN_B",
+    p.add_argument("--shard", default=None, metavar="I/N",
+                   help="evaluate only shard I of N (problems I, I+N, ...; 0 <= I < N), or `auto` (SLURM / "
+                        "multi-host TPU task id and count); join the shards with `eval merge`")
+    p.add_argument("compare", nargs="*", metavar="compare RUN_A RUN_B | merge SHARD_DIR...",
                    help="compare two eval output directories (SPRINT first, RFT second)")
     p.add_argument("--data", default=None, help="math500 | countdown | FILE (.jsonl / .parquet / .arrow / dataset dir)")
     p.add_argument("--task-kind", choices=["auto", "math", "choice"], default="auto",
@@ -158,6 +167,18 @@ def _compare(args) -> int:
     return 0
 
 
+def _merge(args) -> int:
+    from sprint_jax.errors import UserError
+    from sprint_jax.eval.shards import merge_shards
+
+    if not args.out:
+        raise UserError("usage: sprint-jax eval merge SHARD_DIR... --out DIR")
+    report = merge_shards(args.compare[1:], args.out)
+    print(f"merged {len(args.compare) - 1} shards: accuracy {100 * report['accuracy']:.1f}% "
+          f"({report['correct']}/{report['n']}) -> {args.out}")
+    return 0
+
+
 def parse_bins(text: str) -> list[int]:
     """--bins "2000,4000,8000" -> [2000, 4000, 8000] ("" = no fixed bins)."""
     from sprint_jax.errors import UserError
@@ -201,6 +222,8 @@ def run(args) -> int:
     from sprint_jax.eval.evaluate import evaluate
     from sprint_jax.infer.infer_cli import build_batch_engine, config_from_args
 
+    if args.compare and args.compare[0] == "merge":
+        return _merge(args)
     if args.compare:
         return _compare(args)
     for flag, value in (("--model", args.model), ("--data", args.data), ("--out", args.out)):
@@ -212,6 +235,14 @@ def run(args) -> int:
     tasks = load_tasks(args.data, args.limit, args.task_kind, args.countdown_n, args.data_seed)
     if not tasks:
         raise UserError(f"--data {args.data}: no tasks")
+    shard = None
+    if args.shard:
+        from sprint_jax.eval.shards import parse_shard, shard_meta
+        index, count = parse_shard(args.shard)
+        shard = shard_meta(len(tasks), index, count)
+        tasks = [tasks[i] for i in shard["positions"]]
+        if not tasks:
+            raise UserError(f"--shard {args.shard}: no problems in this shard ({shard['total']} in all)")
     overlap = check_overlap(args.model, tasks, args.allow_overlap)
     engine = build_batch_engine(args, config, args.concurrency)
     from sprint_jax.eval.evaluate import default_prompt
@@ -224,7 +255,7 @@ def run(args) -> int:
                          progress=not args.no_progress, answer_from=args.answer_from, overwrite=args.overwrite,
                          concurrency=args.concurrency,
                          meta={"model": str(args.model), "data": str(args.data), "limit": args.limit,
-                               "train_overlap": overlap})
+                               "train_overlap": overlap, **({"shard": shard} if shard else {})})
     print(f"accuracy {100 * report['accuracy']:.1f}% ({report['correct']}/{report['n']}), "
           f"sequential tokens {report['mean_sequential_tokens']:.1f}, total tokens "
           f"{report['mean_total_tokens']:.1f}, format-valid {100 * report['format_valid_rate']:.1f}%, "

@@ -77,6 +77,15 @@ class SlotCache:
         return int(sum(a.size * a.dtype.itemsize for a in (self.pk, self.pv, self.ck, self.cv)))
 
 
+def _constrain(cache: SlotCache, kv) -> SlotCache:
+    """The cache pinned to its (parent, child) NamedShardings on a mesh (kv=None: one device)."""
+    if kv is None:
+        return cache
+    p, c = kv
+    wsc = jax.lax.with_sharding_constraint
+    return SlotCache(wsc(cache.pk, p), wsc(cache.pv, p), wsc(cache.ck, c), wsc(cache.cv, c))
+
+
 def _gather_rows(cache: jax.Array, layer, rows: jax.Array, size: int) -> jax.Array:
     """cache [L, N, C, Hkv, D] -> the first `size` slots of `rows` at `layer`: [R, size, Hkv, D]."""
     return cache[layer, rows[:, None], jnp.arange(size)[None, :]]
@@ -94,9 +103,9 @@ def _self_partial(q, k, v, n_valid=None):
 # ---------------------------------------------------------------------------------------------
 # Prefill: tokens [R, T] appended to R parent slots, or to R child slots (forced prefixes)
 # ---------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("config", "kind", "s_b", "c_b"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("config", "kind", "s_b", "c_b", "kv"), donate_argnames=("cache",))
 def _prefill(params, config: Qwen2Config, cache: SlotCache, tokens, slot, parent, fork_len, start, n_valid,
-             kind: str, s_b: int, c_b: int):
+             kind: str, s_b: int, c_b: int, kv=None):
     """kind "parent": rows are parent slots `slot`, tokens written at start..start+n_valid.
     kind "child": rows are child slots `slot` of parent slots `parent`; they see the parent's
     first fork_len slots and their own first `start` slots; positions are fork_len + start + t."""
@@ -123,10 +132,10 @@ def _prefill(params, config: Qwen2Config, cache: SlotCache, tokens, slot, parent
     if kind == "parent":
         pk = cache.pk.at[:, slot[:, None], pos].set(nk.astype(cache.pk.dtype), mode="drop")
         pv = cache.pv.at[:, slot[:, None], pos].set(nv.astype(cache.pv.dtype), mode="drop")
-        return SlotCache(pk, pv, cache.ck, cache.cv)
+        return _constrain(SlotCache(pk, pv, cache.ck, cache.cv), kv)
     ck = cache.ck.at[:, slot[:, None], pos].set(nk.astype(cache.ck.dtype), mode="drop")
     cv = cache.cv.at[:, slot[:, None], pos].set(nv.astype(cache.cv.dtype), mode="drop")
-    return SlotCache(cache.pk, cache.pv, ck, cv)
+    return _constrain(SlotCache(cache.pk, cache.pv, ck, cv), kv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,11 +152,11 @@ def _sample_rows(logits, keys, temperature, top_k, top_p):
     return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "g", "chunk", "s_b", "c_b"),
+@functools.partial(jax.jit, static_argnames=("config", "g", "chunk", "s_b", "c_b", "kv"),
                    donate_argnames=("cache",))
 def _decode(params, config: Qwen2Config, cache: SlotCache, pslot, fork_len, lengths, pending, active,
             remaining, stop_ids, seeds, branch, steps, temperature, top_k, top_p,
-            g: int, chunk: int, s_b: int, c_b: int):
+            g: int, chunk: int, s_b: int, c_b: int, kv=None):
     """Rows are [Rg, 1+g] flattened (row 0 of a group: the parent slot pslot[i]; rows 1..g its
     child slots). lengths = KV entries of the row's own slot (parent slot or child suffix);
     a child's positions start at its group's fork_len. Returns the cache, the emitted tokens
@@ -207,7 +216,7 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, pslot, fork_len, leng
         logits = unembed(params, config, hidden)[:, 0]
         keys = jax.vmap(jax.random.fold_in)(base, steps)
         tok = _sample_rows(logits, keys, temperature, top_k, top_p)
-        return SlotCache(pk, pv, ck, cv), tok
+        return _constrain(SlotCache(pk, pv, ck, cv), kv), tok
 
     out = jnp.full((b, chunk), -1, jnp.int32)
     reason = jnp.zeros((b,), jnp.int32)
@@ -295,11 +304,16 @@ class BatchEngine:
       max_branch_tokens  forced prefix + generated tokens per child                   (default 512)
       decode_chunk       decode steps per host round trip                             (default 16)
       prefill_chunk      tokens per sequence per prefill call                         (default 256)
+
+    mesh: a (data, fsdp, tensor) Mesh (`sprint_jax.infer.sharding.mesh_from_flag`): parameters
+    placed by the trainer's rules table, parent and child slots over data, KV heads over tensor
+    (replicated, with a logged note, where they do not divide); None = one device.
+    `sharding_notes` lists what was replicated.
     """
 
     def __init__(self, model, tokenizer, *, max_seqs: int = 16, max_children: int = 8, max_seq_len: int = 2048,
                  max_branch_tokens: int = 512, decode_chunk: int = 16, prefill_chunk: int = 256,
-                 eos_token_ids: Sequence[int] | None = None, min_bucket: int = 64):
+                 eos_token_ids: Sequence[int] | None = None, min_bucket: int = 64, mesh=None):
         for name, v in (("max_seqs", max_seqs), ("max_children", max_children), ("max_seq_len", max_seq_len),
                         ("max_branch_tokens", max_branch_tokens), ("decode_chunk", decode_chunk),
                         ("prefill_chunk", prefill_chunk)):
@@ -321,8 +335,23 @@ class BatchEngine:
         # the decode chunk may run past a row's last token before the host sees the stop
         self.parent_capacity = max_seq_len + decode_chunk
         self.child_capacity = max_branch_tokens + decode_chunk
-        self.cache = SlotCache.zeros(self.config, max_seqs, max_children, self.parent_capacity,
-                                     self.child_capacity)
+        self.mesh = mesh
+        self.sharding_notes: list[str] = []
+        self._kv = None
+        if mesh is None:
+            self.cache = SlotCache.zeros(self.config, max_seqs, max_children, self.parent_capacity,
+                                         self.child_capacity)
+        else:
+            from sprint_jax.infer import sharding as sh
+            notes = self.sharding_notes
+            self.config, self.params = sh.shard_model(self.config, model.params, mesh, notes)
+            self._kv = (sh.kv_sharding(self.config, mesh, max_seqs, notes, "parent slots"),
+                        sh.kv_sharding(self.config, mesh, max_seqs * max_children, notes, "child slots"))
+            sh.log_notes(notes, "BatchEngine on mesh " + ",".join(f"{k}={v}" for k, v in mesh.shape.items()))
+            p, c = self._kv
+            self.cache = jax.jit(SlotCache.zeros, static_argnums=(0, 1, 2, 3, 4),
+                                 out_shardings=SlotCache(p, p, c, c))(
+                self.config, max_seqs, max_children, self.parent_capacity, self.child_capacity)
         self._free = list(range(max_seqs))
         self._waiting: deque[Op] = deque()             # opens waiting for a slot
         self._prefill: list[Seq] = []                  # parents with tokens to prefill
@@ -527,7 +556,7 @@ class BatchEngine:
         s_b = min(_bucket(int(start.max()) + 1, self.min_bucket), self.parent_capacity)
         self.cache = _prefill(self.params, self.config, self.cache, jnp.asarray(toks), jnp.asarray(slot),
                               jnp.asarray(slot), jnp.zeros(r_b, jnp.int32), jnp.asarray(start),
-                              jnp.asarray(nval), kind="parent", s_b=s_b, c_b=1)
+                              jnp.asarray(nval), kind="parent", s_b=s_b, c_b=1, kv=self._kv)
         self.stats["prefill_calls"] += 1
         keep = []
         for seq, piece, done in rows:
@@ -573,7 +602,7 @@ class BatchEngine:
             nval[i] = len(piece)
         self.cache = _prefill(self.params, self.config, self.cache, jnp.asarray(toks), jnp.asarray(cslot),
                               jnp.asarray(parent), jnp.asarray(fork), jnp.asarray(start), jnp.asarray(nval),
-                              kind="child", s_b=s_b, c_b=c_b)
+                              kind="child", s_b=s_b, c_b=c_b, kv=self._kv)
         self.stats["prefill_calls"] += 1
         for (_, _, row), piece in zip(work, pieces):
             row.prefill_pos += len(piece)
@@ -643,7 +672,7 @@ class BatchEngine:
             self.params, self.config, self.cache, jnp.asarray(pslot), jnp.asarray(fork), jnp.asarray(lengths),
             jnp.asarray(pending), jnp.asarray(active), jnp.asarray(remaining), jnp.asarray(stop_ids),
             jnp.asarray(seeds), jnp.asarray(branch), jnp.asarray(steps), jnp.asarray(temp), jnp.asarray(top_k),
-            jnp.asarray(top_p), g=g, chunk=self.decode_chunk, s_b=s_b, c_b=c_b)
+            jnp.asarray(top_p), g=g, chunk=self.decode_chunk, s_b=s_b, c_b=c_b, kv=self._kv)
         out, reason = jax.device_get((out, reason))
         self.stats["decode_calls"] += 1
         for i, row, child in placed:

@@ -269,11 +269,16 @@ class Engine:
       decode_chunk       decode steps per host round trip                       (default 16)
       prefill_chunk      longest piece prefilled in one call; lengths bucketed  (default 512)
       attention_impl     "xla" | "pallas" for the shared-fork prefix attention  (default "xla")
+
+    mesh: a (data, fsdp, tensor) Mesh: parameters placed by the trainer's rules table
+    (sprint_jax.infer.sharding); the caches follow by GSPMD propagation. The Pallas path is
+    single-device for now (a mesh with attention_impl="pallas" is refused); the batched engine
+    (infer/batch.py) is the one whose KV slots are sharded explicitly.
     """
 
     def __init__(self, model, tokenizer, *, max_seq_len: int = 2048, max_branches: int = 8,
                  max_branch_tokens: int = 512, decode_chunk: int = 16, prefill_chunk: int = 512,
-                 attention_impl: str = "xla", eos_token_ids: Sequence[int] | None = None):
+                 attention_impl: str = "xla", eos_token_ids: Sequence[int] | None = None, mesh=None):
         if attention_impl not in ("xla", "pallas"):
             raise EngineError(f"attention_impl must be 'xla' or 'pallas', got {attention_impl!r}")
         for name, v in (("max_seq_len", max_seq_len), ("max_branches", max_branches),
@@ -284,6 +289,14 @@ class Engine:
         self.model = model
         self.config: Qwen2Config = model.config
         self.params = model.params
+        self.mesh = mesh
+        self.sharding_notes: list[str] = []
+        if mesh is not None:
+            if attention_impl == "pallas":
+                raise EngineError("attention_impl='pallas' runs on one device for now; use 'xla' with a mesh")
+            from sprint_jax.infer import sharding as sh
+            self.params = sh.place_params(model.params, sh.param_shardings(self.config, mesh, self.sharding_notes))
+            sh.log_notes(self.sharding_notes, "Engine on a mesh")
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
         self.max_branches = max_branches

@@ -53,6 +53,8 @@ def add_run_arguments(p) -> None:
     e.add_argument("--prefill-chunk", type=int, default=512, help="longest prefill piece")
     e.add_argument("--attention-impl", choices=["xla", "pallas"], default="xla",
                    help="shared-prefix attention of the executor fork")
+    from sprint_jax.infer.sharding import add_mesh_argument
+    add_mesh_argument(e)
 
 
 def config_from_args(args):
@@ -93,9 +95,10 @@ def add_dtype_argument(p) -> None:
                    help="parameter and compute dtype (activations, KV cache); default float32")
 
 
-def load_model_arg(model: str | None, dtype: str | None):
+def load_model_arg(model: str | None, dtype: str | None, mesh=None):
     """The model of a `--model DIR` flag (HF or orbax directory), with parameters and compute
-    (activations, KV cache) in `dtype` (float32 when None)."""
+    (activations, KV cache) in `dtype` (float32 when None); on `mesh`, each parameter is loaded
+    straight into its sharding (a 7B checkpoint never sits whole on one device)."""
     from sprint_jax.errors import UserError
     from sprint_jax.model.convert import load_model
     from sprint_jax.model.hf import CheckpointError
@@ -105,10 +108,20 @@ def load_model_arg(model: str | None, dtype: str | None):
     model_dir = Path(model)
     if not model_dir.is_dir():
         raise UserError(f"model directory not found: {model_dir}")
+    shardings_fn = None
+    if mesh is not None:
+        from sprint_jax.infer.sharding import param_shardings
+        shardings_fn = lambda config: param_shardings(config, mesh)   # noqa: E731
     try:
-        return load_model(model_dir, param_dtype=dtype, compute_dtype=dtype)
+        return load_model(model_dir, param_dtype=dtype, compute_dtype=dtype, shardings_fn=shardings_fn)
     except CheckpointError as e:            # (a UserError too; caught here to name the flag)
         raise UserError(f"--model {model_dir}: {e}") from None
+
+
+def mesh_arg(args):
+    """The Mesh of `--mesh` (None without the flag)."""
+    from sprint_jax.infer.sharding import mesh_from_flag
+    return mesh_from_flag(getattr(args, "mesh", None))
 
 
 def load_tokenizer_arg(tokenizer: str | None, model: str):
@@ -123,7 +136,7 @@ def load_tokenizer_arg(tokenizer: str | None, model: str):
                         f"pass --tokenizer DIR or --tokenizer qwen2") from None
 
 
-def _checked_load(args, config, seqs: int = 1):
+def _checked_load(args, config, seqs: int = 1, mesh=None):
     """(model, tokenizer, max_seq_len, branch capacity) for `seqs` sequences, each with
     config.max_prompts branches of the per-branch budget plus room for the forced opening tag.
     Capacities, the KV-cache memory and the tokenizer are checked against the model's config.json
@@ -141,12 +154,13 @@ def _checked_load(args, config, seqs: int = 1):
     check_positions(mcfg, max_seq_len, "--max-seq-len")
     branch_tokens = config.max_branch_tokens + 32
     what = f"{seqs} sequence(s) of --max-seq-len {max_seq_len} with {config.max_prompts} branches of {branch_tokens}"
-    check_memory(kv_cache_bytes(mcfg, seqs * (max_seq_len + config.max_prompts * branch_tokens)),
+    devices = mesh.devices.size if mesh is not None else 1      # the cache is split over the mesh
+    check_memory(kv_cache_bytes(mcfg, seqs * (max_seq_len + config.max_prompts * branch_tokens)) // devices,
                  f"the KV cache ({what})",
                  "lower --max-seq-len, --max-prompts, --max-branch-tokens" + (" or --concurrency" if seqs > 1 else ""))
     tok = load_tokenizer_arg(args.tokenizer, args.model)
     check_tokenizer_fits(tok, mcfg.vocab_size, f"the model in {args.model}")
-    model = load_model_arg(args.model, args.dtype)
+    model = load_model_arg(args.model, args.dtype, mesh)
     return model, tok, max_seq_len, branch_tokens
 
 
@@ -155,11 +169,12 @@ def build_engine(args, config):
     from sprint_jax.errors import UserError
     from sprint_jax.infer import Engine, EngineError
 
-    model, tok, max_seq_len, branch_tokens = _checked_load(args, config)
+    mesh = mesh_arg(args)
+    model, tok, max_seq_len, branch_tokens = _checked_load(args, config, mesh=mesh)
     try:
         return Engine(model, tok, max_seq_len=max_seq_len, max_branches=config.max_prompts,
                       max_branch_tokens=branch_tokens, decode_chunk=args.decode_chunk,
-                      prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl)
+                      prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl, mesh=mesh)
     except EngineError as e:
         raise UserError(str(e)) from None
 
@@ -175,11 +190,12 @@ def build_batch_engine(args, config, concurrency: int):
         raise UserError(f"--concurrency must be >= 1, got {concurrency}")
     if getattr(args, "attention_impl", "xla") != "xla":
         raise UserError("--attention-impl pallas: the batched engine has no Pallas path yet (use xla)")
-    model, tok, max_seq_len, branch_tokens = _checked_load(args, config, concurrency)
+    mesh = mesh_arg(args)
+    model, tok, max_seq_len, branch_tokens = _checked_load(args, config, concurrency, mesh=mesh)
     try:
         return BatchEngine(model, tok, max_seqs=concurrency, max_children=config.max_prompts,
                            max_seq_len=max_seq_len, max_branch_tokens=branch_tokens,
-                           decode_chunk=args.decode_chunk, prefill_chunk=args.prefill_chunk)
+                           decode_chunk=args.decode_chunk, prefill_chunk=args.prefill_chunk, mesh=mesh)
     except EngineError as e:
         raise UserError(str(e)) from None
 

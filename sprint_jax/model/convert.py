@@ -101,16 +101,21 @@ def load_orbax(path: str | Path, param_dtype=None, shardings=None) -> tuple[Qwen
     return config, params
 
 
-def load_model(path: str | Path, param_dtype=None, compute_dtype=None) -> Qwen2:
+def load_model(path: str | Path, param_dtype=None, compute_dtype=None, shardings_fn=None) -> Qwen2:
     """A Qwen2 / Qwen3 model from either an HF directory or an orbax model directory (dtypes as in
-    `from_pretrained`: float32 unless given)."""
+    `from_pretrained`: float32 unless given). shardings_fn(config) -> a tree of shardings: each
+    HF tensor goes straight to its devices (an orbax checkpoint is placed after loading)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model directory not found: {path}")
     if is_orbax_dir(path):
         config, params = load_orbax(path, param_dtype=param_dtype)
+        if shardings_fn is not None:
+            import jax
+            params = jax.device_put(params, shardings_fn(config))
     else:
-        config, params = load_params(path, param_dtype=param_dtype)
+        shardings = shardings_fn(Qwen2Config.from_hf_config(path)) if shardings_fn is not None else None
+        config, params = load_params(path, param_dtype=param_dtype, shardings=shardings)
     if compute_dtype is not None:
         config = config.replace(dtype=dtype_name(compute_dtype))
     return Qwen2(config, params=params)

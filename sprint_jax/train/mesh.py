@@ -30,6 +30,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
     "mlp": "tensor",
     "norm": None,
+    "kv_seq": None,              # the inference KV cache's token axis (infer/sharding.py)
 }
 
 

@@ -1,0 +1,245 @@
+"""Inference over a device mesh (issue 15): the `--mesh tensor=4,data=2` flag, where parameters and
+KV slots live, and a memory planner.
+
+Parameters are placed by the trainer's one rules table (`sprint_jax.train.mesh.RULES`): heads,
+kv_heads and mlp (and vocab) over `tensor`, the model width over `fsdp`. The KV caches of the
+engines, [L, slots, tokens, Hkv, D], carry the logical axes ("layers", "batch", "kv_seq",
+"kv_heads", "head_dim"): slots over `data` (x `fsdp`), KV heads over `tensor`. Where a size does
+not divide its mesh axis the table replicates that dimension, and `sharding_notes` says so; the
+engines log the notes. The batched engine first makes the heads fit where it can (`head_layout`):
+when `tensor` is a multiple of the KV heads it copies each KV head and pads the query heads with
+zero heads, an equivalent model (Qwen2-7B at tensor=8: 8 KV and 32 query heads, each device one KV
+head of every slot instead of all 4).
+
+The jitted engine steps get these shardings explicitly (the cache is constrained to its
+NamedSharding inside each step, and donated), so GSPMD inserts the collectives; only token ids
+and stop codes cross to the host.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from sprint_jax.config import ConfigError
+from sprint_jax.model.config import Qwen2Config
+from sprint_jax.model.qwen2 import abstract_params, dtype_of, logical_axes
+from sprint_jax.train import mesh as mesh_lib
+
+log = logging.getLogger(__name__)
+
+KV_AXES = ("layers", "batch", "kv_seq", "kv_heads", "head_dim")   # [L, slots, tokens, Hkv, D]
+
+MESH_HELP = ("device mesh as AXIS=SIZE pairs over data, fsdp, tensor, e.g. tensor=4,data=2 (unnamed axes are "
+             "1; one size may be -1 = the rest of the devices; default: one device)")
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """"tensor=4,data=2" -> {"data": 2, "fsdp": 1, "tensor": 4}. ConfigError names what is wrong."""
+    sizes = {"data": 1, "fsdp": 1, "tensor": 1}
+    seen = set()
+    for part in (spec or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, eq, value = part.partition("=")
+        name = name.strip()
+        if not eq or name not in sizes:
+            raise ConfigError(f"--mesh {spec!r}: expected AXIS=SIZE pairs with AXIS in data, fsdp, tensor; "
+                              f"got {part!r}")
+        if name in seen:
+            raise ConfigError(f"--mesh {spec!r}: axis {name!r} given twice")
+        seen.add(name)
+        try:
+            n = int(value)
+        except ValueError:
+            raise ConfigError(f"--mesh {spec!r}: size of {name!r} must be an integer, got {value!r}") from None
+        if n == 0 or n < -1:
+            raise ConfigError(f"--mesh {spec!r}: size of {name!r} must be positive (or -1), got {n}")
+        sizes[name] = n
+    if list(sizes.values()).count(-1) > 1:
+        raise ConfigError(f"--mesh {spec!r}: at most one size may be -1")
+    return sizes
+
+
+def mesh_from_flag(spec: str | None, devices: Sequence | None = None) -> Mesh | None:
+    """The mesh of a `--mesh` flag (None/"" = no mesh: the engines' single-device path)."""
+    if not spec:
+        return None
+    s = parse_mesh(spec)
+    return mesh_lib.make_mesh(s["data"], s["fsdp"], s["tensor"], devices=devices)
+
+
+def add_mesh_argument(p) -> None:
+    p.add_argument("--mesh", default=None, metavar="AXIS=N,...", help=MESH_HELP)
+
+
+def param_shardings(config: Qwen2Config, mesh: Mesh, notes: list[str] | None = None) -> Any:
+    """NamedShardings of the model's parameters, from the trainer's rules table."""
+    abstract = abstract_params(config)
+    return mesh_lib.param_shardings(mesh, logical_axes(config), abstract, notes)
+
+
+def kv_sharding(config: Qwen2Config, mesh: Mesh, slots: int, notes: list[str] | None = None,
+                name: str = "kv cache") -> NamedSharding:
+    """The NamedSharding of a KV cache [L, slots, tokens, Hkv, D]."""
+    shape = (config.num_hidden_layers, slots, 1, config.num_key_value_heads, config.head_dim)
+    return NamedSharding(mesh, mesh_lib.logical_to_spec(KV_AXES, shape, mesh, notes=notes, name=name))
+
+
+def place_params(params: Any, shardings: Any) -> Any:
+    """Parameters moved onto their shardings (a no-op for arrays already there)."""
+    return jax.tree.map(lambda a, s: a if getattr(a, "sharding", None) == s else jax.device_put(a, s),
+                        params, shardings)
+
+
+def log_notes(notes: Sequence[str], what: str) -> None:
+    for n in dict.fromkeys(notes):
+        log.warning("%s: %s", what, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory planner
+# ---------------------------------------------------------------------------------------------
+def _per_device_bytes(shape: Sequence[int], itemsize: int, sharding: NamedSharding) -> int:
+    shard = sharding.shard_shape(tuple(shape))
+    return math.prod(shard) * itemsize
+
+
+def weight_bytes_per_device(config: Qwen2Config, mesh: Mesh) -> int:
+    """Bytes of the parameters on the fullest device."""
+    abstract = abstract_params(config)
+    shards = param_shardings(config, mesh)
+    return int(sum(_per_device_bytes(a.shape, a.dtype.itemsize, s)
+                   for a, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shards))))
+
+
+@dataclasses.dataclass
+class SlotPlan:
+    """What fits one device: `max_seqs` parent slots of `parent_capacity` tokens, each with
+    `max_children` child slots of `child_capacity` tokens."""
+    max_seqs: int
+    max_children: int
+    parent_capacity: int
+    child_capacity: int
+    weight_bytes: int           # per device
+    cache_bytes: int            # per device
+    budget_bytes: int           # per device
+    notes: list[str]
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def cache_bytes_per_device(config: Qwen2Config, mesh: Mesh, max_seqs: int, max_children: int,
+                           parent_capacity: int, child_capacity: int, notes: list[str] | None = None) -> int:
+    """Bytes of a BatchEngine SlotCache (K and V, parents and children) on the fullest device."""
+    item = np.dtype(dtype_of(config.dtype)).itemsize
+    tail = (config.num_key_value_heads, config.head_dim)
+    L = config.num_hidden_layers
+    p = (L, max_seqs, parent_capacity) + tail
+    c = (L, max_seqs * max_children, child_capacity) + tail
+    return 2 * (_per_device_bytes(p, item, kv_sharding(config, mesh, max_seqs, notes, "parent slots"))
+                + _per_device_bytes(c, item, kv_sharding(config, mesh, max_seqs * max_children, notes,
+                                                         "child slots")))
+
+
+def plan_slots(config: Qwen2Config, mesh: Mesh, hbm_bytes: int, max_children: int, max_seq_len: int,
+               max_branch_tokens: int, decode_chunk: int = 16, reserve: float = 0.1,
+               temp_bytes_per_slot: int = 0) -> SlotPlan:
+    """The most parent slots (each with `max_children` children) whose weights + cache (+
+    `temp_bytes_per_slot` of step temporaries per parent slot, as measured from a compiled step by
+    `bench serve-memory`) fit in `hbm_bytes` per device, keeping `reserve` of it free (runtime,
+    fragmentation). Slots are a multiple of the slot sharding (data x fsdp) so every device holds
+    the same number."""
+    notes: list[str] = []
+    config = serving_config(config, mesh, notes)
+    weights = weight_bytes_per_device(config, mesh)
+    usable = int(hbm_bytes * (1 - reserve)) - weights
+    step = math.prod(mesh.shape[m] for m in ("data", "fsdp"))
+    pc, cc = max_seq_len + decode_chunk, max_branch_tokens + decode_chunk
+    per = cache_bytes_per_device(config, mesh, step, max_children, pc, cc)   # one slot per device
+    per += temp_bytes_per_slot                                             # ... and its temporaries
+    n = max(0, usable // per) * step if per else 0
+    cache = cache_bytes_per_device(config, mesh, n, max_children, pc, cc, notes) if n else 0
+    return SlotPlan(n, max_children, pc, cc, weights, cache, hbm_bytes, notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# More tensor shards than heads: duplicate KV heads, pad query heads
+# ---------------------------------------------------------------------------------------------
+def head_layout(config: Qwen2Config, tensor: int) -> tuple[Qwen2Config, np.ndarray, int] | None:
+    """When the heads do not divide `tensor` but `tensor` is a multiple of the KV heads K, an
+    equivalent model whose heads do: each KV head copied r = tensor / K times, and the G = H / K
+    query heads of each KV head spread over its r copies, ceil(G / r) per copy, padded with zero
+    heads (a zero query head with zero o_proj rows adds nothing). Returns (config, src, r) with
+    src[new q head] = the original q head or -1 (a pad); None when no change is needed or possible.
+    Qwen2-7B at tensor=8: 4 -> 8 KV heads, 28 -> 32 query heads (4 pads), every head split 8 ways."""
+    h, k = config.num_attention_heads, config.num_key_value_heads
+    if tensor <= 1 or (h % tensor == 0 and k % tensor == 0) or tensor % k:
+        return None
+    r = tensor // k
+    g = h // k
+    per = -(-g // r)
+    src = np.full(k * r * per, -1, np.int64)
+    for kv in range(k):
+        for c in range(r):
+            for i in range(per):
+                j = c * per + i
+                if j < g:
+                    src[(kv * r + c) * per + i] = kv * g + j
+    return config.replace(num_attention_heads=k * r * per, num_key_value_heads=k * r), src, r
+
+
+def expand_heads(params: Any, src: np.ndarray, r: int) -> Any:
+    """The parameters of `head_layout`'s model (jit-able; q/k/v/o leaves only change)."""
+    import jax.numpy as jnp
+
+    idx, keep = jnp.asarray(np.maximum(src, 0)), jnp.asarray(src >= 0)
+
+    def q_heads(a, axis):                    # gather query heads, zero the pads
+        out = jnp.take(a, idx, axis=axis)
+        shape = [1] * out.ndim
+        shape[axis] = len(src)
+        return out * keep.reshape(shape).astype(out.dtype)
+
+    lay = dict(params["layers"])
+    lay["q_proj"] = {n: q_heads(v, 2 if n == "kernel" else 1) for n, v in lay["q_proj"].items()}
+    lay["o_proj"] = {n: q_heads(v, 1) for n, v in lay["o_proj"].items()}
+    for name in ("k_proj", "v_proj"):
+        lay[name] = {n: jnp.repeat(v, r, axis=2 if n == "kernel" else 1) for n, v in lay[name].items()}
+    return {**params, "layers": lay}
+
+
+def _heads_note(config: Qwen2Config, new: Qwen2Config, tensor: int) -> str:
+    return (f"tensor={tensor} does not divide the heads ({config.num_attention_heads} query, "
+            f"{config.num_key_value_heads} KV): KV heads copied -> {new.num_key_value_heads}, query heads "
+            f"padded with zero heads -> {new.num_attention_heads}")
+
+
+def serving_config(config: Qwen2Config, mesh: Mesh, notes: list[str] | None = None) -> Qwen2Config:
+    """The config the engine runs on `mesh` (`head_layout`'s, where it applies)."""
+    layout = head_layout(config, mesh.shape["tensor"])
+    if layout is None:
+        return config
+    if notes is not None:
+        notes.append(_heads_note(config, layout[0], mesh.shape["tensor"]))
+    return layout[0]
+
+
+def shard_model(config: Qwen2Config, params: Any, mesh: Mesh, notes: list[str]) -> tuple[Qwen2Config, Any]:
+    """(config, params) placed on `mesh` by the rules table; where the heads do not divide the
+    tensor axis but KV heads can be copied to fit (`head_layout`), the equivalent model with
+    copied KV heads and padded query heads is built on the devices, and a note says so."""
+    layout = head_layout(config, mesh.shape["tensor"])
+    if layout is None:
+        return config, place_params(params, param_shardings(config, mesh, notes))
+    new, src, r = layout
+    notes.append(_heads_note(config, new, mesh.shape["tensor"]))
+    shards = param_shardings(new, mesh, notes)
+    return new, jax.jit(lambda p: expand_heads(p, src, r), out_shardings=shards)(params)
