@@ -193,7 +193,30 @@ def _inproc(engine, prompts: list[list[int]], max_new: int, concurrency: int):
 
 
 def _over_http(url: str, model: str, prompts: list[list[int]], max_new: int, concurrency: int):
-    """The same requests through the server with the openai client, `concurrency` client threads."""
+    """The same requests through the server with the openai client, `concurrency` client threads,
+    from a separate process (as clients are: in this one they would share the server's GIL)."""
+    import subprocess
+    import sys
+
+    job = json.dumps(dict(url=url, model=model, prompts=prompts, max_new=max_new, concurrency=concurrency))
+    proc = subprocess.run([sys.executable, "-c", "from sprint_jax.bench.serve import _client_main; _client_main()"],
+                          input=job, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the HTTP client process failed: {proc.stderr.strip()[-2000:]}")
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    return r["wall"], r["lat"], r["texts"]
+
+
+def _client_main() -> None:
+    """The client process of `_over_http`: a job on stdin, the result as one JSON line."""
+    import sys
+
+    job = json.loads(sys.stdin.read())
+    wall, lat, texts = _clients(job["url"], job["model"], job["prompts"], job["max_new"], job["concurrency"])
+    print(json.dumps(dict(wall=wall, lat=lat, texts=texts)))
+
+
+def _clients(url: str, model: str, prompts: list[list[int]], max_new: int, concurrency: int):
     import threading
 
     import openai
@@ -204,8 +227,12 @@ def _over_http(url: str, model: str, prompts: list[list[int]], max_new: int, con
     nxt = iter(range(len(prompts)))
     lock = threading.Lock()
 
-    def client_thread():
-        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+    clients = [openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+               for _ in range(concurrency)]
+    for c in clients:                                 # connect (not timed)
+        c.models.list()
+
+    def client_thread(c):
         while True:
             with lock:
                 i = next(nxt, None)
@@ -222,7 +249,7 @@ def _over_http(url: str, model: str, prompts: list[list[int]], max_new: int, con
         c.close()
 
     t_start = time.perf_counter()
-    threads = [threading.Thread(target=client_thread) for _ in range(concurrency)]
+    threads = [threading.Thread(target=client_thread, args=(c,)) for c in clients]
     for t in threads:
         t.start()
     for t in threads:
@@ -258,9 +285,12 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = dict(model=name, backend=jax.default_backend(), requests=n, prompt_len=args.prompt_len,
                                max_tokens=args.max_tokens, rows=[])
     try:
-        for c in conc:                                # compile every shape on both paths
-            _inproc(local, prompts[: 2 * c], args.max_tokens, c)
-            _over_http(server.url, name, prompts[: 2 * c], args.max_tokens, c)
+        # compile every shape on both paths: HTTP requests arrive staggered, so their batches take
+        # more shapes than the in-process ones (every row count bucket up to the concurrency)
+        for c in conc:
+            for _ in range(2):
+                _inproc(local, prompts, args.max_tokens, c)
+                _over_http(server.url, name, prompts, args.max_tokens, c)
         load_before = os.getloadavg()
         for c in conc:
             runs: dict[str, list] = {"inproc": [], "http": []}
