@@ -204,6 +204,7 @@ BAD = [
     (dict(model=NAME, prompt="", max_tokens=4), 400, "prompt is empty"),
     (dict(model=NAME, prompt="hi", stop=["a", "b", "c", "d", "e"]), 400, "stop must be"),
     (dict(model=NAME, prompt="hi", logprobs=2), 400, "logprobs is not supported"),
+    (dict(model=NAME, prompt="caf\u00e9", max_tokens=2), 400, "prompt: the tokenizer cannot encode it"),
     (dict(model=NAME, prompt="hi", extra_body={"top_k": -1}), 400, "top_k must be >= 0"),
     (dict(model=NAME, prompt="hi", extra_body={"seed": "x"}), 400, "seed must be an integer"),
     (dict(model=NAME, prompt="hi", extra_body={"sprint": {"max_stages": 0}}), 400, "max_stages must be"),
@@ -415,3 +416,17 @@ def test_cli_serves_a_checkpoint_until_terminated(hf_untied, tmp_path):
         rest = proc.communicate(timeout=60)[0]
     # uvicorn shuts down gracefully, then re-raises the signal it caught
     assert proc.returncode in (0, -signal.SIGTERM) and "Finished server process" in rest, rest
+
+
+@pytest.mark.slow
+def test_bench_serve_http_runs_the_same_work_on_both_paths(tmp_path):
+    """`sprint-jax bench serve --http` end to end, tiny settings: it checks itself that the server
+    and the in-process engine return the same texts, and writes its rows."""
+    from sprint_jax.cli import main
+
+    out = tmp_path / "b.json"
+    assert main(["bench", "serve", "--http", "--problems", "3", "--repeats", "1", "--concurrency", "1,2",
+                 "--max-tokens", "4", "--prompt-len", "8", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    assert all(r["http"]["p50_ms"] > 0 and r["inproc"]["p50_ms"] > 0 for r in rows)

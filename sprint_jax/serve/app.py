@@ -138,7 +138,7 @@ def _prompt(body: dict, state: ServeState) -> tuple[str | None, list[int]]:
     if isinstance(p, str):
         if not p:
             raise APIError(400, "prompt is empty", "prompt")
-        return p, state.engine.encode(p)
+        return p, _encode(state, p, "prompt")
     if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         vocab = state.engine.config.vocab_size
         if not all(0 <= t < vocab for t in p):
@@ -494,11 +494,16 @@ def make_app(state: ServeState) -> Starlette:
     async def bad_method(request: Request, exc) -> Response:
         return APIError(405, f"{request.method} is not allowed on {request.url.path}").response()
 
+    async def internal(request: Request, exc) -> Response:
+        worker.observe(500, None)
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+
     routes = [Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"])]
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: bad_method})
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: bad_method,
+                                                                Exception: internal})
 
 
 def _sprint_finish(rec) -> str:
