@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("sprint_jax.train.cli", "sharded SFT (SPRINT or RFT) from a config"),
     "infer": ("sprint_jax.infer.infer_cli", "run the SPRINT orchestrator on one query and show the stages live"),
     "eval": ("sprint_jax.eval.cli", "evaluate a model on math500 / countdown / a jsonl file; `eval compare A B`"),
+    "serve": ("sprint_jax.serve.cli", "an OpenAI-compatible server (completions, chat, streaming) with a SPRINT mode"),
     "bench": ("sprint_jax.bench.cli", "benchmarks: decode, kernels, train, train-memory"),
 }
 

@@ -13,6 +13,7 @@ DESCRIPTION = """Benchmarks (each prints a table and writes JSON with --out):
   sprint-jax bench kernels        Pallas shared-prefix attention vs the XLA shared path vs copy-fork
   sprint-jax bench serve          many SPRINT runs at once on the batched engine; decode cost vs capacity
   sprint-jax bench serve-memory   per-device weights + KV cache of the batched decode step on a mesh
+  sprint-jax bench serve --http   the OpenAI-compatible server's per-request overhead vs in-process
   sprint-jax bench train          train step tokens/s vs an HF PyTorch step (MFU on GPU/TPU)
   sprint-jax bench train-memory   per-device memory of the 7B train step on a fake 8-device mesh
 

@@ -17,6 +17,11 @@ Rows, all measured in one run:
                single-run engine (attends over its capacity). The sequence is prefilled once;
                each timed call decodes N tokens and rolls back (truncate), and
                step_ms = (wall(8 chunks) - wall(1 chunk)) / (7 chunks) cancels per-call set-up.
+  --http       (issue 16) instead: the same plain requests (--prompt-len ids -> --max-tokens,
+               greedy) through `sprint-jax serve` with the openai client at each --concurrency
+               (default 1,8) vs in-process on an identical BatchEngine; per-request p50 latency,
+               the HTTP overhead (target: < 10% of the in-process latency on the demo-sized
+               model), requests/s, and the load average. Both paths must return the same texts.
 Every point runs once untimed first (compiles every shape it meets), then --repeats times interleaved; the best is
 reported and every sample is kept in the JSON.
 
@@ -26,6 +31,7 @@ used length 256: capacity 8192 <= 1.2x capacity 512.
 Run:
     sprint-jax bench serve --quick --out bench_serve.json     # CPU, a few minutes
     sprint-jax bench serve --preset r1-distill-qwen-7b        # accelerator, random weights
+    sprint-jax bench serve --http --problems 24 --repeats 2   # HTTP vs in-process, a minute
 """
 from __future__ import annotations
 
@@ -55,10 +61,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-chunk", type=int, default=16, help="decode steps per host round trip")
     parser.add_argument("--no-single", action="store_true", help="skip the single-run Engine rows")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+    h = parser.add_argument_group("--http: the same plain requests through `sprint-jax serve` vs in-process")
+    h.add_argument("--http", action="store_true",
+                   help="measure the HTTP server's per-request overhead instead (model: the demo's size "
+                        "unless --preset)")
+    h.add_argument("--max-tokens", type=int, default=32, help="--http: tokens generated per request")
 
 
 DEMO_NAME = "demo-size"   # the demo's model shape (sprint_jax.demo.DemoModel), vocabulary 512
-
 
 def _model(preset: str | None, seed: int):
     import dataclasses
@@ -144,8 +154,192 @@ def run_single(engine, prompts: list[list[int]], s: dict) -> int:
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:
-    serve_bench(args)
+    if args.http:
+        http_bench(args)
+    else:
+        serve_bench(args)
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# --http: the OpenAI-compatible server vs the same engine in-process (issue 16)
+# ---------------------------------------------------------------------------------------------
+def _demo_model(seed: int):
+    """Random weights in the shape of the demo's model (configs/demo.yaml `model`)."""
+    import jax
+    import yaml
+
+    from sprint_jax.bench.decode import BENCH_TINY, synthetic_tokenizer
+    from sprint_jax.config import CONFIG_DIR
+    from sprint_jax.model import Qwen2, Qwen2Config, init_params
+
+    dims = yaml.safe_load((CONFIG_DIR / "demo.yaml").read_text())["model"]
+    config = Qwen2Config(**{**BENCH_TINY, **dims}, param_dtype="float32", dtype="float32")
+    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(seed))
+    return Qwen2(config, params=params), synthetic_tokenizer(config.vocab_size), "demo-size"
+
+
+def _inproc(engine, prompts: list[list[int]], max_new: int, concurrency: int):
+    """Plain requests (open -> generate -> close) on a BatchEngine in this thread, `concurrency` in
+    flight; per-request latency from submission to its result. Returns (wall, latencies, texts)."""
+    todo = list(range(len(prompts)))[::-1]
+    live: dict[int, dict] = {}
+    lat: list[float] = [0.0] * len(prompts)
+    texts: list[str] = [""] * len(prompts)
+    t_start = time.perf_counter()
+    while todo or live:
+        while todo and len(live) < concurrency:
+            i = todo.pop()
+            live[i] = dict(op=engine.open(prompts[i]), t=time.perf_counter())
+        engine.step()
+        for i in list(live):
+            st = live[i]
+            if not st["op"].done:
+                continue
+            if st["op"].kind == "open":
+                st["op"] = engine.generate(st["op"].result, max_new)
+                continue
+            lat[i] = time.perf_counter() - st["t"]
+            texts[i] = st["op"].result.text
+            engine.close(st["op"].seq)
+            del live[i]
+    return time.perf_counter() - t_start, lat, texts
+
+
+def _over_http(url: str, model: str, prompts: list[list[int]], max_new: int, concurrency: int):
+    """The same requests through the server with the openai client, `concurrency` client threads,
+    from a separate process (as clients are: in this one they would share the server's GIL)."""
+    import subprocess
+    import sys
+
+    job = json.dumps(dict(url=url, model=model, prompts=prompts, max_new=max_new, concurrency=concurrency))
+    proc = subprocess.run([sys.executable, "-c", "from sprint_jax.bench.serve import _client_main; _client_main()"],
+                          input=job, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the HTTP client process failed: {proc.stderr.strip()[-2000:]}")
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    return r["wall"], r["lat"], r["texts"]
+
+
+def _client_main() -> None:
+    """The client process of `_over_http`: a job on stdin, the result as one JSON line."""
+    import sys
+
+    job = json.loads(sys.stdin.read())
+    wall, lat, texts = _clients(job["url"], job["model"], job["prompts"], job["max_new"], job["concurrency"])
+    print(json.dumps(dict(wall=wall, lat=lat, texts=texts)))
+
+
+def _clients(url: str, model: str, prompts: list[list[int]], max_new: int, concurrency: int):
+    import threading
+
+    import openai
+
+    lat: list[float] = [0.0] * len(prompts)
+    texts: list[str] = [""] * len(prompts)
+    errors: list[str] = []
+    nxt = iter(range(len(prompts)))
+    lock = threading.Lock()
+
+    clients = [openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+               for _ in range(concurrency)]
+    for c in clients:                                 # connect (not timed)
+        c.models.list()
+
+    def client_thread(c):
+        while True:
+            with lock:
+                i = next(nxt, None)
+            if i is None:
+                break
+            t = time.perf_counter()
+            try:
+                r = c.completions.create(model=model, prompt=prompts[i], max_tokens=max_new, temperature=0)
+            except openai.OpenAIError as e:
+                errors.append(f"{type(e).__name__}: {e}")
+                continue
+            lat[i] = time.perf_counter() - t
+            texts[i] = r.choices[0].text
+        c.close()
+
+    t_start = time.perf_counter()
+    threads = [threading.Thread(target=client_thread, args=(c,)) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} HTTP request(s) failed, e.g. {errors[0]}")
+    return time.perf_counter() - t_start, lat, texts
+
+
+def http_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Per concurrency: p50 / mean request latency and requests/s in-process and over HTTP, and
+    the overhead HTTP adds per request (target: p50 < 10% of the in-process p50)."""
+    import os
+
+    import jax
+
+    from sprint_jax.errors import UserError
+    from sprint_jax.infer.batch import BatchEngine
+    from sprint_jax.serve import Server
+
+    conc = [int(x) for x in (args.concurrency or "1,8").split(",")]
+    n = args.problems or (16 if args.quick else 32)
+    if min(conc) < 1 or n < 1 or args.repeats < 1 or args.max_tokens < 1:
+        raise UserError("--concurrency, --problems, --repeats and --max-tokens must be >= 1")
+    model, tok, name = _model(args.preset, args.seed) if args.preset else _demo_model(args.seed)
+    s = dict(prompt_len=args.prompt_len)
+    prompts = _problems(n, s, model.config.vocab_size, args.seed)
+    caps = dict(max_seqs=max(conc), max_children=1, max_seq_len=args.prompt_len + args.max_tokens + 8,
+                max_branch_tokens=8, decode_chunk=args.decode_chunk, prefill_chunk=128, eos_token_ids=[])
+    local = BatchEngine(model, tok, **caps)
+    served = BatchEngine(model, tok, **caps)          # its own cache; the jitted steps are shared
+    server = Server(served, name).start()
+    out: dict[str, Any] = dict(model=name, backend=jax.default_backend(), requests=n, prompt_len=args.prompt_len,
+                               max_tokens=args.max_tokens, rows=[])
+    try:
+        # compile every shape on both paths: HTTP requests arrive staggered, so their batches take
+        # more shapes than the in-process ones (every row count bucket up to the concurrency)
+        for c in conc:
+            for _ in range(2):
+                _inproc(local, prompts, args.max_tokens, c)
+                _over_http(server.url, name, prompts, args.max_tokens, c)
+        load_before = os.getloadavg()
+        for c in conc:
+            runs: dict[str, list] = {"inproc": [], "http": []}
+            for _ in range(args.repeats):
+                runs["inproc"].append(_inproc(local, prompts, args.max_tokens, c))
+                runs["http"].append(_over_http(server.url, name, prompts, args.max_tokens, c))
+            if runs["http"][0][2] != runs["inproc"][0][2]:
+                raise RuntimeError("the server's texts differ from the in-process engine's: not the same work")
+            row: dict[str, Any] = dict(concurrency=c)
+            for path, rs in runs.items():
+                lat = np.concatenate([np.array(r[1]) for r in rs])
+                row[path] = dict(p50_ms=1000 * float(np.median(lat)), mean_ms=1000 * float(lat.mean()),
+                                 p99_ms=1000 * float(np.percentile(lat, 99)),
+                                 requests_per_s=n / min(r[0] for r in rs), walls_s=[r[0] for r in rs])
+            row["overhead_ms_p50"] = row["http"]["p50_ms"] - row["inproc"]["p50_ms"]
+            row["overhead_pct_p50"] = 100 * row["overhead_ms_p50"] / row["inproc"]["p50_ms"]
+            out["rows"].append(row)
+        out["loadavg"] = dict(before=load_before, after=os.getloadavg())
+    finally:
+        server.stop()
+    print(f"model {name} on {out['backend']}; {n} requests of {args.prompt_len} prompt tokens -> "
+          f"{args.max_tokens} tokens, greedy; load average {out['loadavg']['before'][0]:.1f} -> "
+          f"{out['loadavg']['after'][0]:.1f}")
+    print(f"{'conc':>5}{'inproc p50 ms':>15}{'http p50 ms':>13}{'overhead ms':>13}{'overhead %':>12}"
+          f"{'inproc req/s':>14}{'http req/s':>12}")
+    for r in out["rows"]:
+        print(f"{r['concurrency']:>5}{r['inproc']['p50_ms']:>15.1f}{r['http']['p50_ms']:>13.1f}"
+              f"{r['overhead_ms_p50']:>13.2f}{r['overhead_pct_p50']:>12.1f}{r['inproc']['requests_per_s']:>14.1f}"
+              f"{r['http']['requests_per_s']:>12.1f}")
+    print("target (issue 16): HTTP overhead per request < 10% of the in-process latency")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+        print(f"written: {args.out}")
+    return out
 
 
 def serve_bench(args: argparse.Namespace) -> dict[str, Any]:

@@ -476,7 +476,42 @@ class BatchEngine:
             self._free.sort()
             seq.slot = None
 
+    def abort(self, seq: Seq) -> None:
+        """Drop whatever operation the sequence has in flight (a queued open, a prefill, its
+        decoding rows) and free its slot at once: a server's client went away. The op ends with
+        `done` set and `result` None; the sequence is closed."""
+        op = seq.op
+        if op is not None:
+            self._waiting = deque(o for o in self._waiting if o is not op)
+            self._prefill_work.pop(seq.id, None)
+            self._prefill = [s for s in self._prefill if s is not seq]
+            self._finish(op, None)
+        self.close(seq)
+
+    def progress(self, op: Op) -> list[list[int]]:
+        """Tokens generated so far by a generate (one list) or fork (one per child) op, for
+        streaming; a finished row's tokens are final (cut at its stop)."""
+        if op.kind not in ("generate", "fork"):
+            return []
+        if op.done:
+            return [op.result.tokens] if op.kind == "generate" else [g.tokens for g in op.result]
+        rows = self._groups.get(op.seq.slot, [])
+        if op.kind == "generate":
+            return [list(rows[0].gen) if rows and rows[0] is not None else []]
+        return [list(g.tokens) if g is not None else (list(rows[1 + j].gen) if rows and rows[1 + j] is not None else [])
+                for j, g in enumerate(op.result)]
+
     # ---- state ----------------------------------------------------------------------------
+    @property
+    def live_rows(self) -> int:
+        """Rows decoding or waiting to decode (parents of generate ops and fork children)."""
+        return sum(r is not None for rows in self._groups.values() for r in rows)
+
+    @property
+    def waiting(self) -> int:
+        """Opens queued for a free slot."""
+        return len(self._waiting)
+
     @property
     def busy(self) -> bool:
         return bool(self._waiting or self._prefill or any(
@@ -494,7 +529,10 @@ class BatchEngine:
         ids = list(self.eos_token_ids)
         for s in stops:
             if s not in self._single_token:
-                t = self.encode(s)
+                try:
+                    t = self.encode(s)
+                except ValueError:        # the tokenizer cannot write it: not one token (host scan only)
+                    t = []
                 self._single_token[s] = t[0] if len(t) == 1 and self.decode_text(t) == s else None
             if self._single_token[s] is not None and len(ids) < STOP_WIDTH:
                 ids.append(self._single_token[s])

@@ -1,0 +1,78 @@
+"""One process: uvicorn serving the starlette app on one thread, the engine thread stepping the
+BatchEngine. `Server.start()` returns once the socket listens (port 0 picks a free port)."""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+
+class Server:
+    def __init__(self, engine, model_name: str, sprint_config=None, host: str = "127.0.0.1", port: int = 0,
+                 max_queue: int = 64, default_max_tokens: int = 256, log_level: str = "warning",
+                 switch_interval_s: float | None = 0.0005):
+        import uvicorn
+
+        from sprint_jax.infer.orchestrator import OrchestratorConfig
+        from sprint_jax.serve.app import ServeState, make_app
+        from sprint_jax.serve.worker import EngineWorker
+
+        self.worker = EngineWorker(engine, max_queue=max_queue)
+        self.state = ServeState(self.worker, model_name, sprint_config or OrchestratorConfig(),
+                                default_max_tokens=default_max_tokens)
+        self.app = make_app(self.state)
+        self.host = host
+        self._uv = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
+                                                 access_log=False, timeout_graceful_shutdown=2))
+        self._thread: threading.Thread | None = None
+        self.port = port
+        # The engine thread and the HTTP thread hand work to each other many times per request;
+        # Python's default GIL switch interval (5 ms) would add up to that per hand-off. Set for
+        # the process while the server runs (restored by stop()); None leaves it alone.
+        self._switch = switch_interval_s
+        self._old_switch = sys.getswitchinterval()
+
+    def _set_switch(self) -> None:
+        if self._switch is not None:
+            sys.setswitchinterval(self._switch)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> "Server":
+        self._set_switch()
+        self.worker.start()
+        self._thread = threading.Thread(target=self._uv.run, name="sprint-jax-http", daemon=True)
+        self._thread.start()
+        t_end = time.monotonic() + timeout
+        while not self._uv.started:
+            if not self._thread.is_alive() or time.monotonic() > t_end:
+                self.worker.stop()
+                raise OSError(f"the HTTP server did not start on {self.host}:{self.port}")
+            time.sleep(0.02)
+        self.port = self._uv.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def serve_forever(self) -> None:
+        """Run in the calling thread until interrupted (uvicorn handles SIGINT / SIGTERM)."""
+        self._set_switch()
+        self.worker.start()
+        try:
+            self._uv.run()
+        finally:
+            self.worker.stop()
+
+    def stop(self) -> None:
+        self._uv.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10)
+        self.worker.stop()
+        if self._switch is not None:
+            sys.setswitchinterval(self._old_switch)
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

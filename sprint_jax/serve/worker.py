@@ -1,0 +1,282 @@
+"""The engine thread: one thread owns the BatchEngine and steps it; requests arrive through a
+thread-safe queue and their tokens / events / results leave through per-request channels that
+hand items to the HTTP side's asyncio loop (`loop.call_soon_threadsafe`).
+
+A job is one request:
+  plain   open(prompt) -> generate (n = 1) or fork of n empty prefixes (n > 1: the n children
+          share the prompt's one prefill) -> close. Streaming jobs get their new tokens after
+          every engine step (`BatchEngine.progress`).
+  sprint  the orchestrator's generator (`Orchestrator.steps`), driven here exactly as
+          `orchestrator.run_many` drives it, so SPRINT runs and plain requests share every engine
+          step; its stage events are forwarded as they happen.
+A job whose client went away is cancelled: `BatchEngine.abort` drops its rows and frees its slot.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from sprint_jax.infer.engine import EngineError
+from sprint_jax.infer.sampling import Sampling
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Channel:
+    """Engine thread -> one request handler. Items: ("tokens", [[ids] per choice]) (streaming),
+    ("event", Event) (SPRINT streaming), ("done", result), ("error", message)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:        # the loop is closed: nobody listens any more
+            pass
+
+    async def get(self):
+        return await self.queue.get()
+
+
+@dataclasses.dataclass
+class Job:
+    kind: str                               # plain | sprint
+    channel: Channel
+    prompt: list[int] = dataclasses.field(default_factory=list)     # plain
+    n: int = 1
+    max_tokens: int = 16
+    stop: list[str] = dataclasses.field(default_factory=list)
+    sampling: Sampling = dataclasses.field(default_factory=Sampling)
+    stream: bool = False
+    query: str = ""                         # sprint
+    mode: str = "parallel"
+    config: Any = None                      # sprint: OrchestratorConfig
+    # engine-thread state
+    op: Any = None
+    seq: Any = None
+    steps: Any = None
+    sent: list[int] = dataclasses.field(default_factory=list)      # streamed tokens per choice
+    t0: float = 0.0
+    cancelled: bool = False
+    finished: bool = False
+
+
+class EngineWorker:
+    """Owns `engine` (a BatchEngine) on its own thread. `submit(job)` and `cancel(job)` may be
+    called from any thread; everything else about the engine happens on the worker thread."""
+
+    def __init__(self, engine, max_queue: int = 64):
+        self.engine = engine
+        self.max_queue = max_queue
+        self._inbox: queue.Queue = queue.Queue()
+        self._jobs: list[Job] = []
+        self._lock = threading.Lock()
+        self._pending = 0                    # submitted, not finished (read by the HTTP side)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="sprint-jax-engine", daemon=True)
+        self.error: str | None = None        # set if the engine thread died
+        self._tok_window: deque[tuple[float, int]] = deque()
+        self.metrics = dict(queue_depth=0, active_rows=0, slots_used=0, slots_total=engine.max_seqs,
+                            running_jobs=0, tokens_total=0, tokens_per_s=0.0, steps=0, cancelled=0)
+        self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.latency_sum = 0.0
+        self.requests: dict[str, int] = {}   # status code -> count
+
+    # ---- any thread ---------------------------------------------------------------------------
+    def start(self) -> "EngineWorker":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def capacity(self) -> int:
+        """Requests held at once (running + queued) before new ones get 429."""
+        return self.engine.max_seqs + self.max_queue
+
+    def try_submit(self, job: Job) -> bool:
+        """Queue the job unless the server already holds `capacity` requests."""
+        with self._lock:
+            if self._pending >= self.capacity:
+                return False
+            self._pending += 1
+        job.t0 = time.perf_counter()
+        self._inbox.put(("submit", job))
+        return True
+
+    def cancel(self, job: Job) -> None:
+        self._inbox.put(("cancel", job))
+
+    def observe(self, status: int, seconds: float | None) -> None:
+        """Count a finished HTTP request (its status) and, for a served one, its latency."""
+        with self._lock:
+            self.requests[str(status)] = self.requests.get(str(status), 0) + 1
+            if seconds is not None:
+                i = next((k for k, b in enumerate(LATENCY_BUCKETS) if seconds <= b), len(LATENCY_BUCKETS))
+                self.latency_counts[i] += 1
+                self.latency_sum += seconds
+
+    # ---- the engine thread --------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                idle = not self._jobs
+                try:
+                    item = self._inbox.get(timeout=0.1) if idle else self._inbox.get_nowait()
+                except queue.Empty:
+                    item = None
+                while item is not None:
+                    self._handle(item)
+                    try:
+                        item = self._inbox.get_nowait()
+                    except queue.Empty:
+                        item = None
+                if self._jobs:
+                    moved = self.engine.step()
+                    for job in list(self._jobs):
+                        self._poll(job)
+                    if not moved and self._jobs and not any(j.op is not None and j.op.done for j in self._jobs):
+                        time.sleep(0.005)
+                self._update_metrics()
+        except Exception as e:          # the engine failed: every open request learns why
+            self.error = f"engine thread stopped: {type(e).__name__}: {e}"
+            for job in self._jobs:
+                job.channel.put(("error", self.error))
+            raise
+
+    def _handle(self, item) -> None:
+        if item is None:
+            return
+        what, job = item
+        if what == "submit":
+            self._jobs.append(job)
+            try:
+                if job.kind == "plain":
+                    job.op = self.engine.open(job.prompt)
+                    job.seq = job.op.seq
+                    job.sent = [0] * job.n
+                else:
+                    from sprint_jax.infer.orchestrator import Orchestrator
+                    job.steps = Orchestrator(self.engine, job.config,
+                                             on_event=lambda ev, job=job: self._event(job, ev)).steps(job.query, job.mode)
+                    self._advance(job)
+            except (EngineError, ValueError) as e:
+                self._end(job, ("error", str(e)))
+        elif what == "cancel" and not job.finished:
+            job.cancelled = True
+            if job.seq is not None and not job.seq.closed:
+                self.engine.abort(job.seq)
+            if job.steps is not None:
+                job.steps.close()            # a SPRINT run: its generator ends here
+            self.metrics["cancelled"] += 1
+            self._end(job, None)
+
+    def _event(self, job: Job, ev) -> None:
+        if job.stream:
+            job.channel.put(("event", ev))
+
+    def _end(self, job: Job, item) -> None:
+        if job.finished:
+            return
+        job.finished = True
+        if job in self._jobs:
+            self._jobs.remove(job)
+        if job.seq is not None and not job.seq.closed and job.seq.op is None:
+            self.engine.close(job.seq)
+        with self._lock:
+            self._pending -= 1
+        if item is not None:
+            job.channel.put(item)
+
+    def _poll(self, job: Job) -> None:
+        if job.finished or job.op is None:
+            return
+        if job.kind == "sprint":
+            if job.op.done:
+                op, job.op = job.op, None
+                self._advance(job, op.result)
+            return
+        op = job.op
+        if op.kind in ("generate", "fork") and job.stream:
+            prog = self.engine.progress(op)
+            if any(len(t) > s for t, s in zip(prog, job.sent)):
+                job.channel.put(("tokens", prog))
+                job.sent = [len(t) for t in prog]
+        if not op.done:
+            return
+        if op.kind == "open":
+            try:
+                if job.n == 1:
+                    job.op = self.engine.generate(job.seq, job.max_tokens, job.stop, job.sampling)
+                else:
+                    job.op = self.engine.fork(job.seq, [[]] * job.n, job.max_tokens, job.stop, job.sampling)
+            except EngineError as e:
+                self._end(job, ("error", str(e)))
+            return
+        gens = [op.result] if op.kind == "generate" else list(op.result)
+        job.op = None
+        self._end(job, ("done", gens))
+
+    def _advance(self, job: Job, value=None, error=None) -> None:
+        """`orchestrator.run_many`'s advance for one run: answer calls until one has to wait."""
+        while True:
+            try:
+                call = job.steps.throw(error) if error is not None else job.steps.send(value)
+            except StopIteration as done:
+                self._end(job, ("done", done.value))
+                return
+            value, error = None, None
+            try:
+                if call.kind == "truncate":
+                    value = self.engine.truncate(call.state, call.n)
+                    continue
+                if call.kind == "prefill":
+                    op = self.engine.open(call.tokens)
+                    job.seq = op.seq
+                elif call.kind == "generate":
+                    op = self.engine.generate(call.state, call.limits[0], call.stops[0], call.sampling)
+                elif call.kind == "branches":
+                    op = self.engine.fork(call.state, call.prefixes, call.limits, call.stops, call.sampling)
+                elif call.kind == "extend":
+                    op = self.engine.extend(call.state, call.tokens)
+                else:
+                    raise ValueError(f"unknown engine call {call.kind!r}")
+            except EngineError as e:
+                error = e
+                continue
+            if op.done:
+                value = op.result
+                continue
+            job.op = op
+            return
+
+    def _update_metrics(self) -> None:
+        e = self.engine
+        now = time.perf_counter()
+        total = e.stats["tokens"]
+        self._tok_window.append((now, total))
+        while len(self._tok_window) > 2 and now - self._tok_window[0][0] > 10.0:
+            self._tok_window.popleft()
+        t_old, n_old = self._tok_window[0]
+        rate = (total - n_old) / (now - t_old) if now > t_old else 0.0
+        waiting_jobs = sum(1 for j in self._jobs if j.op is not None and j.op.kind == "open" and not j.op.done
+                           and j.seq is not None and j.seq.slot is None)
+        self.metrics = dict(queue_depth=waiting_jobs + self._inbox.qsize(), active_rows=e.live_rows,
+                            slots_used=e.max_seqs - e.free_slots, slots_total=e.max_seqs,
+                            running_jobs=len(self._jobs), tokens_total=total, tokens_per_s=rate,
+                            steps=e.stats["steps"], cancelled=self.metrics["cancelled"],
+                            prefill_calls=e.stats["prefill_calls"], decode_calls=e.stats["decode_calls"])

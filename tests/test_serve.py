@@ -1,0 +1,432 @@
+"""`sprint-jax serve` (issue 16): the real `openai` client against the server on 127.0.0.1, on the
+tiny real checkpoint. References: each request decoded alone on the single-run `Engine` (itself
+tested against HF generate), the orchestrator's single-run driver (what `sprint-jax infer` runs),
+the batched engine's counters (one prefill for n children), and the server's own metrics."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import urllib.error
+import urllib.request
+import numpy as np
+import openai
+import pytest
+
+from conftest import tiny_vocab_tokenizer
+from sprint_jax.infer import Engine, Sampling
+from sprint_jax.infer.batch import BatchEngine
+from sprint_jax.infer.orchestrator import Orchestrator, OrchestratorConfig
+from sprint_jax.model import from_pretrained
+from sprint_jax.serve import Server
+
+CAPS = dict(max_seq_len=1024, max_branch_tokens=48, decode_chunk=4, prefill_chunk=32, eos_token_ids=[])
+NAME = "tiny"
+SPRINT_CFG = OrchestratorConfig(max_planner_tokens=10, max_branch_tokens=16, max_total_tokens=14, max_prompts=4)
+TIMINGS = ("wall_s", "planner_s", "executors_s", "sync_s", "final_s", "branch_cache_bytes")
+
+
+@pytest.fixture(scope="module")
+def setup(hf_untied):
+    model = from_pretrained(hf_untied)
+    tok = tiny_vocab_tokenizer()
+    engine = BatchEngine(model, tok, max_seqs=4, max_children=4, **CAPS)
+    server = Server(engine, NAME, SPRINT_CFG).start()
+    alone = Engine(model, tok, max_branches=4, **CAPS)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    yield server, client, alone, tok
+    server.stop()
+
+
+def _http(server, path: str, data: bytes | None = None) -> tuple[int, bytes]:
+    """A raw request (what the openai client cannot send)."""
+    req = urllib.request.Request(server.url + path, data=data, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _metrics(server) -> dict:
+    return json.loads(_http(server, "/health")[1])
+
+
+def _idle(server, within: float = 5.0) -> dict:
+    """Wait until the engine holds nothing; the final /health."""
+    t_end = time.monotonic() + within
+    while True:
+        m = _metrics(server)
+        if m["slots_used"] == 0 and m["active_rows"] == 0 and m["running_jobs"] == 0 or time.monotonic() > t_end:
+            return m
+        time.sleep(0.05)
+
+
+def _alone_text(alone, tok, prompt: str, n_tokens: int, sampling=None) -> str:
+    return alone.generate(alone.prefill(tok.encode(prompt)), n_tokens, sampling=sampling).text
+
+
+def test_completions_and_chat_equal_the_request_decoded_alone(setup):
+    server, client, alone, tok = setup
+    models = {m.id for m in client.models.list().data}
+    assert models == {NAME, NAME + ":sprint"}
+    prompt = "What is 17 * 23?"
+    ref = _alone_text(alone, tok, prompt, 12)
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0)
+    assert r.choices[0].text == ref and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(tok.encode(prompt)), 12)
+    # a lone user message is the prompt as is (the documented default: this tokenizer has no template)
+    c = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=12,
+                                       temperature=0)
+    assert c.choices[0].message.content == ref and c.choices[0].message.role == "assistant"
+    assert c.usage.total_tokens == len(tok.encode(prompt)) + 12
+    # token-id prompts are accepted too
+    r2 = client.completions.create(model=NAME, prompt=tok.encode(prompt), max_tokens=12, temperature=0)
+    assert r2.choices[0].text == ref
+
+
+def test_n4_children_share_one_prefill_and_equal_the_branches_decoded_alone(setup):
+    server, client, alone, tok = setup
+    prompt = "Name four primes: "
+    _idle(server)
+    before = _metrics(server)
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=10, n=4, temperature=1.0, seed=5)
+    after = _metrics(server)
+    # one prompt shorter than prefill_chunk: exactly one prefill call for all four children
+    assert after["prefill_calls"] - before["prefill_calls"] == 1
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    ref = alone.decode_branches(alone.prefill(tok.encode(prompt)), [[]] * 4, 10,
+                                sampling=Sampling(temperature=1.0, seed=5))
+    assert [c.text for c in r.choices] == [g.text for g in ref]
+    assert len({c.text for c in r.choices}) > 1           # four samples, not one copied
+    assert r.usage.completion_tokens == 40
+
+
+def test_streaming_equals_the_whole_response_and_ends_with_usage(setup):
+    server, client, alone, tok = setup
+    prompt = "Count: 1, 2, 3"
+    whole = client.completions.create(model=NAME, prompt=prompt, max_tokens=20, n=2, temperature=0.7, seed=3)
+    parts, usage, finish = {0: "", 1: ""}, None, {}
+    for chunk in client.completions.create(model=NAME, prompt=prompt, max_tokens=20, n=2, temperature=0.7, seed=3,
+                                           stream=True):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            parts[ch.index] += ch.text
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    assert [parts[0], parts[1]] == [c.text for c in whole.choices]
+    assert finish == {0: "length", 1: "length"}
+    assert usage is not None and usage.completion_tokens == 40
+    text, chunks = "", 0
+    for chunk in client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=20, temperature=0, stream=True):
+        for ch in chunk.choices:
+            text += ch.delta.content or ""
+            chunks += 1
+    assert text == _alone_text(alone, tok, prompt, 20) and chunks > 2
+
+
+def test_stop_strings_cut_the_text_in_whole_and_streamed_responses(setup):
+    server, client, alone, tok = setup
+    prompt = "Say something: "
+    free = _alone_text(alone, tok, prompt, 24)
+    stop = free[9:11]
+    expect = free[: free.find(stop)]
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0, stop=[stop, "\u00a7never"])
+    assert r.choices[0].text == expect and r.choices[0].finish_reason == "stop"
+    streamed = "".join(ch.text for chunk in client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=24, temperature=0, stop=stop, stream=True) for ch in chunk.choices)
+    assert streamed == expect
+
+
+def test_seed_reproduces_samples(setup):
+    server, client, alone, tok = setup
+    kw = dict(model=NAME, prompt="Roll: ", max_tokens=16, temperature=1.0, top_p=0.9, extra_body={"top_k": 50})
+    a = client.completions.create(seed=7, **kw).choices[0].text
+    b = client.completions.create(seed=7, **kw).choices[0].text
+    c = client.completions.create(seed=8, **kw).choices[0].text
+    assert a == b != c
+    assert a == _alone_text(alone, tok, "Roll: ", 16, Sampling(temperature=1.0, top_p=0.9, top_k=50, seed=7))
+
+
+def _untimed(d):
+    if isinstance(d, dict):
+        return {k: _untimed(v) for k, v in d.items() if k not in TIMINGS}
+    if isinstance(d, list):
+        return [_untimed(v) for v in d]
+    return d
+
+
+def test_sprint_mode_gives_the_record_of_the_single_run_driver(setup):
+    server, client, alone, tok = setup
+    query = "abc xyz hg"
+    for mode in ("parallel", "sequential"):
+        ref = Orchestrator(alone, SPRINT_CFG).run(query, mode).to_json()
+        ref.pop("query")
+        if mode == "parallel":      # by the model id
+            r = client.chat.completions.create(model=NAME + ":sprint", messages=[{"role": "user", "content": query}],
+                                               temperature=0)
+        else:                       # by extra_body, on the plain id
+            r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": query}],
+                                               extra_body={"sprint": {"mode": mode}})
+        got = r.model_extra["sprint"]
+        assert _untimed(got) == _untimed(ref), mode
+        assert r.choices[0].message.content == ref["text"]
+        assert r.usage.completion_tokens == ref["total_tokens"] > 0
+        assert got["sequential_tokens"] == ref["sequential_tokens"] and "wall_s" in got
+    # streaming: the stage events as they happen, then the record, then usage
+    kinds, record, usage = [], None, None
+    for chunk in client.chat.completions.create(model=NAME + ":sprint", messages=[{"role": "user", "content": query}],
+                                                temperature=0, stream=True):
+        extra = chunk.model_extra or {}
+        if "sprint_event" in extra:
+            kinds.append(extra["sprint_event"]["kind"])
+        if "sprint" in extra:
+            record = extra["sprint"]
+        if chunk.usage is not None:
+            usage = chunk.usage
+    ref = Orchestrator(alone, SPRINT_CFG).run(query, "parallel").to_json()
+    assert kinds[0] == "start" and kinds[-1] == "end" and record is not None
+    assert _untimed(record) == _untimed({k: v for k, v in ref.items() if k != "query"})
+    assert usage.completion_tokens == ref["total_tokens"]
+
+
+BAD = [
+    (dict(model="nope", prompt="hi"), 404, "does not exist"),
+    (dict(model=NAME, prompt="hi", max_tokens=0), 400, "max_tokens must be >= 1"),
+    (dict(model=NAME, prompt="hi", max_tokens=1100), 400, "maximum context length is 1024"),
+    (dict(model=NAME, prompt="hi", temperature=3), 400, "temperature must be in"),
+    (dict(model=NAME, prompt="hi", top_p=0), 400, "top_p must be in"),
+    (dict(model=NAME, prompt="hi", n=9), 400, "n must be between 1 and 4"),
+    (dict(model=NAME, prompt="hi", n=2, max_tokens=60), 400, "with n > 1"),
+    (dict(model=NAME, prompt="", max_tokens=4), 400, "prompt is empty"),
+    (dict(model=NAME, prompt="hi", stop=["a", "b", "c", "d", "e"]), 400, "stop must be"),
+    (dict(model=NAME, prompt="hi", logprobs=2), 400, "logprobs is not supported"),
+    (dict(model=NAME, prompt="caf\u00e9", max_tokens=2), 400, "prompt: the tokenizer cannot encode it"),
+    (dict(model=NAME, prompt="hi", extra_body={"top_k": -1}), 400, "top_k must be >= 0"),
+    (dict(model=NAME, prompt="hi", extra_body={"seed": "x"}), 400, "seed must be an integer"),
+    (dict(model=NAME, prompt="hi", extra_body={"sprint": {"max_stages": 0}}), 400, "max_stages must be"),
+    (dict(model=NAME, prompt="hi", extra_body={"sprint": {"bogus": 1}}), 400, "sprint.bogus"),
+    (dict(model=NAME + ":sprint", prompt="hi", n=2), 400, "n must be 1 in SPRINT mode"),
+]
+
+
+def test_bad_inputs_get_their_status_and_message_and_the_server_keeps_serving(setup):
+    server, client, alone, tok = setup
+    for kw, status, message in BAD:
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(**kw)
+        assert e.value.status_code == status, kw
+        assert message in e.value.message, (kw, e.value.message)
+        assert e.value.body["type"] in ("invalid_request_error",), kw
+        assert client.completions.create(model=NAME, prompt="ok", max_tokens=2, temperature=0).choices[0].text
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(model=NAME, messages=[{"role": "robot", "content": "x"}])
+    assert e.value.status_code == 400 and "messages[0].role" in e.value.message
+    status, raw = _http(server, "/v1/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in json.loads(raw)["error"]["message"]
+    # a full queue: 429 with Retry-After, then served again once there is room
+    worker = server.worker
+    worker.max_queue = 0
+    try:
+        streams = [client.completions.create(model=NAME, prompt="hold", max_tokens=150, temperature=0, stream=True)
+                   for _ in range(4)]
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(model=NAME, prompt="hi", max_tokens=2)
+        assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
+        for s in streams:
+            s.close()
+    finally:
+        worker.max_queue = 64
+    _idle(server)
+    assert client.completions.create(model=NAME, prompt="ok", max_tokens=2, temperature=0).usage.completion_tokens == 2
+    text = _http(server, "/metrics")[1].decode()
+    for name in ("queue_depth", "active_rows", "slots_used", "tokens_per_second",
+                 "request_latency_seconds_bucket", 'requests_total{status="429"}', 'requests_total{status="404"}'):
+        assert "sprint_serve_" + name in text, name
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_slots_within_a_second(setup):
+    server, client, alone, tok = setup
+    # the same request whole first: every shape it needs is compiled (a cancel waits for the engine
+    # step in flight, and a first-time compile is seconds)
+    client.completions.create(model=NAME, prompt="Go on:", max_tokens=180, temperature=0)
+    _idle(server)
+    cancelled = _metrics(server)["cancelled"]
+    stream = client.completions.create(model=NAME, prompt="Go on:", max_tokens=180, n=1, temperature=0, stream=True)
+    got = 0
+    for chunk in stream:
+        got += sum(len(c.text) for c in chunk.choices)
+        if got:
+            break
+    assert _metrics(server)["slots_used"] == 1
+    stream.close()
+    t0 = time.monotonic()
+    m = _idle(server, within=1.0)
+    assert time.monotonic() - t0 <= 1.0 + 0.2
+    assert m["slots_used"] == 0 and m["active_rows"] == 0 and m["running_jobs"] == 0
+    assert m["cancelled"] == cancelled + 1
+    # a fork (n = 4) leaves too: its children's rows go
+    stream = client.completions.create(model=NAME, prompt="More:", max_tokens=40, n=4, temperature=1, stream=True)
+    next(iter(stream))
+    stream.close()
+    m = _idle(server, within=1.0)
+    assert m["slots_used"] == 0 and m["active_rows"] == 0
+
+
+def test_load_64_concurrent_clients(setup):
+    server, client, alone, tok = setup
+    _idle(server)
+    rng = np.random.default_rng(0)
+    prompts = ["".join(rng.choice(list("abcdefgh 0123456789"), int(k))) for k in rng.integers(4, 40, 64)]
+    latencies, errors = [], []
+    lock = threading.Lock()
+
+    def one_client(i):
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        for k in range(2):
+            t = time.perf_counter()
+            try:
+                if k == 0:
+                    r = c.completions.create(model=NAME, prompt=prompts[i], max_tokens=8, temperature=0)
+                    ok = r.usage.completion_tokens == 8
+                else:
+                    r = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompts[i]}],
+                                                  max_tokens=6, temperature=0.5, seed=i)
+                    ok = r.usage.completion_tokens == 6
+                if not ok:
+                    raise AssertionError(f"client {i}: wrong usage {r.usage}")
+            except Exception as e:                      # noqa: BLE001  (every failure is reported)
+                with lock:
+                    errors.append(f"{i}/{k}: {type(e).__name__}: {e}")
+                continue
+            with lock:
+                latencies.append(time.perf_counter() - t)
+        c.close()
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one_client, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    wall = time.perf_counter() - t0
+    assert not errors, errors[:5]
+    assert len(latencies) == 128
+    m = _idle(server)
+    assert m["slots_used"] == 0 and m["active_rows"] == 0 and m["running_jobs"] == 0 and m["queue_depth"] == 0
+    assert server.worker._pending == 0
+    lat = np.sort(latencies)
+    print(f"\nload: 64 clients x 2 requests: {len(lat) / wall:.1f} req/s, {128 * 7 / wall:.0f} tokens/s, "
+          f"p50 {1000 * np.percentile(lat, 50):.0f} ms, p99 {1000 * np.percentile(lat, 99):.0f} ms, wall {wall:.1f} s")
+
+
+def test_curate_with_our_server_as_teacher_completes_and_resumes_from_its_store(setup, tmp_path):
+    from sprint_jax.cli import main
+    from sprint_jax.config import CONFIG_DIR
+
+    server, client, alone, tok = setup
+    served = lambda: sum(v for k, v in server.worker.requests.items())          # noqa: E731
+    args = ["curate", "--config", str(CONFIG_DIR / "curate_countdown_served.yaml"), "--out", str(tmp_path / "cur"),
+            "--no-progress", "--set", f"teacher.base_url={server.url}/v1", "--set", f"teacher.model={NAME}",
+            "--set", "tasks.n=3", "--set", "teacher.max_tokens=12", "--set", "teacher.concurrency=3"]
+    before = served()
+    assert main(args) == 0
+    assert served() - before == 3 and server.worker.requests.get("200", 0) >= 3   # one teacher call per task
+    calls = json.loads((tmp_path / "cur" / "curation_report.json").read_text())["llm"]["total"]
+    assert calls["calls"] == 3 and calls["completion_tokens"] == 3 * 12
+    assert main(args) == 0                     # resumed: every answer comes from the store
+    assert served() - before == 3
+
+
+def test_batch_engine_abort_frees_the_slot_in_every_state(setup, hf_untied):
+    """`BatchEngine.abort` (the server's cancel): a queued open, a sequence mid-prefill, a decoding
+    row and a fork's children all go; the engine then serves a request exactly as alone."""
+    server, client, alone, tok = setup
+    engine = BatchEngine(from_pretrained(hf_untied), tok, max_seqs=2, max_children=4, **CAPS)
+    rng = np.random.default_rng(3)
+    p_short, p_long, p_q = ([int(x) for x in rng.integers(3, 307, k)] for k in (9, 80, 5))
+    a, b, c = engine.open(p_short), engine.open(p_long), engine.open(p_q)
+    engine.step()                                    # a prefilled; b has 80 tokens: still prefilling
+    assert engine.waiting == 1 and b.seq.id in engine._prefill_work
+    engine.abort(c.seq)
+    assert c.done and c.result is None and engine.waiting == 0
+    engine.abort(b.seq)
+    assert engine.free_slots == 1 and b.seq.id not in engine._prefill_work
+    g = engine.generate(a.result, 40)
+    engine.step()
+    assert 0 < len(engine.progress(g)[0]) < 40 and engine.live_rows == 1
+    engine.abort(a.seq)
+    assert engine.free_slots == 2 and engine.live_rows == 0 and not engine.busy
+    o = engine.open(p_short)
+    engine.run([o])
+    f = engine.fork(o.result, [[]] * 4, 20, sampling=Sampling(temperature=1.0, seed=1))
+    engine.step()
+    assert engine.live_rows == 4
+    engine.abort(o.result)
+    assert engine.free_slots == 2 and engine.live_rows == 0 and not engine.busy and f.done
+    got = engine.generate_one(p_long, 12)[0].tokens
+    assert got == alone.generate(alone.prefill(p_long), 12).tokens
+
+
+def test_cli_rejects_bad_flags_in_one_line(tmp_path, capsys):
+    from sprint_jax.cli import main
+
+    assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
+    assert "model directory not found" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tmp_path), "--max-seqs", "0"]) == 2
+    assert "--max-seqs must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_serves_a_checkpoint_until_terminated(hf_untied, tmp_path):
+    """`sprint-jax serve` as a user runs it: a subprocess on a free port, the openai client, SIGTERM."""
+    import os
+    import re
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    model = tmp_path / "tinymodel"
+    shutil.copytree(hf_untied, model)
+    tiny_vocab_tokenizer().save(model / "vocab_tokenizer.json")
+    proc = subprocess.Popen([sys.executable, "-m", "sprint_jax.cli", "serve", "--model", str(model), "--port", "0",
+                             "--max-seq-len", "64", "--max-seqs", "2", "--max-prompts", "2",
+                             "--max-branch-tokens", "16"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        url, seen = None, []
+        for line in proc.stdout:
+            seen.append(line)
+            m = re.search(r"running on (http://127\.0\.0\.1:\d+)", line)
+            if m:
+                url = m.group(1)
+                break
+        assert url, "".join(seen)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+        assert {m.id for m in c.models.list().data} == {"tinymodel", "tinymodel:sprint"}
+        r = c.completions.create(model="tinymodel", prompt="abc", max_tokens=5, temperature=0)
+        assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=60)[0]
+    # uvicorn shuts down gracefully, then re-raises the signal it caught
+    assert proc.returncode in (0, -signal.SIGTERM) and "Finished server process" in rest, rest
+
+
+@pytest.mark.slow
+def test_bench_serve_http_runs_the_same_work_on_both_paths(tmp_path):
+    """`sprint-jax bench serve --http` end to end, tiny settings: it checks itself that the server
+    and the in-process engine return the same texts, and writes its rows."""
+    from sprint_jax.cli import main
+
+    out = tmp_path / "b.json"
+    assert main(["bench", "serve", "--http", "--problems", "3", "--repeats", "1", "--concurrency", "1,2",
+                 "--max-tokens", "4", "--prompt-len", "8", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    assert all(r["http"]["p50_ms"] > 0 and r["inproc"]["p50_ms"] > 0 for r in rows)
