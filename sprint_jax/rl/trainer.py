@@ -38,6 +38,44 @@ class _Policy:
     params: Any
 
 
+class _OpenVocab:
+    """The tokenizer, except that ids past its vocabulary (the model's padded rows) decode to U+FFFD.
+
+    Sampling at temperature 1 can draw a padded id the tokenizer does not know; a small tokenizer
+    (VocabTokenizer) would raise on it. Such a token is a legitimate (bad) action: the run goes on,
+    the text shows the replacement character, and the reward judges it."""
+
+    def __init__(self, tok):
+        self._tok = tok
+        self._n = len(tok)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __call__(self, *a, **k):
+        return self._tok(*a, **k)
+
+    def decode(self, ids, *a, **k):
+        ids = [int(i) for i in ids]
+        if all(i < self._n for i in ids):
+            return self._tok.decode(ids, *a, **k)
+        out, run = [], []
+        for i in ids:
+            if i < self._n:
+                run.append(i)
+                continue
+            if run:
+                out.append(self._tok.decode(run, *a, **k))
+                run = []
+            out.append("\ufffd")
+        if run:
+            out.append(self._tok.decode(run, *a, **k))
+        return "".join(out)
+
+
 def load_tasks(cfg: RLConfig):
     """(training tasks, held-out tasks)."""
     from sprint_jax.curation import chains, countdown
@@ -123,8 +161,11 @@ def plot_curves(records: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True) -> dict:
-    """Run P-GRPO as configured; returns the summary (also OUT/summary.json)."""
+def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after: int | None = None) -> dict:
+    """Run P-GRPO as configured; returns the summary (also OUT/summary.json).
+
+    `stop_after=k` checkpoints after step k and returns {"stopped_at": k} (a run split over
+    sessions, or a resume test); rerunning with the same OUT continues from there."""
     import jax
     import yaml
 
@@ -192,7 +233,7 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True) -> dict:
         state = setup.init_state(cfg.seed, params=params)
         start_step, position = 0, 0
 
-    engine = Engine(_Policy(model_cfg, state["params"]), tok, max_seq_len=ro.max_seq_len,
+    engine = Engine(_Policy(model_cfg, state["params"]), _OpenVocab(tok), max_seq_len=ro.max_seq_len,
                     max_branches=ro.orchestrator.max_prompts,
                     max_branch_tokens=ro.orchestrator.max_branch_tokens + 32,
                     decode_chunk=ro.decode_chunk, prefill_chunk=ro.prefill_chunk)
@@ -268,6 +309,12 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True) -> dict:
             ckpt.save(done, state, {"prompts": position})
             last_saved = done
         del t0
+        if stop_after is not None and done >= stop_after and done != cfg.steps:
+            if last_saved != done:
+                ckpt.save(done, state, {"prompts": position})
+            ckpt.close()
+            metrics.close()
+            return {"stopped_at": done}
     if last_saved != cfg.steps:
         ckpt.save(cfg.steps, state, {"prompts": position})
     ckpt.close()
