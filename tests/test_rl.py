@@ -206,3 +206,24 @@ def test_ppo_form_with_old_logp_equal_to_current_is_reinforce(tiny):
     assert float(aux2["clipped_tokens"]) == packed.loss_tokens
     assert max(float(abs(x).max()) for x in jax.tree.leaves(g_far)) == 0.0
     assert max(float(abs(x).max()) for x in jax.tree.leaves(g_ppo)) > 0.0
+
+
+def test_reference_kl_k3(tiny):
+    """Optional KL (k3 estimator) to a frozen reference: zero with gradient zero at the reference,
+    exp(-1) per token when the reference's log-probs are 1 lower everywhere."""
+    import jax
+    import jax.numpy as jnp
+    from sprint_jax.rl.loss import LossSettings, build_rl_step
+
+    cfg, setup, params = tiny
+    pos = {k: v[0] for k, v in _batch([_stage_units(), _second_traj()], [0.0, 0.0]).arrays.items()}
+    n = int(pos["mask"].sum())
+    rl = build_rl_step(setup, LossSettings(kl_coef=0.5), with_old=False, with_ref=True)
+    ref = rl.logp(params, pos)
+    zeros = ref * 0
+    (loss, aux), g = rl.grad(params, pos, jnp.float32(n), zeros, ref)
+    assert abs(float(aux["kl_sum"])) < 1e-4 and abs(float(loss)) < 1e-5
+    assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g)) < 1e-5
+    (loss, aux), g = rl.grad(params, pos, jnp.float32(n), zeros, ref - 1.0)
+    assert float(aux["kl_sum"]) == pytest.approx(n * np.exp(-1.0), rel=1e-4)
+    assert float(loss) == pytest.approx(0.5 * np.exp(-1.0), rel=1e-4)

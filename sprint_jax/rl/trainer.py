@@ -220,10 +220,9 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
     if not cfg.checkpoint.resume and ckpt.steps():
         raise ConfigError(f"{out / 'checkpoints'} already holds checkpoints and checkpoint.resume is false")
     restored = ckpt.restore_latest(setup.abstract_state()) if cfg.checkpoint.resume else None
-    ref_params = None
-    if restored is not None or cfg.loss.kl_coef > 0:
-        _, init_params = load_params(pol.path, config=model_cfg, dtype="float32", shardings=setup.param_shardings)
-        ref_params = init_params if cfg.loss.kl_coef > 0 else None
+    ref_params = None                                        # the frozen reference of the optional KL
+    if cfg.loss.kl_coef > 0:
+        _, ref_params = load_params(pol.path, config=model_cfg, dtype="float32", shardings=setup.param_shardings)
     if restored is not None:
         state, meta = restored
         start_step, position = int(meta["step"]), int(meta["prompts"])
