@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "infer": ("sprint_jax.infer.infer_cli", "run the SPRINT orchestrator on one query and show the stages live"),
     "eval": ("sprint_jax.eval.cli", "evaluate a model on math500 / countdown / a jsonl file; `eval compare A B`"),
     "serve": ("sprint_jax.serve.cli", "an OpenAI-compatible server (completions, chat, streaming) with a SPRINT mode"),
+    "rl": ("sprint_jax.rl.cli", "reinforcement learning on parallel rollouts: P-GRPO with the acceleration reward"),
     "bench": ("sprint_jax.bench.cli", "benchmarks: decode, kernels, train, train-memory"),
 }
 

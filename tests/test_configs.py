@@ -24,6 +24,9 @@ def _load(path: Path):
     if name.startswith("demo"):
         from sprint_jax.demo import DemoConfig
         return load_config(DemoConfig, path)
+    if name.startswith("rl_"):
+        from sprint_jax.rl.config import RLConfig
+        return load_config(RLConfig, path)
     if name.startswith("eval"):
         from sprint_jax.infer.orchestrator import OrchestratorConfig
         return load_config(OrchestratorConfig, path)

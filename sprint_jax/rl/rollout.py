@@ -1,0 +1,99 @@
+"""Rollouts for P-GRPO: G SPRINT runs per prompt through the orchestrator, with the exact tokens of
+every call (ThreadWeaver, Lian et al., arXiv 2512.07843, section 4: parallel rollouts).
+
+The loss needs the token ids the policy sampled in each planner and executor call, not a
+re-tokenisation of their text (a BPE need not round-trip). `RecordingEngine` wraps the engine and
+records, for every call the orchestrator makes, the unit (context ids, completion ids):
+  * `generate(state, ...)`           -> (state.tokens before the call, the generated tokens)
+  * `decode_branches(state, P, ...)` -> per branch j, (state.tokens + P[j], branch j's tokens)
+This is the same cut the `trie` training layout makes (train/data.py): a planner call sees its
+context, an executor sees the planner context, its plan and its forced `<execution_i.j>`, never
+its siblings. Generated tokens include an EOS the model wrote (it was sampled, so it is learnt);
+forced openings and the orchestrator's repairs are context.
+
+`Rollouts` is the small interface the RL loop drives: `run(queries, seeds, mode)` returns one
+`Trajectory` per (query, seed). `SingleRunRollouts` runs them one after another on today's engine
+(the orchestrator's single-run driver, the same path `sprint-jax eval` takes); a batched driver on
+the slot scheduler can replace it behind the same interface.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Protocol, Sequence
+
+from sprint_jax.infer.orchestrator import Orchestrator, OrchestratorConfig, RunRecord
+
+
+@dataclasses.dataclass
+class Unit:
+    """One model call: the tokens it saw and the tokens it sampled."""
+    context: list[int]
+    completion: list[int]
+    kind: str                        # "planner" | "executor"
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One rollout: the run record (text, accounting) and the units that carry loss."""
+    record: RunRecord
+    units: list[Unit]
+    seed: int
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(u.completion) for u in self.units)
+
+
+class RecordingEngine:
+    """Forwards to `engine` and records every call as a Unit (see the module docstring)."""
+
+    def __init__(self, engine: Any):
+        self._engine = engine
+        self.units: list[Unit] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def generate(self, state, max_new_tokens, stop=(), sampling=None):
+        context = list(state.tokens)
+        g = self._engine.generate(state, max_new_tokens, stop=stop, sampling=sampling)
+        self.units.append(Unit(context, list(g.tokens), "planner"))
+        return g
+
+    def decode_branches(self, state, prefixes, max_new_tokens, stop=(), sampling=None, mode="shared"):
+        context = list(state.tokens)
+        gens = self._engine.decode_branches(state, prefixes, max_new_tokens, stop=stop, sampling=sampling, mode=mode)
+        for p, g in zip(prefixes, gens):
+            self.units.append(Unit(context + [int(t) for t in p], list(g.tokens), "executor"))
+        return gens
+
+
+class Rollouts(Protocol):
+    def run(self, queries: Sequence[str], seeds: Sequence[int], mode: str) -> list[Trajectory]: ...
+
+
+class SingleRunRollouts:
+    """Runs each (query, seed) alone through `Orchestrator.run` on the plain engine."""
+
+    def __init__(self, engine: Any, config: OrchestratorConfig):
+        self.engine = engine
+        self.config = config
+
+    def run(self, queries: Sequence[str], seeds: Sequence[int], mode: str) -> list[Trajectory]:
+        out = []
+        for q, s in zip(queries, seeds):
+            rec = RecordingEngine(self.engine)
+            cfg = dataclasses.replace(self.config, seed=int(s))
+            record = Orchestrator(rec, cfg).run(q, mode)
+            out.append(Trajectory(record, rec.units, int(s)))
+        return out
+
+
+def timed_run(rollouts: Rollouts, queries, seeds, mode) -> tuple[list[Trajectory], float]:
+    t = time.perf_counter()
+    trajs = rollouts.run(queries, seeds, mode)
+    return trajs, time.perf_counter() - t
+
+
+__all__ = ["Unit", "Trajectory", "RecordingEngine", "Rollouts", "SingleRunRollouts", "timed_run"]

@@ -1,0 +1,342 @@
+"""The P-GRPO loop (ThreadWeaver, Lian et al., arXiv 2512.07843, section 4): rollouts -> rewards ->
+group advantages -> one update on the trie-packed units -> new weights into the engine, in process.
+
+Per step: `prompts_per_step` prompts from a deterministic stream (epoch permutations of the training
+tasks, so the data position saved in a checkpoint is one integer), each run G times with its own
+sampling seed, a pure function of (seed, step, prompt, member), so a resumed run draws the same
+rollouts. Each trajectory is graded (sprint_jax.tasks), rewarded (rl/reward.py), laid out as a
+token trie of its units (rl/layout.py) and packed; the update (rl/loss.py) runs on the SFT trainer's
+mesh, shardings, optimizer and orbax checkpoints; the engine then decodes with the updated
+parameters (no checkpoint round trip). Held-out greedy evaluation goes through
+`sprint_jax.eval.evaluate` (the `sprint-jax eval` path): at the start (the SFT model), every
+`eval.every` steps, and at the end into OUT/eval (results.jsonl + report.json, for `eval compare`).
+
+Outputs under OUT: config.yaml, metrics.jsonl, tb/, checkpoints/, eval_start/, eval/, hf/,
+rl_curves.png, summary.json.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sprint_jax.config import ConfigError, to_dict
+from sprint_jax.rl.config import RLConfig
+
+TIMING_KEYS = ("rollout_s", "update_s", "eval_s", "wall_s", "rollout_tokens_per_s", "update_tokens_per_s")
+
+
+@dataclasses.dataclass
+class _Policy:
+    """What the engine reads from a model: its config and (the trainer's current) params."""
+    config: Any
+    params: Any
+
+
+class _OpenVocab:
+    """The tokenizer, except that ids past its vocabulary (the model's padded rows) decode to U+FFFD.
+
+    Sampling at temperature 1 can draw a padded id the tokenizer does not know; a small tokenizer
+    (VocabTokenizer) would raise on it. Such a token is a legitimate (bad) action: the run goes on,
+    the text shows the replacement character, and the reward judges it."""
+
+    def __init__(self, tok):
+        self._tok = tok
+        self._n = len(tok)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __call__(self, *a, **k):
+        return self._tok(*a, **k)
+
+    def decode(self, ids, *a, **k):
+        ids = [int(i) for i in ids]
+        if all(i < self._n for i in ids):
+            return self._tok.decode(ids, *a, **k)
+        out, run = [], []
+        for i in ids:
+            if i < self._n:
+                run.append(i)
+                continue
+            if run:
+                out.append(self._tok.decode(run, *a, **k))
+                run = []
+            out.append("\ufffd")
+        if run:
+            out.append(self._tok.decode(run, *a, **k))
+        return "".join(out)
+
+
+def load_tasks(cfg: RLConfig):
+    """(training tasks, held-out tasks)."""
+    from sprint_jax.tasks import chains, countdown
+
+    t = cfg.tasks
+    if t.source == "chains":
+        train = chains.generate(t.n, t.seed, t.chains, t.chains, t.chain_length)
+        seen = {tuple(x.answer["starts"]) for x in train}
+        held = chains.generate(t.eval_n, t.eval_seed, t.chains, t.chains, t.chain_length, exclude=seen) \
+            if t.eval_n and t.eval_source is None else []
+    elif t.source == "countdown":
+        train = countdown.generate(t.n, t.seed)
+        seen = {x.problem for x in train}
+        held = [x for x in countdown.generate(t.eval_n * 2, t.eval_seed) if x.problem not in seen][:t.eval_n] \
+            if t.eval_n and t.eval_source is None else []
+    else:
+        from sprint_jax.eval.cli import load_tasks as load_file
+        train = load_file(t.source, limit=t.n)
+        held = []
+    if t.eval_source is not None:
+        from sprint_jax.eval.cli import load_tasks as load_file
+        held = load_file(t.eval_source, limit=t.eval_n or None)
+    if not train:
+        raise ConfigError(f"tasks.source {t.source!r}: no training tasks")
+    return train, held
+
+
+def prompt_indices(n_tasks: int, seed: int, start: int, count: int) -> list[int]:
+    """Task indices at stream positions start..start+count-1 (epoch e = permutation seeded (seed, e))."""
+    out = []
+    for p in range(start, start + count):
+        e, k = divmod(p, n_tasks)
+        out.append(int(np.random.default_rng((seed, e)).permutation(n_tasks)[k]))
+    return out
+
+
+def rollout_seed(seed: int, step: int, prompt: int, member: int) -> int:
+    return int(np.random.SeedSequence([seed, step, prompt, member]).generate_state(1)[0] % (2 ** 31))
+
+
+def score_groups(tasks, trajectories, group_size: int, reward_cfg) -> dict:
+    """Correctness, rewards, eta, bonus, advantages for trajectories ordered prompt-major."""
+    from sprint_jax.tasks import grade
+    from sprint_jax.rl.reward import group_advantages, reward
+
+    correct, rewards, etas, bonuses = [], [], [], []
+    for k, tr in enumerate(trajectories):
+        task = tasks[k // group_size]
+        rec = tr.record
+        ok = rec.final_answer is not None and bool(grade(task, rec.final_answer))
+        r, eta, bonus = reward(ok, rec.sequential_tokens, rec.total_tokens, reward_cfg)
+        correct.append(ok)
+        rewards.append(r)
+        etas.append(eta)
+        bonuses.append(bonus)
+    adv = np.concatenate([group_advantages(rewards[i: i + group_size], reward_cfg)
+                          for i in range(0, len(rewards), group_size)])
+    return {"correct": correct, "rewards": rewards, "etas": etas, "bonuses": bonuses, "advantages": adv}
+
+
+def plot_curves(records: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in records if "reward" in r]
+    ev = [r for r in records if "eval_accuracy" in r]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
+    for ax, key, label in ((axes[0], "reward", "mean reward"), (axes[1], "sequential_tokens", "sequential tokens"),
+                           (axes[2], "accuracy", "rollout accuracy")):
+        ax.plot([r["step"] for r in rows], [r[key] for r in rows], lw=1.0, label="rollouts")
+        ax.set_xlabel("step"), ax.set_ylabel(label), ax.grid(alpha=0.3)
+    axes[1].plot([r["step"] for r in rows], [r["total_tokens"] for r in rows], lw=1.0, label="total tokens")
+    if ev:
+        axes[2].plot([r["step"] for r in ev], [r["eval_accuracy"] for r in ev], "o-", label="held-out (greedy)")
+        axes[1].plot([r["step"] for r in ev], [r["eval_sequential_tokens"] for r in ev], "o-",
+                     label="held-out sequential")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.suptitle("P-GRPO (acceleration reward)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after: int | None = None) -> dict:
+    """Run P-GRPO as configured; returns the summary (also OUT/summary.json).
+
+    `stop_after=k` checkpoints after step k and returns {"stopped_at": k} (a run split over
+    sessions, or a resume test); rerunning with the same OUT continues from there."""
+    import jax
+    import yaml
+
+    from sprint_jax.eval.evaluate import default_prompt, evaluate
+    from sprint_jax.infer import Engine
+    from sprint_jax.model import load_params
+    from sprint_jax.model.config import Qwen2Config
+    from sprint_jax.model.tokenizer import load_tokenizer
+    from sprint_jax.rl.layout import layout_units, pack_items
+    from sprint_jax.rl.loss import LossSettings, build_rl_step, update
+    from sprint_jax.rl.rollout import SingleRunRollouts, timed_run
+    from sprint_jax.train import checkpoint as ckpt_lib
+    from sprint_jax.train import data as data_lib
+    from sprint_jax.train import mesh as mesh_lib
+    from sprint_jax.train import step as step_lib
+    from sprint_jax.train.trainer import _Metrics, export_hf
+
+    t_start = time.time()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+    def say(msg: str) -> None:
+        if progress:
+            print(msg, file=sys.stderr, flush=True)
+
+    # ---- model, tokenizer, tasks -----------------------------------------------------------
+    pol = cfg.policy
+    model_cfg = Qwen2Config.from_hf_config(Path(pol.path)).replace(param_dtype="float32", dtype=pol.dtype)
+    try:
+        tok = load_tokenizer(pol.tokenizer or pol.path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"policy.tokenizer: cannot load a tokenizer from {pol.tokenizer or pol.path} ({e})") from None
+    if len(tok) > model_cfg.vocab_size:
+        raise ConfigError(f"the tokenizer has {len(tok)} tokens but the model's vocab_size is {model_cfg.vocab_size}")
+    train_tasks, held_tasks = load_tasks(cfg)
+    ro = cfg.rollout
+    eval_mode = cfg.eval.mode or ro.mode
+    say(f"rl: {len(train_tasks)} training tasks, {len(held_tasks)} held-out; {ro.prompts_per_step} prompts x "
+        f"G={ro.group_size} {ro.mode} rollouts per step, {cfg.steps} steps")
+
+    # ---- mesh, update, state ---------------------------------------------------------------
+    mesh = mesh_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    if cfg.loss.rows_per_micro % mesh_lib.batch_divisor(mesh):
+        raise ConfigError(f"loss.rows_per_micro ({cfg.loss.rows_per_micro}) must be a multiple of mesh data x fsdp "
+                          f"= {mesh_lib.batch_divisor(mesh)}")
+    setup = step_lib.build_step(model_cfg, cfg.optim, cfg.steps, mesh, pol.remat, pol.loss_chunk)
+    settings = LossSettings(ro.orchestrator.temperature, cfg.loss.clip_eps, cfg.loss.kl_coef, pol.remat,
+                            pol.loss_chunk)
+    rl = build_rl_step(setup, settings, cfg.loss.updates_per_batch > 1, cfg.loss.kl_coef > 0)
+    ckpt = ckpt_lib.Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+    if not cfg.checkpoint.resume and ckpt.steps():
+        raise ConfigError(f"{out / 'checkpoints'} already holds checkpoints and checkpoint.resume is false")
+    restored = ckpt.restore_latest(setup.abstract_state()) if cfg.checkpoint.resume else None
+    ref_params = None                                        # the frozen reference of the optional KL
+    if cfg.loss.kl_coef > 0:
+        _, ref_params = load_params(pol.path, config=model_cfg, param_dtype="float32", shardings=setup.param_shardings)
+    if restored is not None:
+        state, meta = restored
+        start_step, position = int(meta["step"]), int(meta["prompts"])
+        say(f"resumed from step {start_step} (prompt {position} of the task stream)")
+    else:
+        _, params = load_params(pol.path, config=model_cfg, param_dtype="float32", shardings=setup.param_shardings)
+        state = setup.init_state(cfg.seed, params=params)
+        start_step, position = 0, 0
+
+    engine = Engine(_Policy(model_cfg, state["params"]), _OpenVocab(tok), max_seq_len=ro.max_seq_len,
+                    max_branches=ro.orchestrator.max_prompts,
+                    max_branch_tokens=ro.orchestrator.max_branch_tokens + 32,
+                    decode_chunk=ro.decode_chunk, prefill_chunk=ro.prefill_chunk)
+    from sprint_jax.model.hf import read_export_meta
+    layout = read_export_meta(pol.path).get("layout", "flat") if ro.layout == "auto" else ro.layout
+    orch = dataclasses.replace(ro.orchestrator, layout=layout)       # the policy's training convention
+    say(f"rollouts use the {layout} token convention at forks and syncs")
+    rollouts = SingleRunRollouts(engine, orch)
+    greedy = dataclasses.replace(orch, temperature=0.0, seed=0)
+    pad = data_lib.pad_id(tok)
+
+    def held_out(step: int, out_sub: str | None) -> dict:
+        if not held_tasks:
+            return {}
+        t = time.perf_counter()
+        _, rep = evaluate(engine, held_tasks, eval_mode, orchestrator_config=greedy,
+                          out_dir=(out / out_sub) if out_sub else None, progress=False,
+                          meta={"model": str(out / "hf"), "rl_step": step, "mode": eval_mode})
+        return {"eval_accuracy": rep["accuracy"], "eval_sequential_tokens": rep["mean_sequential_tokens"],
+                "eval_total_tokens": rep["mean_total_tokens"], "eval_format_valid": rep["format_valid_rate"],
+                "eval_s": time.perf_counter() - t}
+
+    metrics = _Metrics(out, cfg.tensorboard, start_step)
+    if start_step == 0:
+        ev = held_out(0, "eval_start")
+        if ev:
+            metrics.log({"step": 0, **ev})
+            say(f"step 0 (SFT model): held-out accuracy {ev['eval_accuracy']:.3f}, sequential tokens "
+                f"{ev['eval_sequential_tokens']:.1f}")
+
+    last_saved = start_step if restored is not None else -1
+    for step in range(start_step, cfg.steps):
+        t0 = time.perf_counter()
+        idx = prompt_indices(len(train_tasks), cfg.seed, position, ro.prompts_per_step)
+        tasks = [train_tasks[i] for i in idx]
+        queries = [default_prompt(t) for t in tasks for _ in range(ro.group_size)]
+        seeds = [rollout_seed(cfg.seed, step, k, g) for k in range(len(tasks)) for g in range(ro.group_size)]
+        trajs, rollout_s = timed_run(rollouts, queries, seeds, ro.mode)
+        position += ro.prompts_per_step
+        sc = score_groups(tasks, trajs, ro.group_size, cfg.reward)
+        t1 = time.perf_counter()
+        items = [layout_units(tr.units, float(a)) for tr, a in zip(trajs, sc["advantages"])]
+        packed = pack_items(items, cfg.loss.seq_len, cfg.loss.rows_per_micro, pad)
+        state, um = update(rl, state, packed.arrays, cfg.loss.updates_per_batch, ref_params)
+        engine.params = state["params"]                      # trainer -> engine, in process
+        jax.block_until_ready(engine.params)
+        update_s = time.perf_counter() - t1
+        adv = sc["advantages"]
+        groups = adv.reshape(-1, ro.group_size)
+        gen = sum(tr.generated_tokens for tr in trajs)
+        rec = {"step": step + 1,
+               "reward": float(np.mean(sc["rewards"])), "accuracy": float(np.mean(sc["correct"])),
+               "sequential_tokens": float(np.mean([t.record.sequential_tokens for t in trajs])),
+               "total_tokens": float(np.mean([t.record.total_tokens for t in trajs])),
+               "eta": float(np.mean(sc["etas"])), "bonus": float(np.mean(sc["bonuses"])),
+               "format_valid": float(np.mean([t.record.format_valid for t in trajs])),
+               "adv_mean": float(adv.mean()), "adv_std": float(adv.std()), "adv_abs_mean": float(np.abs(adv).mean()),
+               "adv_min": float(adv.min()), "adv_max": float(adv.max()),
+               "groups_without_signal": float(np.mean(np.all(groups == 0, axis=1))),
+               **um, "update_tokens": packed.tokens, "truncated_loss_tokens": packed.truncated_loss_tokens,
+               "rollout_s": rollout_s, "update_s": update_s,
+               "rollout_tokens_per_s": gen / max(rollout_s, 1e-9),
+               "update_tokens_per_s": packed.tokens / max(update_s, 1e-9)}
+        done = step + 1
+        if (cfg.eval.every and done % cfg.eval.every == 0 and done != cfg.steps):
+            rec.update(held_out(done, None))
+        if done == cfg.steps:
+            rec.update(held_out(done, "eval"))
+        rec["wall_s"] = time.time() - t_start
+        metrics.log(rec)
+        say(f"step {done}/{cfg.steps}: reward {rec['reward']:.3f} acc {rec['accuracy']:.2f} seq {rec['sequential_tokens']:.1f} "
+            f"total {rec['total_tokens']:.1f} eta {rec['eta']:.3f} loss {rec['loss']:+.4f} "
+            f"({rollout_s:.1f}s rollout, {update_s:.1f}s update)"
+            + (f" | held-out acc {rec['eval_accuracy']:.3f} seq {rec['eval_sequential_tokens']:.1f}"
+               if "eval_accuracy" in rec else ""))
+        if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != cfg.steps:
+            ckpt.save(done, state, {"prompts": position})
+            last_saved = done
+        del t0
+        if stop_after is not None and done >= stop_after and done != cfg.steps:
+            if last_saved != done:
+                ckpt.save(done, state, {"prompts": position})
+            ckpt.close()
+            metrics.close()
+            return {"stopped_at": done}
+    if last_saved != cfg.steps:
+        ckpt.save(cfg.steps, state, {"prompts": position})
+    ckpt.close()
+    metrics.close()
+    if cfg.plot and metrics.records:
+        plot_curves(metrics.records, out / "rl_curves.png")
+    export_dir = None
+    if cfg.export.enabled:
+        export_dir = out / "hf"
+        export_hf(model_cfg, state["params"], tok, export_dir, cfg.export.dtype)
+    recs = [r for r in metrics.records if "reward" in r]
+    evs = [r for r in metrics.records if "eval_accuracy" in r]
+    summary = {"steps": cfg.steps, "start_step": start_step, "resumed": restored is not None,
+               "first": recs[0] if recs else None, "last": recs[-1] if recs else None,
+               "eval_first": evs[0] if evs else None, "eval_last": evs[-1] if evs else None,
+               "wall_s": time.time() - t_start, "out_dir": str(out),
+               "export_dir": str(export_dir) if export_dir else None}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+__all__ = ["TIMING_KEYS", "load_tasks", "prompt_indices", "rollout_seed", "score_groups", "run_rl"]

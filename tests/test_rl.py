@@ -1,0 +1,229 @@
+"""P-GRPO pieces: reward and advantages by hand, the trie layout of units, the loss gradient against
+each unit run alone through the plain forward, and one update moving log-probs the right way."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sprint_jax.rl.reward import RewardConfig, acceleration, group_advantages, reward
+
+
+# ---------------------------------------------------------------------------------------------
+# Reward and advantage, hand-computed
+# ---------------------------------------------------------------------------------------------
+def test_reward_hand_computed():
+    cfg = RewardConfig()                                   # rho 0.5, clip 0.2
+    assert acceleration(60, 100) == pytest.approx(0.4)
+    assert reward(True, 60, 100, cfg) == pytest.approx((1.2, 0.4, 0.2))       # 0.5*0.4 = 0.2 = clip
+    assert reward(True, 80, 100, cfg) == pytest.approx((1.1, 0.2, 0.1))       # 0.5*0.2 = 0.1
+    assert reward(True, 30, 100, cfg) == pytest.approx((1.2, 0.7, 0.2))       # 0.35 clipped to 0.2
+    assert reward(False, 30, 100, cfg) == pytest.approx((0.0, 0.7, 0.0))      # no bonus when wrong
+    assert reward(True, 50, 50, cfg) == pytest.approx((1.0, 0.0, 0.0))        # sequential: eta 0
+    assert reward(True, 0, 0, cfg)[0] == 1.0
+    assert reward(True, 50, 100, RewardConfig(rho=1.0, rho_clip=0.3))[0] == pytest.approx(1.3)
+    assert reward(True, 50, 100, RewardConfig(rho=0.0))[0] == 1.0             # the RFT-side recipe
+
+
+def test_group_advantages_hand_computed():
+    cfg = RewardConfig()
+    np.testing.assert_allclose(group_advantages([1.2, 1.1, 1.2, 1.0], cfg), [0.075, -0.025, 0.075, -0.125])
+    np.testing.assert_array_equal(group_advantages([0.0] * 4, cfg), [0.0] * 4)              # none correct
+    np.testing.assert_allclose(group_advantages([1.1] * 4, cfg), [0.0] * 4, atol=1e-12)     # all correct, same eta
+    np.testing.assert_allclose(group_advantages([1.2, 0.0, 1.0, 0.0], cfg), [0.65, -0.55, 0.45, -0.55])  # mixed
+    a = group_advantages([1.0, 0.0, 0.0, 0.0], RewardConfig(std_normalise=True))
+    np.testing.assert_allclose(a, np.array([0.75, -0.25, -0.25, -0.25]) / (np.sqrt(3) / 4 + 1e-6))
+
+
+# ---------------------------------------------------------------------------------------------
+# Units -> token trie
+# ---------------------------------------------------------------------------------------------
+def _stage_units():
+    """A SPRINT-shaped trajectory: planner 1, two executors (one ends with EOS=2), planner 2."""
+    from sprint_jax.rl.rollout import Unit
+
+    prompt, plan, o1, o2 = [5, 6, 7], [10, 11, 12], [20], [21]
+    b1, b2 = [30, 31], [40, 41, 42, 2]
+    repair = [22]
+    sync = o1 + b1 + o2 + b2[:-1] + repair
+    return [Unit(prompt, plan, "planner"), Unit(prompt + plan + o1, b1, "executor"),
+            Unit(prompt + plan + o2, b2, "executor"), Unit(prompt + plan + sync, [50, 51, 2], "planner")]
+
+
+def test_layout_units_is_the_trie_of_the_calls():
+    from sprint_jax.rl.layout import layout_units
+
+    units = _stage_units()
+    it = layout_units(units, 0.5)
+    # every unit's path appears as an ancestor chain; every generated token is one node with loss
+    n_generated = sum(len(u.completion) for u in units)
+    assert int(it.mask.sum()) == n_generated
+    assert np.all(it.advantages[it.mask > 0] == np.float32(0.5)) and np.all(it.advantages[it.mask == 0] == 0)
+    for u in units:
+        path = u.context + u.completion
+        # walk down the trie along the path: each row's parent is the previous row, positions = depth
+        rows = []
+        for k, t in enumerate(path):
+            cands = [r for r in range(len(it)) if it.tokens[r] == t and it.positions[r] == k
+                     and (it.parents[r] == (rows[-1] if rows else -1))]
+            assert len(cands) == 1, (path, k)
+            rows.append(cands[0])
+        for r in rows:      # ancestor-only visibility: every earlier row of the path is visible to r
+            for a in rows[: rows.index(r)]:
+                assert a <= r < it.span_end[a]
+        assert all(it.mask[r] == 1 for r in rows[len(u.context):])
+        generated_elsewhere = {t for v in units if v is not u for t in v.completion}
+        assert all(it.mask[r] == 0 for r in rows[:len(u.context)] if it.tokens[r] not in generated_elsewhere)
+    # executor 1's body is planner 2's context: the same rows, predicted once
+    assert len(it) == len(set(map(tuple, [(t, p, q) for t, p, q in zip(it.tokens, it.positions, it.parents)])))
+    # siblings never see each other: executor 2's rows are outside executor 1's spans
+    r_b1 = [r for r in range(len(it)) if it.tokens[r] == 30][0]
+    r_b2 = [r for r in range(len(it)) if it.tokens[r] == 40 and it.tokens[it.parents[r]] == 21 and it.positions[r] == 7]
+    assert len(r_b2) == 1
+    r_b2 = r_b2[0]
+    # executor 2's body also appears in planner 2's context (after executor 1): there it is context
+    in_trunk = [r for r in range(len(it)) if it.tokens[r] == 40 and r != r_b2]
+    assert len(in_trunk) == 1 and it.mask[in_trunk[0]] == 0 and it.mask[r_b2] == 1
+    assert not (r_b1 <= r_b2 < it.span_end[r_b1]) and not (r_b2 <= r_b1 < it.span_end[r_b2])
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss gradient vs each unit alone through qwen2.forward
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    import jax
+    from sprint_jax.model.config import Qwen2Config
+    from sprint_jax.model import qwen2
+    from sprint_jax.train import mesh as mesh_lib
+    from sprint_jax.train import step as step_lib
+    from sprint_jax.train.config import OptimSection
+
+    cfg = Qwen2Config(vocab_size=61, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+                      num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=128,
+                      rope_theta=10000.0, tie_word_embeddings=False, param_dtype="float32", dtype="float32")
+    mesh = mesh_lib.make_mesh(1, 1, 1, jax.devices()[:1])
+    setup = step_lib.build_step(cfg, OptimSection(lr=3e-3, clip_norm=0.0, b2=0.99), 10, mesh)
+    params = qwen2.init_params(cfg, jax.random.key(3), std=0.3)
+    return cfg, setup, params
+
+
+def _unit_logp_sum(params, cfg, unit, temperature):
+    """sum of log p(completion token) for one unit run alone, plain causal forward, positions 0..n-1."""
+    import jax
+    import jax.numpy as jnp
+    from sprint_jax.model import qwen2
+
+    seq = jnp.asarray([unit.context + unit.completion], jnp.int32)
+    logits = qwen2.forward(params, cfg, seq)[0] / temperature                   # [n, V]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    c = len(unit.context)
+    idx = jnp.arange(c, c + len(unit.completion))
+    return jnp.sum(logp[idx - 1, seq[0, idx]])
+
+
+def _batch(units_by_traj, advs, seq_len=64, rows=2):
+    from sprint_jax.rl.layout import layout_units, pack_items
+    items = [layout_units(u, a) for u, a in zip(units_by_traj, advs)]
+    return pack_items(items, seq_len, rows, pad_token=0)
+
+
+def _second_traj():
+    from sprint_jax.rl.rollout import Unit
+    return [Unit([5, 6, 7], [13, 14, 15, 16, 2], "planner")]     # a sequential run of the same prompt
+
+
+def test_loss_gradient_equals_per_unit_reference(tiny):
+    import jax
+    import jax.numpy as jnp
+    from sprint_jax.rl.loss import LossSettings, build_rl_step
+
+    cfg, setup, params = tiny
+    temp = 0.7
+    trajs, advs = [_stage_units(), _second_traj()], [0.6, -0.4]
+    packed = _batch(trajs, advs)
+    rl = build_rl_step(setup, LossSettings(temperature=temp), with_old=False, with_ref=False)
+    n = sum(len(u.completion) for t in trajs for u in t)
+    assert packed.loss_tokens == n
+    mb = {k: v[0] for k, v in packed.arrays.items()}
+    zeros = jnp.zeros(mb["tokens"].shape, jnp.float32)
+    (loss, aux), grads = rl.grad(params, mb, jnp.float32(n), zeros, zeros)
+
+    def reference(p):
+        tot = 0.0
+        for units, a in zip(trajs, advs):
+            for u in units:
+                tot = tot + a * _unit_logp_sum(p, cfg, u, temp)
+        return -tot / n
+    ref_grads = jax.jit(jax.grad(reference))(params)
+    # on-policy the ratio is 1: the loss value is -sum(A over completion tokens) / N
+    expected = -sum(a * sum(len(u.completion) for u in t) for t, a in zip(trajs, advs)) / n
+    np.testing.assert_allclose(float(loss), expected, rtol=1e-5, atol=1e-7)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-4, atol=2e-6)
+    # and the log-probs themselves: sum over the batch == sum over the units alone
+    ref_lp = sum(float(_unit_logp_sum(params, cfg, u, temp)) for t in trajs for u in t)
+    assert float(aux["logp_sum"]) == pytest.approx(ref_lp, rel=1e-5)
+
+
+def test_one_update_raises_positive_and_lowers_negative(tiny):
+    import jax
+    from sprint_jax.rl.loss import LossSettings, build_rl_step, update
+
+    cfg, setup, params = tiny
+    trajs, advs = [_stage_units(), _second_traj()], [0.5, -0.5]
+    packed = _batch(trajs, advs)
+    rl = build_rl_step(setup, LossSettings(temperature=1.0), with_old=False, with_ref=False)
+    state = setup.init_state(0, params=jax.tree.map(lambda x: x.copy(), params))
+    before = [sum(float(_unit_logp_sum(params, cfg, u, 1.0)) for u in t) for t in trajs]
+    state, m = update(rl, state, packed.arrays, 1)
+    after = [sum(float(_unit_logp_sum(state["params"], cfg, u, 1.0)) for u in t) for t in trajs]
+    assert after[0] > before[0] + 1e-3, (before, after)        # positive advantage: more likely
+    assert after[1] < before[1] - 1e-3, (before, after)        # negative advantage: less likely
+    assert m["clip_frac"] == 0.0 and m["update_loss_tokens"] == packed.loss_tokens
+
+
+def test_ppo_form_with_old_logp_equal_to_current_is_reinforce(tiny):
+    """Several updates per batch use the clipped ratio against logp_old; at the first update
+    (logp_old = current policy) the gradient equals the on-policy REINFORCE gradient."""
+    import jax
+    from sprint_jax.rl.loss import LossSettings, build_rl_step
+
+    cfg, setup, params = tiny
+    packed = _batch([_stage_units(), _second_traj()], [0.3, -0.3])
+    mb = {k: v[0] for k, v in packed.arrays.items()}
+    s = LossSettings(temperature=1.0, clip_eps=0.2)
+    on = build_rl_step(setup, s, with_old=False, with_ref=False)
+    ppo = build_rl_step(setup, s, with_old=True, with_ref=False)
+    old = ppo.logp(params, mb)
+    zeros = old * 0
+    (_, _), g_on = on.grad(params, mb, jax.numpy.float32(10), zeros, zeros)
+    (_, aux), g_ppo = ppo.grad(params, mb, jax.numpy.float32(10), old, zeros)
+    for a, b in zip(jax.tree.leaves(g_on), jax.tree.leaves(g_ppo)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-6)  # logp_old from another jit: ulps
+    # ratio far above 1 + eps with positive advantages: every token is clipped, no gradient at all
+    pos = {k: v[0] for k, v in _batch([_stage_units(), _second_traj()], [0.3, 0.2]).arrays.items()}
+    (_, aux2), g_far = ppo.grad(params, pos, jax.numpy.float32(10), ppo.logp(params, pos) - 5.0, zeros)
+    assert float(aux2["clipped_tokens"]) == packed.loss_tokens
+    assert max(float(abs(x).max()) for x in jax.tree.leaves(g_far)) == 0.0
+    assert max(float(abs(x).max()) for x in jax.tree.leaves(g_ppo)) > 0.0
+
+
+def test_reference_kl_k3(tiny):
+    """Optional KL (k3 estimator) to a frozen reference: zero with gradient zero at the reference,
+    exp(-1) per token when the reference's log-probs are 1 lower everywhere."""
+    import jax
+    import jax.numpy as jnp
+    from sprint_jax.rl.loss import LossSettings, build_rl_step
+
+    cfg, setup, params = tiny
+    pos = {k: v[0] for k, v in _batch([_stage_units(), _second_traj()], [0.0, 0.0]).arrays.items()}
+    n = int(pos["mask"].sum())
+    rl = build_rl_step(setup, LossSettings(kl_coef=0.5), with_old=False, with_ref=True)
+    ref = rl.logp(params, pos)
+    zeros = ref * 0
+    (loss, aux), g = rl.grad(params, pos, jnp.float32(n), zeros, ref)
+    assert abs(float(aux["kl_sum"])) < 1e-4 and abs(float(loss)) < 1e-5
+    assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g)) < 1e-5
+    (loss, aux), g = rl.grad(params, pos, jnp.float32(n), zeros, ref - 1.0)
+    assert float(aux["kl_sum"]) == pytest.approx(n * np.exp(-1.0), rel=1e-4)
+    assert float(loss) == pytest.approx(0.5 * np.exp(-1.0), rel=1e-4)
