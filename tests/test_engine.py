@@ -165,6 +165,29 @@ def test_stop_overshoot_and_errors(setup):
         engine.prefill(list(range(3, 100)))
 
 
+def test_pallas_and_xla_shared_steps_give_the_same_logits(setup):
+    """One shared-fork decode step of three branches with non-empty, ragged suffixes: the Pallas
+    kernel's logits (interpret mode) == the XLA path's (per-branch attend_partial + merge), fp32."""
+    from sprint_jax.infer.engine import KVCache, _bucket, _extend_fn, _slice_prefix
+
+    _, _, engine = setup
+    state = engine.prefill(_context(21, 19))
+    pk, pv = _slice_prefix(state.cache, _bucket(state.length))
+    prefix = (pk, pv, jnp.int32(state.length))
+    n, lens = 3, np.array([2, 3, 4], np.int32)
+    runs = np.array([[state.pending, 7, 0, 0], [state.pending, 8, 9, 0], [state.pending, 10, 11, 12]], np.int32)
+    suffix, _ = _extend_fn(engine.params, engine.config, jnp.asarray(runs), KVCache.zeros(engine.config, n, engine.suffix_capacity),
+                           jnp.zeros(n, jnp.int32), jnp.asarray(lens), prefix, branched=True, attention_impl="xla")
+    logits = {}
+    for impl in ("xla", "pallas"):
+        cache = jax.tree.map(jnp.copy, suffix)          # each call donates its cache
+        _, out = _extend_fn(engine.params, engine.config, jnp.asarray([[5], [6], [7]], jnp.int32), cache,
+                            jnp.asarray(lens), jnp.ones(n, jnp.int32), prefix, branched=True, attention_impl=impl)
+        logits[impl] = np.asarray(out)
+    assert np.abs(logits["xla"]).max() > 0.1                 # not trivially small
+    np.testing.assert_allclose(logits["pallas"], logits["xla"], rtol=1e-4, atol=1e-4)
+
+
 def test_pallas_attention_gives_the_same_greedy_branches(setup, hf_untied):
     model, tok, xla_engine = setup
     pallas = Engine(model, tok, max_seq_len=96, max_branches=16, max_branch_tokens=48, decode_chunk=8,
