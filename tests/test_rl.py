@@ -227,3 +227,17 @@ def test_reference_kl_k3(tiny):
     (loss, aux), g = rl.grad(params, pos, jnp.float32(n), zeros, ref - 1.0)
     assert float(aux["kl_sum"]) == pytest.approx(n * np.exp(-1.0), rel=1e-4)
     assert float(loss) == pytest.approx(0.5 * np.exp(-1.0), rel=1e-4)
+
+
+def test_open_vocab_reads_padded_ids_back():
+    """A sampled id past a small tokenizer's vocabulary decodes to U+FFFD and that character encodes
+    to one padded id, so the orchestrator can re-encode rollout text at forks and syncs."""
+    from sprint_jax.model.tokenizer import VocabTokenizer
+    from sprint_jax.rl.trainer import _OpenVocab
+
+    tok = _OpenVocab(VocabTokenizer(["<pad>", "<eos>", "a", "b", " "]))
+    n = len(tok)
+    text = tok.decode([2, n + 3, 3, 4, n])
+    assert text == "a\ufffdb \ufffd"
+    assert tok.encode(text) == [2, n, 3, 4, n]
+    assert tok.encode("ab") == [2, 3]

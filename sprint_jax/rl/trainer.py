@@ -39,11 +39,14 @@ class _Policy:
 
 
 class _OpenVocab:
-    """The tokenizer, except that ids past its vocabulary (the model's padded rows) decode to U+FFFD.
+    """The tokenizer, except that ids past its vocabulary (the model's padded rows) decode to U+FFFD,
+    and U+FFFD encodes to the first padded id.
 
     Sampling at temperature 1 can draw a padded id the tokenizer does not know; a small tokenizer
     (VocabTokenizer) would raise on it. Such a token is a legitimate (bad) action: the run goes on,
-    the text shows the replacement character, and the reward judges it."""
+    the text shows the replacement character, and the reward judges it. The orchestrator re-encodes
+    text at forks and syncs (token boundaries follow the training layout), so the character must
+    encode too: it reads back as one padded id."""
 
     def __init__(self, tok):
         self._tok = tok
@@ -57,6 +60,17 @@ class _OpenVocab:
 
     def __call__(self, *a, **k):
         return self._tok(*a, **k)
+
+    def encode(self, text: str, *a, **k) -> list[int]:
+        if "\ufffd" not in text:
+            return list(self._tok.encode(text, *a, **k))
+        out: list[int] = []
+        for n, part in enumerate(text.split("\ufffd")):
+            if n:
+                out.append(self._n)
+            if part:
+                out += list(self._tok.encode(part, *a, **k))
+        return out
 
     def decode(self, ids, *a, **k):
         ids = [int(i) for i in ids]
