@@ -6,6 +6,20 @@ from pathlib import Path
 from typing import Iterator
 
 
+def _objects(p: Path, lines, error: type[Exception]) -> Iterator[tuple[int, dict]]:
+    """(line number, object) per non-blank line of `lines`; anything else raises `error` naming file:line."""
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise error(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(record, dict):
+            raise error(f"{p}:{lineno}: expected a JSON object, got {type(record).__name__}")
+        yield lineno, record
+
+
 def iter_objects(path: str | Path, error: type[Exception] = ValueError) -> Iterator[tuple[int, dict]]:
     """(line number, object) per non-blank line; anything else raises `error` naming file:line."""
     p = Path(path)
@@ -13,16 +27,7 @@ def iter_objects(path: str | Path, error: type[Exception] = ValueError) -> Itera
         raise error(f"{p}: no such file" if not p.exists() else f"{p}: not a file")
     try:
         with p.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise error(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-                if not isinstance(record, dict):
-                    raise error(f"{p}:{lineno}: expected a JSON object, got {type(record).__name__}")
-                yield lineno, record
+            yield from _objects(p, f, error)
     except UnicodeDecodeError as e:
         raise error(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
@@ -59,13 +64,4 @@ def _iter_text(p: Path, data: bytes, error: type[Exception]) -> Iterator[tuple[i
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise error(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise error(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-        if not isinstance(record, dict):
-            raise error(f"{p}:{lineno}: expected a JSON object, got {type(record).__name__}")
-        yield lineno, record
+    yield from _objects(p, text.splitlines(), error)

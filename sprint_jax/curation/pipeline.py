@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from sprint_jax.curation.llm import CachedChat, CallStats, EndpointRefused, LLMC
 from sprint_jax.curation.store import STAGES, Store
 from sprint_jax.curation.teacher import TeacherRejected, check_answer, make_teacher, task_prompt
 from sprint_jax.curation.types import Example, Task
+from sprint_jax.fsutil import write_atomic
 
 DB_NAME = "curation.sqlite"
 SPRINT_FILE = "sprint.jsonl"
@@ -119,7 +119,7 @@ class Curation:
                 getattr(self, f"_stage_{stage}")()
         self.write_outputs()
         report = self.report(seconds=time.time() - t0)
-        _atomic_write(self.out / REPORT_FILE, json.dumps(report, indent=2, sort_keys=True) + "\n")
+        write_atomic(self.out / REPORT_FILE, json.dumps(report, indent=2, sort_keys=True) + "\n")
         return report
 
     def _bar(self, total: int, desc: str):
@@ -295,7 +295,7 @@ class Curation:
     def write_outputs(self) -> None:
         for kind, name in (("sprint", SPRINT_FILE), ("rft", RFT_FILE)):
             lines = [json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in self.store.examples(kind)]
-            _atomic_write(self.out / name, "".join(lines))
+            write_atomic(self.out / name, "".join(lines))
 
     def report(self, seconds: float | None = None) -> dict:
         stage_counts = self.store.stage_counts()
@@ -327,14 +327,6 @@ def ratio_histogram(ratios: list[float]) -> dict[str, int]:
         counts[labels[max(k, 0)]] += 1
     return counts
 
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def run_pipeline(config: CurateConfig, out_dir: str | Path | None = None, stages: Iterable[str] | None = None,

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -37,6 +36,7 @@ from typing import Any, Callable, Sequence
 from sprint_jax.tasks import Task, extract_answer, grade_result, task_prompt
 from sprint_jax.eval.report import make_report, write_plots
 from sprint_jax.infer.orchestrator import MODES, Orchestrator, OrchestratorConfig, RunRecord, run_many
+from sprint_jax.fsutil import write_atomic
 
 RESULTS_FILE = "results.jsonl"
 RECORDS_FILE = "records.jsonl"
@@ -106,14 +106,6 @@ def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
     return [] if a == b else [prefix.rstrip(".")]
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
 
 def _prepare_out(out: Path, run: dict, problems: dict[str, str], overwrite: bool) -> dict[str, tuple[dict, dict]]:
     """Check an existing directory against this run; returns id -> (result, record) already done."""
@@ -124,7 +116,7 @@ def _prepare_out(out: Path, run: dict, problems: dict[str, str], overwrite: bool
     if overwrite or not (run_file.exists() or had_results):
         for name in (RESULTS_FILE, RECORDS_FILE, REPORT_FILE, RUN_FILE):
             (out / name).unlink(missing_ok=True)
-        _write_atomic(run_file, json.dumps({"run": run, "problems": problems}, indent=1, ensure_ascii=False) + "\n")
+        write_atomic(run_file, json.dumps({"run": run, "problems": problems}, indent=1, ensure_ascii=False) + "\n")
         return {}
     try:
         before = json.loads(run_file.read_text(encoding="utf-8"))
@@ -144,10 +136,10 @@ def _prepare_out(out: Path, run: dict, problems: dict[str, str], overwrite: bool
     records, cut_b = _complete_lines(out / RECORDS_FILE)
     done = {i: (results[i], records[i]) for i in results if i in records and i in problems}
     # keep exactly the finished problems (a result without its record, or a cut line, is redone)
-    _write_atomic(out / RESULTS_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r, _ in done.values()))
-    _write_atomic(out / RECORDS_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for _, r in done.values()))
+    write_atomic(out / RESULTS_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r, _ in done.values()))
+    write_atomic(out / RECORDS_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for _, r in done.values()))
     (out / REPORT_FILE).unlink(missing_ok=True)       # a report describes a finished run only
-    _write_atomic(run_file, json.dumps({"run": run, "problems": {**old_problems, **problems}}, indent=1,
+    write_atomic(run_file, json.dumps({"run": run, "problems": {**old_problems, **problems}}, indent=1,
                                        ensure_ascii=False) + "\n")
     return done
 
@@ -251,7 +243,7 @@ def _evaluate(engine, tasks, mode, prompt_fn, config, out: Path | None, progress
         report["resumed_problems"] = len(done)   # wall_clock_s covers only the problems run this time
     if out is not None:
         report["plots"] = write_plots(results, out)
-        _write_atomic(out / REPORT_FILE, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+        write_atomic(out / REPORT_FILE, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     return results, report
 
 

@@ -391,7 +391,5 @@ def update_export_meta(path: str | Path, **fields: Any) -> None:
     """Add `fields` to the export's sprint_jax.json (other keys are kept)."""
     meta = read_export_meta(path)
     meta.update(fields)
-    f = Path(path) / EXPORT_META_FILE
-    tmp = f.with_name(f.name + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    tmp.replace(f)   # atomic: a reader never sees half a file
+    from sprint_jax.fsutil import write_atomic
+    write_atomic(Path(path) / EXPORT_META_FILE, json.dumps(meta, indent=2, sort_keys=True) + "\n")
