@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -181,14 +182,27 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
+def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
+    """x [..., *I] @ w [*I, *O] -> [..., *O], contracting x's last `n_in` axes with w's first `n_in`.
+
+    Runs as one 2-D matmul over the flattened rows ([B*T, prod I] @ [prod I, prod O]): XLA CPU
+    differentiates that form ~2x faster than the batched einsum (the weight gradient of
+    "bte,em->btm" is a two-axis contraction it handles badly). Same arithmetic, same result.
+    """
+    lead, inner, outer = x.shape[: x.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
+    k = math.prod(inner)
+    y = x.reshape(-1, k) @ w.reshape(k, -1)                                   # [N, I] @ [I, O]
+    return y.reshape(*lead, *outer)
+
+
 def _layer(config: Qwen2Config, x, lp, positions, attend: AttendFn, layer_cache):
     """One decoder layer. x [B, T, E]; lp: this layer's params (no leading layers axis)."""
     cdt = dtype_of(config.dtype)
     c = lambda a: a.astype(cdt)  # noqa: E731
     h = rms_norm(x, lp["input_layernorm"]["scale"], config.rms_norm_eps)
-    q = jnp.einsum("bte,ehd->bthd", h, c(lp["q_proj"]["kernel"]))
-    k = jnp.einsum("bte,ehd->bthd", h, c(lp["k_proj"]["kernel"]))
-    v = jnp.einsum("bte,ehd->bthd", h, c(lp["v_proj"]["kernel"]))
+    q = dense(h, c(lp["q_proj"]["kernel"]))                                   # [B, T, H, D]
+    k = dense(h, c(lp["k_proj"]["kernel"]))                                   # [B, T, Hkv, D]
+    v = dense(h, c(lp["v_proj"]["kernel"]))                                   # [B, T, Hkv, D]
     if config.qkv_bias:                                                       # Qwen2
         q, k, v = (y + c(lp[n]["bias"]) for y, n in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
     if config.qk_norm:                                # Qwen3: per-head RMSNorm over D, before RoPE
@@ -197,11 +211,11 @@ def _layer(config: Qwen2Config, x, lp, positions, attend: AttendFn, layer_cache)
     q = rope(q, positions, config.rope_theta)
     k = rope(k, positions, config.rope_theta)
     a, new_cache = attend(q, k, v, layer_cache)                               # [B, T, H, D]
-    x = x + jnp.einsum("bthd,hde->bte", a, c(lp["o_proj"]["kernel"]))
+    x = x + dense(a, c(lp["o_proj"]["kernel"]), n_in=2)                       # [B, T, E]
     h = rms_norm(x, lp["post_attention_layernorm"]["scale"], config.rms_norm_eps)
-    g = jnp.einsum("bte,em->btm", h, c(lp["gate_proj"]["kernel"]))
-    u = jnp.einsum("bte,em->btm", h, c(lp["up_proj"]["kernel"]))
-    x = x + jnp.einsum("btm,me->bte", jax.nn.silu(g) * u, c(lp["down_proj"]["kernel"]))
+    g = dense(h, c(lp["gate_proj"]["kernel"]))                                # [B, T, M]
+    u = dense(h, c(lp["up_proj"]["kernel"]))                                  # [B, T, M]
+    x = x + dense(jax.nn.silu(g) * u, c(lp["down_proj"]["kernel"]))           # [B, T, E]
     return x, new_cache
 
 
@@ -228,13 +242,16 @@ def embed(params: Params, config: Qwen2Config, tokens: jax.Array) -> jax.Array:
 
 
 def unembed(params: Params, config: Qwen2Config, x: jax.Array) -> jax.Array:
-    """Final norm + lm_head; logits in fp32."""
+    """Final norm + lm_head; logits in fp32. x [..., E] -> [..., V], one 2-D matmul (see `dense`)."""
     x = rms_norm(x, params["norm"]["scale"], config.rms_norm_eps)
+    lead, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])                     # [N, E]
     if config.tie_word_embeddings:
-        w = params["embed_tokens"].astype(x.dtype)
-        return jnp.einsum("bte,ve->btv", x, w, preferred_element_type=jnp.float32)
-    w = params["lm_head"]["kernel"].astype(x.dtype)
-    return jnp.einsum("bte,ev->btv", x, w, preferred_element_type=jnp.float32)
+        w = params["embed_tokens"].astype(x.dtype)                            # [V, E]
+        logits = jnp.einsum("ne,ve->nv", rows, w, preferred_element_type=jnp.float32)
+    else:
+        w = params["lm_head"]["kernel"].astype(x.dtype)                       # [E, V]
+        logits = jnp.einsum("ne,ev->nv", rows, w, preferred_element_type=jnp.float32)
+    return logits.reshape(*lead, -1)                                          # [..., V]
 
 
 def decoder(params: Params, config: Qwen2Config, x: jax.Array, positions: jax.Array,
