@@ -86,3 +86,18 @@ def tiny_vocab_tokenizer(size: int = 307):
     base = ["<pad>", "<bos>", "<eos>"] + list(string.printable[:95]) + ["\n"]
     extra = [f"<t{i}>" for i in range(size - len(base))]
     return VocabTokenizer(base + extra, eos_token="<eos>", pad_token="<pad>", bos_token="<bos>")
+
+
+def start_lock_holder(directory: Path):
+    """A separate process that takes `directory`'s output lock (sprint_jax.outlock) and sleeps; it has
+    the lock once this returns. The caller kills it."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c",
+                               "import sys, time; from sprint_jax import outlock; "
+                               "l = outlock.acquire(sys.argv[1], 'test'); print('locked', flush=True); time.sleep(600)",
+                               str(directory)], cwd=Path(__file__).resolve().parents[1],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder

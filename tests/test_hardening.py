@@ -350,12 +350,9 @@ def test_eval_and_curate_refuse_a_directory_held_by_another_run(tmp_path, capsys
     from test_orchestrator import ScriptedEngine
 
     out = tmp_path / "held"
-    holder = subprocess.Popen([sys.executable, "-c",
-                               "import sys, time; from sprint_jax import outlock; "
-                               "l = outlock.acquire(sys.argv[1], 'test'); print('locked', flush=True); time.sleep(600)",
-                               str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    from conftest import start_lock_holder
+    holder = start_lock_holder(out)
     try:
-        assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(DirectoryLocked, match=f"pid {holder.pid}"):
             evaluate(ScriptedEngine(["<Final Answer> 1 </Final Answer>"]), [Task("a", "math", "1?", "1")],
                      "sequential", out_dir=out, progress=False)

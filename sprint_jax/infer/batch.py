@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sprint_jax.infer.engine import EngineError, Generation
-from sprint_jax.infer.sampling import GREEDY, Sampling, sample_tokens
+from sprint_jax.infer.sampling import GREEDY, Sampling, advance_rows, sample_tokens
 from sprint_jax.infer.stops import StopScanner
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.model.qwen2 import NEG_INF, attend_partial, decoder, dtype_of, embed, merge_partials, unembed
@@ -227,16 +227,11 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, pslot, fork_len, leng
     def body(c):
         i, cache, lengths, pending, active, remaining, steps, out, reason = c
         cache, tok = one_step(cache, lengths, pending, active, steps)
-        tok = jnp.where(active, tok, -1)
+        tok, finished, remaining, reason, lengths, pending = advance_rows(
+            tok, active, stop_ids, remaining, reason, lengths, pending)
         out = out.at[:, i].set(tok)
-        hit_stop = active & jnp.any(tok[:, None] == stop_ids, axis=-1)
-        remaining = remaining - active.astype(jnp.int32)
-        hit_len = active & ~hit_stop & (remaining <= 0)
-        reason = jnp.where(hit_stop, 1, jnp.where(hit_len, 2, reason))
-        lengths = jnp.where(active, lengths + 1, lengths)
-        pending = jnp.where(active, tok, pending)
         steps = jnp.where(active, steps + 1, steps)
-        active = active & ~hit_stop & ~hit_len
+        active = active & ~finished
         return i + 1, cache, lengths, pending, active, remaining, steps, out, reason
 
     init = (jnp.int32(0), cache, lengths, pending, active, remaining, steps, out, reason)

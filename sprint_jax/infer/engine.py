@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sprint_jax.infer.sampling import GREEDY, Sampling, sample_tokens
+from sprint_jax.infer.sampling import GREEDY, Sampling, advance_rows, sample_tokens
 from sprint_jax.infer.stops import StopScanner
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.model.qwen2 import (attend_partial, decoder, dtype_of, embed, flash_attention, merge_partials,
@@ -223,16 +223,10 @@ def _decode_fn(params, config, cache, lengths, pending, done, remaining, stop_id
         logits = unembed(params, config, hidden)[:, 0]
         step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step0 + i))(keys)
         tok = sample_tokens(logits, step_keys, temperature, top_k, top_p, greedy)
-        active = ~done
-        tok = jnp.where(active, tok, -1)
+        tok, finished, remaining, reason, lengths, pending = advance_rows(
+            tok, ~done, stop_ids, remaining, reason, lengths, pending)
         out = out.at[:, i].set(tok)
-        hit_stop = active & jnp.any(tok[:, None] == stop_ids, axis=-1)
-        remaining = remaining - active.astype(jnp.int32)
-        hit_len = active & ~hit_stop & (remaining <= 0)
-        reason = jnp.where(hit_stop, 1, jnp.where(hit_len, 2, reason))
-        lengths = jnp.where(active, lengths + 1, lengths)
-        pending = jnp.where(active, tok, pending)
-        done = done | hit_stop | hit_len
+        done = done | finished
         return i + 1, cache, lengths, pending, done, remaining, out, reason
 
     init = (jnp.int32(0), cache, lengths, pending, done, remaining, out, reason)

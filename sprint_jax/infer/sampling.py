@@ -51,3 +51,18 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p,
     threshold = jnp.maximum(kth, pth)
     masked = jnp.where(logits >= threshold, logits, -jnp.inf)
     return jax.vmap(lambda kk, lg: jax.random.categorical(kk, lg))(keys, masked).astype(jnp.int32)
+
+
+def advance_rows(tok, active, stop_ids, remaining, reason, lengths, pending):
+    """One decode step's bookkeeping, shared by both engines' on-device loops: the sampled token of
+    each active row (-1 for inactive rows), whether it finished the row (a stop id, or its token
+    budget used up), and the updated remaining budgets, stop reasons (1 stop, 2 length), lengths
+    and pending tokens. Returns (tok, finished, remaining, reason, lengths, pending)."""
+    tok = jnp.where(active, tok, -1)
+    hit_stop = active & jnp.any(tok[:, None] == stop_ids, axis=-1)
+    remaining = remaining - active.astype(jnp.int32)
+    hit_len = active & ~hit_stop & (remaining <= 0)
+    reason = jnp.where(hit_stop, 1, jnp.where(hit_len, 2, reason))
+    lengths = jnp.where(active, lengths + 1, lengths)
+    pending = jnp.where(active, tok, pending)
+    return tok, hit_stop | hit_len, remaining, reason, lengths, pending
