@@ -240,12 +240,12 @@ def test_decode_step_hlo_has_no_full_cache_copy(setup):
     layer scan carries the cache through its outputs (the prototype the issue measured)."""
     model, tok, alone = setup
     engine = _batch(model, tok)
-    rg, g = 2, engine.max_children
-    b = rg * (1 + g)
-    z = lambda dt=jnp.int32: jnp.zeros(b, dt)  # noqa: E731
-    hlo = _decode.lower(engine.params, engine.config, engine.cache, jnp.zeros(rg, jnp.int32),
-                        jnp.zeros(rg, jnp.int32), z(), z(), z(bool), z(), jnp.zeros((b, STOP_WIDTH), jnp.int32),
-                        z(), z(), z(), z(jnp.float32), z(), z(jnp.float32), g=g, chunk=8,
+    na, nf, w = 2, 2, engine.max_children                 # generate rows + fork groups of w children
+    b = na + nf * w
+    z = lambda n=b, dt=jnp.int32: jnp.zeros(n, dt)  # noqa: E731
+    hlo = _decode.lower(engine.params, engine.config, engine.cache, z(na), z(nf), z(nf), z(nf * w), z(), z(),
+                        z(b, bool), z(), jnp.zeros((b, STOP_WIDTH), jnp.int32), z(), z(), z(), z(b, jnp.float32),
+                        z(), z(b, jnp.float32), w=w, chunk=8,
                         s_b=64, c_b=32).compile().as_text()   # used-length buckets below capacity
     caps = {engine.parent_capacity, engine.child_capacity}
     assert caps == {104, 56}

@@ -78,14 +78,17 @@ def compile_decode_step(preset: str, mesh_spec: str, max_seqs: int, max_children
     c_shape = (cfg.num_hidden_layers, max_seqs * max_children, cc) + tail
     cache = SlotCache(SDS(p_shape, kv_dt, sharding=kvp), SDS(p_shape, kv_dt, sharding=kvp),
                       SDS(c_shape, kv_dt, sharding=kvc), SDS(c_shape, kv_dt, sharding=kvc))
-    rg, b = max_seqs, max_seqs * (1 + max_children)
+    # the largest row set the scheduler can build: every bucket full (generate rows and fork groups)
+    na, nf, w = max_seqs, max_seqs, max_children
+    b = na + nf * w
     i32, f32 = jnp.int32, jnp.float32
-    rows = dict(pslot=SDS((rg,), i32), fork_len=SDS((rg,), i32), lengths=SDS((b,), i32), pending=SDS((b,), i32),
+    rows = dict(a_slot=SDS((na,), i32), b_pslot=SDS((nf,), i32), b_fork=SDS((nf,), i32), b_cslot=SDS((nf * w,), i32),
+                lengths=SDS((b,), i32), pending=SDS((b,), i32),
                 active=SDS((b,), jnp.bool_), remaining=SDS((b,), i32), stop_ids=SDS((b, STOP_WIDTH), i32),
                 seeds=SDS((b,), i32), branch=SDS((b,), i32), steps=SDS((b,), i32), temperature=SDS((b,), f32),
                 top_k=SDS((b,), i32), top_p=SDS((b,), f32))
     t = time.perf_counter()
-    lowered = _decode.lower(params, cfg, cache, **rows, g=max_children, chunk=decode_chunk, s_b=pc, c_b=cc,
+    lowered = _decode.lower(params, cfg, cache, **rows, w=w, chunk=decode_chunk, s_b=pc, c_b=cc,
                             kv=(kvp, kvc))
     lower_s = time.perf_counter() - t
     t = time.perf_counter()

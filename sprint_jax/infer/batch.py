@@ -43,7 +43,7 @@ from sprint_jax.infer.engine import EngineError, Generation
 from sprint_jax.infer.sampling import GREEDY, Sampling, advance_rows, sample_tokens
 from sprint_jax.infer.stops import StopScanner
 from sprint_jax.model.config import Qwen2Config
-from sprint_jax.model.qwen2 import NEG_INF, attend_partial, decoder, dtype_of, embed, merge_partials, unembed
+from sprint_jax.model.qwen2 import attend_partial, decoder, dtype_of, embed, merge_partials, unembed
 
 STOP_WIDTH = 8    # device-checked stop ids per row (EOS ids first, then one-token stop strings)
 
@@ -139,7 +139,7 @@ def _prefill(params, config: Qwen2Config, cache: SlotCache, tokens, slot, parent
 
 
 # ---------------------------------------------------------------------------------------------
-# Decode: `chunk` steps for Rg groups of rows [parent, child_1..child_G] on device
+# Decode: `chunk` steps for the active rows only, on device
 # ---------------------------------------------------------------------------------------------
 def _sample_rows(logits, keys, temperature, top_k, top_p):
     """Per-row sampling (temperature 0 = argmax); the sorting path runs only when a row samples."""
@@ -152,67 +152,70 @@ def _sample_rows(logits, keys, temperature, top_k, top_p):
     return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "g", "chunk", "s_b", "c_b", "kv"),
+def parent_prefix_attention(pk: jax.Array, pv: jax.Array, layer, pslot: jax.Array, q: jax.Array,
+                            plen: jax.Array, s_b: int):
+    """The shared-prefix attention of a step: group i's W queries q[i] [G, W, H, D] attend to the
+    first plen[i, w] slots of parent slot pslot[i] (pk, pv [L, P, Sp, Hkv, D]). Each parent's
+    prefix is read once for all W queries of its group (they ride on the query axis), never
+    once per query. Returns (out [G, W, H, D], lse [G, W, H]) for `merge_partials`.
+    This is the one place the many-parents Pallas kernel replaces (kernels/)."""
+    mask = jnp.arange(s_b)[None, None, :] < plen[:, :, None]                        # [G, W, S_b]
+    return attend_partial(q, _gather_rows(pk, layer, pslot, s_b), _gather_rows(pv, layer, pslot, s_b), mask)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "w", "chunk", "s_b", "c_b", "kv"),
                    donate_argnames=("cache",))
-def _decode(params, config: Qwen2Config, cache: SlotCache, pslot, fork_len, lengths, pending, active,
-            remaining, stop_ids, seeds, branch, steps, temperature, top_k, top_p,
-            g: int, chunk: int, s_b: int, c_b: int, kv=None):
-    """Rows are [Rg, 1+g] flattened (row 0 of a group: the parent slot pslot[i]; rows 1..g its
-    child slots). lengths = KV entries of the row's own slot (parent slot or child suffix);
-    a child's positions start at its group's fork_len. Returns the cache, the emitted tokens
-    [B, chunk] (-1 = none), per-row reason codes (1 stop id / EOS, 2 length), steps run."""
-    rg = pslot.shape[0]
-    w = 1 + g
-    b = rg * w
-    is_child = jnp.tile(jnp.arange(w) > 0, rg)                                      # [B]
-    grp_fork = jnp.repeat(fork_len, w)                                               # [B]
-    cslot = (pslot[:, None] * g + jnp.arange(g)[None]).reshape(-1) if g else None   # [Rg*g]
-    base = jax.vmap(lambda s, j: jax.random.fold_in(jax.random.key(s), j))(seeds, branch)
+def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending,
+            active, remaining, stop_ids, seeds, branch, steps, temperature, top_k, top_p,
+            w: int, chunk: int, s_b: int, c_b: int, kv=None):
+    """The active rows, packed: rows [0, A) decode on parent slots a_slot (a generate op: the row
+    attends to its own parent slot); rows [A, A + F*w) are fork children, F groups of w rows,
+    group i's children of parent slot b_pslot[i] (read-only, fork point b_fork[i]) in child
+    slots b_cslot. No row is computed for a read-only parent or an absent child beyond the
+    bucket padding. lengths = KV entries of the row's own slot (parent slot or child suffix).
+    Returns the cache, the emitted tokens [B, chunk] (-1 = none), per-row reason codes
+    (1 stop id / EOS, 2 length), and the steps run."""
+    na, nf = a_slot.shape[0], b_pslot.shape[0]
+    b = na + nf * w
     n_layers = config.num_hidden_layers
+    fork_of_row = jnp.concatenate([jnp.zeros(na, jnp.int32), jnp.repeat(b_fork, w)])   # [B]
+    base = jax.vmap(lambda s, j: jax.random.fold_in(jax.random.key(s), j))(seeds, branch)
+    drop = 1 << 30
 
     def one_step(cache, lengths, pending, active, steps):
-        positions = jnp.where(is_child, grp_fork + lengths, lengths)[:, None]        # [B, 1]
-        # what the parent attention sees: the parent's own past, or a child's fork prefix
-        plen = jnp.where(is_child, grp_fork, lengths).reshape(rg, w)
-        p_mask = jnp.arange(s_b)[None, None, :] < plen[:, :, None]                   # [Rg, w, S_b]
-        if g:
-            clen = lengths.reshape(rg, w)[:, 1:].reshape(-1)
-            c_mask = (jnp.arange(c_b)[None, None, :] < clen[:, None, None])          # [Rg*g, 1, C_b]
+        positions = (fork_of_row + lengths)[:, None]                                  # [B, 1]
+        la, lb = lengths[:na], lengths[na:]
 
         def attend(q, k, v, layer):
             h, d = q.shape[2], q.shape[3]
-            qg = q.reshape(rg, w, h, d)                    # the group's queries share the parent keys
-            o_p, l_p = attend_partial(qg, _gather_rows(cache.pk, layer, pslot, s_b),
-                                      _gather_rows(cache.pv, layer, pslot, s_b), p_mask)
-            parts = [(o_p.reshape(b, 1, h, d), l_p.reshape(b, 1, h))]
-            if g:
-                qc = qg[:, 1:].reshape(rg * g, 1, h, d)
-                o_c, l_c = attend_partial(qc, _gather_rows(cache.ck, layer, cslot, c_b),
-                                          _gather_rows(cache.cv, layer, cslot, c_b), c_mask)
-                o_c = jnp.concatenate([jnp.zeros((rg, 1, h, d), o_c.dtype), o_c.reshape(rg, g, h, d)], 1)
-                l_c = jnp.concatenate([jnp.full((rg, 1, h), NEG_INF, l_c.dtype), l_c.reshape(rg, g, h)], 1)
-                parts.append((o_c.reshape(b, 1, h, d), l_c.reshape(b, 1, h)))
-            parts.append(_self_partial(q, k, v))
-            return merge_partials(parts)[0], (k, v)
+            o_s, l_s = _self_partial(q, k, v)                    # every row's own new token
+            outs = []
+            if na:                                               # generate rows: their own slot
+                own = parent_prefix_attention(cache.pk, cache.pv, layer, a_slot, q[:na, 0][:, None],
+                                              la[:, None], s_b)
+                outs.append(merge_partials([own, (o_s[:na], l_s[:na])])[0])
+            if nf:                                               # fork children: prefix + suffix
+                o_p, l_p = parent_prefix_attention(cache.pk, cache.pv, layer, b_pslot,
+                                                   q[na:, 0].reshape(nf, w, h, d),
+                                                   jnp.broadcast_to(b_fork[:, None], (nf, w)), s_b)
+                c_mask = jnp.arange(c_b)[None, None, :] < lb[:, None, None]            # [F*w, 1, C_b]
+                suffix = attend_partial(q[na:], _gather_rows(cache.ck, layer, b_cslot, c_b),
+                                        _gather_rows(cache.cv, layer, b_cslot, c_b), c_mask)
+                prefix = (o_p.reshape(nf * w, 1, h, d), l_p.reshape(nf * w, 1, h))
+                outs.append(merge_partials([prefix, suffix, (o_s[na:], l_s[na:])])[0])
+            return (jnp.concatenate(outs) if len(outs) > 1 else outs[0]), (k, v)
 
         x = embed(params, config, pending[:, None])
         hidden, (nk, nv) = decoder(params, config, x, positions, attend, jnp.arange(n_layers))
         nk, nv = nk[:, :, 0], nv[:, :, 0]                                            # [L, B, Hkv, D]
-        nk = nk.reshape((n_layers, rg, w) + nk.shape[2:])
-        nv = nv.reshape((n_layers, rg, w) + nv.shape[2:])
-        act = active.reshape(rg, w)
-        lens = lengths.reshape(rg, w)
-        drop = 1 << 30
-        ppos = jnp.where(act[:, 0], lens[:, 0], drop)
-        pk = cache.pk.at[:, pslot, ppos].set(nk[:, :, 0].astype(cache.pk.dtype), mode="drop")
-        pv = cache.pv.at[:, pslot, ppos].set(nv[:, :, 0].astype(cache.pv.dtype), mode="drop")
-        ck, cv = cache.ck, cache.cv
-        if g:
-            cpos = jnp.where(act[:, 1:], lens[:, 1:], drop).reshape(-1)
-            ck = ck.at[:, cslot, cpos].set(nk[:, :, 1:].reshape((n_layers, rg * g) + nk.shape[3:]).astype(ck.dtype),
-                                           mode="drop")
-            cv = cv.at[:, cslot, cpos].set(nv[:, :, 1:].reshape((n_layers, rg * g) + nv.shape[3:]).astype(cv.dtype),
-                                           mode="drop")
+        pos = jnp.where(active, lengths, drop)
+        pk, pv, ck, cv = cache.pk, cache.pv, cache.ck, cache.cv
+        if na:
+            pk = pk.at[:, a_slot, pos[:na]].set(nk[:, :na].astype(pk.dtype), mode="drop")
+            pv = pv.at[:, a_slot, pos[:na]].set(nv[:, :na].astype(pv.dtype), mode="drop")
+        if nf:
+            ck = ck.at[:, b_cslot, pos[na:]].set(nk[:, na:].astype(ck.dtype), mode="drop")
+            cv = cv.at[:, b_cslot, pos[na:]].set(nv[:, na:].astype(cv.dtype), mode="drop")
         logits = unembed(params, config, hidden)[:, 0]
         keys = jax.vmap(jax.random.fold_in)(base, steps)
         tok = _sample_rows(logits, keys, temperature, top_k, top_p)
@@ -279,6 +282,7 @@ class _Row:
 
     def __init__(self, op: Op, j: int, run: list[int], limit: int, stops: list[str], scanner: StopScanner):
         self.op, self.j = op, j
+        self.key_branch = j               # the sampling key stream (fold_in(key(seed), key_branch))
         self.run = run                    # child: [parent pending] + prefix (+ generated); parent: unused
         self.limit = limit
         self.stops = stops
@@ -648,20 +652,27 @@ class BatchEngine:
         return row.op.seq.id not in self._prefill_work
 
     def _decode(self) -> None:
-        groups = []
+        """One decode call over the active rows only: parents running a generate op (rows A) and,
+        grouped by parent, the children of running forks (rows F x w, w = the most children
+        alive in one fork, bucketed). A read-only parent and a finished child take no row."""
+        gen_rows: list[tuple[int, _Row]] = []
+        forks: list[tuple[int, list[_Row]]] = []
         for slot, rows in sorted(self._groups.items()):
-            live = [self._decoding(r, j > 0) for j, r in enumerate(rows)]
-            if any(live):
-                groups.append((slot, rows, live))
-        if not groups:
+            if self._decoding(rows[0], False):
+                gen_rows.append((slot, rows[0]))
+            kids = [r for r in rows[1:] if self._decoding(r, True)]
+            if kids:
+                forks.append((slot, kids))
+        if not gen_rows and not forks:
             return
-        has_children = any(any(live[1:]) for _, _, live in groups)
-        g = self.max_children if has_children else 0
-        w = 1 + g
-        rg = min(_bucket(len(groups), 1), self.max_seqs)
-        b = rg * w
-        pslot = np.full(rg, self.max_seqs, np.int32)
-        fork = np.zeros(rg, np.int32)
+        na = min(_bucket(len(gen_rows), 1), self.max_seqs) if gen_rows else 0
+        nf = min(_bucket(len(forks), 1), self.max_seqs) if forks else 0
+        w = min(_bucket(max(len(k) for _, k in forks), 1), self.max_children) if forks else 1
+        b = na + nf * w
+        a_slot = np.full(na, self.max_seqs, np.int32)                 # padding rows write nowhere
+        b_pslot = np.full(nf, self.max_seqs, np.int32)
+        b_fork = np.zeros(nf, np.int32)
+        b_cslot = np.full(nf * w, self.max_seqs * self.max_children, np.int32)
         lengths = np.zeros(b, np.int32)
         pending = np.zeros(b, np.int32)
         active = np.zeros(b, bool)
@@ -675,37 +686,37 @@ class BatchEngine:
         top_p = np.ones(b, np.float32)
         need_p, need_c = 1, 1
         placed: list[tuple[int, _Row, bool]] = []
-        for gi, (slot, rows, live) in enumerate(groups):
-            seq = rows[0].op.seq if rows[0] is not None else next(r for r in rows if r is not None).op.seq
-            pslot[gi] = slot
-            fork[gi] = seq.length
-            for j in range(w):
-                if not live[j]:
-                    continue
-                row, i = rows[j], gi * w + j
-                if j == 0:
-                    lengths[i] = seq.length + len(row.gen)
-                    pending[i] = row.gen[-1] if row.gen else seq.tokens[-1]
-                    need_p = max(need_p, lengths[i] + self.decode_chunk)
-                else:
-                    lengths[i] = len(row.run) - 1 + len(row.gen)
-                    pending[i] = row.gen[-1] if row.gen else row.run[-1]
-                    need_c = max(need_c, lengths[i] + self.decode_chunk)
-                    need_p = max(need_p, seq.length)
-                active[i] = True
-                remaining[i] = row.limit - len(row.gen)
-                stop_ids[i] = self._stop_ids(row.stops)
-                s = row.op.sampling
-                seeds[i], branch[i], steps[i] = s.seed, row.j, len(row.gen)
-                temp[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
-                placed.append((i, row, j > 0))
+        for i, (slot, row) in enumerate(gen_rows):
+            seq = row.op.seq
+            a_slot[i] = slot
+            lengths[i] = seq.length + len(row.gen)
+            pending[i] = row.gen[-1] if row.gen else seq.tokens[-1]
+            need_p = max(need_p, lengths[i] + self.decode_chunk)
+            placed.append((i, row, False))
+        for f, (slot, kids) in enumerate(forks):
+            seq = kids[0].op.seq
+            b_pslot[f], b_fork[f] = slot, seq.length
+            need_p = max(need_p, seq.length)
+            for c, row in enumerate(kids):
+                i = na + f * w + c
+                b_cslot[f * w + c] = slot * self.max_children + row.j
+                lengths[i] = len(row.run) - 1 + len(row.gen)
+                pending[i] = row.gen[-1] if row.gen else row.run[-1]
+                need_c = max(need_c, lengths[i] + self.decode_chunk)
+                placed.append((i, row, True))
+        for i, row, _ in placed:
+            active[i] = True
+            remaining[i] = row.limit - len(row.gen)
+            stop_ids[i] = self._stop_ids(row.stops)
+            s = row.op.sampling
+            seeds[i], branch[i], steps[i] = s.seed, row.key_branch, len(row.gen)
+            temp[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
         s_b = min(_bucket(need_p, self.min_bucket), self.parent_capacity)
-        c_b = min(_bucket(need_c, self.min_bucket), self.child_capacity) if g else 1
+        c_b = min(_bucket(need_c, self.min_bucket), self.child_capacity) if forks else 1
         self.cache, out, reason, n = _decode(
-            self.params, self.config, self.cache, jnp.asarray(pslot), jnp.asarray(fork), jnp.asarray(lengths),
-            jnp.asarray(pending), jnp.asarray(active), jnp.asarray(remaining), jnp.asarray(stop_ids),
-            jnp.asarray(seeds), jnp.asarray(branch), jnp.asarray(steps), jnp.asarray(temp), jnp.asarray(top_k),
-            jnp.asarray(top_p), g=g, chunk=self.decode_chunk, s_b=s_b, c_b=c_b, kv=self._kv)
+            self.params, self.config, self.cache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending, active,
+            remaining, stop_ids, seeds, branch, steps, temp, top_k, top_p,
+            w=w, chunk=self.decode_chunk, s_b=s_b, c_b=c_b, kv=self._kv)
         out, reason = jax.device_get((out, reason))
         self.stats["decode_calls"] += 1
         for i, row, child in placed:
