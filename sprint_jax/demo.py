@@ -101,7 +101,7 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
     from sprint_jax.curation.config import CurateConfig
     from sprint_jax.curation.pipeline import run_pipeline
     from sprint_jax.eval.evaluate import evaluate
-    from sprint_jax.infer import Engine, OrchestratorConfig
+    from sprint_jax.infer import OrchestratorConfig
     from sprint_jax.infer.batch import BatchEngine
     from sprint_jax.model.convert import load_model
     from sprint_jax.model.hf import read_export_meta
@@ -172,20 +172,18 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
              "rft_sequential": ("rft", "sequential")}
     if "sprint_flat" in trained:
         evals["sprint_flat_parallel"] = ("sprint_flat", "parallel")
-    engines: dict[tuple[str, bool], Any] = {}
+    engines: dict[str, Any] = {}
     results: dict[str, dict] = {}
     for k, (run_name, (model_name, mode)) in enumerate(evals.items()):
         _say(f"[3/5] evaluating {run_name} on {len(test_tasks)} held-out problems ({k + 1}/{len(evals)})")
-        # the batched engine runs parallel and sequential modes; serial keeps the single-run engine
-        # (on the batched engine executors always run as a fork)
-        key = (model_name, mode != "serial")
+        # every mode on the batched engine (serial: its executors one after another, as forks of one)
+        key = model_name
         if key not in engines:
             model = load_model(trained[model_name]["export_dir"])
             kw = dict(max_seq_len=512, max_branch_tokens=cfg.max_branch_tokens + 8, decode_chunk=16,
                       prefill_chunk=128)
-            engines[key] = (BatchEngine(model, tok, max_seqs=cfg.concurrency, max_children=cfg.chains, **kw)
-                            if key[1] else Engine(model, tok, max_branches=cfg.chains, **kw))
-            _warm(engines[key], test_tasks[0], orch, mode)
+            engines[key] = BatchEngine(model, tok, max_seqs=cfg.concurrency, max_children=cfg.chains, **kw)
+        _warm(engines[key], test_tasks[0], orch, mode)
         t0 = time.perf_counter()
         layout = read_export_meta(trained[model_name]["export_dir"]).get("layout", "flat")
         _, rep = evaluate(engines[key], test_tasks, mode, prompt_fn=chains.prompt_for,

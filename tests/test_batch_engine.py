@@ -152,6 +152,27 @@ def test_n_samples_fork_from_one_prefill(setup):
     assert engine.free_slots == 4
 
 
+def test_serial_fork_runs_children_one_after_another(setup):
+    """`serial=True`: one child row at a time (the scheduler never holds two), each child's tokens
+    those of the single-run engine's serial branches (sampled: the same key streams)."""
+    model, tok, alone = setup
+    engine = _batch(model, tok)
+    prompt, prefixes = _ids(9, 12), [_ids(30 + j, j) for j in range(3)]
+    hot = Sampling(temperature=1.0, seed=3)
+    op = engine.open(prompt)
+    engine.run([op])
+    seq = op.result
+    fork = engine.fork(seq, prefixes, [6, 9, 7], sampling=hot, serial=True)
+    live = []
+    while not fork.done:
+        engine.step()
+        live.append(engine.live_rows)
+    assert max(live) == 1 and len(live) >= 3
+    ref = alone.decode_branches(alone.prefill(prompt), prefixes, [6, 9, 7], sampling=hot, mode="serial")
+    assert [g.tokens for g in fork.result] == [g.tokens for g in ref]
+    engine.close(seq)
+
+
 def test_full_pool_queues_then_serves(setup):
     model, tok, alone = setup
     engine = _batch(model, tok, slots=2)
@@ -245,7 +266,7 @@ def test_decode_step_hlo_has_no_full_cache_copy(setup):
     z = lambda n=b, dt=jnp.int32: jnp.zeros(n, dt)  # noqa: E731
     hlo = _decode.lower(engine.params, engine.config, engine.cache, z(na), z(nf), z(nf), z(nf * w), z(), z(),
                         z(b, bool), z(), jnp.zeros((b, STOP_WIDTH), jnp.int32), z(), z(), z(), z(b, jnp.float32),
-                        z(), z(b, jnp.float32), w=w, chunk=8,
+                        z(), z(b, jnp.float32), jnp.zeros((b, 8), jnp.int32), z(), w=w, chunk=8,
                         s_b=64, c_b=32).compile().as_text()   # used-length buckets below capacity
     caps = {engine.parent_capacity, engine.child_capacity}
     assert caps == {104, 56}

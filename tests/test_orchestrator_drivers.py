@@ -139,7 +139,7 @@ def test_real_checkpoint_runs_give_identical_records_under_both_drivers(hf_untie
     batch = BatchEngine(model, tok, max_seqs=4, max_children=4, **caps)
     rng = np.random.default_rng(0)
     queries = ["".join(rng.choice(list("abcdefgh xyz")) for _ in range(int(n))) for n in rng.integers(3, 30, 5)]
-    for mode in ("parallel", "sequential"):
+    for mode in ("parallel", "serial", "sequential"):
         cfg = OrchestratorConfig(max_planner_tokens=10, max_total_tokens=14)
         alone = [Orchestrator(single, cfg).run(q, mode) for q in queries]
         many = run_many(batch, queries, mode, cfg, concurrency=3)

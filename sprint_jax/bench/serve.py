@@ -153,6 +153,37 @@ def run_single(engine, prompts: list[list[int]], s: dict) -> int:
     return tokens
 
 
+def fork_bytes(model, tok, prompt: list[int], s: dict, common: dict) -> dict[str, Any]:
+    """A fork's KV footprint read off the cache arrays: on a fresh engine (zero cache), open the
+    prompt and fork --executors children (4-token openings, --executor-tokens each); every slot
+    whose K or V is non-zero anywhere (layers, heads, dims) was written. The bytes written must be
+    exactly prefix + sum of the children's suffixes (the prefix stored once), never a copy."""
+    import jax
+
+    from sprint_jax.infer.batch import BatchEngine
+    e = BatchEngine(model, tok, max_seqs=1, max_children=max(s["executors"], 1), **common)
+    op = e.open(prompt)
+    e.run([op])
+    seq = op.result
+    fork = e.fork(seq, _openings(s), s["executor_tokens"])
+    e.run([fork])
+    pk, pv, ck, cv = jax.device_get((e.cache.pk, e.cache.pv, e.cache.ck, e.cache.cv))
+
+    def written(k, v):                      # [L, N, C, H, D] -> slots written, per row
+        return ((k != 0).any(axis=(0, 3, 4)) | (v != 0).any(axis=(0, 3, 4))).sum(axis=1)
+    per_slot = 2 * pk.shape[0] * pk.shape[3] * pk.shape[4] * pk.dtype.itemsize   # K and V, all layers
+    parent_slots = int(written(pk, pv).sum())
+    child_slots = [int(x) for x in written(ck, cv)[: len(fork.result)]]
+    prefix = seq.length                                   # the context's KV entries
+    suffixes = [len(o) + len(g.tokens) for o, g in zip(_openings(s), fork.result)]   # pending + opening + generated - 1
+    measured = per_slot * (parent_slots + sum(child_slots))
+    expected = per_slot * (prefix + sum(suffixes))
+    return dict(bytes_per_slot=per_slot, parent_slots=parent_slots, child_slots=child_slots,
+                prefix_slots=prefix, suffix_slots=suffixes, measured_bytes=measured,
+                prefix_plus_suffixes_bytes=expected, copied_prefix_bytes=per_slot * (len(suffixes) * prefix + sum(suffixes)),
+                exact=measured == expected)
+
+
 def run_serve_bench(args: argparse.Namespace) -> int:
     if args.http:
         http_bench(args)
@@ -424,6 +455,7 @@ def serve_bench(args: argparse.Namespace) -> dict[str, Any]:
             row[f"{label}_step_ms"] = 1000 * step if step > 0 else None
             row[f"{label}_samples_s"] = walls
         out["capacity"].append(row)
+    out["fork_bytes"] = fork_bytes(model, tok, prompts[0], s, common)
     _report(out, conc, caps)
     if args.out:
         with open(args.out, "w") as f:
@@ -457,6 +489,12 @@ def _report(out: dict, conc: list[int], caps: list[int]) -> None:
         if a and b:
             targets[f"{label} step capacity {hi} / {lo}"] = b / a
     out["ratios"] = targets
+    fb = out.get("fork_bytes")
+    if fb:
+        print(f"\nfork of {len(fb['child_slots'])} children, read off the cache arrays: {fb['measured_bytes']} bytes "
+              f"written ({fb['parent_slots']} parent + {sum(fb['child_slots'])} child slots); prefix + n x suffix = "
+              f"{fb['prefix_plus_suffixes_bytes']} ({fb['prefix_slots']} + {fb['suffix_slots']} slots): "
+              f"{'exact' if fb['exact'] else 'DIFFERENT'}; a per-child prefix copy would hold {fb['copied_prefix_bytes']}")
     print("\nratios (issue 13 targets: concurrency 16 / 1 >= 6; batched step 8192 / 512 <= 1.2):")
     for k, v in targets.items():
         print(f"  {k:<44}{v:>8.2f}")

@@ -86,7 +86,8 @@ def compile_decode_step(preset: str, mesh_spec: str, max_seqs: int, max_children
                 lengths=SDS((b,), i32), pending=SDS((b,), i32),
                 active=SDS((b,), jnp.bool_), remaining=SDS((b,), i32), stop_ids=SDS((b, STOP_WIDTH), i32),
                 seeds=SDS((b,), i32), branch=SDS((b,), i32), steps=SDS((b,), i32), temperature=SDS((b,), f32),
-                top_k=SDS((b,), i32), top_p=SDS((b,), f32))
+                top_k=SDS((b,), i32), top_p=SDS((b,), f32), forced=SDS((b, decode_chunk), i32),
+                n_forced=SDS((b,), i32))
     t = time.perf_counter()
     lowered = _decode.lower(params, cfg, cache, **rows, w=w, chunk=decode_chunk, s_b=pc, c_b=cc,
                             kv=(kvp, kvc))

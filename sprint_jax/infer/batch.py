@@ -49,8 +49,19 @@ STOP_WIDTH = 8    # device-checked stop ids per row (EOS ids first, then one-tok
 
 
 def _bucket(n: int, lo: int) -> int:
+    """The smallest lo * 2^k >= n (few shapes compile)."""
     b = lo
     while b < n:
+        b *= 2
+    return b
+
+
+def _bucket_fine(n: int, lo: int) -> int:
+    """The smallest of lo * 2^k and 1.5 * lo * 2^k >= n: prefill lengths (padding <= 1/3)."""
+    b = lo
+    while b < n:
+        if b * 3 // 2 >= n and (b * 3) % 2 == 0:
+            return b * 3 // 2
         b *= 2
     return b
 
@@ -166,13 +177,17 @@ def parent_prefix_attention(pk: jax.Array, pv: jax.Array, layer, pslot: jax.Arra
 @functools.partial(jax.jit, static_argnames=("config", "w", "chunk", "s_b", "c_b", "kv"),
                    donate_argnames=("cache",))
 def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending,
-            active, remaining, stop_ids, seeds, branch, steps, temperature, top_k, top_p,
+            active, remaining, stop_ids, seeds, branch, steps, temperature, top_k, top_p, forced, n_forced,
             w: int, chunk: int, s_b: int, c_b: int, kv=None):
     """The active rows, packed: rows [0, A) decode on parent slots a_slot (a generate op: the row
     attends to its own parent slot); rows [A, A + F*w) are fork children, F groups of w rows,
     group i's children of parent slot b_pslot[i] (read-only, fork point b_fork[i]) in child
     slots b_cslot. No row is computed for a read-only parent or an absent child beyond the
     bucket padding. lengths = KV entries of the row's own slot (parent slot or child suffix).
+    forced [B, F], n_forced [B]: tokens a row takes before it samples (a child's forced prefix, a
+    sequence's short extend): step k < n_forced writes the pending token's KV and makes forced[k]
+    pending; it emits nothing and is not one of the row's generated steps (its sampling key,
+    budget and stops start after them), as if the tokens had been prefilled.
     Returns the cache, the emitted tokens [B, chunk] (-1 = none), per-row reason codes
     (1 stop id / EOS, 2 length), and the steps run."""
     na, nf = a_slot.shape[0], b_pslot.shape[0]
@@ -230,10 +245,15 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
     def body(c):
         i, cache, lengths, pending, active, remaining, steps, out, reason = c
         cache, tok = one_step(cache, lengths, pending, active, steps)
+        forcing = active & (i < n_forced)
+        sampling = active & ~forcing
         tok, finished, remaining, reason, lengths, pending = advance_rows(
-            tok, active, stop_ids, remaining, reason, lengths, pending)
+            tok, sampling, stop_ids, remaining, reason, lengths, pending)
+        nxt = forced[:, jnp.minimum(i, forced.shape[1] - 1)]
+        lengths = jnp.where(forcing, lengths + 1, lengths)
+        pending = jnp.where(forcing, nxt, pending)
         out = out.at[:, i].set(tok)
-        steps = jnp.where(active, steps + 1, steps)
+        steps = jnp.where(sampling, steps + 1, steps)
         active = active & ~finished
         return i + 1, cache, lengths, pending, active, remaining, steps, out, reason
 
@@ -275,6 +295,7 @@ class Op:
     done: bool = False
     result: object = None
     tag: object = None                    # the caller's (e.g. which run this op belongs to)
+    queued: list = dataclasses.field(default_factory=list)   # a serial fork's children not yet started
 
 
 class _Row:
@@ -353,8 +374,9 @@ class BatchEngine:
                 self.config, max_seqs, max_children, self.parent_capacity, self.child_capacity)
         self._free = list(range(max_seqs))
         self._waiting: deque[Op] = deque()             # opens waiting for a slot
-        self._prefill: list[Seq] = []                  # parents with tokens to prefill
-        self._prefill_work: dict[int, tuple[list[int], int, Op]] = {}   # seq id -> (run, done, op)
+        # seq id -> [seq, run, done, base]: tokens run[done:] still to write at slot positions
+        # base + done.. (an open's prompt, extends; queued when submitted, written by the next step)
+        self._prefill_work: dict[int, list] = {}
         self._groups: dict[int, list[_Row | None]] = {}                  # slot -> [parent row, children...]
         self._single_token: dict[str, int | None] = {}
         self.stats = dict(steps=0, decode_calls=0, prefill_calls=0, tokens=0)
@@ -396,12 +418,17 @@ class BatchEngine:
         op = Op("extend", seq, tokens=tokens, tag=tag)
         seq.op = op
         if tokens:
-            self._prefill_work[seq.id] = ([seq.tokens[-1]] + tokens[:-1], 0, op)
-            self._prefill.append(seq)
+            self._queue_prefill(seq, [seq.tokens[-1]] + tokens[:-1], seq.length)
             seq.tokens = seq.tokens + tokens
-        else:
-            self._finish(op, seq)
+        self._finish(op, seq)
         return op
+
+    def _queue_prefill(self, seq: Seq, run: list[int], base: int) -> None:
+        """Tokens to write into the sequence's slot after what it holds. The op that queued them
+        ends at once: the next step writes them (in a prefill call, or as forced tokens of the
+        sequence's next decode chunk when few), before anything of the sequence decodes."""
+        work = self._prefill_work.setdefault(seq.id, [seq, [], 0, base])
+        work[1] = work[1] + run
 
     def generate(self, seq: Seq, max_new_tokens: int, stop: Sequence[str] = (), sampling: Sampling | None = None,
                  tag=None) -> Op:
@@ -420,10 +447,13 @@ class BatchEngine:
         return op
 
     def fork(self, seq: Seq, prefixes: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
-             stop: Sequence[Sequence[str]] | Sequence[str] = (), sampling: Sampling | None = None, tag=None) -> Op:
+             stop: Sequence[Sequence[str]] | Sequence[str] = (), sampling: Sampling | None = None, tag=None,
+             serial: bool = False) -> Op:
         """len(prefixes) children of `seq`: child j continues seq with prefixes[j] (forced) and
         decodes until its own stops / EOS / limit. Result: one Generation per child (generated
-        tokens only); `seq` keeps its content and is read-only until the fork finishes."""
+        tokens only); `seq` keeps its content and is read-only until the fork finishes.
+        serial: the children run one after another (child j starts when child j-1 ends), each
+        alone on the parent's context: SPRINT's `serial` mode, the same tokens as together."""
         self._check_idle(seq, "fork")
         n = len(prefixes)
         if n == 0:
@@ -447,8 +477,12 @@ class BatchEngine:
         op = Op("fork", seq, prefixes=prefixes, limits=limits, stops=stops, sampling=sampling or GREEDY, tag=tag)
         seq.op = op
         group = self._groups.setdefault(seq.slot, [None] * (1 + self.max_children))
-        for j, (p, m, st) in enumerate(zip(prefixes, limits, stops)):
-            group[1 + j] = _Row(op, j, [seq.tokens[-1]] + p, m, st, StopScanner(self.decode_text, st))
+        rows = [_Row(op, j, [seq.tokens[-1]] + p, m, st, StopScanner(self.decode_text, st))
+                for j, (p, m, st) in enumerate(zip(prefixes, limits, stops))]
+        if serial:
+            rows, op.queued = rows[:1], rows[1:]
+        for row in rows:
+            group[1 + row.j] = row
         op.result = [None] * n
         return op
 
@@ -458,6 +492,13 @@ class BatchEngine:
         self._check_idle(seq, "truncate")
         if not 1 <= n <= len(seq.tokens):
             raise EngineError(f"truncate to {n} tokens: the sequence holds {len(seq.tokens)}")
+        work = self._prefill_work.get(seq.id)
+        if work is not None:                  # queued tokens past the new length are not written
+            keep = n - 1 - work[3]
+            if work[2] >= keep:
+                del self._prefill_work[seq.id]
+            else:
+                work[1] = work[1][:keep]
         seq.tokens = seq.tokens[:n]
         return seq
 
@@ -469,6 +510,7 @@ class BatchEngine:
         """Free the sequence's slot (immediately; the sequence must be idle)."""
         self._check_idle(seq, "close")
         seq.closed = True
+        self._prefill_work.pop(seq.id, None)
         if seq.slot is not None:
             self._groups.pop(seq.slot, None)
             self._free.append(seq.slot)
@@ -482,8 +524,6 @@ class BatchEngine:
         op = seq.op
         if op is not None:
             self._waiting = deque(o for o in self._waiting if o is not op)
-            self._prefill_work.pop(seq.id, None)
-            self._prefill = [s for s in self._prefill if s is not seq]
             self._finish(op, None)
         self.close(seq)
 
@@ -513,7 +553,7 @@ class BatchEngine:
 
     @property
     def busy(self) -> bool:
-        return bool(self._waiting or self._prefill or any(
+        return bool(self._waiting or self._prefill_work or any(
             r is not None for rows in self._groups.values() for r in rows))
 
     @property
@@ -551,10 +591,8 @@ class BatchEngine:
             seq.tokens = op.tokens
             self._groups.pop(seq.slot, None)
             if len(op.tokens) > 1:
-                self._prefill_work[seq.id] = (op.tokens[:-1], 0, op)
-                self._prefill.append(seq)
-            else:
-                self._finish(op, seq)
+                self._queue_prefill(seq, op.tokens[:-1], 0)
+            self._finish(op, seq)
         self._prefill_parents()
         self._prefill_children()
         self._decode()
@@ -571,57 +609,55 @@ class BatchEngine:
             raise EngineError(f"no progress: {len(self._waiting)} open(s) wait for a slot and all "
                               f"{self.max_seqs} slots hold idle sequences (close one)")
 
+    def _forced_in_decode(self, work: list) -> bool:
+        """Whether a sequence's queued tokens ride as forced tokens in its next decode chunk (few
+        left, and its generate op decodes next) instead of a prefill call."""
+        seq = work[0]
+        rows = self._groups.get(seq.slot)
+        return (len(work[1]) - work[2] <= self.decode_chunk and rows is not None and rows[0] is not None
+                and rows[0].reason is None)
+
     def _prefill_parents(self) -> None:
-        if not self._prefill:
-            return
         rows = []
-        for seq in self._prefill:
-            run, done, op = self._prefill_work[seq.id]
-            piece = run[done: done + self.prefill_chunk]
-            rows.append((seq, piece, done))
+        for work in self._prefill_work.values():
+            if not self._forced_in_decode(work):
+                seq, run, done, base = work
+                rows.append((work, run[done: done + self.prefill_chunk]))
+        if not rows:
+            return
         r_b = _bucket(len(rows), 1)
-        t_b = _bucket(max(len(p) for _, p, _ in rows), 16)
+        t_b = _bucket_fine(max(len(p) for _, p in rows), 16)
         toks = np.zeros((r_b, t_b), np.int32)
         slot = np.full(r_b, self.max_seqs, np.int32)   # padding rows write nowhere (dropped)
         start = np.zeros(r_b, np.int32)
         nval = np.zeros(r_b, np.int32)
-        for i, (seq, piece, done) in enumerate(rows):
+        for i, (work, piece) in enumerate(rows):
             toks[i, : len(piece)] = piece
-            slot[i] = seq.slot
-            start[i] = self._prefill_base(seq) + done
+            slot[i] = work[0].slot
+            start[i] = work[3] + work[2]
             nval[i] = len(piece)
         s_b = min(_bucket(int(start.max()) + 1, self.min_bucket), self.parent_capacity)
         self.cache = _prefill(self.params, self.config, self.cache, jnp.asarray(toks), jnp.asarray(slot),
                               jnp.asarray(slot), jnp.zeros(r_b, jnp.int32), jnp.asarray(start),
                               jnp.asarray(nval), kind="parent", s_b=s_b, c_b=1, kv=self._kv)
         self.stats["prefill_calls"] += 1
-        keep = []
-        for seq, piece, done in rows:
-            run, _, op = self._prefill_work[seq.id]
-            if done + len(piece) >= len(run):
-                del self._prefill_work[seq.id]
-                self._finish(op, seq)
-            else:
-                self._prefill_work[seq.id] = (run, done + len(piece), op)
-                keep.append(seq)
-        self._prefill = keep
-
-    def _prefill_base(self, seq: Seq) -> int:
-        """Where the sequence's prefill run starts in its slot."""
-        run, _, op = self._prefill_work[seq.id]
-        return 0 if op.kind == "open" else len(seq.tokens) - len(op.tokens) - 1
+        for work, piece in rows:
+            work[2] += len(piece)
+            if work[2] >= len(work[1]):
+                del self._prefill_work[work[0].id]
 
     def _prefill_children(self) -> None:
         work = []
         for slot, rows in self._groups.items():
             for g, row in enumerate(rows[1:]):
-                if row is not None and row.prefill_pos < len(row.run) - 1:
+                if (row is not None and len(row.run) - 1 - row.prefill_pos > self.decode_chunk
+                        and row.op.seq.id not in self._prefill_work):
                     work.append((slot, g, row))
         if not work:
             return
         pieces = [row.run[row.prefill_pos: len(row.run) - 1][: self.prefill_chunk] for _, _, row in work]
         r_b = _bucket(len(work), 1)
-        t_b = _bucket(max(len(p) for p in pieces), 16)
+        t_b = _bucket_fine(max(len(p) for p in pieces), 16)
         s_b = min(_bucket(max(row.op.seq.length for _, _, row in work), self.min_bucket), self.parent_capacity)
         c_b = min(_bucket(max(row.prefill_pos for _, _, row in work) + 1, self.min_bucket), self.child_capacity)
         toks = np.zeros((r_b, t_b), np.int32)
@@ -645,11 +681,28 @@ class BatchEngine:
             row.prefill_pos += len(piece)
 
     def _decoding(self, row: _Row | None, child: bool) -> bool:
+        """Whether the row decodes in this step: its context is written, but for at most
+        decode_chunk tokens that its chunk takes as forced tokens."""
         if row is None or row.reason is not None:
             return False
+        work = self._prefill_work.get(row.op.seq.id)
         if child:
-            return row.prefill_pos >= len(row.run) - 1
-        return row.op.seq.id not in self._prefill_work
+            return work is None and len(row.run) - 1 - row.prefill_pos <= self.decode_chunk
+        return work is None or self._forced_in_decode(work)
+
+    def _feed(self, row: _Row, child: bool) -> tuple[int, list[int]]:
+        """(KV entries in the row's own slot, tokens to run from there: the pending one first,
+        then the forced ones)."""
+        if child:
+            if row.gen:
+                return len(row.run) - 1 + len(row.gen), [row.gen[-1]]
+            return row.prefill_pos, row.run[row.prefill_pos:]
+        seq = row.op.seq
+        work = self._prefill_work.get(seq.id)
+        if work is not None:
+            _, run, done, base = work
+            return base + done, run[done:] + [seq.tokens[-1]]
+        return seq.length + len(row.gen), [row.gen[-1] if row.gen else seq.tokens[-1]]
 
     def _decode(self) -> None:
         """One decode call over the active rows only: parents running a generate op (rows A) and,
@@ -686,25 +739,27 @@ class BatchEngine:
         top_p = np.ones(b, np.float32)
         need_p, need_c = 1, 1
         placed: list[tuple[int, _Row, bool]] = []
+        forced = np.zeros((b, self.decode_chunk), np.int32)
+        n_forced = np.zeros(b, np.int32)
         for i, (slot, row) in enumerate(gen_rows):
-            seq = row.op.seq
             a_slot[i] = slot
-            lengths[i] = seq.length + len(row.gen)
-            pending[i] = row.gen[-1] if row.gen else seq.tokens[-1]
-            need_p = max(need_p, lengths[i] + self.decode_chunk)
             placed.append((i, row, False))
         for f, (slot, kids) in enumerate(forks):
             seq = kids[0].op.seq
             b_pslot[f], b_fork[f] = slot, seq.length
             need_p = max(need_p, seq.length)
             for c, row in enumerate(kids):
-                i = na + f * w + c
                 b_cslot[f * w + c] = slot * self.max_children + row.j
-                lengths[i] = len(row.run) - 1 + len(row.gen)
-                pending[i] = row.gen[-1] if row.gen else row.run[-1]
+                placed.append((na + f * w + c, row, True))
+        for i, row, child in placed:
+            lengths[i], feed = self._feed(row, child)
+            pending[i] = feed[0]
+            forced[i, : len(feed) - 1] = feed[1:]
+            n_forced[i] = len(feed) - 1
+            if child:
                 need_c = max(need_c, lengths[i] + self.decode_chunk)
-                placed.append((i, row, True))
-        for i, row, _ in placed:
+            else:
+                need_p = max(need_p, lengths[i] + self.decode_chunk)
             active[i] = True
             remaining[i] = row.limit - len(row.gen)
             stop_ids[i] = self._stop_ids(row.stops)
@@ -715,11 +770,16 @@ class BatchEngine:
         c_b = min(_bucket(need_c, self.min_bucket), self.child_capacity) if forks else 1
         self.cache, out, reason, n = _decode(
             self.params, self.config, self.cache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending, active,
-            remaining, stop_ids, seeds, branch, steps, temp, top_k, top_p,
+            remaining, stop_ids, seeds, branch, steps, temp, top_k, top_p, forced, n_forced,
             w=w, chunk=self.decode_chunk, s_b=s_b, c_b=c_b, kv=self._kv)
         out, reason = jax.device_get((out, reason))
         self.stats["decode_calls"] += 1
         for i, row, child in placed:
+            if n_forced[i]:                   # all taken: a row forces before it can finish
+                if child:
+                    row.prefill_pos = len(row.run) - 1
+                else:
+                    del self._prefill_work[row.op.seq.id]
             new = [int(t) for t in out[i] if t >= 0]
             self.stats["tokens"] += len(new)
             row.gen.extend(new)
@@ -747,6 +807,9 @@ class BatchEngine:
             return
         group[1 + row.j] = None
         op.result[row.j] = gen
+        if op.queued:                         # a serial fork: the next child starts
+            nxt = op.queued.pop(0)
+            group[1 + nxt.j] = nxt
         if all(r is not None for r in op.result):
             self._finish(op, op.result)
 

@@ -659,7 +659,8 @@ def run_many(engine: Any, queries: list[str], mode: str = "parallel", config: Or
                 elif call.kind == "generate":
                     op = engine.generate(call.state, call.limits[0], call.stops[0], call.sampling)
                 elif call.kind == "branches":
-                    op = engine.fork(call.state, call.prefixes, call.limits, call.stops, call.sampling)
+                    serial = {"serial": True} if call.mode == "serial" else {}   # one executor at a time
+                    op = engine.fork(call.state, call.prefixes, call.limits, call.stops, call.sampling, **serial)
                 elif call.kind == "extend":
                     op = engine.extend(call.state, call.tokens)
                 else:
