@@ -139,3 +139,56 @@ def test_copied_kv_heads_and_padded_query_heads_are_the_same_model():
     ref = Q.forward(params, cfg, toks)
     got = Q.forward(sh.expand_heads(params, src, r), new, toks)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+ORBAX_SCRIPT = r"""
+import json, sys
+import jax, numpy as np
+from sprint_jax.infer import sharding as sh
+from sprint_jax.model.convert import load_model, load_orbax
+
+assert jax.device_count() == 8, jax.devices()
+_, ref = load_orbax(sys.argv[1])                                  # unsharded, one device
+out = {}
+for path, spec, dtype in ((sys.argv[1], "tensor=2,fsdp=2,data=2", None), (sys.argv[1], "tensor=4,fsdp=2", "bfloat16"),
+                          (sys.argv[2], "tensor=2,fsdp=2,data=2", None)):
+    mesh = sh.mesh_from_flag(spec)
+    want = {}
+    # no device-to-device copy allowed: the params must not land on one device and move after
+    with jax.transfer_guard_device_to_device("disallow_explicit"):
+        model = load_model(path, param_dtype=dtype,
+                           shardings_fn=lambda c: want.setdefault("s", sh.param_shardings(c, mesh)))
+    flat, _ = jax.tree_util.tree_flatten_with_path(model.params)
+    wants = jax.tree.leaves(want["s"])
+    refs = jax.tree.leaves(ref)
+    out[path[-5:] + " " + spec] = {
+        "n": len(flat),
+        "same_sharding": [jax.tree_util.keystr(k) for (k, a), s in zip(flat, wants) if a.sharding != s],
+        "split": sum(a.addressable_shards[0].data.size < a.size for _, a in flat),
+        "dtype": sorted({str(a.dtype) for _, a in flat}),
+        "max_diff": max(float(np.abs(np.asarray(a, np.float32) - np.asarray(r.astype(a.dtype), np.float32)).max())
+                        for (_, a), r in zip(flat, refs)),
+    }
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_checkpoints_load_straight_into_the_rules_table_sharding(hf_untied, tmp_path):
+    """An orbax model directory restored with the rules table's shardings as its target (and an HF
+    directory read with them): with device-to-device copies forbidden, every leaf arrives with
+    that sharding (each device holding its slice) and equals the unsharded restore."""
+    from sprint_jax.model.convert import save_orbax
+    from sprint_jax.model.hf import load_params
+
+    config, params = load_params(hf_untied)
+    save_orbax(config, params, tmp_path / "orbax")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-c", ORBAX_SCRIPT, str(tmp_path / "orbax"), str(hf_untied)], env=env,
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-4000:]
+    out = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    for spec, r in out.items():
+        assert r["n"] > 5 and r["same_sharding"] == [], (spec, r)
+        assert r["split"] >= r["n"] // 2, (spec, r)       # most leaves really split (norms stay whole)
+        assert r["max_diff"] == 0.0, (spec, r)
+    assert len(out) == 3 and out["orbax tensor=4,fsdp=2"]["dtype"] == ["bfloat16"]
