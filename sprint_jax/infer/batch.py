@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sprint_jax.infer import sharding as sh
 from sprint_jax.infer.engine import EngineError, Generation
 from sprint_jax.infer.sampling import GREEDY, Sampling, advance_rows, sample_tokens
 from sprint_jax.infer.stops import StopScanner
@@ -88,7 +89,28 @@ def _constrain(cache: SlotCache, kv) -> SlotCache:
 
 def _gather_rows(cache: jax.Array, layer, rows: jax.Array, size: int) -> jax.Array:
     """cache [L, N, C, Hkv, D] -> the first `size` slots of `rows` at `layer`: [R, size, Hkv, D]."""
-    return cache[layer, rows[:, None], jnp.arange(size)[None, :]]
+    index = (layer, rows[:, None], jnp.arange(size)[None, :])
+    if not _on_bits(cache):
+        return cache[index]
+    bits = jax.lax.bitcast_convert_type
+    return bits(bits(cache, jnp.uint16)[index], cache.dtype)
+
+
+def _on_bits(cache: jax.Array) -> bool:
+    """XLA CPU has no bf16 gather / scatter: it widens the whole operand to f32 and, the cache being
+    loop-invariant in the layer scan, hoists that copy out: a full f32 copy of the cache per decode
+    step (qwen3-0.6b, 2.7 GiB bf16 cache: temporaries 6.9 GiB, 3.7 as bits; 7B at tensor=4: 8.9 ->
+    7.4 GiB). On CPU a 16-bit cache is gathered and scattered as uint16 bits (GPU/TPU: as is)."""
+    return cache.dtype.itemsize == 2 and jax.default_backend() == "cpu"
+
+
+def _put(cache: jax.Array, index, new: jax.Array) -> jax.Array:
+    """cache.at[index].set(new, mode="drop") (as bits on CPU: `_on_bits`)."""
+    new = new.astype(cache.dtype)
+    if not _on_bits(cache):
+        return cache.at[index].set(new, mode="drop")
+    bits = jax.lax.bitcast_convert_type
+    return bits(bits(cache, jnp.uint16).at[index].set(bits(new, jnp.uint16), mode="drop"), cache.dtype)
 
 
 def _self_partial(q, k, v, n_valid=None):
@@ -104,12 +126,16 @@ def _self_partial(q, k, v, n_valid=None):
 # Prefill: tokens [R, T] appended to R parent slots, or to R child slots (forced prefixes)
 # ---------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("config", "kind", "s_b", "c_b", "kv"), donate_argnames=("cache",))
+@sh.slot_local(rows=("tokens", "slot", "parent", "fork_len", "start", "n_valid"), out="cache", cache_kv=(0, 0, 1, 1))
 def _prefill(params, config: Qwen2Config, cache: SlotCache, tokens, slot, parent, fork_len, start, n_valid,
              kind: str, s_b: int, c_b: int, kv=None):
     """kind "parent": rows are parent slots `slot`, tokens written at start..start+n_valid.
     kind "child": rows are child slots `slot` of parent slots `parent`; they see the parent's
-    first fork_len slots and their own first `start` slots; positions are fork_len + start + t."""
+    first fork_len slots and their own first `start` slots; positions are fork_len + start + t.
+    Slot ids are global; taken modulo the slots this call holds (all, or its shard's: slot_local)."""
     r, t = tokens.shape
+    slot = slot % (cache.pk if kind == "parent" else cache.ck).shape[1]
+    parent = parent % cache.pk.shape[1]
     offs = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]                  # [R, T]
     positions = offs if kind == "parent" else offs + fork_len[:, None]
     plen = start if kind == "parent" else fork_len
@@ -130,11 +156,11 @@ def _prefill(params, config: Qwen2Config, cache: SlotCache, tokens, slot, parent
     _, (nk, nv) = decoder(params, config, x, positions, attend, jnp.arange(config.num_hidden_layers))
     pos = jnp.where(jnp.arange(t)[None] < n_valid[:, None], offs, 1 << 30)       # padding: dropped
     if kind == "parent":
-        pk = cache.pk.at[:, slot[:, None], pos].set(nk.astype(cache.pk.dtype), mode="drop")
-        pv = cache.pv.at[:, slot[:, None], pos].set(nv.astype(cache.pv.dtype), mode="drop")
+        pk = _put(cache.pk, (slice(None), slot[:, None], pos), nk)
+        pv = _put(cache.pv, (slice(None), slot[:, None], pos), nv)
         return _constrain(SlotCache(pk, pv, cache.ck, cache.cv), kv)
-    ck = cache.ck.at[:, slot[:, None], pos].set(nk.astype(cache.ck.dtype), mode="drop")
-    cv = cache.cv.at[:, slot[:, None], pos].set(nv.astype(cache.cv.dtype), mode="drop")
+    ck = _put(cache.ck, (slice(None), slot[:, None], pos), nk)
+    cv = _put(cache.cv, (slice(None), slot[:, None], pos), nv)
     return _constrain(SlotCache(cache.pk, cache.pv, ck, cv), kv)
 
 
@@ -154,6 +180,8 @@ def _sample_rows(logits, keys, temperature, top_k, top_p):
 
 @functools.partial(jax.jit, static_argnames=("config", "g", "chunk", "s_b", "c_b", "kv"),
                    donate_argnames=("cache",))
+@sh.slot_local(rows=("pslot", "fork_len", "lengths", "pending", "active", "remaining", "stop_ids", "seeds", "branch",
+                     "steps", "temperature", "top_k", "top_p"), out=("cache", "rows", "rows", "max"), cache_kv=(0, 0, 1, 1))
 def _decode(params, config: Qwen2Config, cache: SlotCache, pslot, fork_len, lengths, pending, active,
             remaining, stop_ids, seeds, branch, steps, temperature, top_k, top_p,
             g: int, chunk: int, s_b: int, c_b: int, kv=None):
@@ -162,6 +190,7 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, pslot, fork_len, leng
     a child's positions start at its group's fork_len. Returns the cache, the emitted tokens
     [B, chunk] (-1 = none), per-row reason codes (1 stop id / EOS, 2 length), steps run."""
     rg = pslot.shape[0]
+    pslot = pslot % cache.pk.shape[1]              # global slot ids -> this call's (see _prefill)
     w = 1 + g
     b = rg * w
     is_child = jnp.tile(jnp.arange(w) > 0, rg)                                      # [B]
@@ -204,15 +233,13 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, pslot, fork_len, leng
         lens = lengths.reshape(rg, w)
         drop = 1 << 30
         ppos = jnp.where(act[:, 0], lens[:, 0], drop)
-        pk = cache.pk.at[:, pslot, ppos].set(nk[:, :, 0].astype(cache.pk.dtype), mode="drop")
-        pv = cache.pv.at[:, pslot, ppos].set(nv[:, :, 0].astype(cache.pv.dtype), mode="drop")
+        pk = _put(cache.pk, (slice(None), pslot, ppos), nk[:, :, 0])
+        pv = _put(cache.pv, (slice(None), pslot, ppos), nv[:, :, 0])
         ck, cv = cache.ck, cache.cv
         if g:
             cpos = jnp.where(act[:, 1:], lens[:, 1:], drop).reshape(-1)
-            ck = ck.at[:, cslot, cpos].set(nk[:, :, 1:].reshape((n_layers, rg * g) + nk.shape[3:]).astype(ck.dtype),
-                                           mode="drop")
-            cv = cv.at[:, cslot, cpos].set(nv[:, :, 1:].reshape((n_layers, rg * g) + nv.shape[3:]).astype(cv.dtype),
-                                           mode="drop")
+            ck = _put(ck, (slice(None), cslot, cpos), nk[:, :, 1:].reshape((n_layers, rg * g) + nk.shape[3:]))
+            cv = _put(cv, (slice(None), cslot, cpos), nv[:, :, 1:].reshape((n_layers, rg * g) + nv.shape[3:]))
         logits = unembed(params, config, hidden)[:, 0]
         keys = jax.vmap(jax.random.fold_in)(base, steps)
         tok = _sample_rows(logits, keys, temperature, top_k, top_p)
@@ -337,7 +364,6 @@ class BatchEngine:
             self.cache = SlotCache.zeros(self.config, max_seqs, max_children, self.parent_capacity,
                                          self.child_capacity)
         else:
-            from sprint_jax.infer import sharding as sh
             notes = self.sharding_notes
             self.config, self.params = sh.shard_model(self.config, model.params, mesh, notes)
             self._kv = (sh.kv_sharding(self.config, mesh, max_seqs, notes, "parent slots"),
@@ -347,7 +373,8 @@ class BatchEngine:
             self.cache = jax.jit(SlotCache.zeros, static_argnums=(0, 1, 2, 3, 4),
                                  out_shardings=SlotCache(p, p, c, c))(
                 self.config, max_seqs, max_children, self.parent_capacity, self.child_capacity)
-        self._free = list(range(max_seqs))
+        self._parts = sh.slot_parts(self._kv)          # slot shards (data > 1): rows placed per shard
+        self._free = sh.slot_order(max_seqs, self._parts)
         self._waiting: deque[Op] = deque()             # opens waiting for a slot
         self._prefill: list[Seq] = []                  # parents with tokens to prefill
         self._prefill_work: dict[int, tuple[list[int], int, Op]] = {}   # seq id -> (run, done, op)
@@ -468,7 +495,7 @@ class BatchEngine:
         if seq.slot is not None:
             self._groups.pop(seq.slot, None)
             self._free.append(seq.slot)
-            self._free.sort()
+            self._free.sort(key=sh.slot_order(self.max_seqs, self._parts).index)
             seq.slot = None
 
     def abort(self, seq: Seq) -> None:
@@ -575,13 +602,13 @@ class BatchEngine:
             run, done, op = self._prefill_work[seq.id]
             piece = run[done: done + self.prefill_chunk]
             rows.append((seq, piece, done))
-        r_b = _bucket(len(rows), 1)
+        at, r_b = sh.slot_blocks([seq.slot for seq, _, _ in rows], self.max_seqs, self._parts)
         t_b = _bucket(max(len(p) for _, p, _ in rows), 16)
         toks = np.zeros((r_b, t_b), np.int32)
         slot = np.full(r_b, self.max_seqs, np.int32)   # padding rows write nowhere (dropped)
         start = np.zeros(r_b, np.int32)
         nval = np.zeros(r_b, np.int32)
-        for i, (seq, piece, done) in enumerate(rows):
+        for i, (seq, piece, done) in zip(at, rows):
             toks[i, : len(piece)] = piece
             slot[i] = seq.slot
             start[i] = self._prefill_base(seq) + done
@@ -616,7 +643,8 @@ class BatchEngine:
         if not work:
             return
         pieces = [row.run[row.prefill_pos: len(row.run) - 1][: self.prefill_chunk] for _, _, row in work]
-        r_b = _bucket(len(work), 1)
+        at, r_b = sh.slot_blocks([slot for slot, _, _ in work], self.max_seqs, self._parts,
+                                 cap=self.max_seqs // self._parts * self.max_children)
         t_b = _bucket(max(len(p) for p in pieces), 16)
         s_b = min(_bucket(max(row.op.seq.length for _, _, row in work), self.min_bucket), self.parent_capacity)
         c_b = min(_bucket(max(row.prefill_pos for _, _, row in work) + 1, self.min_bucket), self.child_capacity)
@@ -626,7 +654,7 @@ class BatchEngine:
         fork = np.zeros(r_b, np.int32)
         start = np.zeros(r_b, np.int32)
         nval = np.zeros(r_b, np.int32)
-        for i, ((slot, g, row), piece) in enumerate(zip(work, pieces)):
+        for i, (slot, g, row), piece in zip(at, work, pieces):
             toks[i, : len(piece)] = piece
             cslot[i] = slot * self.max_children + g
             parent[i] = slot
@@ -658,7 +686,7 @@ class BatchEngine:
         has_children = any(any(live[1:]) for _, _, live in groups)
         g = self.max_children if has_children else 0
         w = 1 + g
-        rg = min(_bucket(len(groups), 1), self.max_seqs)
+        at, rg = sh.slot_blocks([slot for slot, _, _ in groups], self.max_seqs, self._parts)
         b = rg * w
         pslot = np.full(rg, self.max_seqs, np.int32)
         fork = np.zeros(rg, np.int32)
@@ -675,7 +703,7 @@ class BatchEngine:
         top_p = np.ones(b, np.float32)
         need_p, need_c = 1, 1
         placed: list[tuple[int, _Row, bool]] = []
-        for gi, (slot, rows, live) in enumerate(groups):
+        for gi, (slot, rows, live) in zip(at, groups):
             seq = rows[0].op.seq if rows[0] is not None else next(r for r in rows if r is not None).op.seq
             pslot[gi] = slot
             fork[gi] = seq.length
