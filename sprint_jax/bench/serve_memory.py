@@ -6,7 +6,8 @@ engine's NamedShardings (parameters by the trainer's rules table, KV slots over 
 over tensor) on fake CPU devices: nothing is allocated, so the 7B preset's step is planned on a
 laptop. Printed per device: the weights and the KV cache (from the compiled step's input
 shardings), XLA's argument / output / temporary bytes, and, with --hbm, the memory planner's
-answer (`sprint_jax.infer.sharding.plan_slots`): how many parent slots of this capacity fit.
+answer (`sprint_jax.infer.sharding.plan_slots`): how many parent slots of this capacity fit, with
+the temporaries split into a fixed part and a part per slot by a second compile with half the slots.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def add_serve_memory_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-branch-tokens", type=int, default=1024, help="tokens per child slot (default 1024)")
     p.add_argument("--decode-chunk", type=int, default=16)
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16", help="parameter, compute and KV dtype")
-    p.add_argument("--hbm", default=None, help="per-device HBM budget (e.g. 16GB, 80GB): print the slot plan")
+    p.add_argument("--hbm", default=None, help="per-device HBM budget (e.g. 16GB, 80GB): print the slot plan "
+                   "(compiles the step a second time with half the slots to split the temporaries)")
     p.add_argument("--out", help="write the JSON result here")
 
 
@@ -135,8 +137,15 @@ def run_serve_memory_bench(args: argparse.Namespace) -> int:
     flag = f"--xla_force_host_platform_device_count={max(n, 8)}"
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
-    from sprint_jax.infer.sharding import plan_slots
+    from sprint_jax.config import ConfigError
+    from sprint_jax.infer.sharding import parse_mesh, plan_slots
     from sprint_jax.model.hf import _parse_size
+
+    sizes = parse_mesh(args.mesh)
+    parts = sizes["data"] * sizes["fsdp"]          # the slots split over these
+    if args.hbm and args.max_seqs // 2 < parts:
+        raise ConfigError(f"--hbm needs --max-seqs >= {2 * parts} on mesh {args.mesh} (a second compile "
+                          f"with half the slots splits the temporaries)")
 
     _, info, cfg, mesh = compile_decode_step(args.preset, args.mesh, args.max_seqs, args.max_children,
                                              args.max_seq_len, args.max_branch_tokens, args.decode_chunk,
@@ -157,10 +166,7 @@ def run_serve_memory_bench(args: argparse.Namespace) -> int:
         budget = _parse_size(args.hbm)
         # the step's temporaries split into a fixed part and a part per parent slot held on a device,
         # from a second compile with half the slots
-        parts = info["mesh"]["data"] * info["mesh"]["fsdp"]
         half = args.max_seqs // 2 // parts * parts
-        if half < parts:
-            raise SystemExit(f"--hbm needs --max-seqs >= {2 * parts} (two compiles with different slots)")
         _, small, _, _ = compile_decode_step(args.preset, args.mesh, half, args.max_children, args.max_seq_len,
                                              args.max_branch_tokens, args.decode_chunk, args.dtype)
         temp_fixed, temp_per_slot = split_temp(small, info)
