@@ -181,7 +181,8 @@ def _sample_rows(logits, keys, temperature, top_k, top_p):
 @functools.partial(jax.jit, static_argnames=("config", "g", "chunk", "s_b", "c_b", "kv"),
                    donate_argnames=("cache",))
 @sh.slot_local(rows=("pslot", "fork_len", "lengths", "pending", "active", "remaining", "stop_ids", "seeds", "branch",
-                     "steps", "temperature", "top_k", "top_p"), out=("cache", "rows", "rows", "max"), cache_kv=(0, 0, 1, 1))
+                     "steps", "temperature", "top_k", "top_p"),
+               out=("cache", "rows", "rows", "max"), cache_kv=(0, 0, 1, 1))
 def _decode(params, config: Qwen2Config, cache: SlotCache, pslot, fork_len, lengths, pending, active,
             remaining, stop_ids, seeds, branch, steps, temperature, top_k, top_p,
             g: int, chunk: int, s_b: int, c_b: int, kv=None):
