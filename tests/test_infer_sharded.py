@@ -1,8 +1,9 @@
 """Inference over a mesh (issue 15) == one device: on 8 fake CPU devices, the batched engine on
-tensor=2 x data=2, tensor=4 x data=2 and tensor=8 meshes gives the same greedy tokens (generate,
-fork with forced prefixes, extend, the scheduler with several sequences at once) as the same
-engine on one device, and the single-run Engine's prefill logits on a mesh match one device
-within fp32 tolerance. The parameters are loaded straight into their shardings.
+data=2, tensor=2 x data=2, tensor=4 x data=2 and tensor=8 meshes gives the same greedy tokens
+(generate, fork with forced prefixes, extend, the scheduler with several sequences at once) as
+the same engine on one device, and the single-run Engine's prefill logits (fp32 tolerance),
+greedy generate and decode_branches on a mesh match one device. The parameters are loaded
+straight into their shardings; data shards keep their slots local (compiled HLO checked).
 
 The 8 devices are faked with XLA_FLAGS in a subprocess, so the rest of the suite keeps 1 device.
 """
@@ -55,10 +56,16 @@ eng1 = Engine(ref_model, tok, **CAPS)
 prompt = ids(7, 33)
 ref_logits = eng1.step_logits(eng1.prefill(prompt))
 
+def single(engine):      # the single-run Engine: greedy generate, then three branches off the prompt
+    gen = engine.generate(engine.prefill(prompt), 12).tokens
+    return [gen, [g.tokens for g in engine.decode_branches(engine.prefill(prompt), [ids(8, 4), [], ids(9, 2)], 7)]]
+
+ref_single = single(eng1)
+
 out = {}
 norm = lambda spec, n: [x if x is None or isinstance(x, str) else list(x) for x in tuple(spec) + (None,) * (n - len(spec))]
 config = ref_model.config
-for spec, n in (("tensor=2,data=2", 4), ("tensor=4,data=2", 8), ("tensor=8", 8)):
+for spec, n in (("data=2", 2), ("tensor=2,data=2", 4), ("tensor=4,data=2", 8), ("tensor=8", 8)):
     mesh = sh.mesh_from_flag(spec, devices=jax.devices()[:n])
     notes = []
     model = from_pretrained(path, shardings=sh.param_shardings(config, mesh, notes))   # loaded into the sharding
@@ -68,6 +75,7 @@ for spec, n in (("tensor=2,data=2", 4), ("tensor=4,data=2", 8), ("tensor=8", 8))
     one = Engine(model, tok, mesh=mesh, **CAPS)
     logits = one.step_logits(one.prefill(prompt))
     out[spec] = {"same_tokens": got == ref, "max_logit_diff": float(np.abs(logits - ref_logits).max()),
+                 "same_single": single(one) == ref_single, "n_single": sum(map(len, ref_single[1])) + len(ref_single[0]),
                  "q_spec": norm(q.sharding.spec, 4), "pk_spec": norm(eng.cache.pk.sharding.spec, 5),
                  "ck_spec": norm(eng.cache.ck.sharding.spec, 5),
                  "pk_shard": list(eng.cache.pk.addressable_shards[0].data.shape),
@@ -85,11 +93,12 @@ def sharded(hf_untied):
     return json.loads(next(l for l in p.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
 
 
-@pytest.mark.parametrize("spec", ["tensor=2,data=2", "tensor=4,data=2", "tensor=8"])
+@pytest.mark.parametrize("spec", ["data=2", "tensor=2,data=2", "tensor=4,data=2", "tensor=8"])
 def test_mesh_gives_the_tokens_and_logits_of_one_device(sharded, spec):
     r = sharded[spec]
-    assert r["n_tokens"] > 60                    # the comparison covers real decoding
-    assert r["same_tokens"], spec
+    assert r["n_tokens"] > 60 and r["n_single"] >= 25     # the comparison covers real decoding
+    assert r["same_tokens"], spec                          # the batched scheduler
+    assert r["same_single"], spec                          # Engine: greedy generate, decode_branches
     assert r["max_logit_diff"] < 1e-4, r["max_logit_diff"]
 
 
@@ -139,3 +148,155 @@ def test_copied_kv_heads_and_padded_query_heads_are_the_same_model():
     ref = Q.forward(params, cfg, toks)
     got = Q.forward(sh.expand_heads(params, src, r), new, toks)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+ORBAX_SCRIPT = r"""
+import json, sys
+import jax, numpy as np
+from sprint_jax.infer import sharding as sh
+from sprint_jax.model.convert import load_model, load_orbax
+
+assert jax.device_count() == 8, jax.devices()
+_, ref = load_orbax(sys.argv[1])                                  # unsharded, one device
+out = {}
+for path, spec, dtype in ((sys.argv[1], "tensor=2,fsdp=2,data=2", None), (sys.argv[1], "tensor=4,fsdp=2", "bfloat16"),
+                          (sys.argv[2], "tensor=2,fsdp=2,data=2", None)):
+    mesh = sh.mesh_from_flag(spec)
+    want = {}
+    # no device-to-device copy allowed: the params must not land on one device and move after
+    with jax.transfer_guard_device_to_device("disallow_explicit"):
+        model = load_model(path, param_dtype=dtype,
+                           shardings_fn=lambda c: want.setdefault("s", sh.param_shardings(c, mesh)))
+    flat, _ = jax.tree_util.tree_flatten_with_path(model.params)
+    wants = jax.tree.leaves(want["s"])
+    refs = jax.tree.leaves(ref)
+    out[path[-5:] + " " + spec] = {
+        "n": len(flat),
+        "same_sharding": [jax.tree_util.keystr(k) for (k, a), s in zip(flat, wants) if a.sharding != s],
+        "split": sum(a.addressable_shards[0].data.size < a.size for _, a in flat),
+        "dtype": sorted({str(a.dtype) for _, a in flat}),
+        "max_diff": max(float(np.abs(np.asarray(a, np.float32) - np.asarray(r.astype(a.dtype), np.float32)).max())
+                        for (_, a), r in zip(flat, refs)),
+    }
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_checkpoints_load_straight_into_the_rules_table_sharding(hf_untied, tmp_path):
+    """An orbax model directory restored with the rules table's shardings as its target (and an HF
+    directory read with them): with device-to-device copies forbidden, every leaf arrives with
+    that sharding (each device holding its slice) and equals the unsharded restore."""
+    from sprint_jax.model.convert import save_orbax
+    from sprint_jax.model.hf import load_params
+
+    config, params = load_params(hf_untied)
+    save_orbax(config, params, tmp_path / "orbax")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-c", ORBAX_SCRIPT, str(tmp_path / "orbax"), str(hf_untied)], env=env,
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-4000:]
+    out = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    for spec, r in out.items():
+        assert r["n"] > 5 and r["same_sharding"] == [], (spec, r)
+        assert r["split"] >= r["n"] // 2, (spec, r)       # most leaves really split (norms stay whole)
+        assert r["max_diff"] == 0.0, (spec, r)
+    assert len(out) == 3 and out["orbax tensor=4,fsdp=2"]["dtype"] == ["bfloat16"]
+
+
+HLO_SCRIPT = r"""
+import json, re, sys
+sys.path.insert(0, sys.argv[2])
+import jax, jax.numpy as jnp, numpy as np
+from conftest import tiny_vocab_tokenizer
+from test_batch_engine import _copies_of_the_cache
+from sprint_jax.infer import sharding as sh
+from sprint_jax.infer.batch import STOP_WIDTH, BatchEngine, _decode, _prefill
+from sprint_jax.model import from_pretrained
+
+assert jax.device_count() == 8, jax.devices()
+model = from_pretrained(sys.argv[1])
+mesh = sh.mesh_from_flag("data=2", devices=jax.devices()[:2])
+eng = BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=4, max_children=4, max_seq_len=96, max_branch_tokens=48,
+                  decode_chunk=8, mesh=mesh)
+na, nf, w = 4, 4, eng.max_children       # generate rows, fork groups, rows per group (2 blocks of each)
+b = na + nf * w
+z = lambda n, dt=jnp.int32: jnp.zeros(n, dt)
+dec = (eng.params, eng.config, eng.cache, z(na), z(nf), z(nf), z(nf * w), z(b), z(b), z(b, bool), z(b),
+       jnp.zeros((b, STOP_WIDTH), jnp.int32), z(b), z(b), z(b), z(b, jnp.float32), z(b), z(b, jnp.float32),
+       jnp.zeros((b, 8), jnp.int32), z(b))
+kw = dict(w=w, chunk=8, s_b=64, c_b=32, kv=eng._kv)
+pre = (eng.params, eng.config, eng.cache, jnp.zeros((4, 32), jnp.int32), z(4), z(4), z(4), z(4), z(4))
+pkw = dict(kind="child", s_b=64, c_b=32, kv=eng._kv)
+
+def collectives(hlo):
+    # (op, elements of its result) for every cross-device op of the compiled step
+    out = []
+    for m in re.finditer(r"= (\(.*?\)|\w+\[[\d,]*\]\S*) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(", hlo):
+        n = sum(int(np.prod([int(d) for d in s.split(",") if d])) for s in re.findall(r"\[([\d,]*)\]", m.group(1)))
+        out.append((m.group(2), n))
+    return out
+
+out = {}
+for name, fn, args, kws in (("decode", _decode, dec, kw), ("prefill", _prefill, pre, pkw)):
+    comp = fn.lower(*args, **kws).compile()
+    plain = jax.jit(fn.__wrapped__.__wrapped__, static_argnames=tuple(kws) + ("config",)).lower(*args, **kws).compile()
+    ma = comp.memory_analysis()
+    out[name] = {"local": collectives(comp.as_text()), "plain": collectives(plain.as_text()),
+                 "copies": _copies_of_the_cache(comp.as_text(), {eng.parent_capacity, eng.child_capacity}),
+                 "alias": int(ma.alias_size_in_bytes), "cache_per_device": eng.cache.nbytes // 2}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_data_shards_keep_their_slots_local(hf_untied):
+    """data=2: the batched engine's decode and prefill steps run per slot shard (sharding.slot_local),
+    so the compiled steps move nothing bigger than a few scalars between devices, while the same
+    step left to GSPMD (the reference: the plain jit of the same function) all-reduces gathered
+    cache rows. The cache is still donated and updated in place (no copy with a capacity axis)."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-c", HLO_SCRIPT, str(hf_untied), str(ROOT / "tests")], env=env,
+                       capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-4000:]
+    out = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    for name, r in out.items():
+        assert all(n <= 8 for _, n in r["local"]), (name, r["local"])
+        assert max(n for _, n in r["plain"]) >= 64 * 12, (name, r["plain"])    # >= a slot's gathered rows
+        assert r["copies"] == [], (name, r["copies"])
+        assert r["alias"] >= r["cache_per_device"], (name, r)
+
+
+def test_slot_blocks_place_rows_in_their_shards_block():
+    # one block (one device or tensor only): rows in order, a power-of-two bucket capped at the slots
+    assert sh.slot_blocks([3, 0, 2], 4, 1) == ([0, 1, 2], 4)
+    assert sh.slot_blocks([0, 1, 2], 3, 1) == ([0, 1, 2], 3)
+    # 8 slots over 2 shards (0-3 | 4-7): each row lands in its slot's shard's block
+    pos, n = sh.slot_blocks([5, 1, 6, 7, 2], 8, 2)
+    width = n // 2
+    assert n == 8 and len(set(pos)) == 5            # 3 rows on shard 1 -> blocks of 4
+    assert all(p // width == s // 4 for p, s in zip(pos, [5, 1, 6, 7, 2]))
+    assert sh.slot_order(8, 2) == [0, 4, 1, 5, 2, 6, 3, 7] and sh.slot_order(4, 1) == [0, 1, 2, 3]
+
+
+def test_bf16_cache_moves_as_bits_on_cpu_exactly():
+    """On CPU a 16-bit cache is gathered / scattered as uint16 bits (batch._on_bits: XLA CPU would
+    widen the whole cache to f32 each step): the result equals numpy indexing of the same array."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sprint_jax.infer import batch
+
+    rng = np.random.default_rng(0)
+    cache = jnp.asarray(rng.standard_normal((3, 5, 7, 2, 4)), jnp.bfloat16)     # [L, N, C, Hkv, D]
+    assert batch._on_bits(cache) == (jax.default_backend() == "cpu")
+    rows = jnp.asarray([4, 0, 4], jnp.int32)
+    got = jax.jit(batch._gather_rows, static_argnums=3)(cache, 1, rows, 6)
+    ref = np.asarray(cache)[1][np.asarray(rows)][:, :6]
+    assert np.array_equal(np.asarray(got), ref)
+    new = jnp.asarray(rng.standard_normal((3, 2, 2, 2, 4)), jnp.float32)
+    slot, pos = jnp.asarray([2, 0]), jnp.asarray([[1, 6], [3, 1 << 30]])        # the last write drops
+    out = jax.jit(lambda c, s, p, n: batch._put(c, (slice(None), s[:, None], p), n))(cache, slot, pos, new)
+    want = np.asarray(cache).copy()
+    nb = np.asarray(new.astype(jnp.bfloat16))
+    want[:, 2, 1], want[:, 2, 6], want[:, 0, 3] = nb[:, 0, 0], nb[:, 0, 1], nb[:, 1, 0]
+    assert out.dtype == jnp.bfloat16 and np.array_equal(np.asarray(out), want)

@@ -6,7 +6,8 @@ engine's NamedShardings (parameters by the trainer's rules table, KV slots over 
 over tensor) on fake CPU devices: nothing is allocated, so the 7B preset's step is planned on a
 laptop. Printed per device: the weights and the KV cache (from the compiled step's input
 shardings), XLA's argument / output / temporary bytes, and, with --hbm, the memory planner's
-answer (`sprint_jax.infer.sharding.plan_slots`): how many parent slots of this capacity fit.
+answer (`sprint_jax.infer.sharding.plan_slots`): how many parent slots of this capacity fit, with
+the temporaries split into a fixed part and a part per slot by a second compile with half the slots.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def add_serve_memory_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-branch-tokens", type=int, default=1024, help="tokens per child slot (default 1024)")
     p.add_argument("--decode-chunk", type=int, default=16)
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16", help="parameter, compute and KV dtype")
-    p.add_argument("--hbm", default=None, help="per-device HBM budget (e.g. 16GB, 80GB): print the slot plan")
+    p.add_argument("--hbm", default=None, help="per-device HBM budget (e.g. 16GB, 80GB): print the slot plan "
+                   "(compiles the step a second time with half the slots to split the temporaries)")
     p.add_argument("--out", help="write the JSON result here")
 
 
@@ -124,13 +126,30 @@ def compile_decode_step(preset: str, mesh_spec: str, max_seqs: int, max_children
     return compiled, info, cfg, mesh
 
 
+def split_temp(small: dict, large: dict) -> tuple[int, int]:
+    """(fixed, per parent slot held on a device) parts of the step's temporaries, from two compiles
+    that differ only in the slots: what does not grow with the slots (on XLA CPU mostly an f32 copy
+    of the bf16 weights: it has no bf16 dot) is counted once by the planner, not per slot."""
+    per_dev = lambda i: i["max_seqs"] // (i["mesh"]["data"] * i["mesh"]["fsdp"])   # noqa: E731
+    t_s, t_l = small["per_device"]["temp_size_in_bytes"], large["per_device"]["temp_size_in_bytes"]
+    per_slot = max(0, t_l - t_s) // max(1, per_dev(large) - per_dev(small))
+    return max(0, t_l - per_slot * per_dev(large)), per_slot
+
+
 def run_serve_memory_bench(args: argparse.Namespace) -> int:
     n = _mesh_devices(args.mesh)
     flag = f"--xla_force_host_platform_device_count={max(n, 8)}"
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
-    from sprint_jax.infer.sharding import plan_slots
+    from sprint_jax.config import ConfigError
+    from sprint_jax.infer.sharding import parse_mesh, plan_slots
     from sprint_jax.model.hf import _parse_size
+
+    sizes = parse_mesh(args.mesh)
+    parts = sizes["data"] * sizes["fsdp"]          # the slots split over these
+    if args.hbm and args.max_seqs // 2 < parts:
+        raise ConfigError(f"--hbm needs --max-seqs >= {2 * parts} on mesh {args.mesh} (a second compile "
+                          f"with half the slots splits the temporaries)")
 
     _, info, cfg, mesh = compile_decode_step(args.preset, args.mesh, args.max_seqs, args.max_children,
                                              args.max_seq_len, args.max_branch_tokens, args.decode_chunk,
@@ -149,13 +168,19 @@ def run_serve_memory_bench(args: argparse.Namespace) -> int:
         print(f"  note: {note}")
     if args.hbm:
         budget = _parse_size(args.hbm)
-        # the compiled step's temporaries, per parent slot held on a device (they grow with the slots)
-        slots_per_device = args.max_seqs // (info["mesh"]["data"] * info["mesh"]["fsdp"]) or 1
-        temp_per_slot = info["per_device"]["temp_size_in_bytes"] // slots_per_device
+        # the step's temporaries split into a fixed part and a part per parent slot held on a device,
+        # from a second compile with half the slots
+        half = args.max_seqs // 2 // parts * parts
+        _, small, _, _ = compile_decode_step(args.preset, args.mesh, half, args.max_children, args.max_seq_len,
+                                             args.max_branch_tokens, args.decode_chunk, args.dtype)
+        temp_fixed, temp_per_slot = split_temp(small, info)
+        info["temp_fixed_bytes"], info["temp_per_slot_bytes"] = temp_fixed, temp_per_slot
         plan = plan_slots(cfg, mesh, budget, args.max_children, args.max_seq_len, args.max_branch_tokens,
-                          args.decode_chunk, temp_bytes_per_slot=temp_per_slot)
+                          args.decode_chunk, temp_bytes_per_slot=temp_per_slot, temp_fixed_bytes=temp_fixed)
         info["plan"] = plan.to_json()
-        print(f"plan for {budget / GIB:.1f} GiB per device (10% kept free; step temporaries {temp_per_slot / GIB:.2f} GiB per slot, measured above): {plan.max_seqs} parent "
+        print(f"plan for {budget / GIB:.1f} GiB per device (10% kept free; step temporaries "
+              f"{temp_fixed / GIB:.2f} GiB + {temp_per_slot / GIB:.2f} GiB per slot, measured by compiles "
+              f"with {half} and {args.max_seqs} slots): {plan.max_seqs} parent "
               f"slots x {plan.parent_capacity} tokens, {plan.max_children} children each x "
               f"{plan.child_capacity} tokens; weights {plan.weight_bytes / GIB:.2f} GiB + cache "
               f"{plan.cache_bytes / GIB:.2f} GiB per device")

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sprint_jax.infer import sharding as sh
 from sprint_jax.infer.engine import EngineError, Generation
 from sprint_jax.infer.sampling import GREEDY, Sampling, advance_rows, sample_tokens
 from sprint_jax.infer.stops import StopScanner
@@ -99,7 +100,28 @@ def _constrain(cache: SlotCache, kv) -> SlotCache:
 
 def _gather_rows(cache: jax.Array, layer, rows: jax.Array, size: int) -> jax.Array:
     """cache [L, N, C, Hkv, D] -> the first `size` slots of `rows` at `layer`: [R, size, Hkv, D]."""
-    return cache[layer, rows[:, None], jnp.arange(size)[None, :]]
+    index = (layer, rows[:, None], jnp.arange(size)[None, :])
+    if not _on_bits(cache):
+        return cache[index]
+    bits = jax.lax.bitcast_convert_type
+    return bits(bits(cache, jnp.uint16)[index], cache.dtype)
+
+
+def _on_bits(cache: jax.Array) -> bool:
+    """XLA CPU has no bf16 gather / scatter: it widens the whole operand to f32 and, the cache being
+    loop-invariant in the layer scan, hoists that copy out: a full f32 copy of the cache per decode
+    step (qwen3-0.6b, 2.7 GiB bf16 cache: temporaries 6.9 GiB, 3.7 as bits; 7B at tensor=4: 8.9 ->
+    7.4 GiB). On CPU a 16-bit cache is gathered and scattered as uint16 bits (GPU/TPU: as is)."""
+    return cache.dtype.itemsize == 2 and jax.default_backend() == "cpu"
+
+
+def _put(cache: jax.Array, index, new: jax.Array) -> jax.Array:
+    """cache.at[index].set(new, mode="drop") (as bits on CPU: `_on_bits`)."""
+    new = new.astype(cache.dtype)
+    if not _on_bits(cache):
+        return cache.at[index].set(new, mode="drop")
+    bits = jax.lax.bitcast_convert_type
+    return bits(bits(cache, jnp.uint16).at[index].set(bits(new, jnp.uint16), mode="drop"), cache.dtype)
 
 
 def _self_partial(q, k, v, n_valid=None):
@@ -115,12 +137,16 @@ def _self_partial(q, k, v, n_valid=None):
 # Prefill: tokens [R, T] appended to R parent slots, or to R child slots (forced prefixes)
 # ---------------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("config", "kind", "s_b", "c_b", "kv"), donate_argnames=("cache",))
+@sh.slot_local(rows=("tokens", "slot", "parent", "fork_len", "start", "n_valid"), out="cache", cache_kv=(0, 0, 1, 1))
 def _prefill(params, config: Qwen2Config, cache: SlotCache, tokens, slot, parent, fork_len, start, n_valid,
              kind: str, s_b: int, c_b: int, kv=None):
     """kind "parent": rows are parent slots `slot`, tokens written at start..start+n_valid.
     kind "child": rows are child slots `slot` of parent slots `parent`; they see the parent's
-    first fork_len slots and their own first `start` slots; positions are fork_len + start + t."""
+    first fork_len slots and their own first `start` slots; positions are fork_len + start + t.
+    Slot ids are global; taken modulo the slots this call holds (all, or its shard's: slot_local)."""
     r, t = tokens.shape
+    slot = slot % (cache.pk if kind == "parent" else cache.ck).shape[1]
+    parent = parent % cache.pk.shape[1]
     offs = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]                  # [R, T]
     positions = offs if kind == "parent" else offs + fork_len[:, None]
     plen = start if kind == "parent" else fork_len
@@ -141,11 +167,11 @@ def _prefill(params, config: Qwen2Config, cache: SlotCache, tokens, slot, parent
     _, (nk, nv) = decoder(params, config, x, positions, attend, jnp.arange(config.num_hidden_layers))
     pos = jnp.where(jnp.arange(t)[None] < n_valid[:, None], offs, 1 << 30)       # padding: dropped
     if kind == "parent":
-        pk = cache.pk.at[:, slot[:, None], pos].set(nk.astype(cache.pk.dtype), mode="drop")
-        pv = cache.pv.at[:, slot[:, None], pos].set(nv.astype(cache.pv.dtype), mode="drop")
+        pk = _put(cache.pk, (slice(None), slot[:, None], pos), nk)
+        pv = _put(cache.pv, (slice(None), slot[:, None], pos), nv)
         return _constrain(SlotCache(pk, pv, cache.ck, cache.cv), kv)
-    ck = cache.ck.at[:, slot[:, None], pos].set(nk.astype(cache.ck.dtype), mode="drop")
-    cv = cache.cv.at[:, slot[:, None], pos].set(nv.astype(cache.cv.dtype), mode="drop")
+    ck = _put(cache.ck, (slice(None), slot[:, None], pos), nk)
+    cv = _put(cache.cv, (slice(None), slot[:, None], pos), nv)
     return _constrain(SlotCache(cache.pk, cache.pv, ck, cv), kv)
 
 
@@ -176,6 +202,9 @@ def parent_prefix_attention(pk: jax.Array, pv: jax.Array, layer, pslot: jax.Arra
 
 @functools.partial(jax.jit, static_argnames=("config", "w", "chunk", "s_b", "c_b", "kv"),
                    donate_argnames=("cache",))
+@sh.slot_local(rows=("a_slot", "b_pslot", "b_fork", "b_cslot", "lengths", "pending", "active", "remaining",
+                     "stop_ids", "seeds", "branch", "steps", "temperature", "top_k", "top_p", "forced", "n_forced"),
+               out=("cache", "rows", "rows", "max"), cache_kv=(0, 0, 1, 1))
 def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending,
             active, remaining, stop_ids, seeds, branch, steps, temperature, top_k, top_p, forced, n_forced,
             w: int, chunk: int, s_b: int, c_b: int, kv=None):
@@ -188,10 +217,16 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
     sequence's short extend): step k < n_forced writes the pending token's KV and makes forced[k]
     pending; it emits nothing and is not one of the row's generated steps (its sampling key,
     budget and stops start after them), as if the tokens had been prefilled.
+    Under slot shards (data > 1, `sh.slot_local`) every row argument is `parts` equal blocks and
+    this body sees one block: its A/parts generate rows, then its F/parts fork groups
+    (`BatchEngine._decode` lays them out so); slot ids are global, taken modulo this call's slots.
     Returns the cache, the emitted tokens [B, chunk] (-1 = none), per-row reason codes
     (1 stop id / EOS, 2 length), and the steps run."""
     na, nf = a_slot.shape[0], b_pslot.shape[0]
     b = na + nf * w
+    a_slot = a_slot % cache.pk.shape[1]            # global slot ids -> this call's (see _prefill)
+    b_pslot = b_pslot % cache.pk.shape[1]
+    b_cslot = b_cslot % cache.ck.shape[1]
     n_layers = config.num_hidden_layers
     fork_of_row = jnp.concatenate([jnp.zeros(na, jnp.int32), jnp.repeat(b_fork, w)])   # [B]
     base = jax.vmap(lambda s, j: jax.random.fold_in(jax.random.key(s), j))(seeds, branch)
@@ -226,11 +261,11 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
         pos = jnp.where(active, lengths, drop)
         pk, pv, ck, cv = cache.pk, cache.pv, cache.ck, cache.cv
         if na:
-            pk = pk.at[:, a_slot, pos[:na]].set(nk[:, :na].astype(pk.dtype), mode="drop")
-            pv = pv.at[:, a_slot, pos[:na]].set(nv[:, :na].astype(pv.dtype), mode="drop")
+            pk = _put(pk, (slice(None), a_slot, pos[:na]), nk[:, :na])
+            pv = _put(pv, (slice(None), a_slot, pos[:na]), nv[:, :na])
         if nf:
-            ck = ck.at[:, b_cslot, pos[na:]].set(nk[:, na:].astype(ck.dtype), mode="drop")
-            cv = cv.at[:, b_cslot, pos[na:]].set(nv[:, na:].astype(cv.dtype), mode="drop")
+            ck = _put(ck, (slice(None), b_cslot, pos[na:]), nk[:, na:])
+            cv = _put(cv, (slice(None), b_cslot, pos[na:]), nv[:, na:])
         logits = unembed(params, config, hidden)[:, 0]
         keys = jax.vmap(jax.random.fold_in)(base, steps)
         tok = _sample_rows(logits, keys, temperature, top_k, top_p)
@@ -362,7 +397,6 @@ class BatchEngine:
             self.cache = SlotCache.zeros(self.config, max_seqs, max_children, self.parent_capacity,
                                          self.child_capacity)
         else:
-            from sprint_jax.infer import sharding as sh
             notes = self.sharding_notes
             self.config, self.params = sh.shard_model(self.config, model.params, mesh, notes)
             self._kv = (sh.kv_sharding(self.config, mesh, max_seqs, notes, "parent slots"),
@@ -372,7 +406,8 @@ class BatchEngine:
             self.cache = jax.jit(SlotCache.zeros, static_argnums=(0, 1, 2, 3, 4),
                                  out_shardings=SlotCache(p, p, c, c))(
                 self.config, max_seqs, max_children, self.parent_capacity, self.child_capacity)
-        self._free = list(range(max_seqs))
+        self._parts = sh.slot_parts(self._kv)          # slot shards (data > 1): rows placed per shard
+        self._free = sh.slot_order(max_seqs, self._parts)
         self._waiting: deque[Op] = deque()             # opens waiting for a slot
         # seq id -> [seq, run, done, base]: tokens run[done:] still to write at slot positions
         # base + done.. (an open's prompt, extends; queued when submitted, written by the next step)
@@ -514,7 +549,7 @@ class BatchEngine:
         if seq.slot is not None:
             self._groups.pop(seq.slot, None)
             self._free.append(seq.slot)
-            self._free.sort()
+            self._free.sort(key=sh.slot_order(self.max_seqs, self._parts).index)
             seq.slot = None
 
     def abort(self, seq: Seq) -> None:
@@ -625,13 +660,13 @@ class BatchEngine:
                 rows.append((work, run[done: done + self.prefill_chunk]))
         if not rows:
             return
-        r_b = _bucket(len(rows), 1)
+        at, r_b = sh.slot_blocks([work[0].slot for work, _ in rows], self.max_seqs, self._parts)
         t_b = _bucket_fine(max(len(p) for _, p in rows), 16)
         toks = np.zeros((r_b, t_b), np.int32)
         slot = np.full(r_b, self.max_seqs, np.int32)   # padding rows write nowhere (dropped)
         start = np.zeros(r_b, np.int32)
         nval = np.zeros(r_b, np.int32)
-        for i, (work, piece) in enumerate(rows):
+        for i, (work, piece) in zip(at, rows):
             toks[i, : len(piece)] = piece
             slot[i] = work[0].slot
             start[i] = work[3] + work[2]
@@ -656,7 +691,8 @@ class BatchEngine:
         if not work:
             return
         pieces = [row.run[row.prefill_pos: len(row.run) - 1][: self.prefill_chunk] for _, _, row in work]
-        r_b = _bucket(len(work), 1)
+        at, r_b = sh.slot_blocks([slot for slot, _, _ in work], self.max_seqs, self._parts,
+                                 cap=self.max_seqs // self._parts * self.max_children)
         t_b = _bucket_fine(max(len(p) for p in pieces), 16)
         s_b = min(_bucket(max(row.op.seq.length for _, _, row in work), self.min_bucket), self.parent_capacity)
         c_b = min(_bucket(max(row.prefill_pos for _, _, row in work) + 1, self.min_bucket), self.child_capacity)
@@ -666,7 +702,7 @@ class BatchEngine:
         fork = np.zeros(r_b, np.int32)
         start = np.zeros(r_b, np.int32)
         nval = np.zeros(r_b, np.int32)
-        for i, ((slot, g, row), piece) in enumerate(zip(work, pieces)):
+        for i, (slot, g, row), piece in zip(at, work, pieces):
             toks[i, : len(piece)] = piece
             cslot[i] = slot * self.max_children + g
             parent[i] = slot
@@ -718,8 +754,13 @@ class BatchEngine:
                 forks.append((slot, kids))
         if not gen_rows and not forks:
             return
-        na = min(_bucket(len(gen_rows), 1), self.max_seqs) if gen_rows else 0
-        nf = min(_bucket(len(forks), 1), self.max_seqs) if forks else 0
+        # Rows in `parts` equal blocks (slot shards, data > 1; one block otherwise): block j holds
+        # its wa generate rows, then its wf fork groups of w rows, all of shard j's slots
+        # (`sh.slot_blocks`), so each shard's `_decode` body reads and writes only its own slots.
+        parts = self._parts
+        at_a, na = sh.slot_blocks([slot for slot, _ in gen_rows], self.max_seqs, parts) if gen_rows else ([], 0)
+        at_f, nf = sh.slot_blocks([slot for slot, _ in forks], self.max_seqs, parts) if forks else ([], 0)
+        wa, wf = na // parts, nf // parts
         w = min(_bucket(max(len(k) for _, k in forks), 1), self.max_children) if forks else 1
         b = na + nf * w
         a_slot = np.full(na, self.max_seqs, np.int32)                 # padding rows write nowhere
@@ -741,16 +782,17 @@ class BatchEngine:
         placed: list[tuple[int, _Row, bool]] = []
         forced = np.zeros((b, self.decode_chunk), np.int32)
         n_forced = np.zeros(b, np.int32)
-        for i, (slot, row) in enumerate(gen_rows):
-            a_slot[i] = slot
-            placed.append((i, row, False))
-        for f, (slot, kids) in enumerate(forks):
+        block = wa + wf * w                                           # rows per slot shard
+        for p, (slot, row) in zip(at_a, gen_rows):
+            a_slot[p] = slot
+            placed.append(((p // wa) * block + p % wa, row, False))
+        for q, (slot, kids) in zip(at_f, forks):
             seq = kids[0].op.seq
-            b_pslot[f], b_fork[f] = slot, seq.length
+            b_pslot[q], b_fork[q] = slot, seq.length
             need_p = max(need_p, seq.length)
             for c, row in enumerate(kids):
-                b_cslot[f * w + c] = slot * self.max_children + row.j
-                placed.append((na + f * w + c, row, True))
+                b_cslot[q * w + c] = slot * self.max_children + row.j
+                placed.append(((q // wf) * block + wa + (q % wf) * w + c, row, True))
         for i, row, child in placed:
             lengths[i], feed = self._feed(row, child)
             pending[i] = feed[0]

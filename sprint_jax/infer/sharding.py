@@ -18,8 +18,11 @@ and stop codes cross to the host.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import logging
 import math
+from collections import Counter
 from typing import Any, Sequence
 
 import jax
@@ -68,10 +71,13 @@ def parse_mesh(spec: str) -> dict[str, int]:
 
 
 def mesh_from_flag(spec: str | None, devices: Sequence | None = None) -> Mesh | None:
-    """The mesh of a `--mesh` flag (None/"" = no mesh: the engines' single-device path)."""
+    """The mesh of a `--mesh` flag (None/"" = no mesh: the engines' single-device path), over this
+    process's own devices by default: the engines run one controller per process (token ids come
+    back to its host), so one eval shard per host uses that host's chips."""
     if not spec:
         return None
     s = parse_mesh(spec)
+    devices = jax.local_devices() if devices is None else devices
     return mesh_lib.make_mesh(s["data"], s["fsdp"], s["tensor"], devices=devices)
 
 
@@ -151,16 +157,16 @@ def cache_bytes_per_device(config: Qwen2Config, mesh: Mesh, max_seqs: int, max_c
 
 def plan_slots(config: Qwen2Config, mesh: Mesh, hbm_bytes: int, max_children: int, max_seq_len: int,
                max_branch_tokens: int, decode_chunk: int = 16, reserve: float = 0.1,
-               temp_bytes_per_slot: int = 0) -> SlotPlan:
-    """The most parent slots (each with `max_children` children) whose weights + cache (+
-    `temp_bytes_per_slot` of step temporaries per parent slot, as measured from a compiled step by
-    `bench serve-memory`) fit in `hbm_bytes` per device, keeping `reserve` of it free (runtime,
-    fragmentation). Slots are a multiple of the slot sharding (data x fsdp) so every device holds
-    the same number."""
+               temp_bytes_per_slot: int = 0, temp_fixed_bytes: int = 0) -> SlotPlan:
+    """The most parent slots (each with `max_children` children) whose weights + cache + step
+    temporaries (`temp_fixed_bytes` + `temp_bytes_per_slot` per parent slot on a device, as measured
+    from compiled steps by `bench serve-memory`) fit in `hbm_bytes` per device, keeping `reserve` of
+    it free (runtime, fragmentation). Slots are a multiple of the slot sharding (data x fsdp) so
+    every device holds the same number."""
     notes: list[str] = []
     config = serving_config(config, mesh, notes)
     weights = weight_bytes_per_device(config, mesh)
-    usable = int(hbm_bytes * (1 - reserve)) - weights
+    usable = int(hbm_bytes * (1 - reserve)) - weights - temp_fixed_bytes
     step = math.prod(mesh.shape[m] for m in ("data", "fsdp"))
     pc, cc = max_seq_len + decode_chunk, max_branch_tokens + decode_chunk
     per = cache_bytes_per_device(config, mesh, step, max_children, pc, cc)   # one slot per device
@@ -243,3 +249,103 @@ def shard_model(config: Qwen2Config, params: Any, mesh: Mesh, notes: list[str]) 
     notes.append(_heads_note(config, new, mesh.shape["tensor"]))
     shards = param_shardings(new, mesh, notes)
     return new, jax.jit(lambda p: expand_heads(p, src, r), out_shardings=shards)(params)
+
+
+# ---------------------------------------------------------------------------------------------
+# data > 1: each data shard's slots stay on it (the engine steps run per slot shard)
+# ---------------------------------------------------------------------------------------------
+def slot_axes(kv) -> tuple[str, ...]:
+    """The mesh axes that split the slots of a (parent, child) KV sharding pair; () when the
+    slots are whole on every device (or the two are not split alike)."""
+    if kv is None:
+        return ()
+
+    def axes(s):
+        a = s.spec[1] if len(s.spec) > 1 else None
+        return () if a is None else ((a,) if isinstance(a, str) else tuple(a))
+    first = axes(kv[0])
+    return first if all(axes(s) == first for s in kv[1:]) else ()
+
+
+def slot_parts(kv) -> int:
+    """How many blocks the slots are split into (1: one block, the plain path)."""
+    axes = slot_axes(kv)
+    return math.prod(kv[0].mesh.shape[a] for a in axes) if axes else 1
+
+
+def slot_order(n_slots: int, parts: int) -> list[int]:
+    """Free-slot order that spreads sequences over the slot shards (0, n/parts, 2n/parts, ..., 1, ...)."""
+    per = n_slots // parts
+    return sorted(range(n_slots), key=lambda s: (s % per, s // per))
+
+
+def slot_blocks(slots: Sequence[int], n_slots: int, parts: int, cap: int | None = None) -> tuple[list[int], int]:
+    """Row positions for a step whose rows use parent `slots`: with the slots split into `parts`
+    blocks (one per slot shard), the rows are `parts` equal blocks and block j holds only rows of
+    shard j's slots, so every shard reads and writes only its own slots. Returns (position of each
+    slot's row, rows in all); the block width is a power of two (a bucket) capped at `cap` (default
+    the slots per shard). parts=1: positions 0..n-1 in order, rows = the bucket of n."""
+    per = n_slots // parts
+    shard = [s // per for s in slots]
+    count = max(Counter(shard).values(), default=1)
+    width = min(1 << max(count - 1, 0).bit_length(), per if cap is None else cap)
+    used = [0] * parts
+    pos = []
+    for j in shard:
+        pos.append(j * width + used[j])
+        used[j] += 1
+    return pos, parts * width
+
+
+def slot_local(rows: Sequence[str], out: Sequence[str] | str, cache_kv: Sequence[int]):
+    """Decorator for an engine step `fn(params, config, cache, ..., kv=None)` (under jax.jit):
+    when `kv` splits the slots over mesh axes (data > 1), `fn` runs once per slot shard
+    (`jax.shard_map` manual over those axes; tensor stays automatic inside), on its own slots and
+    its own block of rows (`slot_blocks` placed them), so no collective over data touches the
+    cache or the gathered rows. Slot indices stay global: the step takes them modulo its (local)
+    slot count. `rows`: the argument names with a leading row axis; `out`: per output, "cache",
+    "rows" (leading row axis) or "max" (a scalar, the max over shards); `cache_kv[i]`: which
+    sharding of `kv` the cache's i-th leaf carries (pinned after the shard_map)."""
+    from jax.sharding import PartitionSpec as P
+
+    single = isinstance(out, str)
+    outs = (out,) if single else tuple(out)
+
+    def deco(fn):
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            a = dict(bound.arguments)
+            kv = a["kv"]
+            axes = slot_axes(kv)
+            if not axes:
+                return fn(**a)
+            names = ("params", "cache") + tuple(rows)
+            arrays = [a.pop(n) for n in names]
+            a["kv"] = None
+            row_spec, cache_spec = P(axes), P(None, axes)
+
+            def local(*xs):
+                res = fn(**a, **dict(zip(names, xs)))
+                res = (res,) if single else res
+                return tuple(r[None] if kind == "max" else r for r, kind in zip(res, outs))
+
+            in_specs = (P(), jax.tree.map(lambda _: cache_spec, arrays[1])) + (row_spec,) * len(rows)
+            out_specs = tuple(jax.tree.map(lambda _: cache_spec, arrays[1]) if kind == "cache" else row_spec
+                              for kind in outs)
+            res = jax.shard_map(local, mesh=kv[0].mesh, in_specs=in_specs, out_specs=out_specs,
+                                axis_names=frozenset(axes), check_vma=False)(*arrays)
+            fixed = []
+            for r, kind in zip(res, outs):
+                if kind == "cache":
+                    leaves, tree = jax.tree.flatten(r)
+                    r = tree.unflatten([jax.lax.with_sharding_constraint(x, kv[i]) for x, i in zip(leaves, cache_kv)])
+                elif kind == "max":
+                    r = r.max()
+                fixed.append(r)
+            return fixed[0] if single else tuple(fixed)
+        return wrapped
+    return deco

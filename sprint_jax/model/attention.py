@@ -359,7 +359,13 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
         return x
     from sprint_jax.train.mesh import logical_to_spec
     spec = logical_to_spec([a or "head_dim" for a in axes], x.shape, mesh)   # head_dim: whole
-    spec = P(*[None if a is None else sp for a, sp in zip(axes, spec)])
+    manual = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual}
+
+    def auto(sp):               # inside a shard_map, the manual axes are already split by hand
+        sp = (sp,) if isinstance(sp, str) else tuple(sp or ())
+        sp = tuple(m for m in sp if m not in manual)
+        return sp[0] if len(sp) == 1 else (sp or None)
+    spec = P(*[None if a is None else auto(sp) for a, sp in zip(axes, spec)])
     return jax.lax.with_sharding_constraint(x, spec)
 
 

@@ -72,6 +72,8 @@ def _stored_shapes(ckptr, path: Path) -> dict[str, tuple]:
 
 
 def load_orbax(path: str | Path, param_dtype=None, shardings=None) -> tuple[Qwen2Config, dict]:
+    """(config, params) of an orbax model directory. `shardings` (a tree of shardings like the
+    params) is the restore target: orbax reads each device's slice straight into place."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
@@ -104,15 +106,16 @@ def load_orbax(path: str | Path, param_dtype=None, shardings=None) -> tuple[Qwen
 def load_model(path: str | Path, param_dtype=None, compute_dtype=None, shardings_fn=None) -> Qwen2:
     """A Qwen2 / Qwen3 model from either an HF directory or an orbax model directory (dtypes as in
     `from_pretrained`: float32 unless given). shardings_fn(config) -> a tree of shardings: each
-    HF tensor goes straight to its devices (an orbax checkpoint is placed after loading)."""
+    tensor goes straight to its devices, read shard by shard (HF: each safetensors tensor is put
+    on its sharding as it is read; orbax: restored with the shardings as the target, so every
+    device reads only its own slice), so a 7B checkpoint never sits whole on one device."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model directory not found: {path}")
     if is_orbax_dir(path):
-        config, params = load_orbax(path, param_dtype=param_dtype)
-        if shardings_fn is not None:
-            import jax
-            params = jax.device_put(params, shardings_fn(config))
+        config = Qwen2Config.from_hf_config(path / "config.json")
+        shardings = shardings_fn(config) if shardings_fn is not None else None
+        config, params = load_orbax(path, param_dtype=param_dtype, shardings=shardings)
     else:
         shardings = shardings_fn(Qwen2Config.from_hf_config(path)) if shardings_fn is not None else None
         config, params = load_params(path, param_dtype=param_dtype, shardings=shardings)
