@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sprint_jax.infer.engine import EngineError, Generation
+from sprint_jax.infer.prefix_attention import parent_prefix_attention
 from sprint_jax.infer.sampling import GREEDY, Sampling, advance_rows, sample_tokens
 from sprint_jax.infer.stops import StopScanner
 from sprint_jax.model.config import Qwen2Config
@@ -152,11 +153,11 @@ def _sample_rows(logits, keys, temperature, top_k, top_p):
     return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "g", "chunk", "s_b", "c_b", "kv"),
+@functools.partial(jax.jit, static_argnames=("config", "g", "chunk", "s_b", "c_b", "kv", "attention_impl"),
                    donate_argnames=("cache",))
 def _decode(params, config: Qwen2Config, cache: SlotCache, pslot, fork_len, lengths, pending, active,
             remaining, stop_ids, seeds, branch, steps, temperature, top_k, top_p,
-            g: int, chunk: int, s_b: int, c_b: int, kv=None):
+            g: int, chunk: int, s_b: int, c_b: int, kv=None, attention_impl: str = "xla"):
     """Rows are [Rg, 1+g] flattened (row 0 of a group: the parent slot pslot[i]; rows 1..g its
     child slots). lengths = KV entries of the row's own slot (parent slot or child suffix);
     a child's positions start at its group's fork_len. Returns the cache, the emitted tokens
@@ -182,8 +183,11 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, pslot, fork_len, leng
         def attend(q, k, v, layer):
             h, d = q.shape[2], q.shape[3]
             qg = q.reshape(rg, w, h, d)                    # the group's queries share the parent keys
-            o_p, l_p = attend_partial(qg, _gather_rows(cache.pk, layer, pslot, s_b),
-                                      _gather_rows(cache.pv, layer, pslot, s_b), p_mask)
+            if attention_impl == "pallas":        # one kernel call, each parent's prefix read in place
+                o_p, l_p = parent_prefix_attention(qg, cache.pk, cache.pv, layer, pslot, plen, kv)
+            else:
+                o_p, l_p = attend_partial(qg, _gather_rows(cache.pk, layer, pslot, s_b),
+                                          _gather_rows(cache.pv, layer, pslot, s_b), p_mask)
             parts = [(o_p.reshape(b, 1, h, d), l_p.reshape(b, 1, h))]
             if g:
                 qc = qg[:, 1:].reshape(rg * g, 1, h, d)
@@ -304,11 +308,19 @@ class BatchEngine:
     placed by the trainer's rules table, parent and child slots over data, KV heads over tensor
     (replicated, with a logged note, where they do not divide); None = one device.
     `sharding_notes` lists what was replicated.
+
+    attention_impl: "xla" or "pallas" for the parent-prefix attention of a decode step ("pallas":
+    `sprint_jax.kernels.grouped_prefix_attention`, all groups in one call, per shard on a mesh;
+    interpret mode on CPU, where it is slow and only a correctness check).
     """
 
     def __init__(self, model, tokenizer, *, max_seqs: int = 16, max_children: int = 8, max_seq_len: int = 2048,
                  max_branch_tokens: int = 512, decode_chunk: int = 16, prefill_chunk: int = 256,
-                 eos_token_ids: Sequence[int] | None = None, min_bucket: int = 64, mesh=None):
+                 eos_token_ids: Sequence[int] | None = None, min_bucket: int = 64, mesh=None,
+                 attention_impl: str = "xla"):
+        if attention_impl not in ("xla", "pallas"):
+            raise EngineError(f"attention_impl must be 'xla' or 'pallas', got {attention_impl!r}")
+        self.attention_impl = attention_impl
         for name, v in (("max_seqs", max_seqs), ("max_children", max_children), ("max_seq_len", max_seq_len),
                         ("max_branch_tokens", max_branch_tokens), ("decode_chunk", decode_chunk),
                         ("prefill_chunk", prefill_chunk)):
@@ -705,7 +717,8 @@ class BatchEngine:
             self.params, self.config, self.cache, jnp.asarray(pslot), jnp.asarray(fork), jnp.asarray(lengths),
             jnp.asarray(pending), jnp.asarray(active), jnp.asarray(remaining), jnp.asarray(stop_ids),
             jnp.asarray(seeds), jnp.asarray(branch), jnp.asarray(steps), jnp.asarray(temp), jnp.asarray(top_k),
-            jnp.asarray(top_p), g=g, chunk=self.decode_chunk, s_b=s_b, c_b=c_b, kv=self._kv)
+            jnp.asarray(top_p), g=g, chunk=self.decode_chunk, s_b=s_b, c_b=c_b, kv=self._kv,
+            attention_impl=self.attention_impl)
         out, reason = jax.device_get((out, reason))
         self.stats["decode_calls"] += 1
         for i, row, child in placed:
