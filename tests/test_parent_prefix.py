@@ -209,6 +209,34 @@ def test_batch_engine_on_the_kernel_gives_the_xla_engines_tokens(hf_untied):
     assert got["pallas"] == got["xla"]
 
 
+@pytest.mark.slow
+def test_eval_attention_impl_pallas_gives_the_xla_results(hf_untied, tmp_path):
+    """`eval --attention-impl pallas` (formerly refused on the batched engine) writes the
+    results.jsonl of the XLA path, timings aside."""
+    import shutil
+
+    from sprint_jax.cli import main
+    model = tmp_path / "model"
+    shutil.copytree(hf_untied, model)
+    tiny_vocab_tokenizer().save(model / "vocab_tokenizer.json")
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text("".join(json.dumps({"id": f"t{k}", "problem": f"What is {k}+{k}?", "answer": str(2 * k)}) + "\n"
+                             for k in range(3)))
+    caps = ["--max-seq-len", "128", "--decode-chunk", "8", "--prefill-chunk", "32", "--max-prompts", "2",
+            "--max-branch-tokens", "8", "--max-planner-tokens", "6", "--max-total-tokens", "14",
+            "--concurrency", "2", "--mode", "parallel", "--no-progress"]
+    rows = {}
+    for impl in ("xla", "pallas"):
+        out = tmp_path / impl
+        assert main(["eval", "--model", str(model), "--data", str(tasks), "--out", str(out),
+                     "--attention-impl", impl, *caps]) == 0
+        rows[impl] = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+        for r in rows[impl]:
+            r.pop("wall_s")
+    assert len(rows["xla"]) == 3 and all(r["total_tokens"] > 0 for r in rows["xla"])
+    assert rows["pallas"] == rows["xla"]
+
+
 SHARDED = r"""
 import json, sys
 sys.path.insert(0, sys.argv[2])
