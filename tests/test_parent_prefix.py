@@ -207,6 +207,9 @@ def test_batch_engine_on_the_kernel_gives_the_xla_engines_tokens(hf_untied):
            for impl in ("xla", "pallas")}
     assert sum(len(t) for t in got["xla"][1]) + len(got["xla"][0]) > 50
     assert got["pallas"] == got["xla"]
+    from sprint_jax.infer import EngineError
+    with pytest.raises(EngineError, match="attention_impl"):
+        BatchEngine(model, tok, attention_impl="cuda", **CAPS)
 
 
 @pytest.mark.slow
