@@ -76,6 +76,13 @@ def default_group_block_sizes(platform: Platform, groups: int, width: int, num_h
                       num_warps=8 if block_q >= 128 else 4, num_stages=2)
 
 
+def lowers_for(platform: Platform, head_dim: int, num_kv_heads: int) -> bool:
+    """Whether the real (non-interpret) body of `platform` takes this head layout."""
+    if platform == "tpu":
+        return head_dim % 128 == 0 or num_kv_heads == 1
+    return head_dim >= _GPU_MIN_DIM and not head_dim & (head_dim - 1)
+
+
 def _step(q, k, v, row0, row_end, end, m, l, acc, *, scale_log2: float, precision):
     """Online-softmax update of q [bq, D] with keys row0.. (k, v [bk, D]).
 
@@ -199,12 +206,11 @@ def grouped_prefix_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
         raise ValueError("Pallas has no CPU lowering: call grouped_prefix_attention with "
                          "interpret=True on CPU")
     plat = _resolve_platform(platform)
-    if not interpret:
-        if plat == "tpu" and d % 128 and hkv > 1:
-            raise ValueError(f"the TPU kernel needs head_dim a multiple of 128 (got {d}) when "
-                             f"Hkv > 1: a (rows, D) block of the [S, Hkv*D] cache view is lane-tiled")
-        if plat == "gpu" and (d < _GPU_MIN_DIM or d & (d - 1)):
-            raise ValueError(f"the GPU kernel needs head_dim a power of two >= 16 (got {d})")
+    if not interpret and not lowers_for(plat, d, hkv):
+        raise ValueError(
+            f"the TPU kernel needs head_dim a multiple of 128 (got {d}) when Hkv > 1: a (rows, D) "
+            f"block of the [S, Hkv*D] cache view is lane-tiled" if plat == "tpu" else
+            f"the GPU kernel needs head_dim a power of two >= 16 (got {d})")
     sizes = default_group_block_sizes(plat, gr, w, h, hkv, s)
     if block_sizes is not None:
         sizes = dataclasses.replace(sizes, **{f.name: getattr(block_sizes, f.name)

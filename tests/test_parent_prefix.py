@@ -145,6 +145,47 @@ def test_lowers_for_triton_and_mosaic_at_qwen2_7b_sizes():
                 assert op in VIEW_OPS, (platform, line.strip()[:200])
 
 
+def _decode_7b_text(target: str, attention_impl: str) -> str:
+    """The batched engine's whole decode step (chunk 16, 28 layers) for the Qwen2-7B preset with 16
+    parent slots of capacity 8192 + 16 and 8 children each, lowered (not run) for `target`."""
+    from jax import export
+
+    from sprint_jax.infer.batch import STOP_WIDTH, SlotCache, _decode
+    from sprint_jax.model.config import Qwen2Config
+    from sprint_jax.model.qwen2 import abstract_params
+    cfg = Qwen2Config.preset("r1-distill-qwen-7b", dtype="bfloat16")
+    slots, g = 16, 8
+    b = slots * (1 + g)
+    cache = jax.eval_shape(lambda: SlotCache.zeros(cfg, slots, g, 8192 + 16, 1024 + 16))
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    f32 = jax.ShapeDtypeStruct((b,), jnp.float32)
+    args = (abstract_params(cfg), cache, i32(slots), i32(slots), i32(b), i32(b),
+            jax.ShapeDtypeStruct((b,), bool), i32(b), i32(b, STOP_WIDTH), i32(b), i32(b), i32(b), f32,
+            i32(b), f32)
+    fn = jax.jit(lambda p, c, *a: _decode(p, cfg, c, *a, g=g, chunk=16, s_b=8192, c_b=1024,
+                                          attention_impl=attention_impl))
+    return export.export(fn, platforms=[target], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
+
+
+def test_batched_decode_step_lowers_with_the_kernel_at_7b_sizes():
+    """BatchEngine(attention_impl="pallas")'s decode step at 7B sizes lowers for GPU and TPU with
+    the kernel (one call in the layer scan), and the parent cache [28, 16, 8208, 4, 128] reaches it
+    only through a view: never gathered, sliced or copied. The same detector finds the XLA path's
+    gather of the used slots (so it can fail)."""
+    pk = "28x16x8208x4x128"
+
+    def touches(text, ops):
+        return [ln.strip()[:160] for ln in text.splitlines() if pk in ln and any(o in ln for o in ops)]
+
+    reads = ("stablehlo.gather", "dynamic_slice", "stablehlo.slice", "stablehlo.transpose", "stablehlo.copy")
+    for target, marker in (("cuda", "__gpu$xla.gpu.triton"), ("tpu", "tpu_custom_call")):
+        text = _decode_7b_text(target, "pallas")
+        assert text.count(marker) == 1, target
+        assert not touches(text, reads), (target, touches(text, reads))
+    assert touches(_decode_7b_text("tpu", "xla"), reads)
+
+
 def test_block_sizes_bytes_and_bad_inputs():
     gpu = default_group_block_sizes("gpu", 16, 9, 28, 4, 8192)
     assert (gpu.block_q, gpu.block_k) == (64, 128) and gpu.num_splits * 16 * 4 >= 200

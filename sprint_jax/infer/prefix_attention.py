@@ -32,7 +32,7 @@ def _axes(entry) -> tuple[str, ...]:
 
 def _kernel(q, pk, pv, layer, pslot, plen, slot_axes: tuple[str, ...] = ()):
     """The kernel on (a shard of) the parent cache pk, pv [L, P, S, Hkv, D]."""
-    from sprint_jax.kernels.parent_prefix import grouped_prefix_attention
+    from sprint_jax.kernels.parent_prefix import grouped_prefix_attention, lowers_for
 
     n_layers, slots = pk.shape[:2]
     if slot_axes:   # this shard holds slots [index * slots, (index + 1) * slots)
@@ -42,8 +42,19 @@ def _kernel(q, pk, pv, layer, pslot, plen, slot_axes: tuple[str, ...] = ()):
         pslot = jnp.clip(local, 0, slots - 1)
     rows = layer * slots + jnp.clip(pslot, 0, slots - 1)
     flat = (n_layers * slots,) + pk.shape[2:]                      # a view: [L*P, S, Hkv, D]
-    o, lse = grouped_prefix_attention(q, pk.reshape(flat), pv.reshape(flat), rows, plen,
-                                      interpret=jax.default_backend() == "cpu")
+    body = lambda platform, interpret: lambda *a: grouped_prefix_attention(  # noqa: E731
+        *a, platform=platform, interpret=interpret)
+    # Chosen when the step is lowered: Triton on GPUs, Mosaic on TPUs, the interpreter elsewhere,
+    # so one jitted step also lowers (e.g. under jax.export) for a platform it does not run on.
+    # A platform whose kernel does not take this head layout is left out unless it is the one we
+    # run on (there the kernel's own error names the problem; no silent interpreter on a GPU).
+    backend = jax.default_backend()
+    runs_on = {"gpu": backend in ("gpu", "cuda", "rocm"), "tpu": backend == "tpu"}
+    d, hkv = q.shape[-1], pk.shape[3]
+    branches = {name: body(plat, False) for name, plat in (("cuda", "gpu"), ("rocm", "gpu"), ("tpu", "tpu"))
+                if lowers_for(plat, d, hkv) or runs_on[plat]}
+    o, lse = jax.lax.platform_dependent(q, pk.reshape(flat), pv.reshape(flat), rows, plen,
+                                        default=body("gpu", True), **branches)
     if slot_axes:
         o = jax.lax.psum(o.astype(jnp.float32), slot_axes).astype(q.dtype)
         lse = jax.lax.pmax(lse, slot_axes)
