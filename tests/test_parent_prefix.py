@@ -301,7 +301,12 @@ for spec, n in (("tensor=2,data=2", 4), ("tensor=4,data=2", 8)):
     mesh = sh.mesh_from_flag(spec, devices=jax.devices()[:n])
     eng = BatchEngine(model, tok, max_seqs=4, max_children=4, mesh=mesh, attention_impl="pallas", **CAPS)
     got = _drive(eng)
-    out[spec] = {"same": got == ref, "pk_spec": [None if x is None else str(x) for x in eng.cache.pk.sharding.spec]}
+    from sprint_jax.infer.prefix_attention import parent_prefix_attention
+    c = eng.config
+    jaxpr = str(jax.make_jaxpr(lambda q, k, s, n: parent_prefix_attention(q, k, k, 0, s, n, eng._kv))(
+        jax.ShapeDtypeStruct((2, 5, c.num_attention_heads, c.head_dim), eng.cache.pk.dtype), eng.cache.pk,
+        jax.ShapeDtypeStruct((2,), jax.numpy.int32), jax.ShapeDtypeStruct((2, 5), jax.numpy.int32)))
+    out[spec] = {"same": got == ref, "shard_map": "shard_map" in jaxpr and "pallas_call" in jaxpr, "pk_spec": [None if x is None else str(x) for x in eng.cache.pk.sharding.spec]}
 print("RESULT " + json.dumps(out))
 """
 
@@ -318,4 +323,5 @@ def test_kernel_per_shard_on_a_mesh_gives_the_tokens_of_one_device(hf_untied):
     res = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))[7:])
     for spec, r in res.items():
         assert r["pk_spec"][1] == "data" and r["pk_spec"][3] == "tensor", (spec, r)
+        assert r["shard_map"], spec               # the kernel runs per shard
         assert r["same"], spec
