@@ -24,12 +24,22 @@ else:
         shared_prefix_attention,
         shared_prefix_attention_reference,
     )
+    from .parent_prefix import (
+        default_group_block_sizes,
+        group_bytes_read,
+        grouped_prefix_attention,
+        grouped_prefix_attention_reference,
+    )
 
     __all__ = [
         "BlockSizes",
         "bytes_read",
         "copy_fork_bytes_read",
         "default_block_sizes",
+        "default_group_block_sizes",
+        "group_bytes_read",
+        "grouped_prefix_attention",
+        "grouped_prefix_attention_reference",
         "shared_prefix_attention",
         "shared_prefix_attention_reference",
     ]

@@ -227,6 +227,13 @@ def test_bench_kernels_quick_point(tmp_path):
         assert r["ms_per_call"] > 0 and r["max_abs_diff_vs_xla"] < 1e-5
     assert report["results"][0]["bytes"] == bytes_read(3, 24, 5, 4, 2, 32, jnp.float32)
     assert report["results"][2]["bytes"] == copy_fork_bytes_read(3, 24, 5, 4, 2, 32, jnp.float32)
+    # the grouped table (batched engine step): 2 groups of 1 + 3 rows, used lengths 24 and 18
+    from sprint_jax.kernels import group_bytes_read
+    grouped = report["grouped_results"]
+    assert [r["method"] for r in grouped] == ["grouped_pallas", "grouped_xla"]
+    for r in grouped:
+        assert r["ms_per_call"] > 0 and r["max_abs_diff_vs_xla"] < 1e-5 and r["groups"] == 2
+        assert r["bytes"] == group_bytes_read([24, 18], 4, 4, 2, 32, jnp.float32)
     from sprint_jax.errors import UserError
     with pytest.raises(UserError, match="--kv-heads"):
         run_kernels_bench(parser.parse_args(["--quick", "--heads", "5", "--kv-heads", "2"]))

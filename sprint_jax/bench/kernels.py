@@ -8,6 +8,13 @@ decode step of n branches over a P-token shared prefix plus an S-token suffix ea
              + lse merge (`shared_prefix_attention_reference`),
   copy_fork  the prefix materialised into every branch: attention over [n, P + S] keys (the
              copy is made before timing: a copy-fork pays it once per fork, not per step).
+A second table times the batched engine's decode-step attention over many parents (issue 13):
+G groups of 1 parent + C children, each group over its own slot of a parent cache (capacity
+max prefix + 16, used lengths from P down to ~P/2 across the groups):
+  grouped_pallas  `sprint_jax.kernels.grouped_prefix_attention` (all groups in one call, each
+                  prefix read in place once, key blocks past a group's length skipped),
+  grouped_xla     the engine's XLA path: gather each group's first S_b slots (S_b = the
+                  power-of-two bucket of the longest length) + `attend_partial` under a mask.
 Each point reports the median time per call after warm-up (block_until_ready, time.perf_counter;
 compile time excluded and reported separately), the bytes the method must read (`bytes_read` /
 `copy_fork_bytes_read`) divided by that time, and the fraction of the device's HBM bandwidth
@@ -52,10 +59,10 @@ PEAK_BYTES_PER_S: tuple[tuple[str, float], ...] = (
 )
 
 FULL = dict(branches="1,2,4,8,16,32,64", prefix_lens="256,1024,4096,16384", heads=28, kv_heads=4,
-            head_dim=128, suffix_len=256, repeats=20, warmup=3)
-QUICK_ACCEL = dict(FULL, branches="1,8,64", prefix_lens="1024,16384", repeats=10)
+            head_dim=128, suffix_len=256, repeats=20, warmup=3, groups="4,16", children=8)
+QUICK_ACCEL = dict(FULL, branches="1,8,64", prefix_lens="1024,16384", repeats=10, groups="16")
 QUICK_CPU = dict(branches="1,4", prefix_lens="40,160", heads=4, kv_heads=2, head_dim=32,
-                 suffix_len=8, repeats=3, warmup=1)
+                 suffix_len=8, repeats=3, warmup=1, groups="2", children=3)
 METHODS = ("pallas", "xla", "copy_fork")
 INTERPRET_NOTE = ("interpret-mode timings are not meaningful "
                   "(they time the Pallas interpreter on CPU)")
@@ -80,6 +87,11 @@ def add_kernels_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, help=f"head dim D (default {FULL['head_dim']})")
     parser.add_argument("--repeats", type=int, help="timed calls per point (median reported)")
     parser.add_argument("--warmup", type=int, help="untimed calls per point after compiling")
+    parser.add_argument("--groups",
+                        help=f"comma-separated parent-group counts of the grouped table (default "
+                             f"{FULL['groups']}; 0 skips the table)")
+    parser.add_argument("--children", type=int,
+                        help=f"children per parent in the grouped table (default {FULL['children']})")
     parser.add_argument("--methods", default=",".join(METHODS),
                         help=f"comma-separated subset of {','.join(METHODS)}")
 
@@ -105,6 +117,9 @@ def _settings(args: argparse.Namespace, on_cpu: bool) -> dict[str, Any]:
     s = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in base.items()}
     s["branches"] = _int_list(str(s["branches"]), "--branches")
     s["prefix_lens"] = _int_list(str(s["prefix_lens"]), "--prefix-lens")
+    s["groups"] = [] if str(s["groups"]).strip() == "0" else _int_list(str(s["groups"]), "--groups")
+    if s["children"] < 0:
+        raise _user_error(f"--children must be >= 0, got {s['children']}")
     for name in ("heads", "kv_heads", "head_dim", "repeats"):
         if s[name] < 1:
             raise _user_error(f"--{name.replace('_', '-')} must be >= 1, got {s[name]}")
@@ -202,6 +217,57 @@ def _bench_point(n: int, p: int, s: dict[str, Any], interpret: bool, seed: int) 
     return rows
 
 
+GROUPED_METHODS = ("grouped_pallas", "grouped_xla")
+
+
+def _bucket(n: int, lo: int = 64) -> int:
+    b = lo
+    while b < n:
+        b *= 2
+    return b
+
+
+def _engine_xla_prefix(q, kc, vc, rows, lens, s_b: int):
+    """The batched engine's XLA parent-prefix attention: gather each group's first s_b slots."""
+    from sprint_jax.model.attention import attend_partial
+    take = lambda c: c[rows[:, None], jnp.arange(s_b)[None, :]]  # noqa: E731   [G, s_b, Hkv, D]
+    mask = jnp.arange(s_b)[None, None, :] < lens[:, :, None]
+    return attend_partial(q, take(kc), take(vc), mask)
+
+
+def _bench_grouped_point(groups: int, p: int, s: dict[str, Any], interpret: bool,
+                         seed: int) -> list[dict]:
+    from sprint_jax.kernels import group_bytes_read, grouped_prefix_attention
+    dtype = dtype_of(s["dtype"])
+    h, hkv, d, w = s["heads"], s["kv_heads"], s["head_dim"], 1 + s["children"]
+    cap = p + 16
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(keys[0], (groups, w, h, d), dtype)
+    kc = jax.random.normal(keys[1], (groups, cap, hkv, d), dtype)
+    vc = jax.random.normal(keys[2], (groups, cap, hkv, d), dtype)
+    glens = [max(1, p - g * p // (2 * groups)) for g in range(groups)]
+    lens = jnp.asarray([[n] * w for n in glens], jnp.int32)   # children at the fork point
+    rows = jnp.arange(groups, dtype=jnp.int32)[::-1]
+    s_b = min(_bucket(max(glens)), cap)
+    nbytes = group_bytes_read(glens, w, h, hkv, d, dtype)
+    out, results = {}, []
+    for method in GROUPED_METHODS:
+        if method == "grouped_pallas":
+            fn = lambda *a: grouped_prefix_attention(*a, interpret=interpret)  # noqa: E731
+        else:
+            fn = functools.partial(_engine_xla_prefix, s_b=s_b)
+        compile_s, sec, o = _time(fn, (q, kc, vc, rows, lens), s["warmup"], s["repeats"])
+        out[method] = o[0].astype(jnp.float32)
+        results.append(dict(groups=groups, children=s["children"], prefix_len=p, method=method,
+                            ms_per_call=sec * 1e3, compile_s=compile_s, bytes=nbytes,
+                            bytes_per_s=nbytes / sec))
+    xla_ms = results[1]["ms_per_call"]
+    for r in results:
+        r["max_abs_diff_vs_xla"] = float(jnp.max(jnp.abs(out[r["method"]] - out["grouped_xla"])))
+        r["speedup_vs_xla"] = xla_ms / r["ms_per_call"]
+    return results
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -236,11 +302,28 @@ def run_kernels_bench(args: argparse.Namespace) -> int:
                       f"{_fmt(r['fraction_of_peak'] and 100 * r['fraction_of_peak'], '.1f'):>6} "
                       f"{_fmt(r['speedup_vs_copy_fork'], '.2f'):>7} "
                       f"{_fmt(r['max_abs_diff_vs_xla'], '.1e'):>9}", flush=True)
+    grouped = []
+    if s["groups"]:
+        print(f"\ngrouped decode-step prefix attention: groups of 1 parent + {s['children']} children, "
+              f"each over its own parent slot (the batched engine's step)")
+        header = (f"{'groups':>6} {'prefix':>6} {'method':>14} {'ms/call':>9} {'compile_s':>9} "
+                  f"{'GB/s':>8} {'%peak':>6} {'x xla':>6} {'max|diff|':>9}")
+        print(header)
+        print("-" * len(header))
+        for i, p in enumerate(s["prefix_lens"]):
+            for j, g in enumerate(s["groups"]):
+                for r in _bench_grouped_point(g, p, s, interpret, seed=7000 + 100 * i + j):
+                    r["fraction_of_peak"] = None if peak is None else r["bytes_per_s"] / peak
+                    grouped.append(r)
+                    print(f"{g:>6} {p:>6} {r['method']:>14} {r['ms_per_call']:>9.3f} "
+                          f"{r['compile_s']:>9.2f} {r['bytes_per_s'] / 1e9:>8.1f} "
+                          f"{_fmt(r['fraction_of_peak'] and 100 * r['fraction_of_peak'], '.1f'):>6} "
+                          f"{r['speedup_vs_xla']:>6.2f} {r['max_abs_diff_vs_xla']:>9.1e}", flush=True)
     report = dict(
         benchmark="kernels.shared_prefix_attention", device_kind=device_kind, backend=backend,
         jax_version=jax.__version__, interpret=interpret, timings_meaningful=not interpret,
         note=INTERPRET_NOTE if interpret else None, peak_bytes_per_s=peak,
-        config={k: v for k, v in s.items()}, results=results)
+        config={k: v for k, v in s.items()}, results=results, grouped_results=grouped)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

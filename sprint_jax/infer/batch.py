@@ -41,6 +41,7 @@ import numpy as np
 
 from sprint_jax.infer import sharding as sh
 from sprint_jax.infer.engine import EngineError, Generation
+from sprint_jax.infer.prefix_attention import pallas_parent_prefix_attention
 from sprint_jax.infer.sampling import GREEDY, Sampling, advance_rows, sample_tokens
 from sprint_jax.infer.stops import StopScanner
 from sprint_jax.model.config import Qwen2Config
@@ -190,24 +191,28 @@ def _sample_rows(logits, keys, temperature, top_k, top_p):
 
 
 def parent_prefix_attention(pk: jax.Array, pv: jax.Array, layer, pslot: jax.Array, q: jax.Array,
-                            plen: jax.Array, s_b: int):
+                            plen: jax.Array, s_b: int, attention_impl: str = "xla", kv=None):
     """The shared-prefix attention of a step: group i's W queries q[i] [G, W, H, D] attend to the
     first plen[i, w] slots of parent slot pslot[i] (pk, pv [L, P, Sp, Hkv, D]). Each parent's
     prefix is read once for all W queries of its group (they ride on the query axis), never
     once per query. Returns (out [G, W, H, D], lse [G, W, H]) for `merge_partials`.
-    This is the one place the many-parents Pallas kernel replaces (kernels/)."""
+    This is the one place the many-parents Pallas kernel replaces (kernels/): attention_impl
+    "pallas" runs `prefix_attention.pallas_parent_prefix_attention` (one call for all groups, each
+    prefix read in place, never gathered; per shard over `kv`'s mesh when given)."""
+    if attention_impl == "pallas":
+        return pallas_parent_prefix_attention(q, pk, pv, layer, pslot, plen, kv)
     mask = jnp.arange(s_b)[None, None, :] < plen[:, :, None]                        # [G, W, S_b]
     return attend_partial(q, _gather_rows(pk, layer, pslot, s_b), _gather_rows(pv, layer, pslot, s_b), mask)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "w", "chunk", "s_b", "c_b", "kv"),
+@functools.partial(jax.jit, static_argnames=("config", "w", "chunk", "s_b", "c_b", "kv", "attention_impl"),
                    donate_argnames=("cache",))
 @sh.slot_local(rows=("a_slot", "b_pslot", "b_fork", "b_cslot", "lengths", "pending", "active", "remaining",
                      "stop_ids", "seeds", "branch", "steps", "temperature", "top_k", "top_p", "forced", "n_forced"),
                out=("cache", "rows", "rows", "max"), cache_kv=(0, 0, 1, 1))
 def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending,
             active, remaining, stop_ids, seeds, branch, steps, temperature, top_k, top_p, forced, n_forced,
-            w: int, chunk: int, s_b: int, c_b: int, kv=None):
+            w: int, chunk: int, s_b: int, c_b: int, kv=None, attention_impl: str = "xla"):
     """The active rows, packed: rows [0, A) decode on parent slots a_slot (a generate op: the row
     attends to its own parent slot); rows [A, A + F*w) are fork children, F groups of w rows,
     group i's children of parent slot b_pslot[i] (read-only, fork point b_fork[i]) in child
@@ -220,6 +225,7 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
     Under slot shards (data > 1, `sh.slot_local`) every row argument is `parts` equal blocks and
     this body sees one block: its A/parts generate rows, then its F/parts fork groups
     (`BatchEngine._decode` lays them out so); slot ids are global, taken modulo this call's slots.
+    attention_impl: the parent-prefix attention's ("xla" gather or "pallas" kernel).
     Returns the cache, the emitted tokens [B, chunk] (-1 = none), per-row reason codes
     (1 stop id / EOS, 2 length), and the steps run."""
     na, nf = a_slot.shape[0], b_pslot.shape[0]
@@ -242,12 +248,13 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
             outs = []
             if na:                                               # generate rows: their own slot
                 own = parent_prefix_attention(cache.pk, cache.pv, layer, a_slot, q[:na, 0][:, None],
-                                              la[:, None], s_b)
+                                              la[:, None], s_b, attention_impl, kv)
                 outs.append(merge_partials([own, (o_s[:na], l_s[:na])])[0])
             if nf:                                               # fork children: prefix + suffix
                 o_p, l_p = parent_prefix_attention(cache.pk, cache.pv, layer, b_pslot,
                                                    q[na:, 0].reshape(nf, w, h, d),
-                                                   jnp.broadcast_to(b_fork[:, None], (nf, w)), s_b)
+                                                   jnp.broadcast_to(b_fork[:, None], (nf, w)), s_b,
+                                                   attention_impl, kv)
                 c_mask = jnp.arange(c_b)[None, None, :] < lb[:, None, None]            # [F*w, 1, C_b]
                 suffix = attend_partial(q[na:], _gather_rows(cache.ck, layer, b_cslot, c_b),
                                         _gather_rows(cache.cv, layer, b_cslot, c_b), c_mask)
@@ -364,11 +371,19 @@ class BatchEngine:
     placed by the trainer's rules table, parent and child slots over data, KV heads over tensor
     (replicated, with a logged note, where they do not divide); None = one device.
     `sharding_notes` lists what was replicated.
+
+    attention_impl: "xla" or "pallas" for the parent-prefix attention of a decode step ("pallas":
+    `sprint_jax.kernels.grouped_prefix_attention`, all groups in one call, per shard on a mesh;
+    interpret mode on CPU, where it is slow and only a correctness check).
     """
 
     def __init__(self, model, tokenizer, *, max_seqs: int = 16, max_children: int = 8, max_seq_len: int = 2048,
                  max_branch_tokens: int = 512, decode_chunk: int = 16, prefill_chunk: int = 256,
-                 eos_token_ids: Sequence[int] | None = None, min_bucket: int = 64, mesh=None):
+                 eos_token_ids: Sequence[int] | None = None, min_bucket: int = 64, mesh=None,
+                 attention_impl: str = "xla"):
+        if attention_impl not in ("xla", "pallas"):
+            raise EngineError(f"attention_impl must be 'xla' or 'pallas', got {attention_impl!r}")
+        self.attention_impl = attention_impl
         for name, v in (("max_seqs", max_seqs), ("max_children", max_children), ("max_seq_len", max_seq_len),
                         ("max_branch_tokens", max_branch_tokens), ("decode_chunk", decode_chunk),
                         ("prefill_chunk", prefill_chunk)):
@@ -813,7 +828,8 @@ class BatchEngine:
         self.cache, out, reason, n = _decode(
             self.params, self.config, self.cache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending, active,
             remaining, stop_ids, seeds, branch, steps, temp, top_k, top_p, forced, n_forced,
-            w=w, chunk=self.decode_chunk, s_b=s_b, c_b=c_b, kv=self._kv)
+            w=w, chunk=self.decode_chunk, s_b=s_b, c_b=c_b, kv=self._kv,
+            attention_impl=self.attention_impl)
         out, reason = jax.device_get((out, reason))
         self.stats["decode_calls"] += 1
         for i, row, child in placed:

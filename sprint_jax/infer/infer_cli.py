@@ -52,7 +52,8 @@ def add_run_arguments(p) -> None:
     e.add_argument("--decode-chunk", type=int, default=16, help="decode steps per host round trip")
     e.add_argument("--prefill-chunk", type=int, default=512, help="longest prefill piece")
     e.add_argument("--attention-impl", choices=["xla", "pallas"], default="xla",
-                   help="shared-prefix attention of the executor fork")
+                   help="shared-prefix attention of a decode step (pallas: the Pallas kernels in "
+                        "sprint_jax.kernels, per shard on a mesh; interpret mode on CPU: slow)")
     from sprint_jax.infer.sharding import add_mesh_argument
     add_mesh_argument(e)
 
@@ -188,14 +189,13 @@ def build_batch_engine(args, config, concurrency: int):
 
     if concurrency < 1:
         raise UserError(f"--concurrency must be >= 1, got {concurrency}")
-    if getattr(args, "attention_impl", "xla") != "xla":
-        raise UserError("--attention-impl pallas: the batched engine has no Pallas path yet (use xla)")
     mesh = mesh_arg(args)
     model, tok, max_seq_len, branch_tokens = _checked_load(args, config, concurrency, mesh=mesh)
     try:
         return BatchEngine(model, tok, max_seqs=concurrency, max_children=config.max_prompts,
                            max_seq_len=max_seq_len, max_branch_tokens=branch_tokens,
-                           decode_chunk=args.decode_chunk, prefill_chunk=args.prefill_chunk, mesh=mesh)
+                           decode_chunk=args.decode_chunk, prefill_chunk=args.prefill_chunk, mesh=mesh,
+                           attention_impl=getattr(args, "attention_impl", "xla"))
     except EngineError as e:
         raise UserError(str(e)) from None
 

@@ -53,8 +53,6 @@ def run(args) -> int:
         raise UserError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
-    if args.attention_impl != "xla":
-        raise UserError("--attention-impl pallas is not used by the batched engine yet; serve runs the XLA path")
     config = config_from_args(args)
     engine = build_batch_engine(args, config, args.max_seqs)
     name = args.served_model_name or Path(args.model).resolve().name

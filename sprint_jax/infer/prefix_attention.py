@@ -1,0 +1,87 @@
+"""The batched engine's parent-prefix attention on the Pallas path (issue 13), per shard under a
+mesh (issue 15).
+
+A decode step of `BatchEngine` attends in groups: a generate row alone (over its own parent slot),
+or a fork's children (over their parent slot up to the fork point). The XLA path
+(`batch.parent_prefix_attention`) gathers the used slots of each group and runs `attend_partial`
+with the group's queries on the query axis. `pallas_parent_prefix_attention` returns the same
+(out, lse) pair from `sprint_jax.kernels.grouped_prefix_attention`: one pallas_call over all
+groups, reading each parent's prefix in place (no gather) once for all its rows, skipping key
+blocks past each group's used length.
+
+Under a mesh (parent slots over `data`, KV heads over `tensor`: `sharding.kv_sharding`) the kernel
+runs inside `jax.shard_map`: each device attends over the slots and KV heads it holds. The queries
+of every group reach every slot shard (replicated over the slot axes, split over heads like the
+KV heads); a group whose parent slot lives on another shard reads nothing and gives out 0 and lse
+NEG_INF there, so a sum over the slot axes of the outputs and a max of the lse are exact.
+(With slots over data the engine's step itself already runs per slot shard, `sharding.slot_local`,
+and calls this with kv=None on its shard's slots.)
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _kernel(q, pk, pv, layer, pslot, plen, slot_axes: tuple[str, ...] = ()):
+    """The kernel on (a shard of) the parent cache pk, pv [L, P, S, Hkv, D]."""
+    from sprint_jax.kernels.parent_prefix import grouped_prefix_attention, lowers_for
+
+    n_layers, slots = pk.shape[:2]
+    if slot_axes:   # this shard holds slots [index * slots, (index + 1) * slots)
+        local = pslot - jax.lax.axis_index(slot_axes) * slots
+        here = (local >= 0) & (local < slots)
+        plen = jnp.where(here[:, None], plen, 0)
+        pslot = jnp.clip(local, 0, slots - 1)
+    rows = layer * slots + jnp.clip(pslot, 0, slots - 1)
+    flat = (n_layers * slots,) + pk.shape[2:]                      # a view: [L*P, S, Hkv, D]
+    body = lambda platform, interpret: lambda *a: grouped_prefix_attention(  # noqa: E731
+        *a, platform=platform, interpret=interpret)
+    # Chosen when the step is lowered: Triton on GPUs, Mosaic on TPUs, the interpreter elsewhere,
+    # so one jitted step also lowers (e.g. under jax.export) for a platform it does not run on.
+    # A platform whose kernel does not take this head layout is left out unless it is the one we
+    # run on (there the kernel's own error names the problem; no silent interpreter on a GPU).
+    backend = jax.default_backend()
+    runs_on = {"gpu": backend in ("gpu", "cuda", "rocm"), "tpu": backend == "tpu"}
+    d, hkv = q.shape[-1], pk.shape[3]
+    branches = {name: body(plat, False) for name, plat in (("cuda", "gpu"), ("rocm", "gpu"), ("tpu", "tpu"))
+                if lowers_for(plat, d, hkv) or runs_on[plat]}
+    o, lse = jax.lax.platform_dependent(q, pk.reshape(flat), pv.reshape(flat), rows, plen,
+                                        default=body("gpu", True), **branches)
+    if slot_axes:
+        o = jax.lax.psum(o.astype(jnp.float32), slot_axes).astype(q.dtype)
+        lse = jax.lax.pmax(lse, slot_axes)
+    return o, lse
+
+
+def pallas_parent_prefix_attention(q, pk, pv, layer, pslot, plen, kv=None):
+    """q [Rg, W, H, D] (the rows of each group); pk, pv [L, P, S, Hkv, D] (the parent cache);
+    layer: the layer index; pslot [Rg]: each group's parent slot (out of range = a padding group,
+    with plen 0); plen [Rg, W]: keys each row sees. kv: the engine's (parent, child)
+    NamedShardings on a mesh (None: one device). Returns (out [Rg, W, H, D], lse [Rg, W, H])."""
+    if kv is None:
+        return _kernel(q, pk, pv, layer, pslot, plen)
+    sharding = kv[0]
+    mesh, spec = sharding.mesh, tuple(sharding.spec) + (None,) * (5 - len(sharding.spec))
+    slot_axes = _axes(spec[1])
+    head_axes = _axes(spec[3])
+    heads = math.prod(mesh.shape[a] for a in head_axes)
+    hq = head_axes if head_axes and q.shape[2] % heads == 0 else ()
+    if head_axes and not hq:
+        raise ValueError(f"{q.shape[2]} query heads do not split over {head_axes} like the KV heads")
+    head = (hq if len(hq) > 1 else hq[0]) if hq else None
+    run = jax.shard_map(
+        lambda q, pk, pv, layer, pslot, plen: _kernel(q, pk, pv, layer, pslot, plen, slot_axes),
+        mesh=mesh,
+        in_specs=(P(None, None, head, None), P(*spec), P(*spec), P(), P(None), P(None, None)),
+        out_specs=(P(None, None, head, None), P(None, None, head)), check_vma=False)
+    return run(q, pk, pv, jnp.asarray(layer, jnp.int32), pslot, plen)
