@@ -173,6 +173,21 @@ def test_serial_fork_runs_children_one_after_another(setup):
     engine.close(seq)
 
 
+def test_a_token_holding_the_stop_ends_the_row_on_device(setup):
+    """A stop string written inside a longer token ends the row in the step that writes it
+    (overshoot 0: nothing decoded past it), with the single-run engine's tokens and reason."""
+    model, tok, alone = setup
+    engine = _batch(model, tok)
+    prompt = _ids(11, 9)
+    free = alone.generate(alone.prefill(prompt), 24).tokens
+    k = next(i for i, t in enumerate(free) if i >= 3 and t not in free[:i] and len(tok.decode([t])) >= 3)
+    stop = tok.decode([free[k]])[1:]                   # inside the token, never equal to it
+    ref = alone.generate(alone.prefill(prompt), 24, stop=[stop])
+    got = engine.generate_one(prompt, 24, stop=[stop])[0]
+    assert (got.tokens, got.stop_reason) == (ref.tokens, ref.stop_reason) and got.stop_reason == "stop"
+    assert got.overshoot == 0 and len(got.tokens) <= k + 1
+
+
 def test_full_pool_queues_then_serves(setup):
     model, tok, alone = setup
     engine = _batch(model, tok, slots=2)

@@ -17,6 +17,9 @@ Rows, all measured in one run:
                single-run engine (attends over its capacity). The sequence is prefilled once;
                each timed call decodes N tokens and rolls back (truncate), and
                step_ms = (wall(8 chunks) - wall(1 chunk)) / (7 chunks) cancels per-call set-up.
+  fork bytes   a fork of --executors children on a fresh engine: the KV bytes written, read off the
+               cache arrays (slots whose K or V is non-zero), against prefix + n x suffix (the
+               prefix stored once) and against what per-child prefix copies would hold.
   --http       (issue 16) instead: the same plain requests (--prompt-len ids -> --max-tokens,
                greedy) through `sprint-jax serve` with the openai client at each --concurrency
                (default 1,8) vs in-process on an identical BatchEngine; per-request p50 latency,

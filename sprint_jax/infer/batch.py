@@ -428,7 +428,8 @@ class BatchEngine:
         # base + done.. (an open's prompt, extends; queued when submitted, written by the next step)
         self._prefill_work: dict[int, list] = {}
         self._groups: dict[int, list[_Row | None]] = {}                  # slot -> [parent row, children...]
-        self._single_token: dict[str, int | None] = {}
+        self._single_token: dict[str, list[int]] = {}     # stop string -> tokens whose text holds it
+        self._texts: list[str] | None = None
         self.stats = dict(steps=0, decode_calls=0, prefill_calls=0, tokens=0)
 
     # ---- tokens <-> text ------------------------------------------------------------------
@@ -450,7 +451,19 @@ class BatchEngine:
         op = Op("open", seq, tokens=tokens, tag=tag)
         seq.op = op
         self._waiting.append(op)
+        self._admit()                     # a free slot: done now (its prompt is written by the next step)
         return op
+
+    def _admit(self) -> None:
+        while self._waiting and self._free:
+            op = self._waiting.popleft()
+            seq = op.seq
+            seq.slot = self._free.pop(0)
+            seq.tokens = op.tokens
+            self._groups.pop(seq.slot, None)
+            if len(op.tokens) > 1:
+                self._queue_prefill(seq, op.tokens[:-1], 0)
+            self._finish(op, seq)
 
     def _check_idle(self, seq: Seq, what: str):
         if seq.closed:
@@ -615,17 +628,27 @@ class BatchEngine:
         op.seq.op = None
 
     def _stop_ids(self, stops: list[str]) -> list[int]:
+        """The row's device stop ids: EOS, then every token whose own text contains one of the stop
+        strings (" </Plan_1>" for "</Plan_1>"): emitting it completes that stop, so the row ends on
+        device in the step it is written instead of at the end of the chunk. The host scanner
+        still finds the earliest stop and cuts there; ids past STOP_WIDTH are left to it."""
         ids = list(self.eos_token_ids)
         for s in stops:
             if s not in self._single_token:
-                try:
-                    t = self.encode(s)
-                except ValueError:        # the tokenizer cannot write it: not one token (host scan only)
-                    t = []
-                self._single_token[s] = t[0] if len(t) == 1 and self.decode_text(t) == s else None
-            if self._single_token[s] is not None and len(ids) < STOP_WIDTH:
-                ids.append(self._single_token[s])
+                texts = self._token_texts()
+                self._single_token[s] = [i for i, t in enumerate(texts) if s and s in t]
+            for t in self._single_token[s]:
+                if len(ids) < STOP_WIDTH and t not in ids:
+                    ids.append(t)
         return ids + [-2] * (STOP_WIDTH - len(ids))
+
+    def _token_texts(self) -> list[str]:
+        """Each token id's own text (once per engine; stop strings are matched against it)."""
+        if self._texts is None:
+            n = min(self.config.vocab_size, len(self.tokenizer))
+            self._texts = list(self.tokenizer.batch_decode([[i] for i in range(n)])) \
+                if hasattr(self.tokenizer, "batch_decode") else [self.decode_text([i]) for i in range(n)]
+        return self._texts
 
     # ---- one engine step ------------------------------------------------------------------
     def step(self) -> bool:
@@ -634,15 +657,7 @@ class BatchEngine:
         sequences hold; only closing one of them frees a slot)."""
         self.stats["steps"] += 1
         before = (len(self._waiting), self.stats["prefill_calls"], self.stats["decode_calls"])
-        while self._waiting and self._free:
-            op = self._waiting.popleft()
-            seq = op.seq
-            seq.slot = self._free.pop(0)
-            seq.tokens = op.tokens
-            self._groups.pop(seq.slot, None)
-            if len(op.tokens) > 1:
-                self._queue_prefill(seq, op.tokens[:-1], 0)
-            self._finish(op, seq)
+        self._admit()
         self._prefill_parents()
         self._prefill_children()
         self._decode()
@@ -887,7 +902,6 @@ class BatchEngine:
         results: list[list[Generation] | None] = [None] * k
         pending: list[Op] = list(opens)
         while pending:
-            self._step_or_raise()
             nxt = []
             for op in pending:
                 if not op.done:
@@ -903,6 +917,8 @@ class BatchEngine:
                     results[i] = [op.result] if op.kind == "generate" else list(op.result)
                     self.close(seq)
             pending = nxt
+            if pending:
+                self._step_or_raise()
         return results
 
     def generate_one(self, prompt: Sequence[int], max_new_tokens: int, stop: Sequence[str] = (),
