@@ -29,7 +29,7 @@ block-sparse causal-segment mask); the trie's ancestor mask is ours, so one kern
 Queries may sit at an offset into the keys (`q_offset`, per batch row): query t of row b is row
 i = q_offset[b] + t of the rule. The engine's prefill uses that to attend a chunk to its cache.
 
-The (stage, branch) form (the merge layout, docs/merge_layout.md). With per-token `stage` and
+The (stage, branch) form (the merge layout, README "The merge layout"). With per-token `stage` and
 `branch` [B, S] the rule gains a factor: row i sees j iff j <= i < span_end[j] and
     branch[j] == 0  or  stage[j] < stage[i]  or  (stage[j], branch[j]) == (stage[i], branch[i])
 (planner text is seen by every later row; an executor token by its own branch and by everything
