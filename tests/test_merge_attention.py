@@ -294,3 +294,53 @@ def test_train_loss_and_grads_on_merge_rows_equal_the_dense_step():
         np.testing.assert_allclose(l, l_ref, rtol=1e-5)
         for a, r in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
             np.testing.assert_allclose(a, r, rtol=0, atol=1e-4 * float(np.abs(r).max()), err_msg=remat)
+
+
+MESH_SCRIPT = r"""
+import json
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from sprint_jax.model.attention import attend_partial, flash_attention, span_mask
+from sprint_jax.train import mesh as M
+rng = np.random.default_rng(0)
+b, t, h, hkv, d = 2, 40, 4, 2, 16
+q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+k = jnp.asarray(rng.standard_normal((b, t, hkv, d)), jnp.float32)
+v = jnp.asarray(rng.standard_normal((b, t, hkv, d)), jnp.float32)
+se = jnp.full((b, t), t, jnp.int32)
+st = jnp.asarray(np.repeat([[0, 1, 1, 1, 2]], 8, axis=1).repeat(2, 0), jnp.int32)
+br = jnp.asarray(np.repeat([[0, 1, 2, 3, 0]], 8, axis=1).repeat(2, 0), jnp.int32)
+mesh = M.make_mesh(1, 2, 2)
+def loss(q, k, v, impl):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        o = flash_attention(q, k, v, se, stage=st, branch=br, impl=impl, block_q=16, block_k=16, interpret=True)
+    return jnp.sum(o * o), o
+put = lambda x: jax.device_put(x, NamedSharding(mesh, P("fsdp", None, "tensor", None)))
+out = {}
+for impl in ("gpu", "tpu"):
+    f = jax.jit(jax.value_and_grad(lambda *a, _i=impl: loss(*a, _i), argnums=(0, 1, 2), has_aux=True))
+    assert "shard_map" in str(jax.make_jaxpr(f)(put(q), put(k), put(v)))
+    (_, o), g = f(put(q), put(k), put(v))
+    ref = lambda q, k, v: attend_partial(q, k, v, span_mask(se, stage=st, branch=br))[0]
+    g_ref = jax.grad(lambda q, k, v: jnp.sum(ref(q, k, v) ** 2), argnums=(0, 1, 2))(q, k, v)
+    out[impl] = [float(jnp.abs(o - ref(q, k, v)).max())] + [float(jnp.abs(a - r).max() / jnp.abs(r).max()) for a, r in zip(g, g_ref)]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_pallas_merge_bodies_run_per_shard_under_a_mesh():
+    """Under a (data, fsdp, tensor) = (1, 2, 2) mesh of 4 fake CPU devices (rows over fsdp, heads
+    over tensor) the Pallas bodies in the merge form run inside shard_map (the tags sharded with the
+    rows) and equal the dense reference, outputs and gradients. Fake devices need a new process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    res = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr[-3000:]
+    for impl, (out_err, *grad_errs) in json.loads(res.stdout.strip().splitlines()[-1]).items():
+        assert out_err < 2e-5 and max(grad_errs) < 2e-4, (impl, out_err, grad_errs)
