@@ -137,6 +137,21 @@ def test_xla_body_merge_bf16_default_blocks():
           block_q=16, block_k=32)
 
 
+def test_merge_queries_at_an_offset_into_the_keys():
+    """The engine's form (a chunk of T queries at per-row offsets into S keys): each query row takes
+    the (stage, branch) of its key row q_offset + t; == the dense mask built the same way."""
+    b, s, t, h, hkv, d = 2, 83, 29, 4, 2, 8
+    se, stage, branch = (jnp.asarray(x) for x in random_tags(np.random.default_rng(11), b, s))
+    q, k, v, _, _ = inputs(1, b, s, h, hkv, d, jnp.float32)
+    q = q[:, :t]
+    off = jnp.asarray([0, 41], jnp.int32)
+    o, lse = flash_attention(q, k, v, se, stage=stage, branch=branch, q_offset=off, impl="xla",
+                             block_q=16, block_k=16, return_lse=True)
+    o_ref, l_ref = attend_partial(q, k, v, span_mask(se, t, off, stage, branch))
+    np.testing.assert_allclose(o, o_ref, atol=2e-5)
+    np.testing.assert_allclose(lse, l_ref, atol=2e-5)
+
+
 @pytest.mark.parametrize("impl", ["gpu", "tpu"])
 def test_pallas_bodies_merge_interpret(impl):
     """Both Pallas bodies in the interpreter: real merge rows fp32 (GQA 4), random tags bf16."""
