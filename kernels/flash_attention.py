@@ -19,6 +19,12 @@ per call) is <= the query block's first row.
     so the index map clamps the inner block to the causal range (no DMA past it: a repeated block
     index is not re-fetched) and `pl.when` skips the compute of every empty tile. Row statistics
     (lse, delta) travel replicated across the 128 lanes, as in jax's TPU flash attention.
+The (stage, branch) form (merge layout; rule and tile test in `sprint_jax.model.attention`): with
+`tags` [B, 2, S] every kernel also ANDs `merge_visible` into the tile mask and `merge_tile_visible`
+into the skip test. gpu: the kernels read the query rows' and keys' tags ([2, N] refs) and reduce
+the block summaries in the kernel. tpu: query tags come as [B, Tp, 2] (a block's rows read as
+[bq, 1] columns), key tags as [B, 2, Sp], and the block summaries are scalar-prefetched
+(ksum [B*nk*4], qsum [B*nq*3]); `pl.when` skips a tile either test empties.
 Layout: q, o [B, T, H*D] and k, v [B, S, Hkv*D] (free views); a block is (rows, D) at column
 block h, so TPU needs D % 128 == 0 when there is more than one head (Qwen2: D = 128). GPU pads a
 head dim that is not a power of two >= 16 (Triton); lengths are padded to whole blocks (padded keys
