@@ -260,7 +260,8 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
         f"{stats.dropped_overlong} dropped (over {cfg.data.seq_len} tokens), "
         + (f"{stats.dropped_paired} dropped (unusable in the paired set), " if paired else "")
         + f"{stats.truncated} truncated; "
-        f"{stats.tokens} tokens, {stats.loss_tokens} in the loss ({cfg.data.layout} layout)")
+        f"{stats.tokens} tokens ({stats.tokens_per_example:.1f} per example), {stats.loss_tokens} in the loss "
+        f"({cfg.data.layout} layout)")
     for why in stats.first_skip_reasons:
         say(f"  skipped {why}")
     stream = data_lib.RowStream(items, cfg.data.seq_len, cfg.data.seed, data_lib.pad_id(tokenizer),
@@ -273,7 +274,8 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
     if micro % div:
         raise ConfigError(f"optim.batch_size / optim.grad_accum = {micro} rows per microbatch must be a multiple "
                           f"of mesh data x fsdp = {div}")
-    setup = step_lib.build_step(model_cfg, cfg.optim, cfg.steps, mesh, cfg.model.remat, cfg.model.loss_chunk)
+    setup = step_lib.build_step(model_cfg, cfg.optim, cfg.steps, mesh, cfg.model.remat, cfg.model.loss_chunk,
+                                layout=cfg.data.layout)
     for note in setup.sharding_notes:
         say(f"sharding: {note}")
     n_params = param_count(model_cfg)
@@ -361,7 +363,8 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
             for cb in callbacks:
                 cb(StepEvent(done, rec, ckpt))
         if pending is not None:
-            _check_finite(*pending, last_saved)
+            _check_finite(*pending, last_saved)     # also waits for the last step to finish
+        t_steps_end = time.time()
         if last_saved != cfg.steps:
             _save_checked(ckpt, cfg.steps, state, meta_now(), last_saved)
     finally:
@@ -382,7 +385,10 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
                   meta={"layout": cfg.data.layout, "tokenizer": tokenizer_name,
                         "train_fingerprint": fingerprint(stats.used_prompts)})
         say(f"exported HF safetensors to {export_dir}")
-    steady = (t_end - t_first) if t_first is not None else 0.0
+    # tokens/s of the steps after the first (compiling) one; the final checkpoint write (in the
+    # first run of a process it includes orbax's and the checksum's one-time setup, several
+    # seconds) and the export count in wall_s only
+    steady = (t_steps_end - t_first) if t_first is not None else 0.0
     summary = {
         "final_loss": last_loss if last_loss is not None else (metrics.records[-1]["loss"] if metrics.records else None),
         "steps": cfg.steps, "start_step": start_step, "resumed": restored is not None,
