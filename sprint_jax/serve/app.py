@@ -358,7 +358,9 @@ def make_app(state: ServeState) -> Starlette:
         if not worker.alive:
             return JSONResponse({"status": "error", "error": worker.error or "engine thread not running"},
                                 status_code=503)
-        return JSONResponse({"status": "ok", "model": state.model_name, **worker.metrics})
+        mesh = getattr(state.engine, "mesh", None)
+        shape = {k: int(v) for k, v in mesh.shape.items()} if mesh is not None else None
+        return JSONResponse({"status": "ok", "model": state.model_name, "mesh": shape, **worker.metrics})
 
     async def metrics(request: Request) -> Response:
         m = worker.metrics
