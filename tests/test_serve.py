@@ -341,6 +341,70 @@ def test_curate_with_our_server_as_teacher_completes_and_resumes_from_its_store(
     assert served() - before == 3
 
 
+def _served_200(server) -> int:
+    """Answered completion requests, as the server's /metrics counts them."""
+    text = _http(server, "/metrics")[1].decode()
+    return int(next((l.split()[-1] for l in text.splitlines() if l.startswith('sprint_serve_requests_total{status="200"}')),
+                    "0"))
+
+
+@pytest.mark.slow
+def test_curate_with_our_server_as_teacher_resumes_after_a_kill(setup, tmp_path):
+    """A real `sprint-jax curate` subprocess (teacher: this server, one call at a time, greedy) is
+    SIGKILLed the moment its 3rd teacher request reaches the server, then rerun to the end. The
+    store's rows and the outputs equal an uninterrupted run's; the rerun re-sends only the request
+    the kill cut off (the server's /metrics count the requests)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from test_curation_pipeline import outputs
+    from test_curation_resume import dump
+    from sprint_jax.cli import main
+    from sprint_jax.config import CONFIG_DIR
+    from sprint_jax.curation.pipeline import DB_NAME
+
+    server, client, alone, tok = setup
+    _idle(server)
+    flags = ["--config", str(CONFIG_DIR / "curate_countdown_served.yaml"), "--no-progress",
+             "--set", f"teacher.base_url={server.url}/v1", "--set", f"teacher.model={NAME}", "--set", "tasks.n=4",
+             "--set", "teacher.max_tokens=12", "--set", "teacher.concurrency=1", "--set", "teacher.temperature=0"]
+    before = _served_200(server)
+    assert main(["curate", *flags, "--out", str(tmp_path / "reference")]) == 0
+    assert _served_200(server) - before == 4                     # one teacher call per task
+
+    worker = server.worker
+    submit, seen, proc = worker.try_submit, [], {}
+
+    def watching_submit(job):                # the server itself is untouched: this only watches
+        seen.append(tuple(job.prompt))
+        if len(seen) == 3:
+            os.kill(proc["p"].pid, signal.SIGKILL)
+        return submit(job)
+
+    worker.try_submit = watching_submit
+    try:
+        before = _served_200(server)
+        proc["p"] = subprocess.Popen([sys.executable, "-m", "sprint_jax.cli", "curate", *flags,
+                                      "--out", str(tmp_path / "killed")],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        log = proc["p"].communicate(timeout=600)[0]
+        assert proc["p"].returncode == -signal.SIGKILL and len(seen) == 3, log
+        _idle(server)
+        killed_run = list(seen)
+        assert main(["curate", *flags, "--out", str(tmp_path / "killed")]) == 0
+    finally:
+        worker.try_submit = submit
+    rerun = seen[3:]
+    # the two answered requests were not sent again; the cut-off one was, once; then the last task
+    assert len(killed_run) == 3 and len(set(killed_run)) == 3
+    assert rerun[0] == killed_run[2] and len(rerun) == 2 and rerun[1] not in killed_run
+    assert _served_200(server) - before == 5                     # 3 (the killed run) + 2 (the rerun)
+    assert dump(tmp_path / "killed" / DB_NAME) == dump(tmp_path / "reference" / DB_NAME)
+    assert outputs(tmp_path / "killed") == outputs(tmp_path / "reference")
+
+
 def test_batch_engine_abort_frees_the_slot_in_every_state(setup, hf_untied):
     """`BatchEngine.abort` (the server's cancel): a queued open, a sequence mid-prefill, a decoding
     row and a fork's children all go; the engine then serves a request exactly as alone."""
