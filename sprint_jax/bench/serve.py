@@ -363,6 +363,7 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
                 for path, rs in runs.items():
                     lat = np.concatenate([np.array(r[1]) for r in rs])
                     row[path] = dict(p50_ms=1000 * float(np.median(lat)), mean_ms=1000 * float(lat.mean()),
+                                     min_ms=1000 * float(lat.min()),
                                      p99_ms=1000 * float(np.percentile(lat, 99)),
                                      requests_per_s=n / min(r[0] for r in rs), walls_s=[r[0] for r in rs])
                 for path in HTTP_PATHS[1:]:
