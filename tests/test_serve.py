@@ -556,3 +556,5 @@ def test_bench_serve_http_runs_the_same_work_on_both_paths(tmp_path):
     assert [r["concurrency"] for r in rows] == [1, 2]
     assert all(r[p]["p50_ms"] > 0 for r in rows for p in ("inproc", "raw", "openai"))
     assert all(r[p]["overhead_ms_p50"] == r[p]["p50_ms"] - r["inproc"]["p50_ms"] for r in rows for p in ("raw", "openai"))
+    # the server's own share is part of what the client waited for
+    assert all(0 < r[p]["server_ms_p50"] < r[p]["p50_ms"] for r in rows for p in ("raw", "openai"))
