@@ -69,7 +69,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "unless --preset)")
     h.add_argument("--max-tokens", default="32,128",
                    help="--http: tokens generated per request, comma-separated (default 32,128: a short "
-                        "request and one of the demo model's typical completion length)")
+                        "request, and about the length of a whole SPRINT completion of the demo's model: "
+                        "plans of <= 48 tokens, 4 executors of ~15)")
 
 
 DEMO_NAME = "demo-size"   # the demo's model shape (sprint_jax.demo.DemoModel), vocabulary 512
