@@ -341,6 +341,70 @@ def test_curate_with_our_server_as_teacher_completes_and_resumes_from_its_store(
     assert served() - before == 3
 
 
+def _served_200(server) -> int:
+    """Answered completion requests, as the server's /metrics counts them."""
+    text = _http(server, "/metrics")[1].decode()
+    return int(next((l.split()[-1] for l in text.splitlines() if l.startswith('sprint_serve_requests_total{status="200"}')),
+                    "0"))
+
+
+@pytest.mark.slow
+def test_curate_with_our_server_as_teacher_resumes_after_a_kill(setup, tmp_path):
+    """A real `sprint-jax curate` subprocess (teacher: this server, one call at a time, greedy) is
+    SIGKILLed the moment its 3rd teacher request reaches the server, then rerun to the end. The
+    store's rows and the outputs equal an uninterrupted run's; the rerun re-sends only the request
+    the kill cut off (the server's /metrics count the requests)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from test_curation_pipeline import outputs
+    from test_curation_resume import dump
+    from sprint_jax.cli import main
+    from sprint_jax.config import CONFIG_DIR
+    from sprint_jax.curation.pipeline import DB_NAME
+
+    server, client, alone, tok = setup
+    _idle(server)
+    flags = ["--config", str(CONFIG_DIR / "curate_countdown_served.yaml"), "--no-progress",
+             "--set", f"teacher.base_url={server.url}/v1", "--set", f"teacher.model={NAME}", "--set", "tasks.n=4",
+             "--set", "teacher.max_tokens=12", "--set", "teacher.concurrency=1", "--set", "teacher.temperature=0"]
+    before = _served_200(server)
+    assert main(["curate", *flags, "--out", str(tmp_path / "reference")]) == 0
+    assert _served_200(server) - before == 4                     # one teacher call per task
+
+    worker = server.worker
+    submit, seen, proc = worker.try_submit, [], {}
+
+    def watching_submit(job):                # the server itself is untouched: this only watches
+        seen.append(tuple(job.prompt))
+        if len(seen) == 3:
+            os.kill(proc["p"].pid, signal.SIGKILL)
+        return submit(job)
+
+    worker.try_submit = watching_submit
+    try:
+        before = _served_200(server)
+        proc["p"] = subprocess.Popen([sys.executable, "-m", "sprint_jax.cli", "curate", *flags,
+                                      "--out", str(tmp_path / "killed")],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        log = proc["p"].communicate(timeout=600)[0]
+        assert proc["p"].returncode == -signal.SIGKILL and len(seen) == 3, log
+        _idle(server)
+        killed_run = list(seen)
+        assert main(["curate", *flags, "--out", str(tmp_path / "killed")]) == 0
+    finally:
+        worker.try_submit = submit
+    rerun = seen[3:]
+    # the two answered requests were not sent again; the cut-off one was, once; then the last task
+    assert len(killed_run) == 3 and len(set(killed_run)) == 3
+    assert rerun[0] == killed_run[2] and len(rerun) == 2 and rerun[1] not in killed_run
+    assert _served_200(server) - before == 5                     # 3 (the killed run) + 2 (the rerun)
+    assert dump(tmp_path / "killed" / DB_NAME) == dump(tmp_path / "reference" / DB_NAME)
+    assert outputs(tmp_path / "killed") == outputs(tmp_path / "reference")
+
+
 def test_batch_engine_abort_frees_the_slot_in_every_state(setup, hf_untied):
     """`BatchEngine.abort` (the server's cancel): a queued open, a sequence mid-prefill, a decoding
     row and a fork's children all go; the engine then serves a request exactly as alone."""
@@ -380,42 +444,103 @@ def test_cli_rejects_bad_flags_in_one_line(tmp_path, capsys):
     assert "--max-seqs must be >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_cli_serves_a_checkpoint_until_terminated(hf_untied, tmp_path):
-    """`sprint-jax serve` as a user runs it: a subprocess on a free port, the openai client, SIGTERM."""
-    import os
-    import re
+def _tiny_model_dir(hf_untied, tmp_path) -> str:
     import shutil
-    import signal
-    import subprocess
-    import sys
 
     model = tmp_path / "tinymodel"
     shutil.copytree(hf_untied, model)
     tiny_vocab_tokenizer().save(model / "vocab_tokenizer.json")
-    proc = subprocess.Popen([sys.executable, "-m", "sprint_jax.cli", "serve", "--model", str(model), "--port", "0",
-                             "--max-seq-len", "64", "--max-seqs", "2", "--max-prompts", "2",
-                             "--max-branch-tokens", "16"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    try:
-        url, seen = None, []
-        for line in proc.stdout:
-            seen.append(line)
+    return str(model)
+
+
+class _Subprocess:
+    """`sprint-jax serve` as a user runs it: a subprocess on a free port (read from uvicorn's line)."""
+
+    def __init__(self, model: str, *flags: str, env: dict | None = None):
+        import os
+        import re
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "sprint_jax.cli", "serve", "--model", model, "--port", "0",
+                                      *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
+        self.url, self.seen = None, []
+        for line in self.proc.stdout:
+            self.seen.append(line)
             m = re.search(r"running on (http://127\.0\.0\.1:\d+)", line)
             if m:
-                url = m.group(1)
+                self.url = m.group(1)
                 break
-        assert url, "".join(seen)
-        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+        if self.url is None:
+            self.stop()
+            raise AssertionError("".join(self.seen))
+
+    def stop(self) -> str:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.communicate(timeout=60)[0]
+
+
+SUBPROCESS_FLAGS = ("--max-seq-len", "64", "--max-seqs", "4", "--max-prompts", "2", "--max-branch-tokens", "16")
+
+
+@pytest.mark.slow
+def test_cli_serves_a_checkpoint_until_terminated(hf_untied, tmp_path):
+    """`sprint-jax serve` as a user runs it: a subprocess on a free port, the openai client, SIGTERM."""
+    import signal
+
+    server = _Subprocess(_tiny_model_dir(hf_untied, tmp_path), *SUBPROCESS_FLAGS)
+    try:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
         assert {m.id for m in c.models.list().data} == {"tinymodel", "tinymodel:sprint"}
         r = c.completions.create(model="tinymodel", prompt="abc", max_tokens=5, temperature=0)
         assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        rest = proc.communicate(timeout=60)[0]
+        rest = server.stop()
     # uvicorn shuts down gracefully, then re-raises the signal it caught
-    assert proc.returncode in (0, -signal.SIGTERM) and "Finished server process" in rest, rest
+    assert server.proc.returncode in (0, -signal.SIGTERM) and "Finished server process" in rest, rest
+
+
+def _mesh_workload(url: str) -> dict:
+    """Greedy requests, four at once (they share engine steps), a fork of 2, a stream."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+    prompts = ["What is 17 * 23?", "abc def", "Name four primes: ", "0123456789 9876543210"]
+    with ThreadPoolExecutor(4) as pool:
+        plain = list(pool.map(lambda p: c.completions.create(model="tinymodel", prompt=p, max_tokens=20,
+                                                             temperature=0).choices[0].text, prompts))
+    fork = [ch.text for ch in c.completions.create(model="tinymodel", prompt="Count: 1, 2", max_tokens=12, n=2,
+                                                   temperature=0).choices]
+    streamed = "".join(ch.delta.content or "" for chunk in c.chat.completions.create(
+        model="tinymodel", messages=[{"role": "user", "content": "Go on:"}], max_tokens=24, temperature=0,
+        stream=True) for ch in chunk.choices)
+    return dict(plain=plain, fork=fork, streamed=streamed)
+
+
+@pytest.mark.slow
+def test_cli_serve_on_a_mesh_gives_the_single_device_servers_completions(hf_untied, tmp_path):
+    """`sprint-jax serve --mesh tensor=2,data=4` on 8 fake CPU devices (parameters and KV cache
+    split over the mesh) answers every request as the same server on one device does."""
+    model = _tiny_model_dir(hf_untied, tmp_path)
+    one = _Subprocess(model, *SUBPROCESS_FLAGS)
+    try:
+        ref = _mesh_workload(one.url)
+    finally:
+        one.stop()
+    meshed = _Subprocess(model, *SUBPROCESS_FLAGS, "--mesh", "tensor=2,data=4",
+                         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    try:
+        got = _mesh_workload(meshed.url)
+        health = json.loads(urllib.request.urlopen(meshed.url + "/health", timeout=60).read())
+    finally:
+        log = meshed.stop()
+    assert got == ref, log[-3000:]
+    assert all(ref["plain"]) and ref["fork"][0] == ref["fork"][1]       # greedy children: one text twice
+    assert health["mesh"] == {"data": 4, "fsdp": 1, "tensor": 2} and health["prefill_calls"] > 0
 
 
 @pytest.mark.slow
@@ -429,4 +554,7 @@ def test_bench_serve_http_runs_the_same_work_on_both_paths(tmp_path):
                  "--max-tokens", "4", "--prompt-len", "8", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["concurrency"] for r in rows] == [1, 2]
-    assert all(r["http"]["p50_ms"] > 0 and r["inproc"]["p50_ms"] > 0 for r in rows)
+    assert all(r[p]["p50_ms"] > 0 for r in rows for p in ("inproc", "raw", "openai"))
+    assert all(r[p]["overhead_ms_p50"] == r[p]["p50_ms"] - r["inproc"]["p50_ms"] for r in rows for p in ("raw", "openai"))
+    # the server's own share is part of what the client waited for
+    assert all(0 < r[p]["server_ms_p50"] < r[p]["p50_ms"] for r in rows for p in ("raw", "openai"))

@@ -20,11 +20,13 @@ Rows, all measured in one run:
   fork bytes   a fork of --executors children on a fresh engine: the KV bytes written, read off the
                cache arrays (slots whose K or V is non-zero), against prefix + n x suffix (the
                prefix stored once) and against what per-child prefix copies would hold.
-  --http       (issue 16) instead: the same plain requests (--prompt-len ids -> --max-tokens,
-               greedy) through `sprint-jax serve` with the openai client at each --concurrency
-               (default 1,8) vs in-process on an identical BatchEngine; per-request p50 latency,
-               the HTTP overhead (target: < 10% of the in-process latency on the demo-sized
-               model), requests/s, and the load average. Both paths must return the same texts.
+  --http       (issue 16) instead: the same plain requests (--prompt-len ids -> each of
+               --max-tokens, greedy) through `sprint-jax serve` at each --concurrency (default
+               1,8) vs in-process on an identical BatchEngine, with two clients: a minimal
+               keep-alive http.client (what HTTP itself costs) and the openai client (what users
+               run; its own Python work adds to the latency). Per-request p50 latency, the HTTP
+               overhead (target: < 10% of the in-process latency on the demo-sized model),
+               requests/s, and the load average. Every path must return the same texts.
 Every point runs once untimed first (compiles every shape it meets), then --repeats times interleaved; the best is
 reported and every sample is kept in the JSON.
 
@@ -68,7 +70,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--http", action="store_true",
                    help="measure the HTTP server's per-request overhead instead (model: the demo's size "
                         "unless --preset)")
-    h.add_argument("--max-tokens", type=int, default=32, help="--http: tokens generated per request")
+    h.add_argument("--max-tokens", default="32,128",
+                   help="--http: tokens generated per request, comma-separated (default 32,128: a short "
+                        "request, and about the length of a whole SPRINT completion of the demo's model: "
+                        "plans of <= 48 tokens, 4 executors of ~15)")
 
 
 DEMO_NAME = "demo-size"   # the demo's model shape (sprint_jax.demo.DemoModel), vocabulary 512
@@ -240,13 +245,16 @@ def _inproc(engine, prompts: list[list[int]], max_new: int, concurrency: int):
     return time.perf_counter() - t_start, lat, texts
 
 
-def _over_http(url: str, model: str, prompts: list[list[int]], max_new: int, concurrency: int):
-    """The same requests through the server with the openai client, `concurrency` client threads,
-    from a separate process (as clients are: in this one they would share the server's GIL)."""
+def _over_http(url: str, model: str, prompts: list[list[int]], max_new: int, concurrency: int, client: str):
+    """The same requests through the server, `concurrency` client threads, from a separate process
+    (as clients are: in this one they would share the server's GIL). client: "openai" (the openai
+    package, what users run) or "raw" (one keep-alive http.client connection per thread, JSON in
+    and out: what the HTTP round trip itself costs, without the openai package's own work)."""
     import subprocess
     import sys
 
-    job = json.dumps(dict(url=url, model=model, prompts=prompts, max_new=max_new, concurrency=concurrency))
+    job = json.dumps(dict(url=url, model=model, prompts=prompts, max_new=max_new, concurrency=concurrency,
+                          client=client))
     proc = subprocess.run([sys.executable, "-c", "from sprint_jax.bench.serve import _client_main; _client_main()"],
                           input=job, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
@@ -260,12 +268,15 @@ def _client_main() -> None:
     import sys
 
     job = json.loads(sys.stdin.read())
-    wall, lat, texts = _clients(job["url"], job["model"], job["prompts"], job["max_new"], job["concurrency"])
+    wall, lat, texts = _clients(job["url"], job["model"], job["prompts"], job["max_new"], job["concurrency"],
+                                job["client"])
     print(json.dumps(dict(wall=wall, lat=lat, texts=texts)))
 
 
-def _clients(url: str, model: str, prompts: list[list[int]], max_new: int, concurrency: int):
+def _clients(url: str, model: str, prompts: list[list[int]], max_new: int, concurrency: int, client: str):
+    import http.client
     import threading
+    from urllib.parse import urlsplit
 
     import openai
 
@@ -274,11 +285,30 @@ def _clients(url: str, model: str, prompts: list[list[int]], max_new: int, concu
     errors: list[str] = []
     nxt = iter(range(len(prompts)))
     lock = threading.Lock()
+    where = urlsplit(url)
 
-    clients = [openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
-               for _ in range(concurrency)]
-    for c in clients:                                 # connect (not timed)
-        c.models.list()
+    def make():
+        if client == "openai":
+            c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+            c.models.list()                           # connect (not timed)
+            return c
+        c = http.client.HTTPConnection(where.hostname, where.port, timeout=600)
+        c.request("GET", "/v1/models")
+        c.getresponse().read()
+        return c
+
+    def ask(c, prompt) -> str:
+        if client == "openai":
+            return c.completions.create(model=model, prompt=prompt, max_tokens=max_new, temperature=0).choices[0].text
+        body = json.dumps(dict(model=model, prompt=prompt, max_tokens=max_new, temperature=0))
+        c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        r = c.getresponse()
+        data = json.loads(r.read())
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {data}")
+        return data["choices"][0]["text"]
+
+    conns = [make() for _ in range(concurrency)]
 
     def client_thread(c):
         while True:
@@ -288,16 +318,15 @@ def _clients(url: str, model: str, prompts: list[list[int]], max_new: int, concu
                 break
             t = time.perf_counter()
             try:
-                r = c.completions.create(model=model, prompt=prompts[i], max_tokens=max_new, temperature=0)
-            except openai.OpenAIError as e:
+                texts[i] = ask(c, prompts[i])
+            except Exception as e:                   # noqa: BLE001  (reported below)
                 errors.append(f"{type(e).__name__}: {e}")
                 continue
             lat[i] = time.perf_counter() - t
-            texts[i] = r.choices[0].text
         c.close()
 
     t_start = time.perf_counter()
-    threads = [threading.Thread(target=client_thread, args=(c,)) for c in clients]
+    threads = [threading.Thread(target=client_thread, args=(c,)) for c in conns]
     for t in threads:
         t.start()
     for t in threads:
@@ -307,9 +336,13 @@ def _clients(url: str, model: str, prompts: list[list[int]], max_new: int, concu
     return time.perf_counter() - t_start, lat, texts
 
 
+HTTP_PATHS = ("inproc", "raw", "openai")
+
+
 def http_bench(args: argparse.Namespace) -> dict[str, Any]:
-    """Per concurrency: p50 / mean request latency and requests/s in-process and over HTTP, and
-    the overhead HTTP adds per request (target: p50 < 10% of the in-process p50)."""
+    """Per (max_tokens, concurrency): p50 / mean request latency and requests/s in-process, over
+    HTTP with a minimal client (raw) and with the openai client, and the overhead each HTTP path
+    adds per request (target: < 10% of the in-process p50)."""
     import os
 
     import jax
@@ -318,56 +351,89 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
     from sprint_jax.infer.batch import BatchEngine
     from sprint_jax.serve import Server
 
-    conc = [int(x) for x in (args.concurrency or "1,8").split(",")]
+    try:
+        conc = [int(x) for x in (args.concurrency or "1,8").split(",")]
+        lengths = [int(x) for x in str(args.max_tokens).split(",")]
+    except ValueError:
+        raise UserError("--concurrency and --max-tokens take comma-separated integers") from None
     n = args.problems or (16 if args.quick else 32)
-    if min(conc) < 1 or n < 1 or args.repeats < 1 or args.max_tokens < 1:
+    if min(conc) < 1 or n < 1 or args.repeats < 1 or min(lengths) < 1:
         raise UserError("--concurrency, --problems, --repeats and --max-tokens must be >= 1")
     model, tok, name = _model(args.preset, args.seed) if args.preset else _demo_model(args.seed)
     s = dict(prompt_len=args.prompt_len)
     prompts = _problems(n, s, model.config.vocab_size, args.seed)
-    caps = dict(max_seqs=max(conc), max_children=1, max_seq_len=args.prompt_len + args.max_tokens + 8,
+    caps = dict(max_seqs=max(conc), max_children=1, max_seq_len=args.prompt_len + max(lengths) + 8,
                 max_branch_tokens=8, decode_chunk=args.decode_chunk, prefill_chunk=128, eos_token_ids=[])
     local = BatchEngine(model, tok, **caps)
     served = BatchEngine(model, tok, **caps)          # its own cache; the jitted steps are shared
     server = Server(served, name).start()
     out: dict[str, Any] = dict(model=name, backend=jax.default_backend(), requests=n, prompt_len=args.prompt_len,
-                               max_tokens=args.max_tokens, rows=[])
+                               http_impl=server.http_impl, rows=[])
+
+    def one(path: str, m: int, c: int):
+        if path == "inproc":
+            return _inproc(local, prompts, m, c)
+        server.worker.overheads.clear()
+        wall, lat, texts = _over_http(server.url, name, prompts, m, c, path)
+        server_side[path].extend(server.worker.overheads)
+        return wall, lat, texts
+
+    server_side: dict[str, list[float]] = {p: [] for p in HTTP_PATHS[1:]}
     try:
-        # compile every shape on both paths: HTTP requests arrive staggered, so their batches take
+        # compile every shape on every path: HTTP requests arrive staggered, so their batches take
         # more shapes than the in-process ones (every row count bucket up to the concurrency)
-        for c in conc:
-            for _ in range(2):
-                _inproc(local, prompts, args.max_tokens, c)
-                _over_http(server.url, name, prompts, args.max_tokens, c)
+        for m in lengths:
+            for c in conc:
+                for path in HTTP_PATHS:
+                    for _ in range(2 if path != "openai" else 1):
+                        one(path, m, c)
         load_before = os.getloadavg()
-        for c in conc:
-            runs: dict[str, list] = {"inproc": [], "http": []}
-            for _ in range(args.repeats):
-                runs["inproc"].append(_inproc(local, prompts, args.max_tokens, c))
-                runs["http"].append(_over_http(server.url, name, prompts, args.max_tokens, c))
-            if runs["http"][0][2] != runs["inproc"][0][2]:
-                raise RuntimeError("the server's texts differ from the in-process engine's: not the same work")
-            row: dict[str, Any] = dict(concurrency=c)
-            for path, rs in runs.items():
-                lat = np.concatenate([np.array(r[1]) for r in rs])
-                row[path] = dict(p50_ms=1000 * float(np.median(lat)), mean_ms=1000 * float(lat.mean()),
-                                 p99_ms=1000 * float(np.percentile(lat, 99)),
-                                 requests_per_s=n / min(r[0] for r in rs), walls_s=[r[0] for r in rs])
-            row["overhead_ms_p50"] = row["http"]["p50_ms"] - row["inproc"]["p50_ms"]
-            row["overhead_pct_p50"] = 100 * row["overhead_ms_p50"] / row["inproc"]["p50_ms"]
-            out["rows"].append(row)
+        for m in lengths:
+            for c in conc:
+                runs: dict[str, list] = {p: [] for p in HTTP_PATHS}
+                for v in server_side.values():
+                    v.clear()
+                for _ in range(args.repeats):         # interleaved: the paths see the same machine
+                    for path in HTTP_PATHS:
+                        runs[path].append(one(path, m, c))
+                for path in HTTP_PATHS[1:]:
+                    if runs[path][0][2] != runs["inproc"][0][2]:
+                        raise RuntimeError(f"the server's texts ({path} client) differ from the in-process "
+                                           "engine's: not the same work")
+                row: dict[str, Any] = dict(max_tokens=m, concurrency=c)
+                for path, rs in runs.items():
+                    lat = np.concatenate([np.array(r[1]) for r in rs])
+                    row[path] = dict(p50_ms=1000 * float(np.median(lat)), mean_ms=1000 * float(lat.mean()),
+                                     min_ms=1000 * float(lat.min()),
+                                     p99_ms=1000 * float(np.percentile(lat, 99)),
+                                     requests_per_s=n / min(r[0] for r in rs), walls_s=[r[0] for r in rs])
+                for path in HTTP_PATHS[1:]:
+                    # the server's own share, timed inside it (handler time outside the engine
+                    # thread): unlike the end-to-end difference it does not move with the engine's
+                    # step times, which the machine's load changes run to run
+                    row[path]["server_ms_p50"] = 1000 * float(np.median(server_side[path]))
+                    over = row[path]["p50_ms"] - row["inproc"]["p50_ms"]
+                    row[path]["overhead_ms_p50"] = over
+                    row[path]["overhead_pct_p50"] = 100 * over / row["inproc"]["p50_ms"]
+                out["rows"].append(row)
         out["loadavg"] = dict(before=load_before, after=os.getloadavg())
     finally:
         server.stop()
-    print(f"model {name} on {out['backend']}; {n} requests of {args.prompt_len} prompt tokens -> "
-          f"{args.max_tokens} tokens, greedy; load average {out['loadavg']['before'][0]:.1f} -> "
+    print(f"model {name} on {out['backend']}; {n} requests of {args.prompt_len} prompt tokens, greedy; "
+          f"uvicorn http={out['http_impl']}; load average {out['loadavg']['before'][0]:.1f} -> "
           f"{out['loadavg']['after'][0]:.1f}")
-    print(f"{'conc':>5}{'inproc p50 ms':>15}{'http p50 ms':>13}{'overhead ms':>13}{'overhead %':>12}"
-          f"{'inproc req/s':>14}{'http req/s':>12}")
+    print("p50 latency per request (ms); over = HTTP p50 - in-process p50; raw = a keep-alive http.client "
+          "connection, openai = the openai client; srv = the server's own time per request outside the engine "
+          "thread (timed inside it), srv % = of the in-process p50")
+    print(f"{'tokens':>6}{'conc':>5}{'inproc':>9}{'raw':>9}{'over ms':>9}{'over %':>8}{'openai':>9}{'over ms':>9}"
+          f"{'over %':>8}{'srv ms':>8}{'srv %':>7}{'inproc req/s':>14}{'raw req/s':>11}{'openai req/s':>14}")
     for r in out["rows"]:
-        print(f"{r['concurrency']:>5}{r['inproc']['p50_ms']:>15.1f}{r['http']['p50_ms']:>13.1f}"
-              f"{r['overhead_ms_p50']:>13.2f}{r['overhead_pct_p50']:>12.1f}{r['inproc']['requests_per_s']:>14.1f}"
-              f"{r['http']['requests_per_s']:>12.1f}")
+        i, a, o = r["inproc"], r["raw"], r["openai"]
+        srv = a["server_ms_p50"]
+        print(f"{r['max_tokens']:>6}{r['concurrency']:>5}{i['p50_ms']:>9.2f}{a['p50_ms']:>9.2f}"
+              f"{a['overhead_ms_p50']:>9.2f}{a['overhead_pct_p50']:>8.1f}{o['p50_ms']:>9.2f}{o['overhead_ms_p50']:>9.2f}"
+              f"{o['overhead_pct_p50']:>8.1f}{srv:>8.2f}{100 * srv / i['p50_ms']:>7.1f}{i['requests_per_s']:>14.1f}"
+              f"{a['requests_per_s']:>11.1f}{o['requests_per_s']:>14.1f}")
     print("target (issue 16): HTTP overhead per request < 10% of the in-process latency")
     if args.out:
         with open(args.out, "w") as f:

@@ -358,7 +358,9 @@ def make_app(state: ServeState) -> Starlette:
         if not worker.alive:
             return JSONResponse({"status": "error", "error": worker.error or "engine thread not running"},
                                 status_code=503)
-        return JSONResponse({"status": "ok", "model": state.model_name, **worker.metrics})
+        mesh = getattr(state.engine, "mesh", None)
+        shape = {k: int(v) for k, v in mesh.shape.items()} if mesh is not None else None
+        return JSONResponse({"status": "ok", "model": state.model_name, "mesh": shape, **worker.metrics})
 
     async def metrics(request: Request) -> Response:
         m = worker.metrics
@@ -432,7 +434,9 @@ def make_app(state: ServeState) -> Starlette:
             text, finish = _finish(g, job.stop)
             choices.append(_choice(chat, i, text, finish))
             completion += len(g.tokens)
-        return JSONResponse(head.body(choices=choices, usage=_usage(n_prompt, completion)))
+        response = JSONResponse(head.body(choices=choices, usage=_usage(n_prompt, completion)))
+        worker.overheads.append((time.perf_counter() - t0) - (job.t_end - job.t_pick))
+        return response
 
     async def _stream(job: Job, head: _Head, n_prompt: int, t0: float):
         texts = [_StreamText(state.engine.decode_text, job.stop) for _ in range(job.n)]

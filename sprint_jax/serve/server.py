@@ -22,8 +22,16 @@ class Server:
                                 default_max_tokens=default_max_tokens)
         self.app = make_app(self.state)
         self.host = host
+        # httptools (C): the HTTP part of a request took ~0.8 ms instead of ~1.5 ms with h11 (pure Python);
+        # h11 when httptools is not installed (the `serve` extra installs it)
+        try:
+            import httptools  # noqa: F401
+            self.http_impl = "httptools"
+        except ImportError:
+            self.http_impl = "h11"
         self._uv = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
-                                                 access_log=False, timeout_graceful_shutdown=2))
+                                                 http=self.http_impl, access_log=False,
+                                                 timeout_graceful_shutdown=2))
         self._thread: threading.Thread | None = None
         self.port = port
         # The engine thread and the HTTP thread hand work to each other many times per request;

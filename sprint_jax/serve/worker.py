@@ -64,6 +64,8 @@ class Job:
     steps: Any = None
     sent: list[int] = dataclasses.field(default_factory=list)      # streamed tokens per choice
     t0: float = 0.0
+    t_pick: float = 0.0                     # when the engine thread took it
+    t_end: float = 0.0                      # when the engine thread finished it
     cancelled: bool = False
     finished: bool = False
 
@@ -88,6 +90,9 @@ class EngineWorker:
         self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
         self.latency_sum = 0.0
         self.requests: dict[str, int] = {}   # status code -> count
+        # per served request, the handler's time outside the engine thread (parse, validate, two
+        # thread hand-offs, build the reply): what the server adds to the engine's own latency
+        self.overheads: deque[float] = deque(maxlen=10_000)
 
     # ---- any thread ---------------------------------------------------------------------------
     def start(self) -> "EngineWorker":
@@ -163,6 +168,7 @@ class EngineWorker:
             return
         what, job = item
         if what == "submit":
+            job.t_pick = time.perf_counter()
             self._jobs.append(job)
             try:
                 if job.kind == "plain":
@@ -193,6 +199,7 @@ class EngineWorker:
         if job.finished:
             return
         job.finished = True
+        job.t_end = time.perf_counter()
         if job in self._jobs:
             self._jobs.remove(job)
         if job.seq is not None and not job.seq.closed and job.seq.op is None:
