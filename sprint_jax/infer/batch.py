@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sprint_jax.infer.engine import EngineError, Generation
-from sprint_jax.infer.sampling import GREEDY, Sampling, advance_rows, sample_tokens
+from sprint_jax.infer.sampling import GREEDY, Sampling, advance_rows, mask_padded, sample_tokens, valid_vocab
 from sprint_jax.infer.stops import StopScanner
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.model.qwen2 import NEG_INF, attend_partial, decoder, dtype_of, embed, merge_partials, unembed
@@ -152,11 +152,11 @@ def _sample_rows(logits, keys, temperature, top_k, top_p):
     return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "g", "chunk", "s_b", "c_b", "kv"),
+@functools.partial(jax.jit, static_argnames=("config", "g", "chunk", "s_b", "c_b", "kv", "n_valid"),
                    donate_argnames=("cache",))
 def _decode(params, config: Qwen2Config, cache: SlotCache, pslot, fork_len, lengths, pending, active,
             remaining, stop_ids, seeds, branch, steps, temperature, top_k, top_p,
-            g: int, chunk: int, s_b: int, c_b: int, kv=None):
+            g: int, chunk: int, s_b: int, c_b: int, kv=None, n_valid: int | None = None):
     """Rows are [Rg, 1+g] flattened (row 0 of a group: the parent slot pslot[i]; rows 1..g its
     child slots). lengths = KV entries of the row's own slot (parent slot or child suffix);
     a child's positions start at its group's fork_len. Returns the cache, the emitted tokens
@@ -213,7 +213,7 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, pslot, fork_len, leng
                                            mode="drop")
             cv = cv.at[:, cslot, cpos].set(nv[:, :, 1:].reshape((n_layers, rg * g) + nv.shape[3:]).astype(cv.dtype),
                                            mode="drop")
-        logits = unembed(params, config, hidden)[:, 0]
+        logits = mask_padded(unembed(params, config, hidden)[:, 0], n_valid)     # no padded ids
         keys = jax.vmap(jax.random.fold_in)(base, steps)
         tok = _sample_rows(logits, keys, temperature, top_k, top_p)
         return _constrain(SlotCache(pk, pv, ck, cv), kv), tok
@@ -317,6 +317,7 @@ class BatchEngine:
         self.config: Qwen2Config = model.config
         self.params = model.params
         self.tokenizer = tokenizer
+        self.n_valid = valid_vocab(tokenizer, self.config.vocab_size)   # padded ids are never sampled
         self.max_seqs, self.max_children = max_seqs, max_children
         self.max_seq_len, self.max_branch_tokens = max_seq_len, max_branch_tokens
         self.decode_chunk, self.prefill_chunk = decode_chunk, prefill_chunk
@@ -705,7 +706,7 @@ class BatchEngine:
             self.params, self.config, self.cache, jnp.asarray(pslot), jnp.asarray(fork), jnp.asarray(lengths),
             jnp.asarray(pending), jnp.asarray(active), jnp.asarray(remaining), jnp.asarray(stop_ids),
             jnp.asarray(seeds), jnp.asarray(branch), jnp.asarray(steps), jnp.asarray(temp), jnp.asarray(top_k),
-            jnp.asarray(top_p), g=g, chunk=self.decode_chunk, s_b=s_b, c_b=c_b, kv=self._kv)
+            jnp.asarray(top_p), g=g, chunk=self.decode_chunk, s_b=s_b, c_b=c_b, kv=self._kv, n_valid=self.n_valid)
         out, reason = jax.device_get((out, reason))
         self.stats["decode_calls"] += 1
         for i, row, child in placed:
