@@ -287,3 +287,33 @@ def test_sampling_never_yields_a_padded_id(tiny, batched):
         seen += [t for g in gens for t in g.tokens]
     assert len(seen) > 60 and max(seen) < n
     assert len(set(seen)) > 20                                # the high temperature did spread the draws
+
+
+def test_keyed_chains_hand_computed():
+    """Keyed chains (the RL demo's task): a chain by hand, answers, disjoint held-out problems, and
+    SFT examples of every plan shape that parse back with the chains in order."""
+    from sprint_jax import format as fmt
+    from sprint_jax.rl import keyed
+
+    # digit map (tasks/chains.py): 3 -> 9 -> 1 -> 5; key 1101 = map, map, copy, map
+    assert keyed.chain(3, "1101") == "39115"
+    assert keyed.chain(3, "0000") == "33333"
+    assert keyed.chain(0, "1101") == "07339"                  # 0 -> 7 -> 3, copy, -> 9
+    assert keyed.solve([3, 0], "1101") == 9 and keyed.solve([3], "1101") == 5
+    train, held = keyed.split(200, 50, length=6)
+    assert not {(tuple(t.answer["starts"]), t.answer["key"]) for t in train} & \
+        {(tuple(t.answer["starts"]), t.answer["key"]) for t in held}
+    t = train[0]
+    assert keyed.prompt_for(t) == "Q: " + " ".join(map(str, t.answer["starts"])) + f" : {t.answer['key']}\n"
+    for shape in keyed.SHAPES:
+        traj, problems = fmt.parse_completion(keyed.sprint_completion(t, shape))
+        assert not problems
+        assert [len(st.executions) for st in traj.stages] == list(shape) + [0]
+        assert [e for st in traj.stages for e in st.executions] == [keyed.chain(s, t.answer["key"])
+                                                                    for s in t.answer["starts"]]
+        assert traj.final_answer == str(t.answer["value"])
+    rec = {"stages": [{"executions": [{"text": keyed.chain(s, t.answer["key"]) + " </execution_1.1>"}]}
+                      for s in t.answer["starts"]], "final_answer": str(t.answer["value"])}
+    assert keyed.execution_quality([rec], [t]) == {"executions_exact": 1.0, "answer_matches_executions": 1.0}
+    rec["stages"][0]["executions"][0]["text"] = "12"
+    assert keyed.execution_quality([rec], [t])["executions_exact"] == 0.75

@@ -253,6 +253,7 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
         quality = execution_quality(held_tasks, recs) if eval_mode != "sequential" else {}
         return {"eval_accuracy": rep["accuracy"], "eval_sequential_tokens": rep["mean_sequential_tokens"],
                 "eval_total_tokens": rep["mean_total_tokens"], "eval_format_valid": rep["format_valid_rate"],
+                "eval_executor_stages": float(np.mean([sum(bool(st["executions"]) for st in r["stages"]) for r in recs])),
                 **{f"eval_{k}": v for k, v in quality.items()}, "eval_s": time.perf_counter() - t}
 
     metrics = _Metrics(out, cfg.tensorboard, start_step)
@@ -289,6 +290,7 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
                "total_tokens": float(np.mean([t.record.total_tokens for t in trajs])),
                "eta": float(np.mean(sc["etas"])), "bonus": float(np.mean(sc["bonuses"])),
                "format_valid": float(np.mean([t.record.format_valid for t in trajs])),
+               "executor_stages": float(np.mean([sum(bool(st.executions) for st in t.record.stages) for t in trajs])),
                **(execution_quality([t for t in tasks for _ in range(ro.group_size)], [t.record for t in trajs])
                   if ro.mode != "sequential" else {}),
                "adv_mean": float(adv.mean()), "adv_std": float(adv.std()), "adv_abs_mean": float(np.abs(adv).mean()),
