@@ -229,15 +229,91 @@ def test_reference_kl_k3(tiny):
     assert float(loss) == pytest.approx(0.5 * np.exp(-1.0), rel=1e-4)
 
 
-def test_open_vocab_reads_padded_ids_back():
-    """A sampled id past a small tokenizer's vocabulary decodes to U+FFFD and that character encodes
-    to one padded id, so the orchestrator can re-encode rollout text at forks and syncs."""
-    from sprint_jax.model.tokenizer import VocabTokenizer
-    from sprint_jax.rl.trainer import _OpenVocab
+def test_token_logprobs_over_the_tokenizers_ids(tiny):
+    """With n_valid the log-probs are those of the engines' sampling distribution: a softmax over the
+    tokenizer's ids only (reference: plain forward, logits sliced to the first n_valid ids)."""
+    import jax
+    import jax.numpy as jnp
+    from sprint_jax.model import qwen2
+    from sprint_jax.rl.loss import token_logprobs
 
-    tok = _OpenVocab(VocabTokenizer(["<pad>", "<eos>", "a", "b", " "]))
+    cfg, _, params = tiny
+    n_valid, temp = 53, 0.8                                   # 61 ids in the model, 8 of them padding
+    units = _second_traj()
+    mb = {k: jnp.asarray(v[0]) for k, v in _batch([units], [1.0]).arrays.items()}
+    lp = token_logprobs(params, cfg, mb, temp, n_valid=n_valid)
+    u = units[0]
+    seq = jnp.asarray([u.context + u.completion], jnp.int32)
+    ref = jax.nn.log_softmax(qwen2.forward(params, cfg, seq)[0, :, :n_valid] / temp, axis=-1)
+    c = len(u.context)
+    want = [float(ref[c - 1 + k, t]) for k, t in enumerate(u.completion)]
+    got = np.asarray(lp)[np.asarray(mb["mask"]) > 0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    full = np.asarray(token_logprobs(params, cfg, mb, temp))[np.asarray(mb["mask"]) > 0]
+    assert np.all(full < got)                                 # the padded ids did hold mass
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_sampling_never_yields_a_padded_id(tiny, batched):
+    """Sampled at temperature 50 (near uniform over 61 ids, 7 of them padding: without the mask a
+    padded id would come up in ~1 of 9 draws), both engines only ever emit ids the tokenizer knows."""
+    from sprint_jax.infer import Engine
+    from sprint_jax.infer.batch import BatchEngine
+    from sprint_jax.infer.sampling import Sampling
+    from sprint_jax.model.tokenizer import VocabTokenizer
+
+    cfg, _, params = tiny
+    vocab = ["<pad>", "<eos>"] + [chr(ord("a") + i) for i in range(26)] + [chr(ord("A") + i) for i in range(26)]
+    tok = VocabTokenizer(vocab, eos_token="<eos>", pad_token="<pad>")       # 54 ids: 54..60 are padding
     n = len(tok)
-    text = tok.decode([2, n + 3, 3, 4, n])
-    assert text == "a\ufffdb \ufffd"
-    assert tok.encode(text) == [2, n, 3, 4, n]
-    assert tok.encode("ab") == [2, 3]
+
+    class Model:
+        config, params = None, None
+    model = Model()
+    model.config, model.params = cfg, params
+    prompt = tok.encode("abc")
+    seen = []
+    if batched:
+        eng = BatchEngine(model, tok, max_seqs=4, max_children=2, max_seq_len=96, max_branch_tokens=48,
+                          eos_token_ids=[1])
+        for seed in (7, 8):
+            gens = eng.generate_many([prompt] * 4, 40, sampling=Sampling(temperature=50.0, seed=seed))
+            seen += [t for gs in gens for g in gs for t in g.tokens]
+    else:
+        eng = Engine(model, tok, max_seq_len=96, max_branches=2, max_branch_tokens=48, eos_token_ids=[1])
+        for seed in (7, 8, 9, 10):
+            seen += list(eng.generate(eng.prefill(prompt), 40, sampling=Sampling(temperature=50.0, seed=seed)).tokens)
+        gens = eng.decode_branches(eng.prefill(prompt), [[2], [3]], 30, sampling=Sampling(temperature=50.0, seed=3))
+        seen += [t for g in gens for t in g.tokens]
+    assert len(seen) > 60 and max(seen) < n
+    assert len(set(seen)) > 20                                # the high temperature did spread the draws
+
+
+def test_keyed_chains_hand_computed():
+    """Keyed chains (the RL demo's task): a chain by hand, answers, disjoint held-out problems, and
+    SFT examples of every plan shape that parse back with the chains in order."""
+    from sprint_jax import format as fmt
+    from sprint_jax.rl import keyed
+
+    # digit map (tasks/chains.py): 3 -> 9 -> 1 -> 5; key 1101 = map, map, copy, map
+    assert keyed.chain(3, "1101") == "39115"
+    assert keyed.chain(3, "0000") == "33333"
+    assert keyed.chain(0, "1101") == "07339"                  # 0 -> 7 -> 3, copy, -> 9
+    assert keyed.solve([3, 0], "1101") == 9 and keyed.solve([3], "1101") == 5
+    train, held = keyed.split(200, 50, length=6)
+    assert not {(tuple(t.answer["starts"]), t.answer["key"]) for t in train} & \
+        {(tuple(t.answer["starts"]), t.answer["key"]) for t in held}
+    t = train[0]
+    assert keyed.prompt_for(t) == "Q: " + " ".join(map(str, t.answer["starts"])) + f" : {t.answer['key']}\n"
+    for shape in keyed.SHAPES:
+        traj, problems = fmt.parse_completion(keyed.sprint_completion(t, shape))
+        assert not problems
+        assert [len(st.executions) for st in traj.stages] == list(shape) + [0]
+        assert [e for st in traj.stages for e in st.executions] == [keyed.chain(s, t.answer["key"])
+                                                                    for s in t.answer["starts"]]
+        assert traj.final_answer == str(t.answer["value"])
+    rec = {"stages": [{"executions": [{"text": keyed.chain(s, t.answer["key"]) + " </execution_1.1>"}]}
+                      for s in t.answer["starts"]], "final_answer": str(t.answer["value"])}
+    assert keyed.execution_quality([rec], [t]) == {"executions_exact": 1.0, "answer_matches_executions": 1.0}
+    rec["stages"][0]["executions"][0]["text"] = "12"
+    assert keyed.execution_quality([rec], [t])["executions_exact"] == 0.75

@@ -97,6 +97,57 @@ def test_rollouts_are_the_eval_paths_runs(sft_model, tmp_path):
     assert n_exec > 0, "the tiny SFT model never forked: the test would not cover executors"
 
 
+def test_batched_rollouts_are_eval_runs_at_concurrency(sft_model, tmp_path):
+    """All G x prompts runs of a step at once on the BatchEngine, each with its own seed ==
+    `evaluate` on the BatchEngine at concurrency 3 (the `sprint-jax eval --concurrency` path), one
+    eval per seed; each call's recorded completion is what the record says it wrote."""
+    from sprint_jax.eval.evaluate import default_prompt, evaluate
+    from sprint_jax.infer.batch import BatchEngine
+    from sprint_jax.model.convert import load_model
+    from sprint_jax.model.tokenizer import load_tokenizer
+    from sprint_jax.rl.rollout import BatchedRollouts
+    from sprint_jax.rl.trainer import load_tasks, rollout_seed
+
+    cfg = _rl_config(sft_model)
+    tok = load_tokenizer(sft_model)
+    ro = cfg.rollout
+    engine = BatchEngine(load_model(sft_model), tok, max_seqs=6, max_children=2, max_seq_len=ro.max_seq_len,
+                         max_branch_tokens=ro.orchestrator.max_branch_tokens + 32, prefill_chunk=ro.prefill_chunk)
+    tasks = load_tasks(cfg)[0][:3]
+    seeds = [rollout_seed(0, 0, 0, g) for g in range(2)]
+    queries = [default_prompt(t) for s in seeds for t in tasks]
+    trajs = BatchedRollouts(engine, ro.orchestrator).run(queries, [s for s in seeds for _ in tasks], "parallel")
+    strip = lambda d: {k: v for k, v in d.items() if not k.endswith("_s") and k != "stages"}  # noqa: E731
+    n_exec = 0
+    for g, s in enumerate(seeds):
+        out = tmp_path / f"seed{g}"
+        evaluate(engine, tasks, "parallel", orchestrator_config=dataclasses.replace(ro.orchestrator, seed=s),
+                 out_dir=out, progress=False, concurrency=3)
+        evs = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
+        for t, ev, tr in zip(tasks, evs, trajs[g * len(tasks):(g + 1) * len(tasks)]):
+            assert tr.seed == s
+            mine = tr.record.to_json()
+            assert strip(ev) == {**strip(mine), "id": t.id}
+            assert [[e["text"] for e in st["executions"]] for st in ev["stages"]] == \
+                [[e.text for e in st.executions] for st in tr.record.stages]
+            planners = [u for u in tr.units if u.kind == "planner"]
+            execs = [u for u in tr.units if u.kind == "executor"]
+            assert [tok.decode(u.completion) for u in planners][:len(tr.record.stages)] == \
+                [st.planner_text for st in tr.record.stages]
+            forked = [e for st in tr.record.stages if st.executor_mode == "shared" for e in st.executions]
+            assert len(execs) == len(forked)
+            for u, e in zip(execs, forked):
+                assert len(u.completion) == e.tokens
+                text = tok.decode(u.completion[:-1] if e.stop_reason == "eos" else u.completion)
+                assert text.startswith(e.text) if e.stop_reason == "stop" else text == e.text
+            assert sum(len(u.completion) for u in tr.units) == tr.record.total_tokens
+            for u in tr.units:                                   # every call starts from the query's tokens
+                assert u.context[:len(engine.encode(default_prompt(t)))] == engine.encode(default_prompt(t))
+            n_exec += len(execs)
+    assert n_exec > 0, "the tiny SFT model never forked: the test would not cover executors"
+    assert len({json.dumps(strip(tr.record.to_json())) for tr in trajs}) > len(tasks), "seeds made no difference"
+
+
 def test_rl_resume_is_bitwise_and_cli(sft_model, tmp_path):
     """4 steps straight (through `sprint-jax rl`) == 2 steps, stop, resume to 4 (metrics bit for bit,
     timings aside); the RL signal is there (some groups mixed) and the held-out eval is written."""

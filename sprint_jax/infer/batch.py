@@ -42,7 +42,7 @@ import numpy as np
 from sprint_jax.infer import sharding as sh
 from sprint_jax.infer.engine import EngineError, Generation
 from sprint_jax.infer.prefix_attention import pallas_parent_prefix_attention
-from sprint_jax.infer.sampling import GREEDY, Sampling, advance_rows, sample_tokens
+from sprint_jax.infer.sampling import GREEDY, Sampling, advance_rows, mask_padded, sample_tokens, valid_vocab
 from sprint_jax.infer.stops import StopScanner
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.model.qwen2 import attend_partial, decoder, dtype_of, embed, merge_partials, unembed
@@ -205,14 +205,16 @@ def parent_prefix_attention(pk: jax.Array, pv: jax.Array, layer, pslot: jax.Arra
     return attend_partial(q, _gather_rows(pk, layer, pslot, s_b), _gather_rows(pv, layer, pslot, s_b), mask)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "w", "chunk", "s_b", "c_b", "kv", "attention_impl"),
+@functools.partial(jax.jit, static_argnames=("config", "w", "chunk", "s_b", "c_b", "kv", "attention_impl",
+                                    "n_valid"),
                    donate_argnames=("cache",))
 @sh.slot_local(rows=("a_slot", "b_pslot", "b_fork", "b_cslot", "lengths", "pending", "active", "remaining",
                      "stop_ids", "seeds", "branch", "steps", "temperature", "top_k", "top_p", "forced", "n_forced"),
                out=("cache", "rows", "rows", "max"), cache_kv=(0, 0, 1, 1))
 def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending,
             active, remaining, stop_ids, seeds, branch, steps, temperature, top_k, top_p, forced, n_forced,
-            w: int, chunk: int, s_b: int, c_b: int, kv=None, attention_impl: str = "xla"):
+            w: int, chunk: int, s_b: int, c_b: int, kv=None, attention_impl: str = "xla",
+            n_valid: int | None = None):
     """The active rows, packed: rows [0, A) decode on parent slots a_slot (a generate op: the row
     attends to its own parent slot); rows [A, A + F*w) are fork children, F groups of w rows,
     group i's children of parent slot b_pslot[i] (read-only, fork point b_fork[i]) in child
@@ -273,7 +275,7 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
         if nf:
             ck = _put(ck, (slice(None), b_cslot, pos[na:]), nk[:, na:])
             cv = _put(cv, (slice(None), b_cslot, pos[na:]), nv[:, na:])
-        logits = unembed(params, config, hidden)[:, 0]
+        logits = mask_padded(unembed(params, config, hidden)[:, 0], n_valid)     # no padded ids
         keys = jax.vmap(jax.random.fold_in)(base, steps)
         tok = _sample_rows(logits, keys, temperature, top_k, top_p)
         return _constrain(SlotCache(pk, pv, ck, cv), kv), tok
@@ -392,6 +394,7 @@ class BatchEngine:
         self.config: Qwen2Config = model.config
         self.params = model.params
         self.tokenizer = tokenizer
+        self.n_valid = valid_vocab(tokenizer, self.config.vocab_size)   # padded ids are never sampled
         self.max_seqs, self.max_children = max_seqs, max_children
         self.max_seq_len, self.max_branch_tokens = max_seq_len, max_branch_tokens
         self.decode_chunk, self.prefill_chunk = decode_chunk, prefill_chunk
@@ -844,7 +847,7 @@ class BatchEngine:
             self.params, self.config, self.cache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending, active,
             remaining, stop_ids, seeds, branch, steps, temp, top_k, top_p, forced, n_forced,
             w=w, chunk=self.decode_chunk, s_b=s_b, c_b=c_b, kv=self._kv,
-            attention_impl=self.attention_impl)
+            attention_impl=self.attention_impl, n_valid=self.n_valid)
         out, reason = jax.device_get((out, reason))
         self.stats["decode_calls"] += 1
         for i, row, child in placed:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sprint_jax.infer.sampling import GREEDY, Sampling, advance_rows, sample_tokens
+from sprint_jax.infer.sampling import GREEDY, Sampling, advance_rows, mask_padded, sample_tokens, valid_vocab
 from sprint_jax.infer.stops import StopScanner
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.model.qwen2 import (attend_partial, decoder, dtype_of, embed, flash_attention, merge_partials,
@@ -197,11 +197,11 @@ def _extend_fn(params, config, tokens, cache, start, n_valid, prefix, branched: 
     return cache, _last_logits(params, config, hidden, n_valid)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "branched", "chunk", "greedy", "attention_impl"),
+@functools.partial(jax.jit, static_argnames=("config", "branched", "chunk", "greedy", "attention_impl", "n_valid"),
                    donate_argnames=("cache",))
 def _decode_fn(params, config, cache, lengths, pending, done, remaining, stop_ids, keys, step0,
                temperature, top_k, top_p, prefix, branched: bool, chunk: int, greedy: bool,
-               attention_impl: str):
+               attention_impl: str, n_valid: int | None = None):
     """Up to `chunk` decode steps on device. Each step runs the pending token of every row,
     samples the next one, and stops rows on EOS/stop-token ids or their token budget.
 
@@ -220,7 +220,7 @@ def _decode_fn(params, config, cache, lengths, pending, done, remaining, stop_id
     def body(c):
         i, cache, lengths, pending, done, remaining, out, reason = c
         hidden, cache = fn(params, config, pending[:, None], cache, lengths, prefix, attention_impl)
-        logits = unembed(params, config, hidden)[:, 0]
+        logits = mask_padded(unembed(params, config, hidden)[:, 0], n_valid)     # no padded ids
         step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step0 + i))(keys)
         tok = sample_tokens(logits, step_keys, temperature, top_k, top_p, greedy)
         tok, finished, remaining, reason, lengths, pending = advance_rows(
@@ -292,6 +292,7 @@ class Engine:
             self.params = sh.place_params(model.params, sh.param_shardings(self.config, mesh, self.sharding_notes))
             sh.log_notes(self.sharding_notes, "Engine on a mesh")
         self.tokenizer = tokenizer
+        self.n_valid = valid_vocab(tokenizer, self.config.vocab_size)   # padded ids are never sampled
         self.max_seq_len = max_seq_len
         self.max_branches = max_branches
         self.max_branch_tokens = max_branch_tokens
@@ -412,7 +413,7 @@ class Engine:
                 self.params, self.config, cache, lengths, pending, done, remaining, stop_ids, keys,
                 jnp.int32(steps), jnp.float32(sampling.temperature), jnp.int32(sampling.top_k),
                 jnp.float32(sampling.top_p), prefix, branched=branched, chunk=self.decode_chunk,
-                greedy=sampling.greedy, attention_impl=self.attention_impl)
+                greedy=sampling.greedy, attention_impl=self.attention_impl, n_valid=self.n_valid)
             out_h, reason_h, done_h = jax.device_get((out, reason, done_dev))
             steps += int(n)
             host_done = np.array(done_h)

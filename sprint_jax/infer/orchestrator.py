@@ -621,12 +621,20 @@ def drive_single(engine: Any, steps) -> RunRecord:
 
 def run_many(engine: Any, queries: list[str], mode: str = "parallel", config: OrchestratorConfig | None = None,
              concurrency: int | None = None, on_event: Callable[[Event], None] | None = None,
-             on_record: Callable[[int, RunRecord], None] | None = None) -> list[RunRecord]:
+             on_record: Callable[[int, RunRecord], None] | None = None,
+             configs: list[OrchestratorConfig] | None = None,
+             on_call: Callable[[int, EngineCall, list[int], Any], None] | None = None) -> list[RunRecord]:
     """Many runs at once on a `BatchEngine`: up to `concurrency` runs (default: the engine's
     sequence slots) advance together; each engine step serves the calls of all of them (prefill
     chunks, every planner and executor decoding in one batched step). A run's records, accounting
     and policies are those of `Orchestrator.run` (the same generator); its wall_s includes the
-    time it shared the engine. `on_record(i, record)` is called as each run ends."""
+    time it shared the engine. `on_record(i, record)` is called as each run ends.
+    `configs` (optional) gives run i its own config (e.g. its own sampling seed) instead of `config`.
+    `on_call(i, call, context, result)` (optional) is called as each call of run i is answered
+    (not when the engine refuses it): `context` is the state's tokens when the call was issued,
+    `result` what the run receives (RL records the sampled tokens of every call this way)."""
+    if configs is not None and len(configs) != len(queries):
+        raise ValueError(f"configs has {len(configs)} entries for {len(queries)} queries")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     concurrency = concurrency or engine.max_seqs
@@ -650,9 +658,12 @@ def run_many(engine: Any, queries: list[str], mode: str = "parallel", config: Or
                     on_record(i, done.value)
                 return
             value, error = None, None
+            context = list(call.state.tokens) if on_call is not None and call.state is not None else []
             try:
                 if call.kind == "truncate":
                     value = engine.truncate(call.state, call.n)
+                    if on_call is not None:
+                        on_call(i, call, context, value)
                     continue
                 if call.kind == "prefill":
                     op = engine.open(call.tokens)
@@ -672,14 +683,17 @@ def run_many(engine: Any, queries: list[str], mode: str = "parallel", config: Or
                 run["seq"] = op.seq
             if op.done:
                 value = op.result
+                if on_call is not None:
+                    on_call(i, call, context, value)
                 continue
-            run["op"] = op
+            run["op"], run["call"] = op, (call, context)
             return
 
     while todo or runs:
         while todo and len(runs) < concurrency:
             i = todo.pop()
-            runs[i] = dict(steps=Orchestrator(engine, config, on_event).steps(queries[i], mode), seq=None, op=None)
+            cfg = configs[i] if configs is not None else config
+            runs[i] = dict(steps=Orchestrator(engine, cfg, on_event).steps(queries[i], mode), seq=None, op=None)
             advance(i)
         if not runs:
             continue
@@ -687,6 +701,8 @@ def run_many(engine: Any, queries: list[str], mode: str = "parallel", config: Or
             raise EngineError("no progress: every sequence slot is held by a run that waits for a slot")
         for i in [i for i, r in runs.items() if r["op"] is not None and r["op"].done]:
             op, runs[i]["op"] = runs[i]["op"], None
+            if on_call is not None:
+                on_call(i, *runs[i]["call"], op.result)
             advance(i, op.result)
     return records
 

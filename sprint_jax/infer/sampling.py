@@ -34,6 +34,24 @@ class Sampling:
 GREEDY = Sampling()
 
 
+def valid_vocab(tokenizer, vocab_size: int) -> int | None:
+    """How many leading ids the tokenizer knows, when the model's vocabulary is padded past it
+    (e.g. to a multiple of 8); None when nothing is padded (or the tokenizer has no length)."""
+    try:
+        n = len(tokenizer)
+    except TypeError:
+        return None
+    return n if 0 < n < vocab_size else None
+
+
+def mask_padded(logits: jax.Array, n_valid: int | None) -> jax.Array:
+    """Logits [..., V] with the padded ids (>= n_valid) at -inf, so neither argmax nor sampling can
+    pick an id the tokenizer cannot decode. n_valid None: unchanged."""
+    if n_valid is None or n_valid >= logits.shape[-1]:
+        return logits
+    return jnp.where(jnp.arange(logits.shape[-1]) < n_valid, logits, -jnp.inf)
+
+
 def sample_tokens(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p, greedy: bool) -> jax.Array:
     """logits [B, V] fp32, keys [B] -> tokens [B] int32. temperature/top_k/top_p are traced scalars."""
     if greedy:

@@ -28,11 +28,11 @@ class PolicySection:
 @dataclasses.dataclass
 class TasksSection:
     """Prompts with graders: `chains` (the demo's family, generated) or a task jsonl (MATH / choice)."""
-    source: str = "chains"                      # chains | countdown | FILE.jsonl
+    source: str = "chains"                      # chains | keyed_chains | countdown | FILE.jsonl
     n: int = 2000                               # chains / countdown: training problems to generate
     seed: int = 0                               # generator seed (training problems)
     chains: int = 4                             # chains: sub-computations per problem
-    chain_length: int = 12                      # chains: digit-map steps per chain
+    chain_length: int = 12                      # chains / keyed_chains: steps per chain (keyed: key bits)
     eval_source: str | None = None              # held-out tasks: FILE.jsonl (default: generated, disjoint)
     eval_n: int = 100                           # held-out problems
     eval_seed: int = 10_000                     # held-out generator seed
@@ -51,6 +51,8 @@ class RolloutSection:
     orchestrator: OrchestratorConfig = dataclasses.field(
         default_factory=lambda: OrchestratorConfig(temperature=1.0))   # budgets + sampling (seed is per run)
     layout: Literal["auto", "flat", "trie"] = "auto"   # token convention at fork/sync: auto = the policy export's (sprint_jax.json), flat without one
+    engine: Literal["batch", "single"] = "batch"   # batch: all runs of a step together on the BatchEngine
+    concurrency: int = 0                         # batch: runs at once (0 = prompts_per_step x group_size)
     max_seq_len: int = 2048                      # engine: planner context capacity
     decode_chunk: int = 16                       # engine: decode steps per host round trip
     prefill_chunk: int = 512                     # engine: longest prefill piece
@@ -62,6 +64,10 @@ class RolloutSection:
             raise ValueError("set rollout.layout (auto | flat | trie), not rollout.orchestrator.layout")
         if self.prompts_per_step < 1:
             raise ValueError("prompts_per_step must be >= 1")
+        if self.concurrency < 0:
+            raise ValueError("concurrency must be >= 0 (0 = every run of a step at once)")
+        if self.engine == "batch" and self.mode == "serial":
+            raise ValueError("mode serial runs on the single-run engine: set rollout.engine: single")
         if self.orchestrator.temperature <= 0:
             raise ValueError("orchestrator.temperature must be > 0 (policy-gradient rollouts sample)")
         if self.orchestrator.top_k or self.orchestrator.top_p < 1:
@@ -111,6 +117,8 @@ class RLConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError("steps must be >= 1")
+        if self.rollout.engine == "batch" and self.eval.mode == "serial":
+            raise ValueError("eval.mode serial runs on the single-run engine: set rollout.engine: single")
         if self.optim.grad_accum != 1:
             raise ValueError("optim.grad_accum is not used by rl: set loss.rows_per_micro instead")
 

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from sprint_jax.infer.sampling import mask_padded
 from sprint_jax.model import qwen2
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.train import mesh as mesh_lib
@@ -32,16 +33,18 @@ from sprint_jax.train import step as step_lib
 BATCH_KEYS = ("tokens", "positions", "parents", "span_end", "advantages", "mask")
 
 
-def _chunk_logp(params, config: Qwen2Config, hidden, tokens, temperature):
-    logits = qwen2.unembed(params, config, hidden) / temperature          # [B, C, V] fp32
+def _chunk_logp(params, config: Qwen2Config, hidden, tokens, temperature, n_valid=None):
+    logits = mask_padded(qwen2.unembed(params, config, hidden) / temperature, n_valid)   # [B, C, V] fp32
     lse = jax.nn.logsumexp(logits, axis=-1)
     return jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0] - lse
 
 
 def token_logprobs(params, config: Qwen2Config, batch: dict, temperature: float = 1.0, remat: str = "none",
-                   loss_chunk: int = 0) -> jax.Array:
+                   loss_chunk: int = 0, n_valid: int | None = None) -> jax.Array:
     """log p(token | its trie ancestors) at `temperature`, fp32 [B, T] (train/step.py `token_nll`'s
-    layout: each token is predicted from its parent row's hidden state)."""
+    layout: each token is predicted from its parent row's hidden state). With `n_valid` the
+    distribution is the engines' sampling one: over the tokenizer's ids only (padded ids masked,
+    infer/sampling.py `mask_padded`)."""
     hidden = qwen2.forward(params, config, batch["tokens"], batch["positions"],
                            attention_mask=step_lib.attention_mask(batch["span_end"]), remat=remat,
                            return_hidden=True)                               # [B, T, E]
@@ -49,11 +52,11 @@ def token_logprobs(params, config: Qwen2Config, batch: dict, temperature: float 
     hidden = jnp.take_along_axis(hidden, src[..., None], axis=1)
     b, t, e = hidden.shape
     if not loss_chunk or loss_chunk >= t or t % loss_chunk:
-        return _chunk_logp(params, config, hidden, batch["tokens"], temperature)
+        return _chunk_logp(params, config, hidden, batch["tokens"], temperature, n_valid)
     n = t // loss_chunk
     hs = jnp.swapaxes(hidden.reshape(b, n, loss_chunk, e), 0, 1)
     ts = jnp.swapaxes(batch["tokens"].reshape(b, n, loss_chunk), 0, 1)
-    body = jax.checkpoint(lambda _, x: (None, _chunk_logp(params, config, *x, temperature)))
+    body = jax.checkpoint(lambda _, x: (None, _chunk_logp(params, config, *x, temperature, n_valid)))
     _, lp = jax.lax.scan(body, None, (hs, ts))
     return jnp.swapaxes(lp, 0, 1).reshape(b, t)
 
@@ -65,12 +68,13 @@ class LossSettings:
     kl_coef: float = 0.0
     remat: str = "none"
     loss_chunk: int = 0
+    n_valid: int | None = None       # the tokenizer's ids (padded ids are never sampled, so never scored)
 
 
 def policy_loss(params, config: Qwen2Config, batch: dict, denom, s: LossSettings,
                 old_logp=None, ref_logp=None) -> tuple[jax.Array, dict]:
     """Sum over the batch's completion tokens of the clipped surrogate (+ KL), divided by `denom`."""
-    logp = token_logprobs(params, config, batch, s.temperature, s.remat, s.loss_chunk)
+    logp = token_logprobs(params, config, batch, s.temperature, s.remat, s.loss_chunk, s.n_valid)
     mask = batch["mask"] * (batch["parents"] >= 0)
     adv = batch["advantages"]
     old = jax.lax.stop_gradient(logp) if old_logp is None else old_logp
@@ -113,7 +117,7 @@ def build_rl_step(setup: step_lib.StepSetup, s: LossSettings, with_old: bool, wi
 
     grad = jax.jit(grad_fn, in_shardings=(setup.param_shardings, batch_sh, repl, bs, bs),
                    out_shardings=((repl, repl), setup.param_shardings))
-    logp = jax.jit(lambda p, b: token_logprobs(p, config, b, s.temperature, s.remat, s.loss_chunk),
+    logp = jax.jit(lambda p, b: token_logprobs(p, config, b, s.temperature, s.remat, s.loss_chunk, s.n_valid),
                    in_shardings=(setup.param_shardings, batch_sh), out_shardings=bs)
 
     def apply_fn(state, grads):

@@ -12,9 +12,12 @@ its siblings. Generated tokens include an EOS the model wrote (it was sampled, s
 forced openings and the orchestrator's repairs are context.
 
 `Rollouts` is the small interface the RL loop drives: `run(queries, seeds, mode)` returns one
-`Trajectory` per (query, seed). `SingleRunRollouts` runs them one after another on today's engine
-(the orchestrator's single-run driver, the same path `sprint-jax eval` takes); a batched driver on
-the slot scheduler can replace it behind the same interface.
+`Trajectory` per (query, seed).
+  * `BatchedRollouts` (the default): every run of the step advances together on the `BatchEngine`
+    through `run_many` (the path `sprint-jax eval --concurrency` takes), each run with its own
+    config (its seed), each stage's executors a shared-prefix fork inside it; the units come from
+    run_many's `on_call` hook with the same cut as `RecordingEngine`.
+  * `SingleRunRollouts`: one run after another on the single-run `Engine` (`Orchestrator.run`).
 """
 from __future__ import annotations
 
@@ -90,10 +93,36 @@ class SingleRunRollouts:
         return out
 
 
+class BatchedRollouts:
+    """All (query, seed) runs at once on a `BatchEngine` (`run_many` with a config per run)."""
+
+    def __init__(self, engine: Any, config: OrchestratorConfig, concurrency: int | None = None):
+        self.engine = engine
+        self.config = config
+        self.concurrency = concurrency
+
+    def run(self, queries: Sequence[str], seeds: Sequence[int], mode: str) -> list[Trajectory]:
+        from sprint_jax.infer.orchestrator import run_many
+
+        units: list[list[Unit]] = [[] for _ in queries]
+
+        def on_call(i: int, call, context: list[int], result) -> None:
+            if call.kind == "generate":
+                units[i].append(Unit(context, list(result.tokens), "planner"))
+            elif call.kind == "branches":
+                for p, g in zip(call.prefixes, result):
+                    units[i].append(Unit(context + [int(t) for t in p], list(g.tokens), "executor"))
+
+        configs = [dataclasses.replace(self.config, seed=int(s)) for s in seeds]
+        records = run_many(self.engine, list(queries), mode, self.config, concurrency=self.concurrency,
+                           configs=configs, on_call=on_call)
+        return [Trajectory(r, u, int(s)) for r, u, s in zip(records, units, seeds)]
+
+
 def timed_run(rollouts: Rollouts, queries, seeds, mode) -> tuple[list[Trajectory], float]:
     t = time.perf_counter()
     trajs = rollouts.run(queries, seeds, mode)
     return trajs, time.perf_counter() - t
 
 
-__all__ = ["Unit", "Trajectory", "RecordingEngine", "Rollouts", "SingleRunRollouts", "timed_run"]
+__all__ = ["Unit", "Trajectory", "RecordingEngine", "Rollouts", "SingleRunRollouts", "BatchedRollouts", "timed_run"]

@@ -38,64 +38,16 @@ class _Policy:
     params: Any
 
 
-class _OpenVocab:
-    """The tokenizer, except that ids past its vocabulary (the model's padded rows) decode to U+FFFD,
-    and U+FFFD encodes to the first padded id.
-
-    Sampling at temperature 1 can draw a padded id the tokenizer does not know; a small tokenizer
-    (VocabTokenizer) would raise on it. Such a token is a legitimate (bad) action: the run goes on,
-    the text shows the replacement character, and the reward judges it. The orchestrator re-encodes
-    text at forks and syncs (token boundaries follow the training layout), so the character must
-    encode too: it reads back as one padded id."""
-
-    def __init__(self, tok):
-        self._tok = tok
-        self._n = len(tok)
-
-    def __getattr__(self, name):
-        return getattr(self._tok, name)
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __call__(self, *a, **k):
-        return self._tok(*a, **k)
-
-    def encode(self, text: str, *a, **k) -> list[int]:
-        if "\ufffd" not in text:
-            return list(self._tok.encode(text, *a, **k))
-        out: list[int] = []
-        for n, part in enumerate(text.split("\ufffd")):
-            if n:
-                out.append(self._n)
-            if part:
-                out += list(self._tok.encode(part, *a, **k))
-        return out
-
-    def decode(self, ids, *a, **k):
-        ids = [int(i) for i in ids]
-        if all(i < self._n for i in ids):
-            return self._tok.decode(ids, *a, **k)
-        out, run = [], []
-        for i in ids:
-            if i < self._n:
-                run.append(i)
-                continue
-            if run:
-                out.append(self._tok.decode(run, *a, **k))
-                run = []
-            out.append("\ufffd")
-        if run:
-            out.append(self._tok.decode(run, *a, **k))
-        return "".join(out)
-
-
 def load_tasks(cfg: RLConfig):
     """(training tasks, held-out tasks)."""
     from sprint_jax.tasks import chains, countdown
 
     t = cfg.tasks
-    if t.source == "chains":
+    if t.source == "keyed_chains":
+        from sprint_jax.rl import keyed
+        train, held = keyed.split(t.n, t.eval_n if t.eval_source is None else 0, t.seed, t.eval_seed, t.chains,
+                                  t.chain_length)
+    elif t.source == "chains":
         train = chains.generate(t.n, t.seed, t.chains, t.chains, t.chain_length)
         seen = {tuple(x.answer["starts"]) for x in train}
         held = chains.generate(t.eval_n, t.eval_seed, t.chains, t.chains, t.chain_length, exclude=seen) \
@@ -115,6 +67,23 @@ def load_tasks(cfg: RLConfig):
     if not train:
         raise ConfigError(f"tasks.source {t.source!r}: no training tasks")
     return train, held
+
+
+def prompt_fn(cfg: RLConfig):
+    """The query of a task as the policy was trained on it (keyed chains carry their key)."""
+    from sprint_jax.eval.evaluate import default_prompt
+    if cfg.tasks.source == "keyed_chains":
+        from sprint_jax.rl import keyed
+        return keyed.prompt_for
+    return default_prompt
+
+
+def execution_quality(tasks, records) -> dict:
+    """executions_exact / answer_matches_executions for chains tasks (rl/keyed.py), else {}."""
+    if not tasks or any(getattr(t, "kind", None) != "chains" for t in tasks):
+        return {}
+    from sprint_jax.rl import keyed
+    return keyed.execution_quality([r if isinstance(r, dict) else r.to_json() for r in records], tasks)
 
 
 def prompt_indices(n_tasks: int, seed: int, start: int, count: int) -> list[int]:
@@ -157,7 +126,7 @@ def plot_curves(records: list[dict], path: Path) -> None:
 
     rows = [r for r in records if "reward" in r]
     ev = [r for r in records if "eval_accuracy" in r]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.5))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.5))
     for ax, key, label in ((axes[0], "reward", "mean reward"), (axes[1], "sequential_tokens", "sequential tokens"),
                            (axes[2], "accuracy", "rollout accuracy")):
         ax.plot([r["step"] for r in rows], [r[key] for r in rows], lw=1.0, label="rollouts")
@@ -167,6 +136,13 @@ def plot_curves(records: list[dict], path: Path) -> None:
         axes[2].plot([r["step"] for r in ev], [r["eval_accuracy"] for r in ev], "o-", label="held-out (greedy)")
         axes[1].plot([r["step"] for r in ev], [r["eval_sequential_tokens"] for r in ev], "o-",
                      label="held-out sequential")
+    if any("executions_exact" in r for r in rows):
+        axes[3].plot([r["step"] for r in rows], [r.get("executions_exact", np.nan) for r in rows], lw=1.0,
+                     label="rollouts")
+    if any("eval_executions_exact" in r for r in ev):
+        axes[3].plot([r["step"] for r in ev], [r.get("eval_executions_exact", np.nan) for r in ev], "o-",
+                     label="held-out (greedy)")
+    axes[3].set_xlabel("step"), axes[3].set_ylabel("executions exact"), axes[3].grid(alpha=0.3)
     for ax in axes:
         ax.legend(fontsize=7)
     fig.suptitle("P-GRPO (acceleration reward)")
@@ -183,14 +159,16 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
     import jax
     import yaml
 
-    from sprint_jax.eval.evaluate import default_prompt, evaluate
+    from sprint_jax.eval.evaluate import RECORDS_FILE, evaluate
     from sprint_jax.infer import Engine
+    from sprint_jax.infer.batch import BatchEngine
+    from sprint_jax.infer.sampling import valid_vocab
     from sprint_jax.model import load_params
     from sprint_jax.model.config import Qwen2Config
     from sprint_jax.model.tokenizer import load_tokenizer
     from sprint_jax.rl.layout import layout_units, pack_items
     from sprint_jax.rl.loss import LossSettings, build_rl_step, update
-    from sprint_jax.rl.rollout import SingleRunRollouts, timed_run
+    from sprint_jax.rl.rollout import BatchedRollouts, SingleRunRollouts, timed_run
     from sprint_jax.train import checkpoint as ckpt_lib
     from sprint_jax.train import data as data_lib
     from sprint_jax.train import mesh as mesh_lib
@@ -228,7 +206,7 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
                           f"= {mesh_lib.batch_divisor(mesh)}")
     setup = step_lib.build_step(model_cfg, cfg.optim, cfg.steps, mesh, pol.remat, pol.loss_chunk)
     settings = LossSettings(ro.orchestrator.temperature, cfg.loss.clip_eps, cfg.loss.kl_coef, pol.remat,
-                            pol.loss_chunk)
+                            pol.loss_chunk, valid_vocab(tok, model_cfg.vocab_size))   # the engines' distribution
     rl = build_rl_step(setup, settings, cfg.loss.updates_per_batch > 1, cfg.loss.kl_coef > 0)
     ckpt = ckpt_lib.Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
     if not cfg.checkpoint.resume and ckpt.steps():
@@ -246,28 +224,37 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
         state = setup.init_state(cfg.seed, params=params)
         start_step, position = 0, 0
 
-    engine = Engine(_Policy(model_cfg, state["params"]), _OpenVocab(tok), max_seq_len=ro.max_seq_len,
-                    max_branches=ro.orchestrator.max_prompts,
-                    max_branch_tokens=ro.orchestrator.max_branch_tokens + 32,
-                    decode_chunk=ro.decode_chunk, prefill_chunk=ro.prefill_chunk)
+    runs_per_step = ro.prompts_per_step * ro.group_size
+    kw = dict(max_seq_len=ro.max_seq_len, max_branch_tokens=ro.orchestrator.max_branch_tokens + 32,
+              decode_chunk=ro.decode_chunk, prefill_chunk=ro.prefill_chunk)
+    if ro.engine == "batch":
+        engine = BatchEngine(_Policy(model_cfg, state["params"]), tok,
+                             max_seqs=ro.concurrency or runs_per_step, max_children=ro.orchestrator.max_prompts, **kw)
+    else:
+        engine = Engine(_Policy(model_cfg, state["params"]), tok, max_branches=ro.orchestrator.max_prompts,
+                        **kw)
     from sprint_jax.model.hf import read_export_meta
     layout = read_export_meta(pol.path).get("layout", "flat") if ro.layout == "auto" else ro.layout
     orch = dataclasses.replace(ro.orchestrator, layout=layout)       # the policy's training convention
     say(f"rollouts use the {layout} token convention at forks and syncs")
-    rollouts = SingleRunRollouts(engine, orch)
+    rollouts = BatchedRollouts(engine, orch) if ro.engine == "batch" else SingleRunRollouts(engine, orch)
+    query_of = prompt_fn(cfg)
     greedy = dataclasses.replace(orch, temperature=0.0, seed=0)
     pad = data_lib.pad_id(tok)
 
-    def held_out(step: int, out_sub: str | None) -> dict:
+    def held_out(step: int, out_sub: str) -> dict:
         if not held_tasks:
             return {}
         t = time.perf_counter()
-        _, rep = evaluate(engine, held_tasks, eval_mode, orchestrator_config=greedy,
-                          out_dir=(out / out_sub) if out_sub else None, progress=False,
+        _, rep = evaluate(engine, held_tasks, eval_mode, prompt_fn=query_of, orchestrator_config=greedy,
+                          out_dir=out / out_sub, progress=False, overwrite=True,
                           meta={"model": str(out / "hf"), "rl_step": step, "mode": eval_mode})
+        recs = [json.loads(x) for x in (out / out_sub / RECORDS_FILE).read_text().splitlines()]
+        quality = execution_quality(held_tasks, recs) if eval_mode != "sequential" else {}
         return {"eval_accuracy": rep["accuracy"], "eval_sequential_tokens": rep["mean_sequential_tokens"],
                 "eval_total_tokens": rep["mean_total_tokens"], "eval_format_valid": rep["format_valid_rate"],
-                "eval_s": time.perf_counter() - t}
+                "eval_executor_stages": float(np.mean([sum(bool(st["executions"]) for st in r["stages"]) for r in recs])),
+                **{f"eval_{k}": v for k, v in quality.items()}, "eval_s": time.perf_counter() - t}
 
     metrics = _Metrics(out, cfg.tensorboard, start_step)
     if start_step == 0:
@@ -282,7 +269,7 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
         t0 = time.perf_counter()
         idx = prompt_indices(len(train_tasks), cfg.seed, position, ro.prompts_per_step)
         tasks = [train_tasks[i] for i in idx]
-        queries = [default_prompt(t) for t in tasks for _ in range(ro.group_size)]
+        queries = [query_of(t) for t in tasks for _ in range(ro.group_size)]
         seeds = [rollout_seed(cfg.seed, step, k, g) for k in range(len(tasks)) for g in range(ro.group_size)]
         trajs, rollout_s = timed_run(rollouts, queries, seeds, ro.mode)
         position += ro.prompts_per_step
@@ -303,6 +290,9 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
                "total_tokens": float(np.mean([t.record.total_tokens for t in trajs])),
                "eta": float(np.mean(sc["etas"])), "bonus": float(np.mean(sc["bonuses"])),
                "format_valid": float(np.mean([t.record.format_valid for t in trajs])),
+               "executor_stages": float(np.mean([sum(bool(st.executions) for st in t.record.stages) for t in trajs])),
+               **(execution_quality([t for t in tasks for _ in range(ro.group_size)], [t.record for t in trajs])
+                  if ro.mode != "sequential" else {}),
                "adv_mean": float(adv.mean()), "adv_std": float(adv.std()), "adv_abs_mean": float(np.abs(adv).mean()),
                "adv_min": float(adv.min()), "adv_max": float(adv.max()),
                "groups_without_signal": float(np.mean(np.all(groups == 0, axis=1))),
@@ -312,7 +302,7 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
                "update_tokens_per_s": packed.tokens / max(update_s, 1e-9)}
         done = step + 1
         if (cfg.eval.every and done % cfg.eval.every == 0 and done != cfg.steps):
-            rec.update(held_out(done, None))
+            rec.update(held_out(done, f"eval_step{done}"))
         if done == cfg.steps:
             rec.update(held_out(done, "eval"))
         rec["wall_s"] = time.time() - t_start
