@@ -15,7 +15,8 @@ of every group reach every slot shard (replicated over the slot axes, split over
 KV heads); a group whose parent slot lives on another shard reads nothing and gives out 0 and lse
 NEG_INF there, so a sum over the slot axes of the outputs and a max of the lse are exact.
 (With slots over data the engine's step itself already runs per slot shard, `sharding.slot_local`,
-and calls this with kv=None on its shard's slots.)
+and calls this with kv=None on its shard's slots; the KV heads, still split over `tensor` there,
+get a nested shard_map of their own.)
 """
 from __future__ import annotations
 
@@ -69,7 +70,24 @@ def pallas_parent_prefix_attention(q, pk, pv, layer, pslot, plen, kv=None):
     with plen 0); plen [Rg, W]: keys each row sees. kv: the engine's (parent, child)
     NamedShardings on a mesh (None: one device). Returns (out [Rg, W, H, D], lse [Rg, W, H])."""
     if kv is None:
-        return _kernel(q, pk, pv, layer, pslot, plen)
+        from sprint_jax.infer.sharding import local_head_axes
+        head = local_head_axes()
+        if head is None:
+            return _kernel(q, pk, pv, layer, pslot, plen)
+        # Traced per slot shard (`sharding.slot_local`, data manual) with the KV heads still split
+        # over an automatic axis: run the kernel per head shard too (a nested shard_map), never
+        # as one program XLA would partition (the interpreter's loops would hold collectives).
+        mesh = jax.sharding.get_abstract_mesh()
+        axes = _axes(head)
+        if q.shape[2] % math.prod(mesh.shape[a] for a in axes):
+            raise ValueError(f"{q.shape[2]} query heads do not split over {axes} like the KV heads")
+        run = jax.shard_map(
+            lambda q, pk, pv, layer, pslot, plen: _kernel(q, pk, pv, layer, pslot, plen),
+            mesh=mesh, axis_names=frozenset(axes),
+            in_specs=(P(None, None, head, None), P(None, None, None, head, None), P(None, None, None, head, None),
+                      P(), P(None), P(None, None)),
+            out_specs=(P(None, None, head, None), P(None, None, head)), check_vma=False)
+        return run(q, pk, pv, jnp.asarray(layer, jnp.int32), pslot, plen)
     sharding = kv[0]
     mesh, spec = sharding.mesh, tuple(sharding.spec) + (None,) * (5 - len(sharding.spec))
     slot_axes = _axes(spec[1])

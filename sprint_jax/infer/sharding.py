@@ -22,6 +22,7 @@ import functools
 import inspect
 import logging
 import math
+import threading
 from collections import Counter
 from typing import Any, Sequence
 
@@ -297,6 +298,16 @@ def slot_blocks(slots: Sequence[int], n_slots: int, parts: int, cap: int | None 
     return pos, parts * width
 
 
+_LOCAL = threading.local()
+
+
+def local_head_axes():
+    """Inside a step traced per slot shard (`slot_local`): the mesh axes that split the KV heads
+    (still automatic there), so a manual kernel (the Pallas parent-prefix attention) can run per
+    head shard in a nested shard_map; None elsewhere."""
+    return getattr(_LOCAL, "heads", None)
+
+
 def slot_local(rows: Sequence[str], out: Sequence[str] | str, cache_kv: Sequence[int]):
     """Decorator for an engine step `fn(params, config, cache, ..., kv=None)` (under jax.jit):
     when `kv` splits the slots over mesh axes (data > 1), `fn` runs once per slot shard
@@ -329,7 +340,12 @@ def slot_local(rows: Sequence[str], out: Sequence[str] | str, cache_kv: Sequence
             row_spec, cache_spec = P(axes), P(None, axes)
 
             def local(*xs):
-                res = fn(**a, **dict(zip(names, xs)))
+                spec = tuple(kv[0].spec) + (None,) * 5
+                _LOCAL.heads = spec[3]          # see local_head_axes (read while fn is traced)
+                try:
+                    res = fn(**a, **dict(zip(names, xs)))
+                finally:
+                    _LOCAL.heads = None
                 res = (res,) if single else res
                 return tuple(r[None] if kind == "max" else r for r, kind in zip(res, outs))
 
