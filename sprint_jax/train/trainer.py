@@ -275,7 +275,7 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
         raise ConfigError(f"optim.batch_size / optim.grad_accum = {micro} rows per microbatch must be a multiple "
                           f"of mesh data x fsdp = {div}")
     setup = step_lib.build_step(model_cfg, cfg.optim, cfg.steps, mesh, cfg.model.remat, cfg.model.loss_chunk,
-                                layout=cfg.data.layout)
+                                layout=cfg.data.layout, attention_layout=cfg.data.layout)
     for note in setup.sharding_notes:
         say(f"sharding: {note}")
     n_params = param_count(model_cfg)
