@@ -281,6 +281,9 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
     n_params = param_count(model_cfg)
     say(f"model: {n_params / 1e6:.2f}M params, mesh {dict(mesh.shape)}, {jax.process_count()} process(es), "
         f"{jax.device_count()} device(s)")
+    from sprint_jax.model.attention import resolve_impl
+    say(f"attention: {resolve_impl(None, cfg.data.layout)} body ({cfg.data.layout} layout on "
+        f"{jax.default_backend()}; model/attention.py resolve_impl)")
 
     ckpt_dir = out / "checkpoints"
     if not cfg.checkpoint.resume and ckpt_dir.exists() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
