@@ -7,8 +7,8 @@ Rows: random contiguous segments (every row sees itself, as in the flat layout) 
 (padded to whole blocks), GQA 1/4/7. Tolerances: fp32 out 2e-5, grads 2e-4 x the largest |grad|;
 bf16 out 3e-2, grads 5e-2 x the largest |grad| (splash also rounds q * 1/sqrt(D) to bf16).
 Selection: `resolve_impl` per backend and layout, and the Mosaic kernels in the TPU lowering
-(splash_mha_* for the flat layout, our flash_span_* for the trie) at Qwen2-7B heads and 8192
-tokens, and through the train loss.
+(splash_mha_* for the flat layout, our flash_span_* for the trie) at Qwen2-7B heads and 8192 /
+16384 tokens, and through the train loss.
 """
 from __future__ import annotations
 
@@ -120,21 +120,22 @@ def _export_tpu(fn, *spec) -> str:
 def test_default_choice_lowers_splash_for_flat_and_ours_for_trie_at_7b_sizes(monkeypatch):
     """impl=None with a TPU default backend (this CPU host stands in: jax.default_backend patched,
     the lowering itself is for TPU): flat -> splash's three Mosaic kernels (fwd, dq, dkv), trie ->
-    our three; Qwen2-7B heads (28 / 4 x 128), one 8192-token row, bf16, forward + backward."""
+    our three; Qwen2-7B heads (28 / 4 x 128), one 8192- and one 16384-token row, bf16, forward +
+    backward."""
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    t = 8192
-    spec = [jax.ShapeDtypeStruct((1, t, 28, 128), jnp.bfloat16),
-            jax.ShapeDtypeStruct((1, t, 4, 128), jnp.bfloat16),
-            jax.ShapeDtypeStruct((1, t, 4, 128), jnp.bfloat16),
-            jax.ShapeDtypeStruct((1, t), jnp.int32)]
-    for layout, want in [("flat", {"splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv"}),
-                         ("trie", {"flash_span_fwd", "flash_span_dq", "flash_span_dkdv"})]:
+    cases = [(t, layout, want) for t in (8192, 16384) for layout, want in
+             [("flat", {"splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv"}),
+              ("trie", {"flash_span_fwd", "flash_span_dq", "flash_span_dkdv"})]]
+    for t, layout, want in cases:
+        spec = [jax.ShapeDtypeStruct((1, t, 28, 128), jnp.bfloat16),
+                jax.ShapeDtypeStruct((1, t, 4, 128), jnp.bfloat16),
+                jax.ShapeDtypeStruct((1, t, 4, 128), jnp.bfloat16),
+                jax.ShapeDtypeStruct((1, t), jnp.int32)]
         def loss(q, k, v, se, _l=layout):
             return jnp.sum(flash_attention(q, k, v, se, layout=_l).astype(jnp.float32))
         text = _export_tpu(jax.value_and_grad(loss, argnums=(0, 1, 2)), *spec)
         names = _kernels(text)
-        assert {n for w in want for n in names if n.startswith(w)} and \
-            all(any(n.startswith(w) for n in names) for w in want), (layout, names)
+        assert all(any(n.startswith(w) for n in names) for w in want), (t, layout, names)
         other = "flash_span_" if layout == "flat" else "splash_"
         assert not any(n.startswith(other) for n in names), (layout, names)
         assert text.count("tpu_custom_call") == 3, layout

@@ -588,6 +588,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, span_end: jax.Arra
     TPU splash attention, flat layout only); default by jax.default_backend() (`resolve_impl`).
     layout: "flat" promises span_end is the flat layout's (contiguous segments, span_end[j] = end
     of j's segment > j), which lets TPU run splash; None / "trie" / "merge": the general rule.
+    block_q / block_k: tile sizes (splash: block_q is its one block, a multiple of 128).
     interpret=True runs a Pallas body in the interpreter (CPU tests).
     Under an active mesh (`jax.set_mesh`) a Pallas body runs per shard (shard_map): batch over
     (data, fsdp), heads over tensor, per the trainer's rules table.
