@@ -89,6 +89,7 @@ def runs(tmp_path_factory):
 def test_resume_after_kill_is_bitwise(runs):
     straight, resumed = runs["straight"], runs["resumed"]
     assert "resumed from step 3" in runs["resume_log"]
+    assert "attention: xla body (trie layout on cpu" in runs["resume_log"]   # which body ran
     a, b = _losses(straight), _losses(resumed)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
     assert a == b                                           # float equality, every step

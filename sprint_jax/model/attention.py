@@ -22,9 +22,17 @@ Bodies, chosen per backend behind the one function:
     blocks from the causal start to the block's largest span_end), each tile under `lax.cond` on
     its visibility (XLA runs only the taken branch; under vmap cond becomes select).
   * "gpu" / "tpu": Pallas kernels in `sprint_jax.kernels.flash_attention` (Triton / Mosaic).
-The platform libraries cover only the flat layout's segment mask (cuDNN's fused attention through
-`jax.nn.dot_product_attention` with `is_causal` + segment ids; TPU splash attention with a
-block-sparse causal-segment mask); the trie's ancestor mask is ours, so one kernel serves both.
+  * "splash": the flat layout on TPU through jax's splash attention (`sprint_jax.kernels.splash`):
+    there span_end is a segment id and the rule is "causal and same segment", which the platform
+    library does with its own kernels and backward. Chosen by default (impl=None) on a TPU backend
+    when the caller says `layout="flat"` (the train step does, from data.layout), no lse is asked
+    and the queries are the keys; the trie, the merge layout, the engine's prefill (q_offset, lse)
+    and any call without `layout="flat"` run our "tpu" kernel. `resolve_impl` is that choice.
+On GPU the flat layout stays on our Triton body: `jax.nn.dot_product_attention` (implementation=
+"cudnn", jax 0.10.2) takes only a dense mask / bias (the [T, T] we avoid), `is_causal` and one
+sequence length per row, no segment ids; packed segments exist only in the private
+`jax._src.cudnn` API (q_offsets / kv_offsets, Hopper only), and both query the local cuDNN at trace
+time ("cuDNN is not detected." on a CPU host), so nothing of it can be built or tested here.
 
 Queries may sit at an offset into the keys (`q_offset`, per batch row): query t of row b is row
 i = q_offset[b] + t of the rule. The engine's prefill uses that to attend a chunk to its cache.
@@ -491,13 +499,28 @@ def _flash_bwd(cfg, res, cts):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def resolve_impl(impl: str | None) -> str:
-    """None -> the body for jax's default backend: Pallas on GPU / TPU, XLA elsewhere."""
+LAYOUTS = (None, "flat", "trie", "merge")
+
+
+def resolve_impl(impl: str | None, layout: str | None = None, *, splash_ok: bool = True,
+                 backend: str | None = None) -> str:
+    """The body that runs (module docstring). None -> per backend (default jax's): "splash" on
+    TPU for layout "flat" when `splash_ok` (no lse, no q_offset, no merge tags), else Pallas
+    ("gpu" / "tpu") on GPU / TPU and "xla" elsewhere. An explicit impl is kept ("splash" only where
+    it is exact: layout "flat" and `splash_ok`)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"flash attention layout must be one of {LAYOUTS}, got {layout!r}")
+    flat = layout == "flat" and splash_ok
     if impl is None:
-        backend = jax.default_backend()
+        backend = backend or jax.default_backend()
+        if backend == "tpu" and flat:
+            return "splash"
         return backend if backend in ("gpu", "tpu") else "xla"
-    if impl not in ("xla", "gpu", "tpu"):
-        raise ValueError(f"flash attention impl must be 'xla', 'gpu' or 'tpu', got {impl!r}")
+    if impl not in ("xla", "gpu", "tpu", "splash"):
+        raise ValueError(f"flash attention impl must be 'xla', 'gpu', 'tpu' or 'splash', got {impl!r}")
+    if impl == "splash" and not flat:
+        raise ValueError("impl='splash' needs layout='flat' (segment mask) and no lse, q_offset or "
+                         f"stage / branch; got layout={layout!r}")
     return impl
 
 
@@ -548,7 +571,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, span_end: jax.Arra
                     stage: jax.Array | None = None, branch: jax.Array | None = None,
                     q_offset: jax.Array | int | None = None, impl: str | None = None,
                     block_q: int | None = None, block_k: int | None = None,
-                    interpret: bool = False, return_lse: bool = False):
+                    interpret: bool = False, return_lse: bool = False, layout: str | None = None):
     """Blockwise attention under the span rule, with a recomputing backward (custom_vjp).
 
     q [B, T, H, D]; k, v [B, S, Hkv, D] (H % Hkv == 0; query head h uses KV head h // (H/Hkv));
@@ -561,8 +584,12 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, span_end: jax.Arra
     also lse [B, T, H] (natural log, fp32; NEG_INF for such a row). Softmax scale 1/sqrt(D).
     Gradients flow to q, k, v (and through lse); span_end and q_offset are integers.
 
-    impl: "xla" (blockwise jnp), "gpu" (Pallas Triton) or "tpu" (Pallas Mosaic); default by
-    jax.default_backend(). interpret=True runs a Pallas body in the interpreter (CPU tests).
+    impl: "xla" (blockwise jnp), "gpu" (Pallas Triton), "tpu" (Pallas Mosaic) or "splash" (jax's
+    TPU splash attention, flat layout only); default by jax.default_backend() (`resolve_impl`).
+    layout: "flat" promises span_end is the flat layout's (contiguous segments, span_end[j] = end
+    of j's segment > j), which lets TPU run splash; None / "trie" / "merge": the general rule.
+    block_q / block_k: tile sizes (splash: block_q is its one block, a multiple of 128).
+    interpret=True runs a Pallas body in the interpreter (CPU tests).
     Under an active mesh (`jax.set_mesh`) a Pallas body runs per shard (shard_map): batch over
     (data, fsdp), heads over tensor, per the trainer's rules table.
     """
@@ -575,14 +602,23 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, span_end: jax.Arra
     if span_end.shape != (b, k.shape[1]):
         raise ValueError(f"span_end must be [B, S] = {(b, k.shape[1])}, got {span_end.shape}")
     tags = None if stage is None and branch is None else _tags(stage, branch, span_end.shape)
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, layout, splash_ok=tags is None and q_offset is None and not return_lse
+                        and t == k.shape[1])
+    mesh = jax.sharding.get_abstract_mesh()
+    if impl == "splash":
+        from sprint_jax.kernels.splash import splash_attention
+        run_s = functools.partial(splash_attention, block=block_q, interpret=interpret)
+        if not mesh.empty:
+            qs, ks, ss, *_ = _mesh_specs(mesh, q, k)
+            run_s = jax.shard_map(run_s, mesh=mesh, in_specs=(qs, ks, ks, ss), out_specs=qs,
+                                  check_vma=False)
+        return run_s(q, k, v, span_end.astype(jnp.int32))
     dq_, dk_ = default_blocks(impl, t, k.shape[1])
     cfg = FlashConfig(impl, block_q or dq_, block_k or dk_, interpret)
     off = jnp.zeros((b,), jnp.int32) if q_offset is None else \
         jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32).reshape(-1), (b,))
     span_end = span_end.astype(jnp.int32)
     run = lambda *a: _flash(*a, cfg)  # noqa: E731
-    mesh = jax.sharding.get_abstract_mesh()
     if impl != "xla" and not mesh.empty:
         qs, ks, ss, os_, ls, ts = _mesh_specs(mesh, q, k)
         run = jax.shard_map(lambda *a: _flash(*a, cfg), mesh=mesh,

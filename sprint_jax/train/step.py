@@ -62,7 +62,7 @@ def _chunk_nll(params, config: Qwen2Config, hidden: jax.Array, tokens: jax.Array
 
 
 def token_nll(params, config: Qwen2Config, batch: dict, remat: str = "none", loss_chunk: int = 0,
-              attention: str = "flash") -> jax.Array:
+              attention: str = "flash", layout: str | None = None) -> jax.Array:
     """Negative log-likelihood of every token given its parent's hidden state, fp32 [B, T].
 
     With `loss_chunk` = C dividing T, the vocabulary projection runs over C tokens at a time
@@ -70,11 +70,12 @@ def token_nll(params, config: Qwen2Config, batch: dict, remat: str = "none", los
     at once; the backward pass recomputes each chunk's logits.
 
     `attention`: "flash" (blockwise, `model.attention.flash_attention` on span_end; what training
-    runs) or "dense" (the [T, T] mask reference, kept for tests and `bench train`).
+    runs) or "dense" (the [T, T] mask reference, kept for tests and `bench train`). `layout`: the
+    rows' data layout when known ("flat" lets TPU run splash attention; None: the general rule).
     """
     merge = {k: batch[k] for k in MERGE_KEYS if k in batch}     # the merge layout's rows
     if attention == "flash":
-        mask_kw = {"span_end": batch["span_end"], **merge}
+        mask_kw = {"span_end": batch["span_end"], "attention_layout": layout, **merge}
     elif attention == "dense":
         mask_kw = {"attention_mask": attention_mask(batch["span_end"], **merge)}
     else:
@@ -95,9 +96,9 @@ def token_nll(params, config: Qwen2Config, batch: dict, remat: str = "none", los
 
 
 def weighted_loss_sum(params, config: Qwen2Config, batch: dict, remat: str = "none",
-                      loss_chunk: int = 0, attention: str = "flash") -> jax.Array:
+                      loss_chunk: int = 0, attention: str = "flash", layout: str | None = None) -> jax.Array:
     w = jnp.where(batch["parents"] >= 0, batch["weights"], 0.0)
-    return jnp.sum(w * token_nll(params, config, batch, remat, loss_chunk, attention))
+    return jnp.sum(w * token_nll(params, config, batch, remat, loss_chunk, attention, layout))
 
 
 def loss_weight(batch: dict) -> jax.Array:
@@ -142,8 +143,10 @@ def _microbatches(batch: dict, n: int) -> dict:
 
 def make_step_fn(config: Qwen2Config, tx: optax.GradientTransformation, schedule: Callable,
                  remat: str = "none", grad_accum: int = 1, loss_chunk: int = 0,
-                 attention: str = "flash") -> Callable[[State, dict], tuple[State, dict]]:
-    """The pure train step: (state, batch of [B, T] arrays) -> (new state, metrics)."""
+                 attention: str = "flash", attention_layout: str | None = None
+                 ) -> Callable[[State, dict], tuple[State, dict]]:
+    """The pure train step: (state, batch of [B, T] arrays) -> (new state, metrics).
+    attention_layout: the rows' data layout when known (model/attention.py `resolve_impl`)."""
     grad_fn = jax.value_and_grad(weighted_loss_sum)
 
     def step(state: State, batch: dict) -> tuple[State, dict]:
@@ -151,11 +154,11 @@ def make_step_fn(config: Qwen2Config, tx: optax.GradientTransformation, schedule
         total_w = loss_weight(batch)
         denom = jnp.where(total_w > 0, total_w, 1.0)
         if grad_accum == 1:
-            loss_sum, grads = grad_fn(params, config, batch, remat, loss_chunk, attention)
+            loss_sum, grads = grad_fn(params, config, batch, remat, loss_chunk, attention, attention_layout)
         else:
             def body(carry, mb):
                 acc_loss, acc_grads = carry
-                l, g = grad_fn(params, config, mb, remat, loss_chunk, attention)
+                l, g = grad_fn(params, config, mb, remat, loss_chunk, attention, attention_layout)
                 return (acc_loss + l, jax.tree.map(jnp.add, acc_grads, g)), None
             zeros = jax.tree.map(jnp.zeros_like, params)
             (loss_sum, grads), _ = jax.lax.scan(body, (jnp.float32(0.0), zeros),
@@ -216,9 +219,10 @@ class StepSetup:
 
 def build_step(config: Qwen2Config, opt: OptimSection, total_steps: int, mesh: Mesh,
                remat: str = "none", loss_chunk: int = 0, attention: str = "flash",
-               layout: str = "flat") -> StepSetup:
+               layout: str = "flat", attention_layout: str | None = None) -> StepSetup:
     """Optimizer, shardings from the one rules table, and the jitted step (its batch holds
-    `batch_keys(layout)`)."""
+    `batch_keys(layout)`). attention_layout: what the rows are, passed on to flash attention
+    ("flat" lets TPU run splash; the trainer passes data.layout; None: the general span rule)."""
     if config.param_dtype != "float32":
         raise ValueError("train with fp32 master weights: model param_dtype must be float32")
     tx, schedule = make_optimizer(opt, total_steps)
@@ -233,7 +237,7 @@ def build_step(config: Qwen2Config, opt: OptimSection, total_steps: int, mesh: M
     state_shardings = {"step": repl, "params": p_shard, "opt_state": opt_shard, "rng": repl}
     bs = mesh_lib.batch_sharding(mesh)
     batch_shardings = {k: bs for k in batch_keys(layout)}
-    inner = make_step_fn(config, tx, schedule, remat, opt.grad_accum, loss_chunk, attention)
+    inner = make_step_fn(config, tx, schedule, remat, opt.grad_accum, loss_chunk, attention, attention_layout)
 
     def fn(state, batch):
         # traced under the mesh: activation constraints and the Pallas attention's shard_map

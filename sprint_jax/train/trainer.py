@@ -275,12 +275,15 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
         raise ConfigError(f"optim.batch_size / optim.grad_accum = {micro} rows per microbatch must be a multiple "
                           f"of mesh data x fsdp = {div}")
     setup = step_lib.build_step(model_cfg, cfg.optim, cfg.steps, mesh, cfg.model.remat, cfg.model.loss_chunk,
-                                layout=cfg.data.layout)
+                                layout=cfg.data.layout, attention_layout=cfg.data.layout)
     for note in setup.sharding_notes:
         say(f"sharding: {note}")
     n_params = param_count(model_cfg)
     say(f"model: {n_params / 1e6:.2f}M params, mesh {dict(mesh.shape)}, {jax.process_count()} process(es), "
         f"{jax.device_count()} device(s)")
+    from sprint_jax.model.attention import resolve_impl
+    say(f"attention: {resolve_impl(None, cfg.data.layout)} body ({cfg.data.layout} layout on "
+        f"{jax.default_backend()}; model/attention.py resolve_impl)")
 
     ckpt_dir = out / "checkpoints"
     if not cfg.checkpoint.resume and ckpt_dir.exists() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
