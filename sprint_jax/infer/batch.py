@@ -44,6 +44,7 @@ from sprint_jax.infer.engine import EngineError, Generation
 from sprint_jax.infer.prefix_attention import pallas_parent_prefix_attention
 from sprint_jax.infer.sampling import GREEDY, Sampling, advance_rows, mask_padded, sample_tokens, valid_vocab
 from sprint_jax.infer.stops import StopScanner
+from sprint_jax.model.attention import flash_attention
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.model.qwen2 import attend_partial, decoder, dtype_of, embed, merge_partials, unembed
 
@@ -125,13 +126,27 @@ def _put(cache: jax.Array, index, new: jax.Array) -> jax.Array:
     return bits(bits(cache, jnp.uint16).at[index].set(bits(new, jnp.uint16), mode="drop"), cache.dtype)
 
 
-def _self_partial(q, k, v, n_valid=None):
-    """Each row's attention to this call's own new keys (causal; only the first n_valid)."""
-    t = q.shape[1]
-    mask = jnp.tril(jnp.ones((t, t), bool))[None]
-    if n_valid is not None:
-        mask = mask & (jnp.arange(t)[None, None, :] < n_valid[:, None, None])
-    return attend_partial(q, k, v, jnp.broadcast_to(mask, (q.shape[0], t, t)))
+def _self_partial(q, k, v):
+    """Each decode row's attention to its own new token (one query, one key: no mask)."""
+    return attend_partial(q, k, v, jnp.ones(q.shape[:2] + k.shape[1:2], bool))
+
+
+def _self_flash(q, k, v, n_valid):
+    """A prefill chunk's attention to its own new keys (causal; only the first n_valid): the
+    blockwise flash attention (model/attention.py) under the span rule, with lse for merging."""
+    span_end = jnp.where(jnp.arange(q.shape[1])[None] < n_valid[:, None], jnp.int32(_NEVER), 0)
+    return flash_attention(q, k, v, span_end, return_lse=True)
+
+
+def _prefix_partial(q, k, v, n):
+    """Each row's attention to the first n[r] of keys k, v [R, S, Hkv, D] that all precede its
+    queries (a parent prefix, a child's own past): flash attention with the queries placed
+    after the keys (q_offset = n), keys from n on never visible."""
+    span_end = jnp.where(jnp.arange(k.shape[1])[None] < n[:, None], jnp.int32(_NEVER), 0)
+    return flash_attention(q, k, v, span_end, q_offset=n, return_lse=True)
+
+
+_NEVER = 1 << 30        # a span_end no query row reaches
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,17 +166,15 @@ def _prefill(params, config: Qwen2Config, cache: SlotCache, tokens, slot, parent
     offs = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]                  # [R, T]
     positions = offs if kind == "parent" else offs + fork_len[:, None]
     plen = start if kind == "parent" else fork_len
-    p_mask = jnp.broadcast_to(jnp.arange(s_b)[None, None, :] < plen[:, None, None], (r, t, s_b))
-    c_mask = jnp.broadcast_to(jnp.arange(c_b)[None, None, :] < start[:, None, None], (r, t, c_b))
 
     def attend(q, k, v, layer):
         prow = slot if kind == "parent" else parent
-        parts = [attend_partial(q, _gather_rows(cache.pk, layer, prow, s_b),
-                                _gather_rows(cache.pv, layer, prow, s_b), p_mask)]
+        parts = [_prefix_partial(q, _gather_rows(cache.pk, layer, prow, s_b),
+                                 _gather_rows(cache.pv, layer, prow, s_b), plen)]
         if kind == "child":
-            parts.append(attend_partial(q, _gather_rows(cache.ck, layer, slot, c_b),
-                                        _gather_rows(cache.cv, layer, slot, c_b), c_mask))
-        parts.append(_self_partial(q, k, v, n_valid))
+            parts.append(_prefix_partial(q, _gather_rows(cache.ck, layer, slot, c_b),
+                                         _gather_rows(cache.cv, layer, slot, c_b), start))
+        parts.append(_self_flash(q, k, v, n_valid))
         return merge_partials(parts)[0], (k, v)
 
     x = embed(params, config, tokens)
