@@ -1,0 +1,144 @@
+"""Merge join (issue 17): the executors' KV placed after the planner's prefix without re-running
+the model. The reference is independent of both engines: one plain full forward of the merged
+sequence with a dense mask and positions built here from the issue's semantics (executor j sees
+the context before the fork plus its own tokens, never its siblings; all executors start at the
+fork; the planner continues at fork + the longest and sees every executor), returning every
+layer's K/V and every row's logits."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_vocab_tokenizer
+from sprint_jax.infer import Engine, EngineError
+from sprint_jax.model import from_pretrained
+from sprint_jax.model.qwen2 import attend_partial, decoder, embed, unembed
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model(hf_untied):
+    return from_pretrained(hf_untied)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return Engine(model, tiny_vocab_tokenizer(), max_seq_len=128, max_branches=4, max_branch_tokens=40,
+                  decode_chunk=4, prefill_chunk=16, eos_token_ids=[])
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(3, 307, n)]
+
+
+def merged_layout(segments: list[tuple[str, list]]):
+    """Tokens, positions and the dense mask of a merged sequence from its semantics.
+
+    segments: ("planner", tokens) or ("stage", [branch tokens, ...]) in order. Row i sees j iff
+    j <= i and (j is planner text, or j's stage is earlier than i's, or i and j are in the same
+    branch); the branches of a stage all start at the position after the planner text before them;
+    planner text after a stage continues at that start + the longest branch."""
+    toks, pos, stage, branch = [], [], [], []
+    p, s = 0, 0
+    for kind, content in segments:
+        if kind == "planner":
+            toks += content
+            pos += list(range(p, p + len(content)))
+            stage += [s] * len(content)
+            branch += [-1] * len(content)
+            p += len(content)
+        else:
+            s += 1
+            for j, b in enumerate(content):
+                toks += b
+                pos += list(range(p, p + len(b)))
+                stage += [s] * len(b)
+                branch += [j] * len(b)
+            p += max(len(b) for b in content)
+            s += 1                          # planner text after the join is a later stage
+    n = len(toks)
+    stage, branch = np.asarray(stage), np.asarray(branch)
+    mask = np.zeros((n, n), bool)
+    for i in range(n):
+        for j in range(i + 1):
+            mask[i, j] = branch[j] < 0 or stage[j] < stage[i] or (branch[j] == branch[i] and stage[j] == stage[i])
+    return toks, pos, mask
+
+
+def reference(model, toks, pos, mask):
+    """(logits [T, V], k [L, T, Hkv, D], v [L, T, Hkv, D]): a plain dense pass that also returns
+    every layer's K/V (after RoPE), which is what a cache holds."""
+    params, config = model.params, model.config
+
+    def attend(q, k, v, layer):
+        return attend_partial(q, k, v, jnp.asarray(mask)[None])[0], (k, v)
+
+    x = embed(params, config, jnp.asarray([toks]))
+    x, (k, v) = decoder(params, config, x, jnp.asarray([pos]), attend, jnp.arange(config.num_hidden_layers))
+    return np.asarray(unembed(params, config, x))[0], np.asarray(k)[:, 0], np.asarray(v)[:, 0]
+
+
+@pytest.mark.parametrize("mode", ["shared", "copy"])
+def test_merged_planner_cache_equals_a_dense_forward_with_the_merge_mask(model, engine, mode):
+    """Two stages: a fork of 3 branches of different lengths (one with a forced repair token the
+    branch never decoded), merge, the planner writes, a second fork of 2, merge, the planner
+    writes. The planner's cache, the join logits and every later planner logit equal the dense
+    reference; the state's positions continue at fork + the longest branch."""
+    ctx = _ids(0, 11)
+    state = engine.prefill(ctx)
+    segments = [("planner", ctx)]
+    logits_after: list[np.ndarray] = []
+    for stage, (prefixes, limits, plan) in enumerate([
+            ([_ids(1, 2), _ids(2, 3), _ids(3, 1)], [5, 2, 7], _ids(4, 6)),
+            ([_ids(5, 2), _ids(6, 2)], [3, 6], _ids(7, 4))]):
+        gens = engine.decode_branches(state, prefixes, limits, mode=mode)
+        branches = [p + g.tokens for p, g in zip(prefixes, gens)]
+        branches[0] = branches[0] + _ids(8 + stage, 2)          # a repair: never computed in its branch
+        engine.merge(state, branches)
+        segments.append(("stage", branches))
+        logits_after.append(engine.extend_logits(state, plan))
+        segments.append(("planner", plan))
+    toks, pos, mask = merged_layout(segments)
+    assert state.tokens == toks
+    ref_logits, ref_k, ref_v = reference(model, toks, pos, mask)
+    n = state.length
+    k = np.asarray(state.cache.k)[:, 0, :n]
+    v = np.asarray(state.cache.v)[:, 0, :n]
+    np.testing.assert_allclose(k, ref_k[:, :n], atol=TOL, rtol=0)
+    np.testing.assert_allclose(v, ref_v[:, :n], atol=TOL, rtol=0)
+    # row t of extend_logits predicts plan[t]: the reference rows just before each plan token
+    ends = [i for i in range(1, len(segments)) if segments[i][0] == "planner"]
+    starts = np.cumsum([0] + [len(s[1]) if s[0] == "planner" else sum(len(b) for b in s[1]) for s in segments])
+    for got, seg in zip(logits_after, ends):
+        a = int(starts[seg])
+        np.testing.assert_allclose(got, ref_logits[a - 1: a - 1 + len(got)], atol=TOL, rtol=0)
+    # positions: the next token sits at the last planner position + 1 (fork + longest, twice)
+    assert state.length + state.pos_offset == pos[-1]
+    # greedy generation continues from the reference's last row
+    g = engine.generate(state, 1)
+    assert g.tokens == [int(np.argmax(ref_logits[-1]))]
+
+
+def test_join_logits_sample_the_first_planner_token_and_rollback_is_bounded(engine):
+    state = engine.prefill(_ids(10, 9))
+    gens = engine.decode_branches(state, [_ids(11, 2), _ids(12, 2)], [3, 4])
+    branches = [p + g.tokens for p, g in zip([_ids(11, 2), _ids(12, 2)], gens)]
+    with pytest.raises(EngineError, match="merge of 1 branches"):
+        engine.merge(state, branches[:1])
+    engine.merge(state, branches)
+    joined = len(state.tokens)
+    assert state.joined == joined and state.after_join
+    with pytest.raises(EngineError, match="right after a merge join"):
+        engine.decode_branches(state, [[5]], 2)
+    first = engine.step_logits(state)
+    g = engine.generate(state, 3)
+    assert g.tokens[0] == int(np.argmax(first))
+    engine.truncate(state, joined)              # back to the join: its logits are the pending ones again
+    assert state.after_join and engine.generate(state, 3).tokens == g.tokens
+    with pytest.raises(EngineError, match="fixed by a merge join"):
+        engine.truncate(state, joined - 1)
+    with pytest.raises(EngineError, match="fork just decoded"):
+        engine.merge(state, branches)
