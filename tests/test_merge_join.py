@@ -142,3 +142,71 @@ def test_join_logits_sample_the_first_planner_token_and_rollback_is_bounded(engi
         engine.truncate(state, joined - 1)
     with pytest.raises(EngineError, match="fork just decoded"):
         engine.merge(state, branches)
+
+
+STAGES = [([_ids(1, 2), _ids(2, 3), _ids(3, 1)], [5, 2, 7], _ids(4, 6)),
+          ([_ids(5, 2), _ids(6, 2)], [3, 6], _ids(7, 4))]
+
+
+def test_batched_engine_merge_equals_the_reference_and_the_single_run_engine(model, engine):
+    """The same two stages on the batched engine (children's slot rows copied into the parent slot):
+    the parent slot's K/V equals the dense reference, and tokens, join logits and the planner's
+    greedy continuation equal the single-run engine's."""
+    from sprint_jax.infer.batch import BatchEngine
+
+    batch = BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=2, max_children=4, max_seq_len=128,
+                        max_branch_tokens=40, decode_chunk=4, prefill_chunk=16, eos_token_ids=[], min_bucket=16)
+    ctx = _ids(0, 11)
+    op = batch.open(ctx)
+    batch.run([op])
+    seq = op.result
+    single = engine.prefill(ctx)
+    segments = [("planner", ctx)]
+    for stage, (prefixes, limits, plan) in enumerate(STAGES):
+        op = batch.fork(seq, prefixes, limits)
+        batch.run([op])
+        gens = engine.decode_branches(single, prefixes, limits)
+        assert [g.tokens for g in op.result] == [g.tokens for g in gens]
+        branches = [p + g.tokens for p, g in zip(prefixes, gens)]
+        branches[0] = branches[0] + _ids(8 + stage, 2)
+        batch.merge(seq, branches)
+        engine.merge(single, branches)
+        assert seq.tokens == single.tokens and seq.pos_offset == single.pos_offset
+        np.testing.assert_allclose(np.asarray(seq.join_logits), np.asarray(single.join_logits), atol=TOL, rtol=0)
+        segments += [("stage", branches), ("planner", plan)]
+        op = batch.extend(seq, plan)
+        batch.run([op])
+        engine.extend(single, plan)
+    toks, pos, mask = merged_layout(segments)
+    _, ref_k, ref_v = reference(model, toks, pos, mask)
+    n = seq.length
+    np.testing.assert_allclose(np.asarray(batch.cache.pk)[:, seq.slot, :n], ref_k[:, :n], atol=TOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(batch.cache.pv)[:, seq.slot, :n], ref_v[:, :n], atol=TOL, rtol=0)
+    op = batch.generate(seq, 6)
+    batch.run([op])
+    assert op.result.tokens == engine.generate(single, 6).tokens
+
+
+def test_batched_generate_right_after_a_join_samples_from_the_join_logits(model, engine):
+    from sprint_jax.infer.batch import BatchEngine
+    from sprint_jax.infer.sampling import Sampling
+
+    batch = BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=1, max_children=2, max_seq_len=96,
+                        max_branch_tokens=24, decode_chunk=4, prefill_chunk=16, eos_token_ids=[], min_bucket=16)
+    op = batch.open(_ids(20, 7))
+    batch.run([op])
+    seq = op.result
+    single = engine.prefill(_ids(20, 7))
+    prefixes = [_ids(21, 2), _ids(22, 3)]
+    op = batch.fork(seq, prefixes, 3)
+    batch.run([op])
+    gens = engine.decode_branches(single, prefixes, 3)
+    branches = [p + g.tokens for p, g in zip(prefixes, gens)]
+    batch.merge(seq, branches)
+    engine.merge(single, branches)
+    with pytest.raises(EngineError, match="right after a merge join"):
+        batch.fork(seq, [[3]], 2)
+    s = Sampling(temperature=1.0, seed=7)
+    op = batch.generate(seq, 5, sampling=s)
+    batch.run([op])
+    assert op.result.tokens == engine.generate(single, 5, sampling=s).tokens

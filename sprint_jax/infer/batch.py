@@ -48,6 +48,15 @@ from sprint_jax.model.qwen2 import NEG_INF, attend_partial, decoder, dtype_of, e
 STOP_WIDTH = 8    # device-checked stop ids per row (EOS ids first, then one-token stop strings)
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def _bucket(n: int, lo: int) -> int:
     b = lo
     while b < n:
@@ -103,15 +112,20 @@ def _self_partial(q, k, v, n_valid=None):
 # ---------------------------------------------------------------------------------------------
 # Prefill: tokens [R, T] appended to R parent slots, or to R child slots (forced prefixes)
 # ---------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("config", "kind", "s_b", "c_b", "kv"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("config", "kind", "s_b", "c_b", "kv", "return_logits"),
+                   donate_argnames=("cache",))
 def _prefill(params, config: Qwen2Config, cache: SlotCache, tokens, slot, parent, fork_len, start, n_valid,
-             kind: str, s_b: int, c_b: int, kv=None):
+             kind: str, s_b: int, c_b: int, kv=None, pos_off=None, return_logits: bool = False):
     """kind "parent": rows are parent slots `slot`, tokens written at start..start+n_valid.
     kind "child": rows are child slots `slot` of parent slots `parent`; they see the parent's
-    first fork_len slots and their own first `start` slots; positions are fork_len + start + t."""
+    first fork_len slots and their own first `start` slots; positions are fork_len + start + t.
+    pos_off [R]: the (parent) sequence's slot-to-position shift after a merge join (Seq).
+    return_logits: also each row's logits at its last valid token [R, V] (a merge join's last)."""
     r, t = tokens.shape
     offs = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]                  # [R, T]
     positions = offs if kind == "parent" else offs + fork_len[:, None]
+    if pos_off is not None:
+        positions = positions + pos_off[:, None]
     plen = start if kind == "parent" else fork_len
     p_mask = jnp.broadcast_to(jnp.arange(s_b)[None, None, :] < plen[:, None, None], (r, t, s_b))
     c_mask = jnp.broadcast_to(jnp.arange(c_b)[None, None, :] < start[:, None, None], (r, t, c_b))
@@ -127,15 +141,29 @@ def _prefill(params, config: Qwen2Config, cache: SlotCache, tokens, slot, parent
         return merge_partials(parts)[0], (k, v)
 
     x = embed(params, config, tokens)
-    _, (nk, nv) = decoder(params, config, x, positions, attend, jnp.arange(config.num_hidden_layers))
+    hidden, (nk, nv) = decoder(params, config, x, positions, attend, jnp.arange(config.num_hidden_layers))
     pos = jnp.where(jnp.arange(t)[None] < n_valid[:, None], offs, 1 << 30)       # padding: dropped
     if kind == "parent":
         pk = cache.pk.at[:, slot[:, None], pos].set(nk.astype(cache.pk.dtype), mode="drop")
         pv = cache.pv.at[:, slot[:, None], pos].set(nv.astype(cache.pv.dtype), mode="drop")
-        return _constrain(SlotCache(pk, pv, cache.ck, cache.cv), kv)
-    ck = cache.ck.at[:, slot[:, None], pos].set(nk.astype(cache.ck.dtype), mode="drop")
-    cv = cache.cv.at[:, slot[:, None], pos].set(nv.astype(cache.cv.dtype), mode="drop")
-    return _constrain(SlotCache(cache.pk, cache.pv, ck, cv), kv)
+        out = _constrain(SlotCache(pk, pv, cache.ck, cache.cv), kv)
+    else:
+        ck = cache.ck.at[:, slot[:, None], pos].set(nk.astype(cache.ck.dtype), mode="drop")
+        cv = cache.cv.at[:, slot[:, None], pos].set(nv.astype(cache.cv.dtype), mode="drop")
+        out = _constrain(SlotCache(cache.pk, cache.pv, ck, cv), kv)
+    if not return_logits:
+        return out
+    last = jnp.take_along_axis(hidden, jnp.clip(n_valid - 1, 0, t - 1)[:, None, None], axis=1)
+    return out, unembed(params, config, last)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("kv",), donate_argnames=("cache",))
+def _place_child_rows(cache: SlotCache, pslot, crow, cidx, dst, kv=None) -> SlotCache:
+    """A merge join's copy: parent slot pslot, slots dst [M] <- child rows crow at slots cidx [M]
+    (dst out of range: dropped)."""
+    pk = cache.pk.at[:, pslot, dst].set(cache.ck[:, crow, cidx], mode="drop")
+    pv = cache.pv.at[:, pslot, dst].set(cache.cv[:, crow, cidx], mode="drop")
+    return _constrain(SlotCache(pk, pv, cache.ck, cache.cv), kv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,7 +184,7 @@ def _sample_rows(logits, keys, temperature, top_k, top_p):
                    donate_argnames=("cache",))
 def _decode(params, config: Qwen2Config, cache: SlotCache, pslot, fork_len, lengths, pending, active,
             remaining, stop_ids, seeds, branch, steps, temperature, top_k, top_p,
-            g: int, chunk: int, s_b: int, c_b: int, kv=None):
+            g: int, chunk: int, s_b: int, c_b: int, kv=None, pos_off=None):
     """Rows are [Rg, 1+g] flattened (row 0 of a group: the parent slot pslot[i]; rows 1..g its
     child slots). lengths = KV entries of the row's own slot (parent slot or child suffix);
     a child's positions start at its group's fork_len. Returns the cache, the emitted tokens
@@ -172,6 +200,8 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, pslot, fork_len, leng
 
     def one_step(cache, lengths, pending, active, steps):
         positions = jnp.where(is_child, grp_fork + lengths, lengths)[:, None]        # [B, 1]
+        if pos_off is not None:                        # the group's shift after a merge join
+            positions = positions + jnp.repeat(pos_off, w)[:, None]
         # what the parent attention sees: the parent's own past, or a child's fork prefix
         plen = jnp.where(is_child, grp_fork, lengths).reshape(rg, w)
         p_mask = jnp.arange(s_b)[None, None, :] < plen[:, :, None]                   # [Rg, w, S_b]
@@ -252,10 +282,22 @@ class Seq:
         self.slot: int | None = None
         self.op: "Op | None" = None       # the operation in flight (one at a time)
         self.closed = False
+        # merge join (issue 17), as on `DecodeState`: slot s sits at position s + pos_offset; the
+        # first `joined` tokens are fixed; right after a join the last token is already in the slot
+        # (computed in its branch) and join_logits are its logits. last_fork: the last fork's
+        # children, [(tokens from the parent's pending token on, slots computed)], for merge.
+        self.pos_offset = 0
+        self.joined = 0
+        self.join_logits = None
+        self.last_fork: tuple[int, list] | None = None
 
     @property
-    def length(self) -> int:              # tokens whose KV is in the slot
+    def length(self) -> int:              # the slot of the last token (pending unless after_join)
         return len(self.tokens) - 1
+
+    @property
+    def after_join(self) -> bool:
+        return self.join_logits is not None and len(self.tokens) == self.joined
 
 
 @dataclasses.dataclass
@@ -354,6 +396,7 @@ class BatchEngine:
         self._groups: dict[int, list[_Row | None]] = {}                  # slot -> [parent row, children...]
         self._single_token: dict[str, int | None] = {}
         self.stats = dict(steps=0, decode_calls=0, prefill_calls=0, tokens=0)
+        self.last_join_tokens = 0           # tokens the last merge ran (in the children's slots)
 
     # ---- tokens <-> text ------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -389,6 +432,10 @@ class BatchEngine:
         if len(seq.tokens) + len(tokens) > self.max_seq_len:
             raise EngineError(f"extending to {len(seq.tokens) + len(tokens)} tokens exceeds "
                               f"max_seq_len={self.max_seq_len}")
+        if seq.after_join and tokens:
+            # the last token is already in the slot: the first new one is what its logits sampled
+            seq.tokens = seq.tokens + tokens[:1]
+            tokens = tokens[1:]
         op = Op("extend", seq, tokens=tokens, tag=tag)
         seq.op = op
         if tokens:
@@ -413,6 +460,20 @@ class BatchEngine:
         seq.op = op
         row = _Row(op, 0, [], max_new_tokens, list(stop), StopScanner(self.decode_text, stop))
         self._groups.setdefault(seq.slot, [None] * (1 + self.max_children))[0] = row
+        if seq.after_join:
+            # step 0 samples from the join logits (the key that step would use); the row then
+            # decodes from that token, whose slot is the one after the join
+            from sprint_jax.infer.engine import _sample_first
+            first = _sample_first(seq.join_logits, op.sampling)
+            row.gen.append(first)
+            if row.scanner.feed([first]) is not None:
+                row.reason = "stop"
+            elif first in self.eos_token_ids:
+                row.reason = "eos"
+            elif max_new_tokens <= 1:
+                row.reason = "length"
+            if row.reason is not None:
+                self._row_done(row, False)
         return op
 
     def fork(self, seq: Seq, prefixes: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
@@ -421,6 +482,8 @@ class BatchEngine:
         decodes until its own stops / EOS / limit. Result: one Generation per child (generated
         tokens only); `seq` keeps its content and is read-only until the fork finishes."""
         self._check_idle(seq, "fork")
+        if seq.after_join:
+            raise EngineError("fork right after a merge join: the planner must write a token first")
         n = len(prefixes)
         if n == 0:
             raise EngineError("fork needs at least one child prefix")
@@ -446,6 +509,7 @@ class BatchEngine:
         for j, (p, m, st) in enumerate(zip(prefixes, limits, stops)):
             group[1 + j] = _Row(op, j, [seq.tokens[-1]] + p, m, st, StopScanner(self.decode_text, st))
         op.result = [None] * n
+        seq.last_fork = (len(seq.tokens), [None] * n)
         return op
 
     def truncate(self, seq: Seq, n: int) -> Seq:
@@ -454,7 +518,81 @@ class BatchEngine:
         self._check_idle(seq, "truncate")
         if not 1 <= n <= len(seq.tokens):
             raise EngineError(f"truncate to {n} tokens: the sequence holds {len(seq.tokens)}")
+        if n < seq.joined:
+            raise EngineError(f"truncate to {n} tokens: the first {seq.joined} are fixed by a merge join "
+                              "(its branches' KV cannot be rolled back)")
         seq.tokens = seq.tokens[:n]
+        return seq
+
+    def merge(self, seq: Seq, branches: Sequence[Sequence[int]]) -> Seq:
+        """Join the children of the fork just finished on `seq` into its slot without re-running
+        them (issue 17; `Engine.merge` is the single-run twin): branches[j] is child j's final
+        tokens after the fork (opening, body, repair as the layout tokenizes them). The children
+        first run, in their own slots, only the tokens they never computed (their last token, a
+        repair, a re-tokenized end: one prefill call for all); then their slot rows are copied
+        after the parent's prefix in child order (one gather/scatter). The sequence continues at
+        fork + the longest child (`pos_offset`); its next token is sampled from the last child's
+        last logits (`join_logits`). Runs at once (no step needed)."""
+        self._check_idle(seq, "merge")
+        fork = seq.last_fork
+        if fork is None or fork[0] != len(seq.tokens) or any(r is None for r in fork[1]):
+            raise EngineError("merge needs the fork just finished on this sequence, with the sequence unchanged since")
+        rows = fork[1]
+        n = len(rows)
+        branches = [[int(t) for t in b] for b in branches]
+        if len(branches) != n:
+            raise EngineError(f"merge of {len(branches)} branches; the fork has {n}")
+        if any(not b for b in branches):
+            raise EngineError("merge: a branch has no tokens")
+        total = len(seq.tokens) + sum(len(b) for b in branches)
+        if total > self.max_seq_len:
+            raise EngineError(f"merging to {total} tokens exceeds max_seq_len={self.max_seq_len}")
+        if any(1 + len(b) > self.child_capacity for b in branches):
+            raise EngineError(f"merge: a branch of {max(len(b) for b in branches)} tokens exceeds the child "
+                              f"capacity ({self.child_capacity})")
+        p0 = seq.length
+        keep = [min(_common_prefix(have[1:], b), done - 1, len(b) - 1) for b, (have, done) in zip(branches, rows)]
+        tails = [b[k:] for b, k in zip(branches, keep)]
+        r_b = _bucket(n, 1)
+        cslot = np.full(r_b, self.max_seqs * self.max_children, np.int32)
+        cslot[:n] = seq.slot * self.max_children + np.arange(n)
+        parent = np.full(r_b, seq.slot, np.int32)
+        fork_len = np.full(r_b, p0, np.int32)
+        pos_off = np.full(r_b, seq.pos_offset, np.int32)
+        last, pos = None, 0
+        while pos < max(len(t) for t in tails):
+            pieces = [t[pos: pos + self.prefill_chunk] for t in tails]
+            toks = np.zeros((r_b, _bucket(max(len(p) for p in pieces), 16)), np.int32)
+            start = np.zeros(r_b, np.int32)
+            nval = np.zeros(r_b, np.int32)
+            for j, p in enumerate(pieces):
+                toks[j, : len(p)] = p
+                start[j] = 1 + keep[j] + pos
+                nval[j] = len(p)
+            s_b = min(_bucket(p0 + 1, self.min_bucket), self.parent_capacity)
+            c_b = min(_bucket(int(start.max()) + 1, self.min_bucket), self.child_capacity)
+            self.cache, logits = _prefill(
+                self.params, self.config, self.cache, jnp.asarray(toks), jnp.asarray(cslot), jnp.asarray(parent),
+                jnp.asarray(fork_len), jnp.asarray(start), jnp.asarray(nval), kind="child", s_b=s_b, c_b=c_b,
+                kv=self._kv, pos_off=jnp.asarray(pos_off), return_logits=True)
+            self.stats["prefill_calls"] += 1
+            if pieces[-1]:
+                last = logits[n - 1]
+            pos += self.prefill_chunk
+        crow = [int(cslot[0])] + [int(cslot[j]) for j, b in enumerate(branches) for _ in b]
+        cidx = [0] + [1 + s for b in branches for s in range(len(b))]
+        m = _bucket(len(crow), 16)
+        dst = np.full(m, 1 << 30, np.int32)
+        dst[: len(crow)] = p0 + np.arange(len(crow))
+        pad = [0] * (m - len(crow))
+        self.cache = _place_child_rows(self.cache, jnp.int32(seq.slot), jnp.asarray(crow + pad, jnp.int32),
+                                       jnp.asarray(cidx + pad, jnp.int32), jnp.asarray(dst), kv=self._kv)
+        seq.tokens = seq.tokens + [t for b in branches for t in b]
+        seq.pos_offset += max(len(b) for b in branches) - sum(len(b) for b in branches)
+        seq.joined = len(seq.tokens)
+        seq.join_logits = last
+        seq.last_fork = None
+        self.last_join_tokens = sum(len(t) for t in tails)
         return seq
 
     @property
@@ -581,15 +719,18 @@ class BatchEngine:
         slot = np.full(r_b, self.max_seqs, np.int32)   # padding rows write nowhere (dropped)
         start = np.zeros(r_b, np.int32)
         nval = np.zeros(r_b, np.int32)
+        pos_off = np.zeros(r_b, np.int32)
         for i, (seq, piece, done) in enumerate(rows):
             toks[i, : len(piece)] = piece
             slot[i] = seq.slot
             start[i] = self._prefill_base(seq) + done
             nval[i] = len(piece)
+            pos_off[i] = seq.pos_offset
         s_b = min(_bucket(int(start.max()) + 1, self.min_bucket), self.parent_capacity)
         self.cache = _prefill(self.params, self.config, self.cache, jnp.asarray(toks), jnp.asarray(slot),
                               jnp.asarray(slot), jnp.zeros(r_b, jnp.int32), jnp.asarray(start),
-                              jnp.asarray(nval), kind="parent", s_b=s_b, c_b=1, kv=self._kv)
+                              jnp.asarray(nval), kind="parent", s_b=s_b, c_b=1, kv=self._kv,
+                              pos_off=jnp.asarray(pos_off))
         self.stats["prefill_calls"] += 1
         keep = []
         for seq, piece, done in rows:
@@ -626,7 +767,9 @@ class BatchEngine:
         fork = np.zeros(r_b, np.int32)
         start = np.zeros(r_b, np.int32)
         nval = np.zeros(r_b, np.int32)
+        pos_off = np.zeros(r_b, np.int32)
         for i, ((slot, g, row), piece) in enumerate(zip(work, pieces)):
+            pos_off[i] = row.op.seq.pos_offset
             toks[i, : len(piece)] = piece
             cslot[i] = slot * self.max_children + g
             parent[i] = slot
@@ -635,7 +778,7 @@ class BatchEngine:
             nval[i] = len(piece)
         self.cache = _prefill(self.params, self.config, self.cache, jnp.asarray(toks), jnp.asarray(cslot),
                               jnp.asarray(parent), jnp.asarray(fork), jnp.asarray(start), jnp.asarray(nval),
-                              kind="child", s_b=s_b, c_b=c_b, kv=self._kv)
+                              kind="child", s_b=s_b, c_b=c_b, kv=self._kv, pos_off=jnp.asarray(pos_off))
         self.stats["prefill_calls"] += 1
         for (_, _, row), piece in zip(work, pieces):
             row.prefill_pos += len(piece)
@@ -662,6 +805,7 @@ class BatchEngine:
         b = rg * w
         pslot = np.full(rg, self.max_seqs, np.int32)
         fork = np.zeros(rg, np.int32)
+        pos_off = np.zeros(rg, np.int32)
         lengths = np.zeros(b, np.int32)
         pending = np.zeros(b, np.int32)
         active = np.zeros(b, bool)
@@ -679,6 +823,7 @@ class BatchEngine:
             seq = rows[0].op.seq if rows[0] is not None else next(r for r in rows if r is not None).op.seq
             pslot[gi] = slot
             fork[gi] = seq.length
+            pos_off[gi] = seq.pos_offset
             for j in range(w):
                 if not live[j]:
                     continue
@@ -705,7 +850,8 @@ class BatchEngine:
             self.params, self.config, self.cache, jnp.asarray(pslot), jnp.asarray(fork), jnp.asarray(lengths),
             jnp.asarray(pending), jnp.asarray(active), jnp.asarray(remaining), jnp.asarray(stop_ids),
             jnp.asarray(seeds), jnp.asarray(branch), jnp.asarray(steps), jnp.asarray(temp), jnp.asarray(top_k),
-            jnp.asarray(top_p), g=g, chunk=self.decode_chunk, s_b=s_b, c_b=c_b, kv=self._kv)
+            jnp.asarray(top_p), g=g, chunk=self.decode_chunk, s_b=s_b, c_b=c_b, kv=self._kv,
+            pos_off=jnp.asarray(pos_off))
         out, reason = jax.device_get((out, reason))
         self.stats["decode_calls"] += 1
         for i, row, child in placed:
@@ -736,6 +882,8 @@ class BatchEngine:
             return
         group[1 + row.j] = None
         op.result[row.j] = gen
+        if seq.last_fork is not None:     # what a merge join needs: the child's tokens, slots computed
+            seq.last_fork[1][row.j] = (row.run + row.gen, len(row.run) - 1 + len(row.gen))
         if all(r is not None for r in op.result):
             self._finish(op, op.result)
 
