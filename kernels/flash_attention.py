@@ -462,20 +462,24 @@ def _check(platform, block_q, block_k, d, h, interpret):
                          f"more than one head: a (rows, D) block of the [T, H*D] view is lane-tiled")
 
 
-def flash_forward(q, k, v, span_end, q_offset, *, platform: str, block_q: int, block_k: int,
+def flash_forward(q, k, v, span_end, q_offset, tags=None, *, platform: str, block_q: int, block_k: int,
                   interpret: bool = False):
     """(out [B, T, H, D] in q's dtype, lse [B, T, H] fp32) under the span rule (see module doc)."""
     _check(platform, block_q, block_k, q.shape[3], q.shape[2], interpret)
+    if tags is not None:
+        raise NotImplementedError("the (stage, branch) mask form has no Pallas body yet")
     pp = _Prep(q, k, v, span_end, q_offset, platform, block_q, block_k)
     run = _gpu_forward if platform == "gpu" else _tpu_forward
     o, lse = run(pp, pp.rows(q, pp.h), pp.keys(k, pp.hkv), pp.keys(v, pp.hkv), interpret)
     return pp.unrows(o, pp.h), jnp.swapaxes(lse, 1, 2)[:, :pp.t]
 
 
-def flash_backward(q, k, v, span_end, q_offset, o, lse, do, dlse, *, platform: str, block_q: int,
+def flash_backward(q, k, v, span_end, q_offset, tags, o, lse, do, dlse, *, platform: str, block_q: int,
                    block_k: int, interpret: bool = False):
     """(dq, dk, dv) for cotangents do [B, T, H, D] and dlse [B, T, H], recomputing every tile."""
     _check(platform, block_q, block_k, q.shape[3], q.shape[2], interpret)
+    if tags is not None:
+        raise NotImplementedError("the (stage, branch) mask form has no Pallas body yet")
     pp = _Prep(q, k, v, span_end, q_offset, platform, block_q, block_k)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1) - dlse     # [B, T, H]
     rows_t = lambda x, fill: _pad_axis(jnp.swapaxes(x, 1, 2), 2, pp.tp, fill)  # noqa: E731

@@ -39,10 +39,16 @@ SPAN_KINDS: tuple[str, ...] = ("query", "plan", "prompt", "execution", "answer",
 FINAL_OPEN = "<Final Answer>"
 FINAL_CLOSE = "</Final Answer>"
 
-# How training lays a rendered example out (train/data.py): `flat`, the paper's one causal sequence,
-# or `trie`, one unit per planner / executor call. Inference tokenizes its contexts the same way.
-Layout = Literal["flat", "trie"]
+# How training lays a rendered example out (train/data.py): `flat`, the paper's one causal sequence;
+# `trie`, one unit per planner / executor call; `merge`, every token once with executors of a stage
+# side by side from the fork position (docs/merge_layout.md). Inference tokenizes its contexts the
+# same way, and the layout written into an export picks the orchestrator's join.
+Layout = Literal["flat", "trie", "merge"]
 LAYOUTS: tuple[str, ...] = typing.get_args(Layout)
+# Layouts that tokenize the text as the pieces of train/data.py `split_pieces`, each on its own (the
+# calls' boundaries: planner output, forced openings, execution bodies); `flat` tokenizes the query
+# and the whole completion as two strings.
+PIECEWISE_LAYOUTS: tuple[str, ...] = ("trie", "merge")
 
 # Canonical whitespace, used by `render` and by the orchestrator's forced text (one place per fact).
 BLOCK_GAP = "\n"      # between blocks (plans, executions, the final answer) and after the query
@@ -605,7 +611,7 @@ def token_labels(char_labels: list[str], offsets: list[tuple[int, int]]) -> list
 
 
 __all__ = [
-    "SPAN_KINDS", "FINAL_OPEN", "FINAL_CLOSE", "TAG_PATTERN", "Prompt", "PlanPiece", "Stage", "Trajectory",
+    "SPAN_KINDS", "LAYOUTS", "PIECEWISE_LAYOUTS", "FINAL_OPEN", "FINAL_CLOSE", "TAG_PATTERN", "Prompt", "PlanPiece", "Stage", "Trajectory",
     "plan_open", "plan_close", "prompt_open", "prompt_close", "execution_open", "execution_close",
     "planner_stop_strings", "tag_vocabulary", "find_tags", "contains_tag", "render", "render_completion",
     "parse", "parse_completion", "parse_plan", "span_labels", "token_labels",

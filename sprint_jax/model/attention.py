@@ -28,6 +28,22 @@ block-sparse causal-segment mask); the trie's ancestor mask is ours, so one kern
 
 Queries may sit at an offset into the keys (`q_offset`, per batch row): query t of row b is row
 i = q_offset[b] + t of the rule. The engine's prefill uses that to attend a chunk to its cache.
+
+The (stage, branch) form (the merge layout, docs/merge_layout.md). With per-token `stage` and
+`branch` [B, S] the rule gains a factor: row i sees j iff j <= i < span_end[j] and
+    branch[j] == 0  or  stage[j] < stage[i]  or  (stage[j], branch[j]) == (stage[i], branch[i])
+(planner text is seen by every later row; an executor token by its own branch and by everything
+of a later stage; never by a sibling branch). It is not an interval in j, so span_end alone cannot
+say it. A tile is empty under it when no pair of (query row, key) passes, which per-block
+summaries bound without looking at pairs (`merge_summaries`): over the keys some row may see
+(span_end[j] > j), plan = any key with branch 0, smin = the smallest executor stage, [clo, chi] the
+range of executor codes stage * 2^16 + branch; over the query rows, smax = the largest stage and
+[clo, chi] their executor codes. The tile can hold a visible pair only if
+    plan  or  key smin < query smax  or  the two code ranges overlap
+(the three clauses of the rule, each necessary for its clause). A tile is computed iff that and
+the span test both hold; otherwise skipped (the bound is conservative: a skipped tile is always
+empty, and on laid-out merge rows it is tight except where one block straddles two packed
+examples or a branch boundary, see tests/test_merge_attention.py).
 """
 from __future__ import annotations
 
@@ -93,16 +109,46 @@ def segment_causal_mask(segment_ids: jax.Array) -> jax.Array:
     return causal[None] & same
 
 
+def merge_visible(stage_q, branch_q, stage_k, branch_k):
+    """The merge factor of the rule, elementwise (broadcasting): query (stage_q, branch_q) may see
+    key (stage_k, branch_k) iff the key is planner text, of an earlier stage, or of the same branch."""
+    return (branch_k == 0) | (stage_k < stage_q) | ((stage_k == stage_q) & (branch_k == branch_q))
+
+
+def query_tags(tags: jax.Array, num_queries: int, q_offset: jax.Array) -> jax.Array:
+    """[B, 2, S] key (stage, branch) -> [B, 2, T] of the query rows q_offset + t (clipped to S)."""
+    s = tags.shape[2]
+    rows = jnp.clip(q_offset.reshape(-1, 1) + jnp.arange(num_queries, dtype=jnp.int32)[None], 0, s - 1)
+    return jnp.take_along_axis(tags, rows[:, None, :], axis=2)
+
+
 def span_mask(span_end: jax.Array, num_queries: int | None = None,
-              q_offset: jax.Array | int = 0) -> jax.Array:
+              q_offset: jax.Array | int = 0, stage: jax.Array | None = None,
+              branch: jax.Array | None = None) -> jax.Array:
     """[B, S] span ends -> [B, T, S] dense mask: query t (row i = q_offset + t) sees key j iff
-    j <= i < span_end[j]. T defaults to S (queries are the keys)."""
+    j <= i < span_end[j]; with stage and branch [B, S] also `merge_visible` of rows i and j (the
+    merge layout). T defaults to S (queries are the keys)."""
     b, s = span_end.shape
     t = s if num_queries is None else num_queries
-    i = jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32).reshape(-1, 1), (b, 1)) + \
-        jnp.arange(t, dtype=jnp.int32)[None]                                 # [B, T]
+    off = jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32).reshape(-1), (b,))
+    i = off[:, None] + jnp.arange(t, dtype=jnp.int32)[None]                   # [B, T]
     j = jnp.arange(s, dtype=jnp.int32)
-    return (j[None, None, :] <= i[:, :, None]) & (i[:, :, None] < span_end[:, None, :])
+    mask = (j[None, None, :] <= i[:, :, None]) & (i[:, :, None] < span_end[:, None, :])
+    if stage is None and branch is None:
+        return mask
+    tags = _tags(stage, branch, span_end.shape)
+    qt = query_tags(tags, t, off)
+    return mask & merge_visible(qt[:, 0, :, None], qt[:, 1, :, None], tags[:, 0, None, :],
+                                tags[:, 1, None, :])
+
+
+def _tags(stage, branch, shape) -> jax.Array:
+    """stage, branch [B, S] -> one int32 [B, 2, S] array (both or neither must be given)."""
+    if stage is None or branch is None:
+        raise ValueError("the merge mask needs both stage and branch")
+    if stage.shape != shape or branch.shape != shape:
+        raise ValueError(f"stage and branch must be [B, S] = {shape}, got {stage.shape}, {branch.shape}")
+    return jnp.stack([stage, branch], axis=1).astype(jnp.int32)
 
 
 def span_segments(segment_ids: jax.Array) -> jax.Array:
@@ -157,6 +203,61 @@ def tile_visible(kmax: jax.Array, k_start, row_lo: jax.Array, row_hi: jax.Array)
     return (k_start <= row_hi) & (kmax > row_lo)
 
 
+_BIG = 2 ** 31 - 1
+_CODE_STAGES = 2 ** 15 - 1          # codes = stage * 2^16 + branch fit int32; larger values are
+_CODE_BRANCHES = 2 ** 16 - 1        # clipped, which only widens ranges (still a safe bound)
+
+
+def _exec_code(stage, branch):
+    return jnp.clip(stage, 0, _CODE_STAGES) * (_CODE_BRANCHES + 1) + jnp.clip(branch, 1, _CODE_BRANCHES)
+
+
+def query_summary(stage, branch):
+    """Merge summary of query rows (last axis): (largest stage, lowest and highest executor code)."""
+    ex = branch != 0
+    code = _exec_code(stage, branch)
+    return (jnp.max(stage, axis=-1), jnp.min(jnp.where(ex, code, _BIG), axis=-1),
+            jnp.max(jnp.where(ex, code, -1), axis=-1))
+
+
+def key_summary(stage, branch, valid):
+    """Merge summary of keys (last axis) over those some row may see (`valid`): (any planner key
+    as 0/1, smallest executor stage, lowest and highest executor code)."""
+    ex = valid & (branch != 0)
+    code = _exec_code(stage, branch)
+    return (jnp.max((valid & (branch == 0)).astype(jnp.int32), axis=-1),
+            jnp.min(jnp.where(ex, stage, _BIG), axis=-1), jnp.min(jnp.where(ex, code, _BIG), axis=-1),
+            jnp.max(jnp.where(ex, code, -1), axis=-1))
+
+
+def merge_tile_visible(qsum, ksum):
+    """Can a tile with these summaries (see the module docstring) hold a merge-visible pair?"""
+    qmax, qlo, qhi = qsum
+    plan, kmin, klo, khi = ksum
+    return (plan > 0) | (kmin < qmax) | ((klo <= qhi) & (qlo <= khi))
+
+
+def merge_summaries(q_tags, k_tags, span_end, bq: int, bk: int):
+    """Per-block summaries: q_tags [B, 2, Tp] (padded rows: stage INT_MIN, branch 0), k_tags
+    [B, 2, Sp], span_end [B, Sp] (padded keys 0) -> qsum: 3 x [B, nq], ksum: 4 x [B, nk]."""
+    b, _, tp = q_tags.shape
+    sp = k_tags.shape[2]
+    qsum = query_summary(q_tags[:, 0].reshape(b, tp // bq, bq), q_tags[:, 1].reshape(b, tp // bq, bq))
+    valid = (span_end > jnp.arange(sp, dtype=jnp.int32)[None]).reshape(b, sp // bk, bk)
+    ksum = key_summary(k_tags[:, 0].reshape(b, sp // bk, bk), k_tags[:, 1].reshape(b, sp // bk, bk), valid)
+    return qsum, ksum
+
+
+def pad_query_tags(q_tags, tp: int):
+    """Pad [B, 2, T] query tags to Tp rows that no summary counts (stage INT_MIN, branch 0)."""
+    t = q_tags.shape[2]
+    if t == tp:
+        return q_tags
+    pad = jnp.broadcast_to(jnp.asarray([-_BIG - 1, 0], jnp.int32)[None, :, None],
+                           (q_tags.shape[0], 2, tp - t))
+    return jnp.concatenate([q_tags, pad], axis=2)
+
+
 # ---------------------------------------------------------------------------------------------
 # The XLA body
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +282,43 @@ def _tile_mask(q_offset, qi, ki, bq, bk, se_tile):
     return (cols[None, None, :] <= rows[:, :, None]) & (rows[:, :, None] < se_tile[:, None, :])
 
 
-def _xla_forward(q, k, v, span_end, q_offset, cfg: FlashConfig):
+class _Tiles:
+    """The mask and the visibility test of the XLA body's tiles, with or without the merge factor."""
+
+    def __init__(self, span_end, q_offset, tags, t, bq, bk):
+        b, s = span_end.shape
+        self.q_offset, self.bq, self.bk = q_offset, bq, bk
+        self.tags = tags
+        if tags is None:
+            return
+        tp, sp = _round_up(t, bq), _round_up(s, bk)
+        qtags = pad_query_tags(query_tags(tags, t, q_offset), tp)                  # [B, 2, Tp]
+        ktags = _pad_to(tags, 2, sp)                                               # [B, 2, Sp]
+        qsum, ksum = merge_summaries(qtags, ktags, _pad_to(span_end, 1, sp), bq, bk)
+        self.qtags = jnp.moveaxis(qtags.reshape(b, 2, tp // bq, bq), 2, 0)         # [nq, B, 2, bq]
+        self.ktags = jnp.moveaxis(ktags.reshape(b, 2, sp // bk, bk), 2, 0)         # [nk, B, 2, bk]
+        self.qsum = tuple(x.T for x in qsum)                                       # [nq, B] each
+        self.ksum = tuple(x.T for x in ksum)                                       # [nk, B] each
+
+    def mask(self, qi, ki, se_tile):
+        """[B, bq, bk]"""
+        m = _tile_mask(self.q_offset, qi, ki, self.bq, self.bk, se_tile)
+        if self.tags is None:
+            return m
+        qt, kt = self.qtags[qi], self.ktags[ki]
+        return m & merge_visible(qt[:, 0, :, None], qt[:, 1, :, None], kt[:, 0, None, :], kt[:, 1, None, :])
+
+    def visible(self, qi, ki, kmax_k):
+        """Scalar: may the tile hold a visible pair for some batch row (module docstring)?"""
+        row_lo = self.q_offset + qi * self.bq
+        vis = tile_visible(kmax_k, ki * self.bk, row_lo, row_lo + self.bq - 1)
+        if self.tags is not None:
+            vis = vis & merge_tile_visible(tuple(x[qi] for x in self.qsum), tuple(x[ki] for x in self.ksum))
+        return jnp.any(vis)
+
+
+def _xla_forward(q, k, v, span_end, q_offset, tags, cfg: FlashConfig):
+    """(out, lse, tiles computed); tags None or the merge form's [B, 2, S] (stage, branch)."""
     b, t, h, d = q.shape
     hkv = k.shape[2]
     g = h // hkv
@@ -189,6 +326,7 @@ def _xla_forward(q, k, v, span_end, q_offset, cfg: FlashConfig):
     qb, kb, vb, se, kmax = _blocks(q, k, v, span_end, q_offset, bq, bk)
     nq, nk = qb.shape[0], kb.shape[0]
     scale = 1.0 / math.sqrt(d)
+    tiles = _Tiles(span_end, q_offset, tags, t, bq, bk)
 
     def q_block(_, xs):
         qi, qt = xs                                                        # qt [B, bq, Hkv, G, D]
@@ -199,8 +337,8 @@ def _xla_forward(q, k, v, span_end, q_offset, cfg: FlashConfig):
         lo = jnp.argmax(jnp.any(kmax > row_lo[None, :], axis=1))
 
         def step(ki, carry):
-            m, l, acc = carry
-            mask = _tile_mask(q_offset, qi, ki, bq, bk, se[ki])[:, None, None]      # [B,1,1,bq,bk]
+            m, l, acc, n = carry
+            mask = tiles.mask(qi, ki, se[ki])[:, None, None]                           # [B,1,1,bq,bk]
             s = jnp.einsum("bqkgd,bskd->bkgqs", qt, kb[ki],
                            preferred_element_type=jnp.float32) * scale
             s = jnp.where(mask, s, -jnp.inf)
@@ -209,37 +347,42 @@ def _xla_forward(q, k, v, span_end, q_offset, cfg: FlashConfig):
             alpha = jnp.exp(m - m_new)
             pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), vb[ki],
                             preferred_element_type=jnp.float32)
-            return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
+            return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv, n + 1
 
         def body(ki, carry):
-            vis = jnp.any(tile_visible(kmax[ki], ki * bk, row_lo, row_hi))
-            return lax.cond(vis, functools.partial(step, ki), lambda c: c, carry)
+            return lax.cond(tiles.visible(qi, ki, kmax[ki]), functools.partial(step, ki), lambda c: c, carry)
 
         init = (jnp.full((b, hkv, g, bq), _M_INIT, jnp.float32),
                 jnp.zeros((b, hkv, g, bq), jnp.float32),
-                jnp.zeros((b, hkv, g, bq, d), jnp.float32))
-        m, l, acc = lax.fori_loop(jnp.minimum(lo, hi), hi, body, init)
+                jnp.zeros((b, hkv, g, bq, d), jnp.float32), jnp.int32(0))
+        m, l, acc, n = lax.fori_loop(jnp.minimum(lo, hi), hi, body, init)
         seen = l > 0
         l_safe = jnp.where(seen, l, 1.0)
         o = acc / l_safe[..., None]
         lse = jnp.where(seen, m + jnp.log(l_safe), NEG_INF)
         o = jnp.einsum("bkgqd->bqkgd", o).reshape(b, bq, h, d).astype(q.dtype)
-        return None, (o, jnp.einsum("bkgq->bqkg", lse).reshape(b, bq, h))
+        return n, (o, jnp.einsum("bkgq->bqkg", lse).reshape(b, bq, h))
 
-    _, (o, lse) = lax.scan(q_block, None, (jnp.arange(nq, dtype=jnp.int32), qb))
+    def counted(n, xs):
+        n_q, ys = q_block(None, xs)
+        return n + n_q, ys
+
+    n, (o, lse) = lax.scan(counted, jnp.int32(0), (jnp.arange(nq, dtype=jnp.int32), qb))
     o = jnp.moveaxis(o, 0, 1).reshape(b, nq * bq, h, d)[:, :t]
     lse = jnp.moveaxis(lse, 0, 1).reshape(b, nq * bq, h)[:, :t]
-    return o, lse
+    return o, lse, n
 
 
-def _xla_backward(q, k, v, span_end, q_offset, o, lse, do, dlse, cfg: FlashConfig):
+def _xla_backward(q, k, v, span_end, q_offset, tags, o, lse, do, dlse, cfg: FlashConfig):
     """FlashAttention-2 backward: per key block, loop over the query blocks that can see it,
-    recompute p from the saved lse; dk, dv accumulate in the loop, dq in the scan carry."""
+    recompute p from the saved lse; dk, dv accumulate in the loop, dq in the scan carry.
+    Returns (dq, dk, dv, tiles computed)."""
     b, t, h, d = q.shape
     s_len, hkv = k.shape[1], k.shape[2]
     g = h // hkv
     bq, bk = cfg.block_q, cfg.block_k
     qb, kb, vb, se, kmax = _blocks(q, k, v, span_end, q_offset, bq, bk)
+    tiles = _Tiles(span_end, q_offset, tags, t, bq, bk)
     nq, nk = qb.shape[0], kb.shape[0]
     tp = nq * bq
     scale = 1.0 / math.sqrt(d)
@@ -254,7 +397,8 @@ def _xla_backward(q, k, v, span_end, q_offset, o, lse, do, dlse, cfg: FlashConfi
     delta_b = q_layout(delta)
     dob = jnp.moveaxis(_pad_to(do, 1, tp).reshape(b, nq, bq, hkv, g, d), 1, 0)
 
-    def k_block(dq, xs):
+    def k_block(carry, xs):
+        dq, n = carry
         ki, kt, vt, se_t, kmax_t = xs
         k_start = ki * bk
         # first query block whose last row can reach this key block (rows >= k_start)
@@ -263,9 +407,9 @@ def _xla_backward(q, k, v, span_end, q_offset, o, lse, do, dlse, cfg: FlashConfi
         hi = jnp.clip(-(-jnp.max(kmax_t - q_offset) // bq), lo, nq)
 
         def step(qi, carry):
-            dk, dv, dq = carry
+            dk, dv, dq, n = carry
             qt, dot = qb[qi], dob[qi]
-            mask = _tile_mask(q_offset, qi, ki, bq, bk, se_t)[:, None, None]
+            mask = tiles.mask(qi, ki, se_t)[:, None, None]
             s = jnp.einsum("bqkgd,bskd->bkgqs", qt, kt, preferred_element_type=jnp.float32) * scale
             p = jnp.where(mask, jnp.exp(s - lse_b[qi][..., None]), 0.0)      # [B, Hkv, G, bq, bk]
             dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p.astype(do.dtype), dot,
@@ -276,61 +420,60 @@ def _xla_backward(q, k, v, span_end, q_offset, o, lse, do, dlse, cfg: FlashConfi
                                  preferred_element_type=jnp.float32)
             dq_t = jnp.einsum("bkgqs,bskd->bqkgd", ds.astype(k.dtype), kt,
                               preferred_element_type=jnp.float32)
-            return dk, dv, dq.at[qi].add(dq_t)
+            return dk, dv, dq.at[qi].add(dq_t), n + 1
 
         def body(qi, carry):
-            row_lo = q_offset + qi * bq
-            vis = jnp.any(tile_visible(kmax_t, k_start, row_lo, row_lo + bq - 1))
-            return lax.cond(vis, functools.partial(step, qi), lambda c: c, carry)
+            return lax.cond(tiles.visible(qi, ki, kmax_t), functools.partial(step, qi), lambda c: c, carry)
 
         zeros = jnp.zeros((b, bk, hkv, d), jnp.float32)
-        dk, dv, dq = lax.fori_loop(lo, hi, body, (zeros, zeros, dq))
-        return dq, (dk, dv)
+        dk, dv, dq, n = lax.fori_loop(lo, hi, body, (zeros, zeros, dq, n))
+        return (dq, n), (dk, dv)
 
     dq0 = jnp.zeros(qb.shape, jnp.float32)
-    dq, (dk, dv) = lax.scan(k_block, dq0, (jnp.arange(nk, dtype=jnp.int32), kb, vb, se, kmax))
+    (dq, n), (dk, dv) = lax.scan(k_block, (dq0, jnp.int32(0)),
+                                 (jnp.arange(nk, dtype=jnp.int32), kb, vb, se, kmax))
     dq = jnp.moveaxis(dq, 0, 1).reshape(b, tp, h, d)[:, :t]
     dk = jnp.moveaxis(dk, 0, 1).reshape(b, nk * bk, hkv, d)[:, :s_len]
     dv = jnp.moveaxis(dv, 0, 1).reshape(b, nk * bk, hkv, d)[:, :s_len]
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), n
 
 
 # ---------------------------------------------------------------------------------------------
 # custom_vjp over the bodies
 # ---------------------------------------------------------------------------------------------
-def _body_forward(q, k, v, span_end, q_offset, cfg: FlashConfig):
+def _body_forward(q, k, v, span_end, q_offset, tags, cfg: FlashConfig):
     if cfg.impl == "xla":
-        return _xla_forward(q, k, v, span_end, q_offset, cfg)
+        return _xla_forward(q, k, v, span_end, q_offset, tags, cfg)[:2]
     from sprint_jax.kernels import flash_attention as kernel
-    return kernel.flash_forward(q, k, v, span_end, q_offset, platform=cfg.impl,
+    return kernel.flash_forward(q, k, v, span_end, q_offset, tags, platform=cfg.impl,
                                 block_q=cfg.block_q, block_k=cfg.block_k, interpret=cfg.interpret)
 
 
-def _body_backward(q, k, v, span_end, q_offset, o, lse, do, dlse, cfg: FlashConfig):
+def _body_backward(q, k, v, span_end, q_offset, tags, o, lse, do, dlse, cfg: FlashConfig):
     if cfg.impl == "xla":
-        return _xla_backward(q, k, v, span_end, q_offset, o, lse, do, dlse, cfg)
+        return _xla_backward(q, k, v, span_end, q_offset, tags, o, lse, do, dlse, cfg)[:3]
     from sprint_jax.kernels import flash_attention as kernel
-    return kernel.flash_backward(q, k, v, span_end, q_offset, o, lse, do, dlse,
+    return kernel.flash_backward(q, k, v, span_end, q_offset, tags, o, lse, do, dlse,
                                  platform=cfg.impl, block_q=cfg.block_q, block_k=cfg.block_k,
                                  interpret=cfg.interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, span_end, q_offset, cfg: FlashConfig):
-    return _body_forward(q, k, v, span_end, q_offset, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, span_end, q_offset, tags, cfg: FlashConfig):
+    return _body_forward(q, k, v, span_end, q_offset, tags, cfg)
 
 
-def _flash_fwd(q, k, v, span_end, q_offset, cfg):
-    o, lse = _body_forward(q, k, v, span_end, q_offset, cfg)
-    return (o, lse), (q, k, v, span_end, q_offset, o, lse)
+def _flash_fwd(q, k, v, span_end, q_offset, tags, cfg):
+    o, lse = _body_forward(q, k, v, span_end, q_offset, tags, cfg)
+    return (o, lse), (q, k, v, span_end, q_offset, tags, o, lse)
 
 
 def _flash_bwd(cfg, res, cts):
-    q, k, v, span_end, q_offset, o, lse = res
+    q, k, v, span_end, q_offset, tags, o, lse = res
     do, dlse = cts
-    dq, dk, dv = _body_backward(q, k, v, span_end, q_offset, o, lse, do,
+    dq, dk, dv = _body_backward(q, k, v, span_end, q_offset, tags, o, lse, do,
                                 dlse.astype(jnp.float32), cfg)
-    return dq, dk, dv, None, None
+    return dq, dk, dv, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -379,10 +522,12 @@ def _mesh_specs(mesh, q, k):
     hax = axes(RULES["heads"], q.shape[2])
     if axes(RULES["kv_heads"], k.shape[2]) != hax:
         hax = None
-    return P(bax, None, hax, None), P(bax, None, hax, None), P(bax, None), P(bax), P(bax, None, hax)
+    return (P(bax, None, hax, None), P(bax, None, hax, None), P(bax, None), P(bax), P(bax, None, hax),
+            P(bax, None, None))
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, span_end: jax.Array, *,
+                    stage: jax.Array | None = None, branch: jax.Array | None = None,
                     q_offset: jax.Array | int | None = None, impl: str | None = None,
                     block_q: int | None = None, block_k: int | None = None,
                     interpret: bool = False, return_lse: bool = False):
@@ -391,6 +536,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, span_end: jax.Arra
     q [B, T, H, D]; k, v [B, S, Hkv, D] (H % Hkv == 0; query head h uses KV head h // (H/Hkv));
     span_end [B, S] int: query t of row b (rule row i = q_offset[b] + t) sees key j iff
     j <= i < span_end[b, j]. q_offset: int or [B] (default 0: the queries are the keys).
+    stage, branch [B, S] int (both or neither): the merge form, which also requires
+    `merge_visible` of rows i and j (module docstring); a query row's own (stage, branch) is the
+    key entry at its row i.
     Returns out [B, T, H, D] in q's dtype (0 for a row that sees no key) and with return_lse
     also lse [B, T, H] (natural log, fp32; NEG_INF for such a row). Softmax scale 1/sqrt(D).
     Gradients flow to q, k, v (and through lse); span_end and q_offset are integers.
@@ -408,6 +556,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, span_end: jax.Arra
         raise ValueError(f"k/v {k.shape} do not fit q {q.shape} (batch, head dim, H % Hkv)")
     if span_end.shape != (b, k.shape[1]):
         raise ValueError(f"span_end must be [B, S] = {(b, k.shape[1])}, got {span_end.shape}")
+    tags = None if stage is None and branch is None else _tags(stage, branch, span_end.shape)
     impl = resolve_impl(impl)
     dq_, dk_ = default_blocks(impl, t, k.shape[1])
     cfg = FlashConfig(impl, block_q or dq_, block_k or dk_, interpret)
@@ -417,8 +566,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, span_end: jax.Arra
     run = lambda *a: _flash(*a, cfg)  # noqa: E731
     mesh = jax.sharding.get_abstract_mesh()
     if impl != "xla" and not mesh.empty:
-        qs, ks, ss, os_, ls = _mesh_specs(mesh, q, k)
+        qs, ks, ss, os_, ls, ts = _mesh_specs(mesh, q, k)
         run = jax.shard_map(lambda *a: _flash(*a, cfg), mesh=mesh,
-                            in_specs=(qs, ks, ks, ss, os_), out_specs=(qs, ls), check_vma=False)
-    o, lse = run(q, k, v, span_end, off)
+                            in_specs=(qs, ks, ks, ss, os_, None if tags is None else ts),
+                            out_specs=(qs, ls), check_vma=False)
+    o, lse = run(q, k, v, span_end, off, tags)
     return (o, lse) if return_lse else o

@@ -226,13 +226,15 @@ def masked_attend(mask: jax.Array) -> AttendFn:
     return attend
 
 
-def span_attend(span_end: jax.Array, impl: str | None = None) -> AttendFn:
-    """The attend hook for a plain pass under the span rule (train/data.py): flash attention."""
+def span_attend(span_end: jax.Array, impl: str | None = None, stage: jax.Array | None = None,
+                branch: jax.Array | None = None) -> AttendFn:
+    """The attend hook for a plain pass under the span rule (train/data.py): flash attention
+    (with stage / branch: the merge layout's (stage, branch) form)."""
     def attend(q, k, v, layer_cache):
         q = constrain(q, ("batch", None, "heads", None))
         k = constrain(k, ("batch", None, "kv_heads", None))
         v = constrain(v, ("batch", None, "kv_heads", None))
-        out = flash_attention(q, k, v, span_end, impl=impl)
+        out = flash_attention(q, k, v, span_end, stage=stage, branch=branch, impl=impl)
         return constrain(out, ("batch", None, "heads", None)), layer_cache
     return attend
 
@@ -274,13 +276,15 @@ def decoder(params: Params, config: Qwen2Config, x: jax.Array, positions: jax.Ar
 
 def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: jax.Array | None = None,
             segment_ids: jax.Array | None = None, attention_mask: jax.Array | None = None,
-            *, span_end: jax.Array | None = None, attention_impl: str | None = None,
+            *, span_end: jax.Array | None = None, stage: jax.Array | None = None,
+            branch: jax.Array | None = None, attention_impl: str | None = None,
             remat: str = "none", return_hidden: bool = False) -> jax.Array:
     """Plain forward pass: tokens [B, T] -> logits [B, T, V] (fp32).
 
     positions default to arange(T). span_end [B, T] selects flash attention under the span rule
     (row i sees j iff j <= i < span_end[j]; the trainer's one mask for both layouts), with
-    `attention_impl` its body (None: per backend). Otherwise the dense reference runs: segment_ids
+    `attention_impl` its body (None: per backend); stage and branch [B, T] add the merge layout's
+    (stage, branch) factor (model/attention.py). Otherwise the dense reference runs: segment_ids
     [B, T] restrict a causal mask to the same segment (packing; segment 0 can mark padding), or
     attention_mask [B, T, T] (True = may attend) replaces it entirely.
     """
@@ -290,8 +294,10 @@ def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: j
     if span_end is not None:
         if attention_mask is not None or segment_ids is not None:
             raise ValueError("pass span_end, or segment_ids / attention_mask, not both")
-        attend = span_attend(span_end, attention_impl)
+        attend = span_attend(span_end, attention_impl, stage, branch)
     else:
+        if stage is not None or branch is not None:
+            raise ValueError("stage / branch go with span_end (or build the dense mask with span_mask)")
         if attention_mask is None:
             if segment_ids is None:
                 segment_ids = jnp.ones((b, t), jnp.int32)

@@ -41,7 +41,7 @@ class PairedSection:
     names the other's files and layout; with the same seq_len and tokenizer both keep exactly the
     problems usable (parsable, not over-long) in both sets. Empty `train` = no pairing."""
     train: list[str] = dataclasses.field(default_factory=list)  # the partner run's data.train
-    layout: Literal["flat", "trie"] = "flat"   # the partner run's data.layout
+    layout: Layout = "flat"                    # the partner run's data.layout
     trie_whole_trajectory: bool = False        # the partner run's data.trie_whole_trajectory
 
 
@@ -49,7 +49,7 @@ class PairedSection:
 class DataSection:
     """Examples -> packed token rows (DESIGN.md "Training": span-masked loss, flat or trie layout)."""
     train: list[str] = dataclasses.field(default_factory=list)  # jsonl files of Examples
-    layout: Layout = "flat"                    # flat = paper (one causal sequence); trie = inference calls
+    layout: Layout = "flat"                    # flat = paper (one sequence); trie = inference calls; merge = merge join
     seq_len: int = 2048                        # tokens per packed row
     overlong: Literal["drop", "truncate"] = "drop"  # an example longer than seq_len
     span_weights: dict[str, float] = dataclasses.field(default_factory=lambda: dict(SPAN_WEIGHTS_DEFAULT))

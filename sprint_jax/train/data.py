@@ -1,4 +1,4 @@
-"""SFT examples -> token rows with per-token loss weights, in the `flat` or the `trie` layout.
+"""SFT examples -> token rows with per-token loss weights, in the `flat`, `trie` or `merge` layout.
 
 Paper §8-9: SPRINT is next-token SFT on the restructured sequence, with the loss on what the model
 writes (plans, prompts, executions, the final answer and their tags) and never on the query.
@@ -22,6 +22,13 @@ layouts, so the train step has a single attention mask and a single loss:
     the whole trajectory as one more unit, a child of the prompt: exactly the flat layout's tokens,
     positions and loss (prompt + completion tokenized as in flat + EOS), so the same model also runs
     as an ordinary sequential decoder without the orchestrator.
+  * merge (train what the merge join runs; docs/merge_layout.md): the trie's pieces, each once, in
+    text order; the executors of a stage all start at the fork position and the planner resumes at
+    fork + the longest executor. Items also carry `stage` and `branch` per token (branch 0 =
+    planner text, j = executor j of that stage) and the attention adds the merge rule: row i sees
+    j iff j <= i < span_end[j] and (branch[j] == 0 or stage[j] < stage[i] or (stage, branch) of
+    i and j are equal). span_end is the end of the example (packing). flat / trie items have no
+    stage / branch (the merge rule is then true everywhere).
 Paired sets (paper §9: SPRINT and RFT train on the same problems): `build_items(paired=...)` drops an
 example whose partner (same id in the other set) is unusable or over-long there, and counts it.
 Several items are packed into one row (first-fit, deterministic order from the seed); items never
@@ -177,6 +184,8 @@ class Pieces:
     starts: list[int]            # character offset of each piece in prompt + completion
     units: list[tuple[int, ...]]
     unit_kinds: list[str]        # "planner" | "executor" per unit
+    stage: list[int]             # per piece: the stage it belongs to (prompt 0, final answer last + 1)
+    branch: list[int]            # per piece: 0 = planner text, j = executor j of its stage
 
     def unit_text(self, u: int) -> tuple[str, str]:
         """(context, completion) text of unit u."""
@@ -186,14 +195,16 @@ class Pieces:
 
 def split_pieces(prompt: str, completion: str, trajectory: fmt.Trajectory) -> Pieces:
     """Cut a problem-free SPRINT completion (or an RFT one, which has no stages) into pieces."""
-    texts, starts = [prompt], [0]
+    texts, starts, p_stage, p_branch = [prompt], [0], [0], [0]
     base = len(prompt)
     cursor = 0
 
-    def add(end: int) -> int:
+    def add(end: int, stage: int, branch: int = 0) -> int:
         nonlocal cursor
         texts.append(completion[cursor:end])
         starts.append(base + cursor)
+        p_stage.append(stage)
+        p_branch.append(branch)
         cursor = end
         return len(texts) - 1
 
@@ -208,21 +219,21 @@ def split_pieces(prompt: str, completion: str, trajectory: fmt.Trajectory) -> Pi
     trunk: list[int] = [0]                      # the planner's context so far
     for stage in trajectory.stages:
         k = stage.index
-        plan = add(through(fmt.plan_close(k)))
+        plan = add(through(fmt.plan_close(k)), k)
         units.append(tuple(trunk + [plan]))
         kinds.append("planner")
         trunk.append(plan)
         after_plan = list(trunk)
         for j in range(1, len(stage.executions) + 1):
-            opening = add(through(fmt.execution_open(k, j)))
-            body = add(through(fmt.execution_close(k, j)))
+            opening = add(through(fmt.execution_open(k, j)), k, j)
+            body = add(through(fmt.execution_close(k, j)), k, j)
             units.append(tuple(after_plan + [opening, body]))
             kinds.append("executor")
             trunk += [opening, body]            # sync: executions join the planner in prompt order
-    final = add(len(completion))
+    final = add(len(completion), (trajectory.stages[-1].index if trajectory.stages else 0) + 1)
     units.append(tuple(trunk + [final]))
     kinds.append("planner")
-    return Pieces(texts, starts, units, kinds)
+    return Pieces(texts, starts, units, kinds, p_stage, p_branch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,14 +248,17 @@ class Item:
     span_end: np.ndarray         # int32 [n], exclusive
     weights: np.ndarray          # float32 [n]
     labels: np.ndarray           # int8 [n], index into SPAN_KINDS
+    stage: np.ndarray | None = None    # int32 [n], merge layout only (see the module docstring)
+    branch: np.ndarray | None = None   # int32 [n], merge layout only: 0 = planner, j = executor j
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
     def truncate(self, n: int) -> "Item":
-        """The first n tokens (a prefix of a depth-first layout is still a valid forest)."""
+        """The first n tokens (a prefix of a depth-first or merge layout is still valid)."""
+        cut = lambda a: None if a is None else a[:n]  # noqa: E731
         return Item(self.tokens[:n], self.positions[:n], self.parents[:n], np.minimum(self.span_end[:n], n),
-                    self.weights[:n], self.labels[:n])
+                    self.weights[:n], self.labels[:n], cut(self.stage), cut(self.branch))
 
 
 @dataclasses.dataclass
@@ -277,16 +291,29 @@ def layout_flat(tokenizer, ex: Example, span_weights: dict[str, float]) -> Item:
                 np.full(n, n, np.int32), w, np.asarray([LABEL_IDS[l] for l in labels], np.int8))
 
 
-def layout_trie(tokenizer, ex: Example, pieces: Pieces, span_weights: dict[str, float],
-                whole_trajectory: bool = False) -> Item:
-    """The units of `pieces` as a prefix trie of pieces, depth-first; loss on unit completions only.
-    `whole_trajectory`: one more unit, the completion as one piece after the prompt (the flat chain)."""
+def tokenize_pieces(tokenizer, ex: Example, pieces: Pieces) -> list[_Tok]:
+    """The token convention of the piecewise layouts (`format.PIECEWISE_LAYOUTS`: trie, merge):
+    every piece of `split_pieces` tokenized on its own, EOS after the last piece (the final
+    answer). Pieces are what the orchestrator forces or a call writes: the prompt; each planner
+    call's output `gap <Plan_k> ... </Plan_k>` (and the final `gap <Final Answer> ... </Final
+    Answer>`), cut right after its stop tag; each forced opening `gap <execution_k.j>`; each
+    execution body `content </execution_k.j>`. So no token spans a piece boundary; inference
+    follows the same cut (orchestrator "token boundaries": encode each piece alone)."""
     char_labels = fmt.span_labels(ex.prompt, ex.completion)
     toks = [_tokenize_piece(tokenizer, t, s, char_labels) for t, s in zip(pieces.texts, pieces.starts)]
     last = pieces.units[-1][-1]
     toks[last] = _Tok(toks[last].ids + [eos_id(tokenizer)], toks[last].labels + [EOS_LABEL])
+    return toks
+
+
+def layout_trie(tokenizer, ex: Example, pieces: Pieces, span_weights: dict[str, float],
+                whole_trajectory: bool = False) -> Item:
+    """The units of `pieces` as a prefix trie of pieces, depth-first; loss on unit completions only.
+    `whole_trajectory`: one more unit, the completion as one piece after the prompt (the flat chain)."""
+    toks = tokenize_pieces(tokenizer, ex, pieces)
     units = list(pieces.units)
     if whole_trajectory and len(units) > 1:     # one unit already is the whole trajectory
+        char_labels = fmt.span_labels(ex.prompt, ex.completion)
         whole = _tokenize_piece(tokenizer, ex.completion, len(ex.prompt), char_labels)
         toks.append(_Tok(whole.ids + [eos_id(tokenizer)], whole.labels + [EOS_LABEL]))
         units.append((0, len(toks) - 1))
@@ -351,6 +378,69 @@ def layout_trie(tokenizer, ex: Example, pieces: Pieces, span_weights: dict[str, 
                 weights, np.asarray([LABEL_IDS[l] for l in lab], np.int8))
 
 
+def layout_merge(tokenizer, ex: Example, pieces: Pieces, span_weights: dict[str, float]) -> Item:
+    """The pieces once each, in text order (docs/merge_layout.md):
+      * positions: planner text continues its own count; the executors of stage k all start at the
+        fork position F (just after `</Plan_k>`) and the planner resumes at F + max_j len(executor j)
+        (opening + body; the repair the orchestrator may add is never in training data);
+      * stage / branch per token: planner pieces (query 0, `Plan_k` k, final answer last + 1) have
+        branch 0; executor j of stage k has (k, j);
+      * parents: the previous row, except an executor's first token, predicted from the fork row
+        (the last token of `</Plan_k>`), as every branch of the stage is. The planner's first token
+        after a join is predicted from the row before it, the last executor's close tag;
+      * weights: the trie's: what a call writes (plans, bodies, the final answer + EOS) carries the
+        span weights; the query and the forced openings carry none;
+      * span_end: the end of the example (examples packed into one row never see each other).
+    With a tokenizer that never merges across a piece boundary (the byte tokenizer) the tokens are
+    exactly the flat layout's."""
+    toks = tokenize_pieces(tokenizer, ex, pieces)
+    opening_pieces = {path[-2] for path, kind in zip(pieces.units, pieces.unit_kinds) if kind == "executor"}
+    ids: list[int] = []
+    lab: list[str] = []
+    pos: list[int] = []
+    par: list[int] = []
+    stg: list[int] = []
+    brn: list[int] = []
+    wts: list[np.ndarray] = []
+    cursor = 0                                  # the planner's next position
+    fork: tuple[int, int, int] | None = None    # (stage, fork position, fork row) of the open block
+    branch_end = 0                              # the largest position past an executor of the block
+    at = 0                                      # the current branch's next position
+    for p, t in enumerate(toks):
+        k, j, n = pieces.stage[p], pieces.branch[p], len(t.ids)
+        first = len(ids)
+        if j == 0:
+            if fork is not None:                # the join: the planner resumes past the longest branch
+                cursor, fork = branch_end, None
+            start, parent = cursor, first - 1
+            cursor += n
+        else:
+            if fork is None or fork[0] != k:
+                fork, branch_end = (k, cursor, first - 1), cursor
+            if p in opening_pieces:             # a new branch starts at the fork
+                at, parent = fork[1], fork[2]
+            else:
+                parent = first - 1
+            start = at
+            at += n
+            branch_end = max(branch_end, at)
+        ids.extend(t.ids)
+        lab.extend(t.labels)
+        pos.extend(range(start, start + n))
+        par.extend(([parent] + list(range(first, first + n - 1))) if n else [])
+        stg.extend([k] * n)
+        brn.extend([j] * n)
+        trained = p > 0 and p not in opening_pieces
+        wts.append(_weights(t.labels, span_weights) if trained else np.zeros(n, np.float32))
+    n = len(ids)
+    weights = np.concatenate(wts) if wts else np.zeros(0, np.float32)
+    parents = np.asarray(par, np.int32)
+    weights[parents < 0] = 0.0
+    return Item(np.asarray(ids, np.int32), np.asarray(pos, np.int32), parents, np.full(n, n, np.int32),
+                weights, np.asarray([LABEL_IDS[l] for l in lab], np.int8),
+                np.asarray(stg, np.int32), np.asarray(brn, np.int32))
+
+
 def check_example(ex: Example) -> tuple[fmt.Trajectory | None, str | None]:
     """(trajectory, None) if `ex` can be trained on, else (None, why). SPRINT examples must parse
     with no problem; RFT examples (a serial trace, paper §9) need a final answer and no stage."""
@@ -375,8 +465,10 @@ def layout_example(tokenizer, ex: Example, layout: str, span_weights: dict[str, 
         raise ValueError(why)
     if layout == "flat":
         return layout_flat(tokenizer, ex, span_weights)
-    return layout_trie(tokenizer, ex, split_pieces(ex.prompt, ex.completion, traj), span_weights,
-                       whole_trajectory)
+    pieces = split_pieces(ex.prompt, ex.completion, traj)
+    if layout == "merge":
+        return layout_merge(tokenizer, ex, pieces, span_weights)
+    return layout_trie(tokenizer, ex, pieces, span_weights, whole_trajectory)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,9 +490,16 @@ class DataStats:
 
     used_prompts: list[str] = dataclasses.field(default_factory=list, repr=False)  # for the fingerprint
 
+    @property
+    def tokens_per_example(self) -> float:
+        """Training tokens per used example: what a layout costs (merge == flat; trie repeats the
+        executions of a stage in the planner's context)."""
+        return self.tokens / self.used if self.used else 0.0
+
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         del d["used_prompts"]
+        d["tokens_per_example"] = self.tokens_per_example
         return d
 
 
@@ -500,15 +599,17 @@ def pack(lengths: Sequence[int], order: Sequence[int], seq_len: int, open_rows: 
 
 @dataclasses.dataclass
 class Rows:
-    """A batch of packed rows as numpy arrays, [B, T] each."""
+    """A batch of packed rows as numpy arrays, [B, T] each (stage / branch: merge layout only)."""
     tokens: np.ndarray
     positions: np.ndarray
     parents: np.ndarray
     span_end: np.ndarray
     weights: np.ndarray
+    stage: np.ndarray | None = None
+    branch: np.ndarray | None = None
 
     def as_dict(self) -> dict[str, np.ndarray]:
-        return dataclasses.asdict(self)
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
 class RowStream:
@@ -528,6 +629,9 @@ class RowStream:
         self.pad_token = pad_token
         self.open_rows = open_rows
         self._lengths = [len(it) for it in self.items]
+        self.merge = self.items[0].stage is not None        # rows carry stage / branch
+        if any((it.stage is not None) != self.merge for it in self.items):
+            raise DataError("merge-layout items cannot be packed with flat / trie items")
         self._epochs: dict[int, list[list[int]]] = {}
         self._starts: list[int] = [0]           # first stream row of each epoch
 
@@ -559,6 +663,8 @@ class RowStream:
         parents = np.full((b, t), -1, np.int32)
         span_end = np.broadcast_to(np.arange(1, t + 1, dtype=np.int32), (b, t)).copy()
         weights = np.zeros((b, t), np.float32)
+        stage = np.zeros((b, t), np.int32) if self.merge else None    # padding: planner text that
+        branch = np.zeros((b, t), np.int32) if self.merge else None   # sees only itself (span_end)
         for r, row in enumerate(row_ids):
             off = 0
             for i in self.row_items(row):
@@ -570,8 +676,11 @@ class RowStream:
                 parents[r, sl] = np.where(it.parents >= 0, it.parents + off, -1)
                 span_end[r, sl] = it.span_end + off
                 weights[r, sl] = it.weights
+                if self.merge:
+                    stage[r, sl] = it.stage
+                    branch[r, sl] = it.branch
                 off += n
-        return Rows(tokens, positions, parents, span_end, weights)
+        return Rows(tokens, positions, parents, span_end, weights, stage, branch)
 
     def epoch_of(self, row: int) -> int:
         return self.locate(row)[0]

@@ -29,8 +29,14 @@ from sprint_jax.train import mesh as mesh_lib
 from sprint_jax.train.config import OptimSection
 
 BATCH_KEYS = ("tokens", "positions", "parents", "span_end", "weights")
+MERGE_KEYS = ("stage", "branch")     # the merge layout's rows also carry these (train/data.py)
 BATCH_DTYPES = {"tokens": jnp.int32, "positions": jnp.int32, "parents": jnp.int32, "span_end": jnp.int32,
-                "weights": jnp.float32}
+                "weights": jnp.float32, "stage": jnp.int32, "branch": jnp.int32}
+
+
+def batch_keys(layout: str = "flat") -> tuple[str, ...]:
+    """The arrays of one batch for a data layout (merge adds the per-token stage and branch)."""
+    return BATCH_KEYS + MERGE_KEYS if layout == "merge" else BATCH_KEYS
 
 State = dict[str, Any]   # {"step": int32[], "params": tree, "opt_state": optax state, "rng": uint32[2]}
 
@@ -38,10 +44,12 @@ State = dict[str, Any]   # {"step": int32[], "params": tree, "opt_state": optax 
 # ---------------------------------------------------------------------------------------------
 # Loss
 # ---------------------------------------------------------------------------------------------
-def attention_mask(span_end: jax.Array) -> jax.Array:
-    """[B, T] span ends -> [B, T, T] dense mask: row i sees column j iff j <= i < span_end[j].
+def attention_mask(span_end: jax.Array, stage: jax.Array | None = None,
+                   branch: jax.Array | None = None) -> jax.Array:
+    """[B, T] span ends -> [B, T, T] dense mask: row i sees column j iff j <= i < span_end[j]
+    (and, with the merge layout's stage / branch, the (stage, branch) rule of model/attention.py).
     The reference for tests; the step itself runs flash attention on span_end (no [T, T] mask)."""
-    return qwen2.span_mask(span_end)
+    return qwen2.span_mask(span_end, stage=stage, branch=branch)
 
 
 def _chunk_nll(params, config: Qwen2Config, hidden: jax.Array, tokens: jax.Array) -> jax.Array:
@@ -64,10 +72,11 @@ def token_nll(params, config: Qwen2Config, batch: dict, remat: str = "none", los
     `attention`: "flash" (blockwise, `model.attention.flash_attention` on span_end; what training
     runs) or "dense" (the [T, T] mask reference, kept for tests and `bench train`).
     """
+    merge = {k: batch[k] for k in MERGE_KEYS if k in batch}     # the merge layout's rows
     if attention == "flash":
-        mask_kw = {"span_end": batch["span_end"]}
+        mask_kw = {"span_end": batch["span_end"], **merge}
     elif attention == "dense":
-        mask_kw = {"attention_mask": attention_mask(batch["span_end"])}
+        mask_kw = {"attention_mask": attention_mask(batch["span_end"], **merge)}
     else:
         raise ValueError(f"attention must be 'flash' or 'dense', got {attention!r}")
     hidden = qwen2.forward(params, config, batch["tokens"], batch["positions"], remat=remat,
@@ -189,8 +198,8 @@ class StepSetup:
                             abstract, self.state_shardings)
 
     def abstract_batch(self, rows: int, seq_len: int) -> dict:
-        return {k: jax.ShapeDtypeStruct((rows, seq_len), BATCH_DTYPES[k], sharding=self.batch_shardings[k])
-                for k in BATCH_KEYS}
+        return {k: jax.ShapeDtypeStruct((rows, seq_len), BATCH_DTYPES[k], sharding=s)
+                for k, s in self.batch_shardings.items()}
 
     def init_state(self, seed: int, params=None, init_seed: int = 0) -> State:
         """A fresh state; scratch params are created already sharded (never whole on one device)."""
@@ -206,8 +215,10 @@ class StepSetup:
 
 
 def build_step(config: Qwen2Config, opt: OptimSection, total_steps: int, mesh: Mesh,
-               remat: str = "none", loss_chunk: int = 0, attention: str = "flash") -> StepSetup:
-    """Optimizer, shardings from the one rules table, and the jitted step."""
+               remat: str = "none", loss_chunk: int = 0, attention: str = "flash",
+               layout: str = "flat") -> StepSetup:
+    """Optimizer, shardings from the one rules table, and the jitted step (its batch holds
+    `batch_keys(layout)`)."""
     if config.param_dtype != "float32":
         raise ValueError("train with fp32 master weights: model param_dtype must be float32")
     tx, schedule = make_optimizer(opt, total_steps)
@@ -221,7 +232,7 @@ def build_step(config: Qwen2Config, opt: OptimSection, total_steps: int, mesh: M
                                       is_leaf=lambda x: isinstance(x, NamedSharding))
     state_shardings = {"step": repl, "params": p_shard, "opt_state": opt_shard, "rng": repl}
     bs = mesh_lib.batch_sharding(mesh)
-    batch_shardings = {k: bs for k in BATCH_KEYS}
+    batch_shardings = {k: bs for k in batch_keys(layout)}
     inner = make_step_fn(config, tx, schedule, remat, opt.grad_accum, loss_chunk, attention)
 
     def fn(state, batch):

@@ -260,7 +260,8 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
         f"{stats.dropped_overlong} dropped (over {cfg.data.seq_len} tokens), "
         + (f"{stats.dropped_paired} dropped (unusable in the paired set), " if paired else "")
         + f"{stats.truncated} truncated; "
-        f"{stats.tokens} tokens, {stats.loss_tokens} in the loss ({cfg.data.layout} layout)")
+        f"{stats.tokens} tokens ({stats.tokens_per_example:.1f} per example), {stats.loss_tokens} in the loss "
+        f"({cfg.data.layout} layout)")
     for why in stats.first_skip_reasons:
         say(f"  skipped {why}")
     stream = data_lib.RowStream(items, cfg.data.seq_len, cfg.data.seed, data_lib.pad_id(tokenizer),
@@ -273,7 +274,8 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
     if micro % div:
         raise ConfigError(f"optim.batch_size / optim.grad_accum = {micro} rows per microbatch must be a multiple "
                           f"of mesh data x fsdp = {div}")
-    setup = step_lib.build_step(model_cfg, cfg.optim, cfg.steps, mesh, cfg.model.remat, cfg.model.loss_chunk)
+    setup = step_lib.build_step(model_cfg, cfg.optim, cfg.steps, mesh, cfg.model.remat, cfg.model.loss_chunk,
+                                layout=cfg.data.layout)
     for note in setup.sharding_notes:
         say(f"sharding: {note}")
     n_params = param_count(model_cfg)
