@@ -210,3 +210,71 @@ def test_batched_generate_right_after_a_join_samples_from_the_join_logits(model,
     op = batch.generate(seq, 5, sampling=s)
     batch.run([op])
     assert op.result.tokens == engine.generate(single, 5, sampling=s).tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Exactness against the merge training layout (train/data.py layout_merge, the training forward)
+# ---------------------------------------------------------------------------------------------
+def test_engine_through_fork_branches_and_merge_gives_the_merge_layout_logits():
+    """For a trajectory (three executors of unequal length, a plan-only stage, an implicit-prompt
+    stage): every token's logits from the training forward of its merge-layout example (flash
+    attention under the (stage, branch) rule, logits of the token's parent row) == the logits the
+    engine gives that token when it runs the trajectory teacher-forced: planner pieces by
+    extend, each stage with prompts as a shared fork (fork_logits) and a merge join, the first
+    planner token after a join from the join logits, fp32 <= 1e-4."""
+    from sprint_jax import format as fmt
+    from sprint_jax.curation.types import Example
+    from sprint_jax.model import Qwen2, Qwen2Config, forward, init_params
+    from sprint_jax.train import data as D
+    from sprint_jax.train.config import SPAN_WEIGHTS_DEFAULT
+
+    tok = D.byte_tokenizer()
+    cfg = Qwen2Config(vocab_size=263, hidden_size=40, intermediate_size=88, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    params = init_params(cfg, jax.random.key(1), std=0.2)
+    traj = fmt.Trajectory("Q: 7*(2+3)?", [
+        fmt.Stage(1, ["Split.", fmt.Prompt("2+3"), fmt.Prompt("note 7"), fmt.Prompt("x")],
+                  ["2+3=5", "7", "a longer third execution"]),
+        fmt.Stage(2, ["Think."], []),
+        fmt.Stage(3, ["Multiply 7 by 5."], ["7*5=35"]),
+    ], "35")
+    ex = Example("x", "sprint", traj.query + "\n", fmt.render_completion(traj))
+    item = D.layout_example(tok, ex, "merge", dict(SPAN_WEIGHTS_DEFAULT))
+    rows = D.RowStream([item], len(item), seed=0, pad_token=0).rows([0])
+    train = np.asarray(forward(params, cfg, jnp.asarray(rows.tokens), jnp.asarray(rows.positions),
+                               span_end=jnp.asarray(rows.span_end), stage=jnp.asarray(rows.stage),
+                               branch=jnp.asarray(rows.branch), attention_impl="xla"))[0]
+
+    pieces = D.split_pieces(ex.prompt, ex.completion, traj)
+    ptoks = [t.ids for t in D.tokenize_pieces(tok, ex, pieces)]
+    assert [t for p in ptoks for t in p] == item.tokens.tolist()
+    with_prompts = {s.index for s in traj.stages if any(isinstance(x, fmt.Prompt) for x in s.plan)}
+    engine = Engine(Qwen2(cfg, params=params), tok, max_seq_len=512, max_branches=4, max_branch_tokens=64,
+                    decode_chunk=4, prefill_chunk=32, eos_token_ids=[])
+    got = np.full((len(item), cfg.vocab_size), np.nan, np.float32)   # logits predicting token t
+    state = engine.prefill(ptoks[0][:1])
+    got[1: len(ptoks[0])] = engine.extend_logits(state, ptoks[0][1:])
+    at, i = len(ptoks[0]), 1
+    while i < len(ptoks):
+        st, br = pieces.stage[i], pieces.branch[i]
+        if br == 0 or st not in with_prompts:               # planner text, or an inline execution
+            got[at: at + len(ptoks[i])] = engine.extend_logits(state, ptoks[i])
+            at, i = at + len(ptoks[i]), i + 1
+            continue
+        group = [k for k in range(i, len(ptoks)) if pieces.stage[k] == st and pieces.branch[k] > 0]
+        branches: dict[int, list[int]] = {}
+        for k in group:
+            branches.setdefault(pieces.branch[k], []).extend(ptoks[k])
+        outs = engine.fork_logits(state, list(branches.values()))
+        for out in outs:                                    # branches lie in text order in the item
+            got[at: at + len(out)] = out
+            at += len(out)
+        engine.merge(state, list(branches.values()))
+        assert state.after_join
+        i = group[-1] + 1
+    assert at == len(item)
+    predicted = item.parents >= 0
+    assert predicted.sum() == len(item) - 1
+    ref = train[item.parents[predicted]]
+    np.testing.assert_allclose(got[predicted], ref, atol=TOL, rtol=0)
+    assert np.abs(ref).max() > 1.0                          # the comparison is not between zeros

@@ -695,6 +695,37 @@ class Engine:
         self.last_join_tokens = sum(len(t) for t in tails)
         return state
 
+    def fork_logits(self, state: DecodeState, branches: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Teacher forcing over a fork: branch j continues `state` with branches[j] (all forced, in a
+        shared-prefix fork like decode_branches'); returns per branch the logits [len(branches[j]),
+        V] that predict each of its tokens (row 0: the planner's pending token, run in the branch).
+        The fork is kept for `merge` (each branch's last token is left for the join to run), so a
+        trajectory can be checked token by token through fork, branches and merge."""
+        if state.after_join:
+            raise EngineError("fork right after a merge join: the planner must write a token first")
+        branches = [[int(t) for t in b] for b in branches]
+        n = len(branches)
+        if not 1 <= n <= self.max_branches or any(not b for b in branches):
+            raise EngineError(f"fork_logits needs 1..{self.max_branches} non-empty branches")
+        if any(len(b) + 1 > self.max_branch_tokens for b in branches):
+            raise EngineError(f"a branch exceeds max_branch_tokens={self.max_branch_tokens}")
+        p0 = state.length
+        pk, pv = _slice_prefix(state.cache, min(_bucket(max(p0, 1)), self._seq_cap))
+        prefix = (pk, pv, jnp.int32(p0))
+        runs = [[state.pending] + b[:-1] for b in branches]
+        toks = np.zeros((n, _bucket(max(len(r) for r in runs), lo=4)), np.int32)
+        for j, r in enumerate(runs):
+            toks[j, : len(r)] = r
+        cache, logits = _extend_fn(self.params, self.config, jnp.asarray(toks),
+                                   KVCache.zeros(self.config, n, self._suffix_cap), jnp.zeros(n, jnp.int32),
+                                   jnp.asarray([len(r) for r in runs], jnp.int32), prefix, branched=True,
+                                   attention_impl=self.attention_impl, pos_offset=jnp.int32(state.pos_offset),
+                                   all_logits=True)
+        self._fork = _Fork(state, len(state.tokens), p0, [[state.pending] + b for b in branches],
+                           [len(r) for r in runs], cache, prefix, 0)
+        logits = np.asarray(logits)
+        return [logits[j, : len(r)] for j, r in enumerate(runs)]
+
     def _branches_serial(self, state, prefixes, limits, stops, sampling):
         gens, steps = [], 0
         base_tokens = list(state.tokens)

@@ -78,9 +78,6 @@ from sprint_jax.infer.sampling import Sampling
 
 MODES = ("parallel", "serial", "sequential")
 JOINS = ("reprefill", "merge")
-# the layouts the orchestrator knows: the tokenization convention at boundaries (flat: one string;
-# trie and merge: train/data.py's pieces, each tokenized on its own) and the default join
-INFER_LAYOUTS: tuple[str, ...] = tuple(dict.fromkeys(fmt.LAYOUTS + ("merge",)))
 _BRANCH_MODE = {"parallel": "shared", "serial": "serial"}
 
 TERMINATIONS = {
@@ -120,7 +117,7 @@ class OrchestratorConfig:
     top_k: int = 0                       # 0 = off
     top_p: float = 1.0                   # 1 = off
     seed: int = 0                        # each engine call gets its own seed derived from this
-    layout: str = "flat"                 # the model's training layout: token convention at boundaries
+    layout: fmt.Layout = "flat"          # the model's training layout: token convention at boundaries
     join: str | None = None              # reprefill | merge; None: merge for a merge-layout model, else reprefill
 
     def __post_init__(self) -> None:
@@ -128,11 +125,11 @@ class OrchestratorConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        if self.layout not in INFER_LAYOUTS:
-            raise ValueError(f"layout must be one of {list(INFER_LAYOUTS)}, got {self.layout!r}")
+        if self.layout not in fmt.LAYOUTS:
+            raise ValueError(f"layout must be one of {list(fmt.LAYOUTS)}, got {self.layout!r}")
         if self.join is not None and self.join not in JOINS:
             raise ValueError(f"join must be one of {list(JOINS)} or null, got {self.join!r}")
-        if self.resolved_join == "merge" and self.layout == "flat":
+        if self.resolved_join == "merge" and self.layout not in fmt.PIECEWISE_LAYOUTS:
             raise ValueError("join='merge' needs a model trained with the trie or merge layout (its pieces "
                              "are tokenized on their own); a flat model re-prefills (join='reprefill')")
         if self.time_limit_s is not None and not self.time_limit_s > 0:
@@ -429,7 +426,7 @@ class Orchestrator:
     # -- SPRINT stages ------------------------------------------------------------------------
     def _stages(self, state, record: RunRecord, t0: float, branch_mode: str) -> None:
         cfg = self.config
-        trie = cfg.layout != "flat"          # trie and merge: pieces tokenized on their own
+        trie = cfg.layout in fmt.PIECEWISE_LAYOUTS   # trie and merge: pieces tokenized on their own
         merge = cfg.resolved_join == "merge"
         used = 0            # generated tokens so far (Σ planner + Σ executors)
         call = 0            # engine calls so far (seeds)
