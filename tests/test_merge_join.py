@@ -278,3 +278,55 @@ def test_engine_through_fork_branches_and_merge_gives_the_merge_layout_logits():
     ref = train[item.parents[predicted]]
     np.testing.assert_allclose(got[predicted], ref, atol=TOL, rtol=0)
     assert np.abs(ref).max() > 1.0                          # the comparison is not between zeros
+
+
+# ---------------------------------------------------------------------------------------------
+# The orchestrator's join
+# ---------------------------------------------------------------------------------------------
+def test_merge_and_reprefill_give_identical_records_when_every_stage_has_one_executor(model):
+    """With one executor per stage the merged planner state is the re-prefilled one (the executor
+    saw exactly the planner's context, at the planner's positions), so the two joins give the
+    same record: same executions (one truncated and repaired), same unscripted final planner call
+    decoded by the real engine. Only `join` and the tokens the sync ran differ. With more executors
+    per stage the two joins are different computations (a merged executor never saw its siblings)
+    and records are not expected to match."""
+    from test_orchestrator import ForcedPlanner, _untimed
+    from sprint_jax.infer.orchestrator import OrchestratorConfig, run_query
+
+    engine = Engine(model, tiny_vocab_tokenizer(), max_seq_len=320, max_branches=2, max_branch_tokens=40,
+                    decode_chunk=8, prefill_chunk=32, eos_token_ids=[])
+    planner = ["<Plan_1> first <prompt_1.1> a </prompt_1.1> </Plan_1>",
+               "\n<Plan_2> then <prompt_2.1> b </prompt_2.1> </Plan_2>"]
+    recs = {}
+    for join in ("reprefill", "merge"):
+        cfg = OrchestratorConfig(max_branch_tokens=6, max_planner_tokens=64, layout="trie", join=join)
+        recs[join] = run_query(ForcedPlanner(engine, planner), "Q: 2+3=?", "parallel", cfg)
+    rep, mer = recs["reprefill"], recs["merge"]
+    assert rep.join == "reprefill" and mer.join == "merge"
+    assert [s.join for s in mer.stages] == ["merge", "merge", ""]        # the last call writes no plan
+    assert all(e.repaired for s in mer.stages for e in s.executions)      # 6-token limit: closed by the sync
+    assert rep.termination == mer.termination == "planner_token_limit"   # the final call is the model's own
+    a, b = _untimed(rep), _untimed(mer)
+    for d in (a, b):
+        d.pop("join"), d["config"].pop("join")
+        for s in d["stages"]:
+            s.pop("join"), s.pop("sync_tokens")
+    assert a == b
+    # the merge ran only the tokens its branch never computed (the last one and the repair)
+    for r, m in zip(rep.stages[:2], mer.stages[:2]):
+        assert 0 < m.sync_tokens < r.sync_tokens
+
+
+def test_join_config_defaults_from_the_layout_and_rejects_what_cannot_merge():
+    from sprint_jax.infer.orchestrator import Orchestrator, OrchestratorConfig
+
+    assert OrchestratorConfig(layout="merge").resolved_join == "merge"
+    assert OrchestratorConfig(layout="trie").resolved_join == "reprefill"
+    assert OrchestratorConfig(layout="merge", join="reprefill").resolved_join == "reprefill"
+    assert OrchestratorConfig(layout="trie", join="merge").resolved_join == "merge"
+    with pytest.raises(ValueError, match="join='merge' needs"):
+        OrchestratorConfig(layout="flat", join="merge")
+    with pytest.raises(ValueError, match="join must be one of"):
+        OrchestratorConfig(join="copy")
+    with pytest.raises(ValueError, match="no branches to merge"):
+        Orchestrator(None, OrchestratorConfig(layout="merge")).run("q", "serial")
