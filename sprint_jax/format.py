@@ -41,7 +41,7 @@ FINAL_CLOSE = "</Final Answer>"
 
 # How training lays a rendered example out (train/data.py): `flat`, the paper's one causal sequence;
 # `trie`, one unit per planner / executor call; `merge`, every token once with executors of a stage
-# side by side from the fork position (docs/merge_layout.md). Inference tokenizes its contexts the
+# side by side from the fork position (README "The merge layout"). Inference tokenizes its contexts the
 # same way, and the layout written into an export picks the orchestrator's join.
 Layout = Literal["flat", "trie", "merge"]
 LAYOUTS: tuple[str, ...] = typing.get_args(Layout)

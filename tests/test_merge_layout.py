@@ -1,4 +1,4 @@
-"""The merge layout (issue 17, docs/merge_layout.md): every token once, executors of a stage side by
+"""The merge layout (issue 17, README "The merge layout"): every token once, executors of a stage side by
 side from the fork position, and the (stage, branch) attention rule, checked against independent
 references: the flat layout's tokens, the mask rule evaluated by hand on the laid-out rows, the
 model run on each example alone, the model run on each first-stage call as a plain causal sequence,
@@ -201,6 +201,7 @@ def test_first_stage_rows_equal_each_call_as_a_plain_sequence(tok, params):
         np.testing.assert_allclose(merged[fork_rows], plain[:len(fork_rows)], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_train_merge_layout_end_to_end(tmp_path):
     """`sprint-jax train --set data.layout=merge`: a real run on the tiny model; the export names
     the layout (for the orchestrator's join), data stats report tokens per example == flat's."""

@@ -40,7 +40,7 @@ def test_sprint_and_rft_7b_differ_only_in_data():
     (["optim.lrr=1"], "unknown config field optim.lrr"),
     (["optim.batch_size=6", "optim.grad_accum=4"], "batch_size .6. must be a multiple of grad_accum"),
     (["data.span_weights.thinking=1"], "span_weights.thinking is not a span kind"),
-    (["data.layout=tree"], r"data.layout: 'tree' is not one of \['flat', 'trie'\]"),
+    (["data.layout=tree"], r"data.layout: 'tree' is not one of \['flat', 'trie', 'merge'\]"),
     (["mesh.data=-1", "mesh.fsdp=-1"], "at most one of data / fsdp / tensor may be -1"),
     (["distributed.coordinator=h:1"], "must be given together"),
     (["steps=zero"], "steps: expected an integer"),

@@ -29,7 +29,7 @@ block-sparse causal-segment mask); the trie's ancestor mask is ours, so one kern
 Queries may sit at an offset into the keys (`q_offset`, per batch row): query t of row b is row
 i = q_offset[b] + t of the rule. The engine's prefill uses that to attend a chunk to its cache.
 
-The (stage, branch) form (the merge layout, docs/merge_layout.md). With per-token `stage` and
+The (stage, branch) form (the merge layout, README "The merge layout"). With per-token `stage` and
 `branch` [B, S] the rule gains a factor: row i sees j iff j <= i < span_end[j] and
     branch[j] == 0  or  stage[j] < stage[i]  or  (stage[j], branch[j]) == (stage[i], branch[i])
 (planner text is seen by every later row; an executor token by its own branch and by everything
@@ -41,9 +41,10 @@ range of executor codes stage * 2^16 + branch; over the query rows, smax = the l
 [clo, chi] their executor codes. The tile can hold a visible pair only if
     plan  or  key smin < query smax  or  the two code ranges overlap
 (the three clauses of the rule, each necessary for its clause). A tile is computed iff that and
-the span test both hold; otherwise skipped (the bound is conservative: a skipped tile is always
-empty, and on laid-out merge rows it is tight except where one block straddles two packed
-examples or a branch boundary, see tests/test_merge_attention.py).
+the span test both hold; otherwise skipped. The bound is conservative (a skipped tile is always
+empty; a computed one may be empty, e.g. a key block whose only planner keys belong to another
+packed example); on the packed merge rows of tests/test_merge_attention.py it computed exactly
+the non-empty tiles.
 """
 from __future__ import annotations
 

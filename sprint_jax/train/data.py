@@ -22,7 +22,7 @@ layouts, so the train step has a single attention mask and a single loss:
     the whole trajectory as one more unit, a child of the prompt: exactly the flat layout's tokens,
     positions and loss (prompt + completion tokenized as in flat + EOS), so the same model also runs
     as an ordinary sequential decoder without the orchestrator.
-  * merge (train what the merge join runs; docs/merge_layout.md): the trie's pieces, each once, in
+  * merge (train what the merge join runs; README "The merge layout"): the trie's pieces, each once, in
     text order; the executors of a stage all start at the fork position and the planner resumes at
     fork + the longest executor. Items also carry `stage` and `branch` per token (branch 0 =
     planner text, j = executor j of that stage) and the attention adds the merge rule: row i sees
@@ -379,7 +379,7 @@ def layout_trie(tokenizer, ex: Example, pieces: Pieces, span_weights: dict[str, 
 
 
 def layout_merge(tokenizer, ex: Example, pieces: Pieces, span_weights: dict[str, float]) -> Item:
-    """The pieces once each, in text order (docs/merge_layout.md):
+    """The pieces once each, in text order (README "The merge layout"):
       * positions: planner text continues its own count; the executors of stage k all start at the
         fork position F (just after `</Plan_k>`) and the planner resumes at F + max_j len(executor j)
         (opening + body; the repair the orchestrator may add is never in training data);
