@@ -8,8 +8,13 @@ One stage (DESIGN.md "Orchestrator"):
 3. The planner state is forked after `</Plan_i>`: executor j starts from the forced opening
    (block gap + `<execution_i.j>`) and every executor of the stage decodes in one batched call
    (`engine.decode_branches`), each stopping at its own `</execution_i.j>`.
-4. Sync: the openings and executions are appended in prompt order and only those tokens are
-   prefilled onto the planner cache (`engine.extend`); the planner continues with stage i+1.
+4. Sync (`config.join`, default from the layout): `reprefill` appends the openings and
+   executions in prompt order and prefills only those tokens onto the planner cache
+   (`engine.extend`); `merge` (issue 17, a merge-layout model) places each executor's KV after
+   the fork point without running the model (`engine.merge`: only tokens a branch never computed
+   run, in their branch), and the planner continues at fork + the longest executor. The two are
+   different computations and coincide only when the stage has one executor. The planner
+   continues with stage i+1.
 
 The text the planner ends up holding is exactly `format.render_completion` of the trajectory when
 the model writes canonical blocks (the forced openings and repairs use the gaps `render_completion`
