@@ -657,10 +657,6 @@ class Engine:
         total = len(state.tokens) + sum(len(b) for b in branches)
         if total > self.max_seq_len:
             raise EngineError(f"merging to {total} tokens exceeds max_seq_len={self.max_seq_len}")
-        cap = f.cache.k.shape[2] - f.start
-        if any(1 + len(b) + self.prefill_chunk > cap for b in branches):
-            raise EngineError(f"merge: a branch of {max(len(b) for b in branches)} tokens does not fit its "
-                              f"branch cache (max_branch_tokens={self.max_branch_tokens})")
         keep = [min(_common_prefix(have[1:], b), done - 1, len(b) - 1)
                 for b, have, done in zip(branches, f.tokens, f.computed)]
         tails = [b[k:] for b, k in zip(branches, keep)]
@@ -671,6 +667,9 @@ class Engine:
             for j, p in enumerate(pieces):
                 toks[j, : len(p)] = p
             start = np.asarray([f.start + 1 + k + pos for k in keep], np.int32)
+            if int(start.max()) + toks.shape[1] > f.cache.k.shape[2]:   # a write would be clamped
+                raise EngineError(f"merge: a branch of {max(len(b) for b in branches)} tokens does not fit its "
+                                  f"branch cache (max_branch_tokens={self.max_branch_tokens})")
             cache, logits = _extend_fn(self.params, self.config, jnp.asarray(toks), cache, jnp.asarray(start),
                                        jnp.asarray([max(len(p), 1) for p in pieces], jnp.int32), f.prefix,
                                        branched=f.prefix is not None, attention_impl=self.attention_impl,
