@@ -7,10 +7,14 @@
    ρ filter -> SPRINT examples; the same traces -> RFT examples.
 3. A tokenizer with one token per SPRINT tag and word (VocabTokenizer), and a tiny Qwen2 trained
    from scratch with the real trainer, same data and budget: SPRINT (trie layout, by default)
-   and RFT; `--layouts trie,flat` also trains the paper's flat layout.
+   and RFT; `--layouts trie,flat` also trains the paper's flat layout, `--layouts trie,merge` the
+   merge layout (issue 17: every token once, executors side by side from the fork), all with the
+   same budget.
 4. Evaluation with the real orchestrator and engine on held-out problems: SPRINT in `parallel`
-   and `serial` mode, RFT in `sequential` mode (and flat SPRINT in `parallel`).
-5. A summary table, report.json and plots (loss curves, sequential vs total tokens, wall clock).
+   and `serial` mode, RFT in `sequential` mode (and flat SPRINT in `parallel`; merge SPRINT in
+   `parallel` with the merge join, the join its export selects).
+5. A summary table (with training tokens per example and sync time per stage), report.json and
+   plots (loss curves, sequential vs total tokens, wall clock).
 
 Everything is deterministic for a seed (on one machine and JAX version).
 """
@@ -55,6 +59,7 @@ class DemoConfig:
     max_branch_tokens: int = 24      # per executor (a chain is 13 digits + its closing tag)
     max_planner_tokens: int = 48     # per planner call
     concurrency: int = 1             # test problems run at once on the batched engine (1: latency)
+    join: str | None = None          # reprefill | merge for every SPRINT evaluation; None: each model's layout's
     seed: int = 0
     out: str = "runs/demo"
 
@@ -70,9 +75,13 @@ class DemoConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        bad = [x for x in self.layouts if x not in ("trie", "flat")] if self.layouts else ["(none)"]
+        bad = [x for x in self.layouts if x not in ("trie", "flat", "merge")] if self.layouts else ["(none)"]
         if bad:
-            raise ValueError(f"layouts takes trie and/or flat, got {bad[0]!r}")
+            raise ValueError(f"layouts takes trie, flat and/or merge, got {bad[0]!r}")
+        if self.join not in (None, "reprefill", "merge"):
+            raise ValueError(f"join must be reprefill, merge or null, got {self.join!r}")
+        if self.join == "merge" and "flat" in self.layouts:
+            raise ValueError("join=merge cannot run a flat-layout model (it re-prefills); drop flat from layouts")
 
 
 def _vocabulary(cfg: DemoConfig) -> list[str]:
@@ -140,8 +149,9 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
                   "max_position_embeddings": cfg.seq_len, "tie_word_embeddings": False,
                   "eos_token_id": tok.eos_token_id}
     runs = {"sprint": ("sprint.jsonl", "trie" if "trie" in cfg.layouts else cfg.layouts[0]), "rft": ("rft.jsonl", "flat")}
-    if "flat" in cfg.layouts and "trie" in cfg.layouts:
-        runs["sprint_flat"] = ("sprint.jsonl", "flat")
+    for extra in ("flat", "merge"):
+        if extra in cfg.layouts and runs["sprint"][1] != extra:
+            runs[f"sprint_{extra}"] = ("sprint.jsonl", extra)
     trained: dict[str, dict] = {}
     for i, (name, (data_file, layout)) in enumerate(runs.items()):
         _say(f"[2/5] training {name} ({layout} layout): {cfg.steps} steps x {cfg.batch_size} rows x "
@@ -170,8 +180,11 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
                               max_branch_tokens=cfg.max_branch_tokens, max_total_tokens=1024)
     evals = {"sprint_parallel": ("sprint", "parallel"), "sprint_serial": ("sprint", "serial"),
              "rft_sequential": ("rft", "sequential")}
-    if "sprint_flat" in trained:
-        evals["sprint_flat_parallel"] = ("sprint_flat", "parallel")
+    if (cfg.join or ("merge" if runs["sprint"][1] == "merge" else "reprefill")) == "merge":
+        del evals["sprint_serial"]     # serial mode has no branches to merge
+    for extra in ("flat", "merge"):
+        if f"sprint_{extra}" in trained:
+            evals[f"sprint_{extra}_parallel"] = (f"sprint_{extra}", "parallel")
     engines: dict[str, Any] = {}
     results: dict[str, dict] = {}
     for k, (run_name, (model_name, mode)) in enumerate(evals.items()):
@@ -184,7 +197,8 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
                       prefill_chunk=128)
             engines[key] = BatchEngine(model, tok, max_seqs=cfg.concurrency, max_children=cfg.chains, **kw)
         layout = read_export_meta(trained[model_name]["export_dir"]).get("layout", "flat")
-        run_orch = dataclasses.replace(orch, layout=layout)
+        run_orch = dataclasses.replace(orch, layout=layout,
+                                       join=cfg.join if model_name.startswith("sprint") else None)
         _warm(engines[key], test_tasks[: max(8, 2 * cfg.concurrency)], run_orch, mode)
         t0 = time.perf_counter()
         _, rep = evaluate(engines[key], test_tasks, mode, prompt_fn=chains.prompt_for,
@@ -192,10 +206,14 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
                             meta={"model": model_name, "mode": mode}, overwrite=True)   # models retrained above
         wall = time.perf_counter() - t0
         entry = {"accuracy": rep["accuracy"], "mean_sequential_tokens": rep["mean_sequential_tokens"],
-                 "mean_total_tokens": rep["mean_total_tokens"], "wall_s": wall}
+                 "mean_total_tokens": rep["mean_total_tokens"], "wall_s": wall,
+                 "train_tokens_per_example": trained[model_name]["data"].get("tokens_per_example"),
+                 "layout": layout}
         if model_name.startswith("sprint"):
             entry["format_valid"] = rep["format_valid_rate"]
-            entry.update(_execution_quality(out / "eval" / run_name / "records.jsonl", cfg.chain_length))
+            records = out / "eval" / run_name / "records.jsonl"
+            entry.update(_execution_quality(records, cfg.chain_length))
+            entry.update(_sync_per_stage(records))
         results[run_name] = entry
 
     # 5. report ---------------------------------------------------------------------------------
@@ -205,6 +223,7 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
     report["training"] = {k: {f: v.get(f) for f in ("final_loss", "steps", "tokens_per_s", "wall_s")}
                           for k, v in trained.items()}
     report["timings_s"] = timings
+    report["train_tokens_per_example"] = _tokens_per_example(out / "curate" / "sprint.jsonl", tok, cfg.seq_len)
     report["test_problems"] = len(test_tasks)
     rft_tokens = results["rft_sequential"]["mean_sequential_tokens"]
     report["sequential_tokens_vs_rft"] = {k: (v["mean_sequential_tokens"] / rft_tokens if rft_tokens else None)
@@ -212,6 +231,8 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
     (out / "report.json").write_text(json.dumps(report, indent=2))
     _plots(out, trained, results)
     _say("[5/5] summary\n" + _table(results, rft_tokens))
+    _say("training tokens per SPRINT example by layout (same data): "
+         + ", ".join(f"{k} {v:.1f}" for k, v in report["train_tokens_per_example"].items()))
     _say(f"elapsed {report['elapsed_s']:.0f} s; report: {out / 'report.json'}; plots: {out / 'plots'}")
     return report
 
@@ -238,6 +259,29 @@ def _execution_quality(records_path: Path, length: int) -> dict:
     return {"executions_exact": exact / max(total, 1), "answer_matches_executions": consistent / max(runs, 1)}
 
 
+def _tokens_per_example(path: Path, tok, seq_len: int) -> dict:
+    """Training tokens per SPRINT example in each layout, from the same curated set (issue 17:
+    merge holds every token once, like flat; trie repeats executions in the planner's context)."""
+    from sprint_jax.train import data as D
+    from sprint_jax.train.config import SPAN_WEIGHTS_DEFAULT
+
+    examples = D.read_examples([path])
+    return {layout: D.build_items(examples, tok, layout, seq_len, "drop", dict(SPAN_WEIGHTS_DEFAULT))[1]
+            .tokens_per_example for layout in ("flat", "trie", "merge")}
+
+
+def _sync_per_stage(records_path: Path) -> dict:
+    """Mean sync (join) time per stage with executors, and which join ran (issue 17)."""
+    times, joins = [], set()
+    for line in records_path.read_text().splitlines():
+        for st in json.loads(line)["stages"]:
+            if st.get("join"):
+                times.append(st["sync_s"])
+                joins.add(st["join"])
+    return {"sync_ms_per_stage": 1e3 * sum(times) / len(times) if times else None,
+            "join": ",".join(sorted(joins)) or None}
+
+
 def _warm(engine, tasks, orch, mode) -> None:
     """Compile the engine's shapes before the timed evaluation, so that wall-clock comparisons
     measure decoding: a few problems (their outputs are discarded) meet the used-length buckets
@@ -256,15 +300,22 @@ def _warm(engine, tasks, orch, mode) -> None:
 
 def _table(results: dict, rft_tokens: float) -> str:
     head = (f"{'run':<22}{'accuracy':>9}{'format':>8}{'exec ok':>8}{'seq tok':>9}{'vs RFT':>8}{'total tok':>10}"
-            f"{'wall s':>8}")
+            f"{'wall s':>8}{'train tok/ex':>13}{'join':>10}{'sync ms':>8}")
     lines = [head, "-" * len(head)]
     for k, v in results.items():
         fv = f"{v['format_valid']:.2f}" if "format_valid" in v else "-"
         ex = f"{v['executions_exact']:.2f}" if "executions_exact" in v else "-"
         rel = v["mean_sequential_tokens"] / rft_tokens if rft_tokens else float("nan")
+        tpe = v.get("train_tokens_per_example")
+        sync = v.get("sync_ms_per_stage")
         lines.append(f"{k:<22}{v['accuracy']:>9.2f}{fv:>8}{ex:>8}{v['mean_sequential_tokens']:>9.1f}{rel:>8.2f}"
-                     f"{v['mean_total_tokens']:>10.1f}{v['wall_s']:>8.1f}")
+                     f"{v['mean_total_tokens']:>10.1f}{v['wall_s']:>8.1f}{_num(tpe, '.1f'):>13}"
+                     f"{v.get('join') or '-':>10}{_num(sync, '.2f'):>8}")
     return "\n".join(lines)
+
+
+def _num(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def _plots(out: Path, trained: dict, results: dict) -> None:
@@ -302,7 +353,8 @@ def add_arguments(p) -> None:
     from sprint_jax.config import add_config_flags
 
     p.add_argument("--layouts", default=None,
-                   help="SPRINT training layouts, comma-separated: trie (default), flat, or trie,flat")
+                   help="SPRINT training layouts, comma-separated: trie (default), flat, merge, e.g. trie,merge "
+                        "(every layout trains with the same budget; a merge model runs the merge join)")
     p.add_argument("--config", default=None,
                    help="demo config (YAML); default: the embedded defaults (the same as configs/demo.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -318,9 +370,9 @@ def run(args) -> int:
     overrides = list(args.set) + flag_overrides(args, DemoConfig)
     if args.layouts is not None:
         layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
-        bad = [x for x in layouts if x not in ("trie", "flat")]
+        bad = [x for x in layouts if x not in ("trie", "flat", "merge")]
         if bad or not layouts:
-            raise UserError(f"--layouts takes trie, flat or trie,flat; got {args.layouts!r}")
+            raise UserError(f"--layouts takes trie, flat and/or merge, e.g. trie,merge; got {args.layouts!r}")
         overrides.append(f"layouts=[{','.join(layouts)}]")
     if args.config is not None and not Path(args.config).is_file():
         raise UserError(f"--config {args.config}: no such file")

@@ -28,7 +28,7 @@ def _args(*argv: str) -> argparse.Namespace:
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "decode.json"
     args = _args("--preset", "tiny", "--branches", "1,2", "--prefix-lens", str(P), "--new-tokens", str(N_NEW),
-                 "--repeats", "1", "--hf-repeats", "2", "--decode-chunk", "4", "--out", str(out))
+                 "--repeats", "1", "--hf-repeats", "2", "--decode-chunk", "4", "--join-tokens", "5", "--out", str(out))
     import torch
     threads = torch.get_num_threads()
     assert run_decode_bench(args) == 0
@@ -50,6 +50,17 @@ def test_report_fields_and_times(report):
         assert r["steps"] == (r["branches"] * N_NEW if r["mode"] == "serial" else N_NEW)
         if r["step_ms"] is not None:  # None only when load noise swamps the N-vs-1 difference
             assert r["step_ms"] > 0 and r["tokens_per_s"] > 0
+
+
+def test_join_rows(report):
+    """The join rows (issue 17): 8 executors of N tokens; re-prefill runs all 8N tokens, merge one
+    per executor (its never-computed last token); both times positive, best of the samples."""
+    (row,) = report["join"]
+    assert row["executors"] == 8 and row["tokens_per_executor"] == 5
+    assert row["reprefill_tokens"] == 40 and row["merge_tokens_run"] == 8
+    for m in ("reprefill", "merge"):
+        assert row[f"{m}_ms"] > 0 and row[f"{m}_ms"] == min(row["samples_ms"][m])
+    assert row["merge_over_reprefill"] == row["merge_ms"] / row["reprefill_ms"]
 
 
 def test_cache_bytes_match_allocated_capacities(report):
@@ -88,11 +99,11 @@ def test_hf_row_same_weights(report):
 
 def test_targets_section(report):
     names = [t["name"] for t in report["targets"]]
-    assert len(names) == 4
+    assert len(names) == 5
     met = {t["name"]: t["met"] for t in report["targets"]}
-    # branches 1,2 only: the two 8-branch targets cannot be judged, the other two can
+    # branches 1,2 only: the two 8-branch targets cannot be judged, the others can
     assert met[names[0]] is None and met[names[2]] is None
-    assert met[names[1]] in (True, False) and met[names[3]] in (True, False)
+    assert met[names[1]] in (True, False) and met[names[3]] in (True, False) and met[names[4]] in (True, False)
 
 
 def test_target_rules():
@@ -103,11 +114,14 @@ def test_target_rules():
     good = [ratio(64, 1, 1.0, 1.0, 1.0, 1.0), ratio(64, 8, 1.5, 0.5, 0.3, 4.0),
             ratio(512, 1, 1.0, 1.0, 1.0, 1.0), ratio(512, 8, 1.9, 0.8, 0.2, 3.5)]
     hf = [dict(prefix_len=64, engine_over_hf_e2e_tokens_per_s=2.0, engine_over_hf_decode_tokens_per_s=3.0)]
-    assert [t["met"] for t in evaluate_targets(good, hf)] == [True, True, True, True]
+    assert [t["met"] for t in evaluate_targets(good, hf)] == [True, True, True, True, None]
     bad = [ratio(64, 1, 1.0, 1.0, 1.0, 1.0), ratio(64, 8, 2.5, 0.5, 0.3, 4.0),
            ratio(512, 1, 1.0, 1.0, 1.0, 1.0), ratio(512, 8, 1.5, 1.2, 0.2, 2.0)]
     hf_bad = [dict(prefix_len=64, engine_over_hf_e2e_tokens_per_s=0.9, engine_over_hf_decode_tokens_per_s=None)]
-    assert [t["met"] for t in evaluate_targets(bad, hf_bad)] == [False, False, False, False]
+    assert [t["met"] for t in evaluate_targets(bad, hf_bad)] == [False, False, False, False, None]
+    join = [dict(tokens_per_executor=64, merge_over_reprefill=0.05), dict(tokens_per_executor=512, merge_over_reprefill=0.2)]
+    assert evaluate_targets(good, hf, join[:1])[4]["met"] is True
+    assert evaluate_targets(good, hf, join)[4]["met"] is False
     assert [t["met"] for t in evaluate_targets(good, [])][3] is None
 
 

@@ -13,13 +13,13 @@ def test_scaled_down_demo_produces_every_artifact(tmp_path):
         "train_problems": 24, "test_problems": 3, "steps": 3, "batch_size": 4, "seq_len": 256,
         "warmup_steps": 1, "model": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                                      "num_attention_heads": 2, "num_key_value_heads": 1},
-        "out": str(tmp_path)})
+        "layouts": ["trie", "merge"], "out": str(tmp_path)})
     report = run_demo(cfg, tmp_path, progress=False)
 
     for f in ("curate/sprint.jsonl", "curate/rft.jsonl", "curate/curation_report.json", "report.json",
               "plots/loss_curves.png", "plots/tokens.png", "plots/wall_clock.png"):
         assert (tmp_path / f).exists(), f
-    for run, layout in (("sprint", "trie"), ("rft", "flat")):
+    for run, layout in (("sprint", "trie"), ("rft", "flat"), ("sprint_merge", "merge")):
         assert (tmp_path / "train" / run / "metrics.jsonl").exists()
         assert (tmp_path / "train" / run / "hf" / "model.safetensors").exists()
         meta = read_export_meta(tmp_path / "train" / run / "hf")     # train records how it trained
@@ -42,6 +42,16 @@ def test_scaled_down_demo_produces_every_artifact(tmp_path):
         results = [json.loads(x) for x in (tmp_path / "eval" / name / "results.jsonl").read_text().splitlines()]
         assert len(results) == 3
         assert abs(sum(x["sequential_tokens"] for x in results) / 3 - r["mean_sequential_tokens"]) < 1e-9
+    # the merge model (issue 17): its evaluation ran with the join its export selects, on the same
+    # budget; merge trains every token once, like flat, and fewer than the trie
+    merge = on_disk["sprint_merge_parallel"]
+    cfg_merge = json.loads((tmp_path / "eval" / "sprint_merge_parallel" / "report.json").read_text())["meta"]["config"]
+    assert cfg_merge["layout"] == "merge" and cfg_merge["join"] is None     # None: resolved from the layout
+    assert merge["join"] in ("merge", None)                                  # None: no stage ran executors
+    assert on_disk["training"]["sprint_merge"]["steps"] == on_disk["training"]["sprint"]["steps"]
+    per = on_disk["train_tokens_per_example"]
+    assert per["merge"] == per["flat"] < per["trie"]
+    assert merge["train_tokens_per_example"] > 0
     # the RFT baseline decodes plainly: sequential == total
     assert on_disk["rft_sequential"]["mean_sequential_tokens"] == on_disk["rft_sequential"]["mean_total_tokens"]
     assert report["test_problems"] == 3

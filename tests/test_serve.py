@@ -213,6 +213,23 @@ BAD = [
 ]
 
 
+def test_serial_mode_on_a_merge_layout_model_is_a_400(setup):
+    """A model exported with the merge layout joins by merge; a serial request has no branches to
+    merge: one clear 400 (sprint.join 'reprefill' makes it valid again)."""
+    import dataclasses
+
+    server, client, alone, tok = setup
+    before = server.state.sprint_config
+    server.state.sprint_config = dataclasses.replace(before, layout="merge")   # what a merge export sets
+    try:
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model=NAME + ":sprint", prompt="hi", extra_body={"sprint": {"mode": "serial"}})
+        assert e.value.status_code == 400 and "no branches to merge" in e.value.message
+        assert e.value.body["param"] == "sprint.mode"
+    finally:
+        server.state.sprint_config = before
+
+
 def test_bad_inputs_get_their_status_and_message_and_the_server_keeps_serving(setup):
     server, client, alone, tok = setup
     for kw, status, message in BAD:

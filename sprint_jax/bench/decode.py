@@ -99,14 +99,17 @@ MODES = ("shared", "copy", "serial")
 # (backend is an accelerator, --quick) -> defaults of the unset flags
 DEFAULTS: dict[tuple[bool, bool], dict[str, Any]] = {
     (False, False): dict(branches="1,2,4,8,16", prefix_lens="128,512,2048", new_tokens=64, repeats=3,
-                         decode_chunk=32, prefill_chunk=64, branch_prefix_len=4),
+                         decode_chunk=32, prefill_chunk=64, branch_prefix_len=4, join_tokens="64,512,2048"),
     (False, True): dict(branches="1,8", prefix_lens="128,1024", new_tokens=32, repeats=2,
-                        decode_chunk=32, prefill_chunk=64, branch_prefix_len=4),
+                        decode_chunk=32, prefill_chunk=64, branch_prefix_len=4, join_tokens="64,512"),
     (True, False): dict(branches="1,2,4,8,16", prefix_lens="1024,4096,16384", new_tokens=128, repeats=3,
-                        decode_chunk=64, prefill_chunk=512, branch_prefix_len=4),
+                        decode_chunk=64, prefill_chunk=512, branch_prefix_len=4, join_tokens="64,512,2048"),
     (True, True): dict(branches="1,8", prefix_lens="1024,8192", new_tokens=64, repeats=2,
-                       decode_chunk=64, prefill_chunk=512, branch_prefix_len=4),
+                       decode_chunk=64, prefill_chunk=512, branch_prefix_len=4, join_tokens="64,512,2048"),
 }
+JOIN_EXECUTORS = 8        # executors per stage in the join rows (issue 17)
+JOIN_CONTEXT = 128        # planner tokens before the fork in the join rows
+JOIN_PREFILL_CHUNK = 512  # the join rows' engine prefill chunk (the re-prefill runs in such chunks)
 # Above this many parameters a CPU run is refused (hours of random init and decoding).
 CPU_PARAM_LIMIT = 1_000_000_000
 
@@ -148,6 +151,9 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch CPU threads for the HF row (default 1 on CPU, where it is torch's best "
                              "setting for small models; 0 = torch's own default)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and tokens")
+    parser.add_argument("--join-tokens",
+                        help="join rows: comma-separated tokens per executor, 8 executors each "
+                             "(default 64,512,2048; CPU --quick 64,512); 'off' skips the join rows")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,6 +179,7 @@ def _settings(args: argparse.Namespace, on_accel: bool) -> dict[str, Any]:
     base = DEFAULTS[(on_accel, bool(args.quick))]
     s = {k: (getattr(args, k) if getattr(args, k, None) is not None else v) for k, v in base.items()}
     s["branches"] = _int_list(s["branches"], "--branches")
+    s["join_tokens"] = [] if str(s["join_tokens"]) == "off" else _int_list(s["join_tokens"], "--join-tokens")
     s["prefix_lens"] = _int_list(s["prefix_lens"], "--prefix-lens")
     s["hf_repeats"] = args.hf_repeats
     s["hf_threads"] = args.hf_threads if args.hf_threads is not None else (0 if on_accel else 1)
@@ -437,11 +444,76 @@ def _bench_hf(engine, hf, device: str, context: list[int], s: dict[str, Any]) ->
 # ---------------------------------------------------------------------------------------------
 # targets (the issue's CPU targets, tiny model)
 # ---------------------------------------------------------------------------------------------
+def bench_join(model, tokenizer, s: dict[str, Any], rng) -> list[dict[str, Any]]:
+    """Re-prefill vs merge join, per stage (issue 17): JOIN_EXECUTORS executors of N tokens each
+    forked from a JOIN_CONTEXT-token planner. reprefill = `engine.extend` of all executors' tokens
+    onto the planner (what the orchestrator's sync runs for a trie model); merge = `engine.merge`
+    of the fork (each executor's last token run in its branch, then its KV rows copied after the
+    prefix). The executors' own work (`fork_logits`, teacher-forced random tokens) is untimed and
+    the same for both. One untimed call per point compiles; best of --repeats is reported."""
+    from sprint_jax.infer import Engine
+
+    rows = []
+    config = model.config
+    for n in s["join_tokens"]:
+        k = JOIN_EXECUTORS
+        engine = Engine(model, tokenizer, max_seq_len=JOIN_CONTEXT + k * n + 8, max_branches=k,
+                        max_branch_tokens=n + 2, decode_chunk=s["decode_chunk"], prefill_chunk=JOIN_PREFILL_CHUNK,
+                        eos_token_ids=[])
+        context = [int(x) for x in rng.integers(0, config.vocab_size, JOIN_CONTEXT)]
+        branches = [[int(x) for x in rng.integers(0, config.vocab_size, n)] for _ in range(k)]
+        flat = [t for b in branches for t in b]
+
+        def reprefill() -> float:
+            state = engine.prefill(context)
+            state.cache.k.block_until_ready()
+            t0 = time.perf_counter()
+            engine.extend(state, flat)
+            state.cache.k.block_until_ready()
+            return time.perf_counter() - t0
+
+        def merge() -> float:
+            state = engine.prefill(context)
+            engine.fork_logits(state, branches)
+            state.cache.k.block_until_ready()
+            t0 = time.perf_counter()
+            engine.merge(state, branches)
+            state.cache.k.block_until_ready()
+            return time.perf_counter() - t0
+
+        first = {"reprefill": reprefill(), "merge": merge()}
+        samples: dict[str, list[float]] = {"reprefill": [], "merge": []}
+        for _ in range(s["repeats"]):
+            samples["reprefill"].append(reprefill())
+            samples["merge"].append(merge())
+        best = {m: _best(v) for m, v in samples.items()}
+        row = dict(executors=k, tokens_per_executor=n, context=JOIN_CONTEXT,
+                   reprefill_ms=best["reprefill"] * 1e3, merge_ms=best["merge"] * 1e3,
+                   merge_over_reprefill=best["merge"] / best["reprefill"],
+                   reprefill_tokens=k * n, merge_tokens_run=k,
+                   compile_s={m: max(first[m] - best[m], 0.0) for m in first},
+                   samples_ms={m: [x * 1e3 for x in v] for m, v in samples.items()})
+        rows.append(row)
+        _print_join(row)
+        del engine
+    return rows
+
+
+JOIN_HEADER = (f"{'exec':>4} {'N':>5} {'reprefill_ms':>12} {'merge_ms':>9} {'merge/reprefill':>15} "
+               f"{'tokens run (re/merge)':>21}")
+
+
+def _print_join(r: dict) -> None:
+    print(f"{r['executors']:>4} {r['tokens_per_executor']:>5} {r['reprefill_ms']:>12.1f} {r['merge_ms']:>9.2f} "
+          f"{r['merge_over_reprefill']:>15.3f} {str(r['reprefill_tokens']) + ' / ' + str(r['merge_tokens_run']):>21}",
+          flush=True)
+
+
 def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def evaluate_targets(ratios: list[dict], hf_rows: list[dict]) -> list[dict[str, Any]]:
+def evaluate_targets(ratios: list[dict], hf_rows: list[dict], join_rows: list[dict] = ()) -> list[dict[str, Any]]:
     """Each target: met True/False (None = not measured in this run) and the figures behind it."""
     by = {(r["prefix_len"], r["branches"]): r for r in ratios}
     lens = sorted({r["prefix_len"] for r in ratios})
@@ -490,6 +562,11 @@ def evaluate_targets(ratios: list[dict], hf_rows: list[dict]) -> list[dict[str, 
             for h in hf_rows},
         detail="engine / HF tokens/s, prompt -> N tokens end to end; decode-only alongside" if hf_rows
         else "HF row not run (--hf off, or auto on an accelerator)"))
+    targets.append(dict(
+        name="merge join <= 0.1x re-prefill time per stage (8 executors)",
+        met=(all(r["merge_over_reprefill"] <= 0.1 for r in join_rows) if join_rows else None),
+        figures={f"N={r['tokens_per_executor']}": round(r["merge_over_reprefill"], 4) for r in join_rows},
+        detail="merge_ms / reprefill_ms per tokens-per-executor" if join_rows else "join rows off"))
     return targets
 
 
@@ -591,6 +668,14 @@ def run_decode_bench(args: argparse.Namespace) -> int:
                 with _torch_threads(s["hf_threads"]):
                     hf_rows.append(_bench_hf(engine, hf, hf_device, context, s))
             del state, engine
+        join_rows: list[dict] = []
+        if s["join_tokens"]:
+            print()
+            print(f"join per stage: {JOIN_EXECUTORS} executors x N tokens after a {JOIN_CONTEXT}-token planner; "
+                  f"reprefill = extend of all executor tokens, merge = Engine.merge (best of {s['repeats']})")
+            print(JOIN_HEADER)
+            print("-" * len(JOIN_HEADER))
+            join_rows = bench_join(model, tokenizer, s, rng)
         load_end = _loadavg()
 
     print()
@@ -608,7 +693,7 @@ def run_decode_bench(args: argparse.Namespace) -> int:
         print("-" * len(HF_HEADER))
         for h in hf_rows:
             _print_hf(h)
-    targets = evaluate_targets(ratios, hf_rows)
+    targets = evaluate_targets(ratios, hf_rows, join_rows)
     print()
     print("targets (stated for CPU, tiny model):")
     for t in targets:
@@ -627,7 +712,7 @@ def run_decode_bench(args: argparse.Namespace) -> int:
                 "engine.last_branch_stats; stage_ms = best wall(N); best = minimum over --repeats; "
                 "branch counts and modes of a context interleaved per repeat; "
                 "compile_s = first-call wall - best wall (N and 1)"),
-        rows=rows, ratios=ratios, hf=hf_rows, targets=targets)
+        rows=rows, ratios=ratios, hf=hf_rows, join=join_rows, targets=targets)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.out}")

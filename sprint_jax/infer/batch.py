@@ -51,6 +51,15 @@ from sprint_jax.model.qwen2 import attend_partial, decoder, dtype_of, embed, mer
 STOP_WIDTH = 8    # device-checked stop ids per row (EOS ids first, then one-token stop strings)
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def _bucket(n: int, lo: int) -> int:
     """The smallest lo * 2^k >= n (few shapes compile)."""
     b = lo
@@ -102,7 +111,11 @@ def _constrain(cache: SlotCache, kv) -> SlotCache:
 
 def _gather_rows(cache: jax.Array, layer, rows: jax.Array, size: int) -> jax.Array:
     """cache [L, N, C, Hkv, D] -> the first `size` slots of `rows` at `layer`: [R, size, Hkv, D]."""
-    index = (layer, rows[:, None], jnp.arange(size)[None, :])
+    return _take(cache, (layer, rows[:, None], jnp.arange(size)[None, :]))
+
+
+def _take(cache: jax.Array, index) -> jax.Array:
+    """cache[index] (as bits on CPU: `_on_bits`)."""
     if not _on_bits(cache):
         return cache[index]
     bits = jax.lax.bitcast_convert_type
@@ -152,19 +165,25 @@ _NEVER = 1 << 30        # a span_end no query row reaches
 # ---------------------------------------------------------------------------------------------
 # Prefill: tokens [R, T] appended to R parent slots, or to R child slots (forced prefixes)
 # ---------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("config", "kind", "s_b", "c_b", "kv"), donate_argnames=("cache",))
-@sh.slot_local(rows=("tokens", "slot", "parent", "fork_len", "start", "n_valid"), out="cache", cache_kv=(0, 0, 1, 1))
+@functools.partial(jax.jit, static_argnames=("config", "kind", "s_b", "c_b", "kv", "return_logits"),
+                   donate_argnames=("cache",))
+@sh.slot_local(rows=("tokens", "slot", "parent", "fork_len", "start", "n_valid", "pos_off"),
+               out=lambda a: ("cache", "rows") if a["return_logits"] else "cache", cache_kv=(0, 0, 1, 1))
 def _prefill(params, config: Qwen2Config, cache: SlotCache, tokens, slot, parent, fork_len, start, n_valid,
-             kind: str, s_b: int, c_b: int, kv=None):
+             kind: str, s_b: int, c_b: int, kv=None, pos_off=None, return_logits: bool = False):
     """kind "parent": rows are parent slots `slot`, tokens written at start..start+n_valid.
     kind "child": rows are child slots `slot` of parent slots `parent`; they see the parent's
     first fork_len slots and their own first `start` slots; positions are fork_len + start + t.
-    Slot ids are global; taken modulo the slots this call holds (all, or its shard's: slot_local)."""
+    Slot ids are global; taken modulo the slots this call holds (all, or its shard's: slot_local).
+    pos_off [R]: the (parent) sequence's slot-to-position shift after a merge join (Seq; None: 0).
+    return_logits: also each row's logits at its last valid token [R, V] (a merge join's last)."""
     r, t = tokens.shape
     slot = slot % (cache.pk if kind == "parent" else cache.ck).shape[1]
     parent = parent % cache.pk.shape[1]
     offs = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]                  # [R, T]
     positions = offs if kind == "parent" else offs + fork_len[:, None]
+    if pos_off is not None:
+        positions = positions + pos_off[:, None]
     plen = start if kind == "parent" else fork_len
 
     def attend(q, k, v, layer):
@@ -178,15 +197,33 @@ def _prefill(params, config: Qwen2Config, cache: SlotCache, tokens, slot, parent
         return merge_partials(parts)[0], (k, v)
 
     x = embed(params, config, tokens)
-    _, (nk, nv) = decoder(params, config, x, positions, attend, jnp.arange(config.num_hidden_layers))
+    hidden, (nk, nv) = decoder(params, config, x, positions, attend, jnp.arange(config.num_hidden_layers))
     pos = jnp.where(jnp.arange(t)[None] < n_valid[:, None], offs, 1 << 30)       # padding: dropped
     if kind == "parent":
         pk = _put(cache.pk, (slice(None), slot[:, None], pos), nk)
         pv = _put(cache.pv, (slice(None), slot[:, None], pos), nv)
-        return _constrain(SlotCache(pk, pv, cache.ck, cache.cv), kv)
-    ck = _put(cache.ck, (slice(None), slot[:, None], pos), nk)
-    cv = _put(cache.cv, (slice(None), slot[:, None], pos), nv)
-    return _constrain(SlotCache(cache.pk, cache.pv, ck, cv), kv)
+        out = _constrain(SlotCache(pk, pv, cache.ck, cache.cv), kv)
+    else:
+        ck = _put(cache.ck, (slice(None), slot[:, None], pos), nk)
+        cv = _put(cache.cv, (slice(None), slot[:, None], pos), nv)
+        out = _constrain(SlotCache(cache.pk, cache.pv, ck, cv), kv)
+    if not return_logits:
+        return out
+    last = jnp.take_along_axis(hidden, jnp.clip(n_valid - 1, 0, t - 1)[:, None, None], axis=1)
+    return out, unembed(params, config, last)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("kv",), donate_argnames=("cache",))
+@sh.slot_local(rows=("pslot", "crow", "cidx", "dst"), out="cache", cache_kv=(0, 0, 1, 1))
+def _place_child_rows(cache: SlotCache, pslot, crow, cidx, dst, kv=None) -> SlotCache:
+    """A merge join's copy: parent slots pslot [M], slots dst [M] <- child rows crow at slots
+    cidx [M] (dst out of range: dropped). Slot ids are global, taken modulo this call's slots
+    (under slot shards each shard copies its own block of rows: `BatchEngine.merge` places them)."""
+    pslot = pslot % cache.pk.shape[1]
+    crow = crow % cache.ck.shape[1]
+    pk = _put(cache.pk, (slice(None), pslot, dst), _take(cache.ck, (slice(None), crow, cidx)))
+    pv = _put(cache.pv, (slice(None), pslot, dst), _take(cache.cv, (slice(None), crow, cidx)))
+    return _constrain(SlotCache(pk, pv, cache.ck, cache.cv), kv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,12 +259,13 @@ def parent_prefix_attention(pk: jax.Array, pv: jax.Array, layer, pslot: jax.Arra
                                     "n_valid"),
                    donate_argnames=("cache",))
 @sh.slot_local(rows=("a_slot", "b_pslot", "b_fork", "b_cslot", "lengths", "pending", "active", "remaining",
-                     "stop_ids", "seeds", "branch", "steps", "temperature", "top_k", "top_p", "forced", "n_forced"),
+                     "stop_ids", "seeds", "branch", "steps", "temperature", "top_k", "top_p", "forced", "n_forced",
+                     "pos_off"),
                out=("cache", "rows", "rows", "max"), cache_kv=(0, 0, 1, 1))
 def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending,
             active, remaining, stop_ids, seeds, branch, steps, temperature, top_k, top_p, forced, n_forced,
             w: int, chunk: int, s_b: int, c_b: int, kv=None, attention_impl: str = "xla",
-            n_valid: int | None = None):
+            n_valid: int | None = None, pos_off=None):
     """The active rows, packed: rows [0, A) decode on parent slots a_slot (a generate op: the row
     attends to its own parent slot); rows [A, A + F*w) are fork children, F groups of w rows,
     group i's children of parent slot b_pslot[i] (read-only, fork point b_fork[i]) in child
@@ -240,6 +278,7 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
     Under slot shards (data > 1, `sh.slot_local`) every row argument is `parts` equal blocks and
     this body sees one block: its A/parts generate rows, then its F/parts fork groups
     (`BatchEngine._decode` lays them out so); slot ids are global, taken modulo this call's slots.
+    pos_off [B] (None: 0): the row's sequence's slot-to-position shift after a merge join (Seq).
     attention_impl: the parent-prefix attention's ("xla" gather or "pallas" kernel).
     Returns the cache, the emitted tokens [B, chunk] (-1 = none), per-row reason codes
     (1 stop id / EOS, 2 length), and the steps run."""
@@ -255,6 +294,8 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
 
     def one_step(cache, lengths, pending, active, steps):
         positions = (fork_of_row + lengths)[:, None]                                  # [B, 1]
+        if pos_off is not None:                        # the row's sequence's shift after a merge join
+            positions = positions + pos_off[:, None]
         la, lb = lengths[:na], lengths[na:]
 
         def attend(q, k, v, layer):
@@ -332,10 +373,22 @@ class Seq:
         self.slot: int | None = None
         self.op: "Op | None" = None       # the operation in flight (one at a time)
         self.closed = False
+        # merge join (issue 17), as on `DecodeState`: slot s sits at position s + pos_offset; the
+        # first `joined` tokens are fixed; right after a join the last token is already in the slot
+        # (computed in its branch) and join_logits are its logits. last_fork: the last fork's
+        # children, [(tokens from the parent's pending token on, slots computed)], for merge.
+        self.pos_offset = 0
+        self.joined = 0
+        self.join_logits = None
+        self.last_fork: tuple[int, list] | None = None
 
     @property
-    def length(self) -> int:              # tokens whose KV is in the slot
+    def length(self) -> int:              # the slot of the last token (pending unless after_join)
         return len(self.tokens) - 1
+
+    @property
+    def after_join(self) -> bool:
+        return self.join_logits is not None and len(self.tokens) == self.joined
 
 
 @dataclasses.dataclass
@@ -447,6 +500,7 @@ class BatchEngine:
         self._single_token: dict[str, list[int]] = {}     # stop string -> tokens whose text holds it
         self._texts: list[str] | None = None
         self.stats = dict(steps=0, decode_calls=0, prefill_calls=0, tokens=0)
+        self.last_join_tokens = 0           # tokens the last merge ran (in the children's slots)
 
     # ---- tokens <-> text ------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -494,6 +548,10 @@ class BatchEngine:
         if len(seq.tokens) + len(tokens) > self.max_seq_len:
             raise EngineError(f"extending to {len(seq.tokens) + len(tokens)} tokens exceeds "
                               f"max_seq_len={self.max_seq_len}")
+        if seq.after_join and tokens:
+            # the last token is already in the slot: the first new one is what its logits sampled
+            seq.tokens = seq.tokens + tokens[:1]
+            tokens = tokens[1:]
         op = Op("extend", seq, tokens=tokens, tag=tag)
         seq.op = op
         if tokens:
@@ -523,6 +581,20 @@ class BatchEngine:
         seq.op = op
         row = _Row(op, 0, [], max_new_tokens, list(stop), StopScanner(self.decode_text, stop))
         self._groups.setdefault(seq.slot, [None] * (1 + self.max_children))[0] = row
+        if seq.after_join:
+            # step 0 samples from the join logits (the key that step would use); the row then
+            # decodes from that token, whose slot is the one after the join
+            from sprint_jax.infer.engine import _sample_first
+            first = _sample_first(mask_padded(seq.join_logits, self.n_valid), op.sampling)   # no padded ids
+            row.gen.append(first)
+            if row.scanner.feed([first]) is not None:
+                row.reason = "stop"
+            elif first in self.eos_token_ids:
+                row.reason = "eos"
+            elif max_new_tokens <= 1:
+                row.reason = "length"
+            if row.reason is not None:
+                self._row_done(row, False)
         return op
 
     def fork(self, seq: Seq, prefixes: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
@@ -534,6 +606,8 @@ class BatchEngine:
         serial: the children run one after another (child j starts when child j-1 ends), each
         alone on the parent's context: SPRINT's `serial` mode, the same tokens as together."""
         self._check_idle(seq, "fork")
+        if seq.after_join:
+            raise EngineError("fork right after a merge join: the planner must write a token first")
         n = len(prefixes)
         if n == 0:
             raise EngineError("fork needs at least one child prefix")
@@ -563,6 +637,7 @@ class BatchEngine:
         for row in rows:
             group[1 + row.j] = row
         op.result = [None] * n
+        seq.last_fork = (len(seq.tokens), [None] * n)
         return op
 
     def truncate(self, seq: Seq, n: int) -> Seq:
@@ -571,6 +646,9 @@ class BatchEngine:
         self._check_idle(seq, "truncate")
         if not 1 <= n <= len(seq.tokens):
             raise EngineError(f"truncate to {n} tokens: the sequence holds {len(seq.tokens)}")
+        if n < seq.joined:
+            raise EngineError(f"truncate to {n} tokens: the first {seq.joined} are fixed by a merge join "
+                              "(its branches' KV cannot be rolled back)")
         work = self._prefill_work.get(seq.id)
         if work is not None:                  # queued tokens past the new length are not written
             keep = n - 1 - work[3]
@@ -579,6 +657,88 @@ class BatchEngine:
             else:
                 work[1] = work[1][:keep]
         seq.tokens = seq.tokens[:n]
+        return seq
+
+    def merge(self, seq: Seq, branches: Sequence[Sequence[int]]) -> Seq:
+        """Join the children of the fork just finished on `seq` into its slot without re-running
+        them (issue 17; `Engine.merge` is the single-run twin): branches[j] is child j's final
+        tokens after the fork (opening, body, repair as the layout tokenizes them). The children
+        first run, in their own slots, only the tokens they never computed (their last token, a
+        repair, a re-tokenized end: one prefill call for all); then their slot rows are copied
+        after the parent's prefix in child order (one gather/scatter). The sequence continues at
+        fork + the longest child (`pos_offset`); its next token is sampled from the last child's
+        last logits (`join_logits`). Runs at once (no step needed)."""
+        self._check_idle(seq, "merge")
+        fork = seq.last_fork
+        if fork is None or fork[0] != len(seq.tokens) or any(r is None for r in fork[1]):
+            raise EngineError("merge needs the fork just finished on this sequence, with the sequence unchanged since")
+        rows = fork[1]
+        n = len(rows)
+        branches = [[int(t) for t in b] for b in branches]
+        if len(branches) != n:
+            raise EngineError(f"merge of {len(branches)} branches; the fork has {n}")
+        if any(not b for b in branches):
+            raise EngineError("merge: a branch has no tokens")
+        total = len(seq.tokens) + sum(len(b) for b in branches)
+        if total > self.max_seq_len:
+            raise EngineError(f"merging to {total} tokens exceeds max_seq_len={self.max_seq_len}")
+        if any(1 + len(b) > self.child_capacity for b in branches):
+            raise EngineError(f"merge: a branch of {max(len(b) for b in branches)} tokens exceeds the child "
+                              f"capacity ({self.child_capacity})")
+        p0 = seq.length
+        keep = [min(_common_prefix(have[1:], b), done - 1, len(b) - 1) for b, (have, done) in zip(branches, rows)]
+        tails = [b[k:] for b, k in zip(branches, keep)]
+        # the tails: one child prefill call (per prefill_chunk) for all children, rows placed in
+        # the sequence's slot shard (sh.slot_blocks; one block without slot shards)
+        at, r_b = sh.slot_blocks([seq.slot] * n, self.max_seqs, self._parts,
+                                 cap=self.max_seqs // self._parts * self.max_children)
+        cslot = np.full(r_b, self.max_seqs * self.max_children, np.int32)   # padding rows write nowhere
+        parent = np.full(r_b, seq.slot, np.int32)
+        fork_len = np.full(r_b, p0, np.int32)
+        pos_off = np.full(r_b, seq.pos_offset, np.int32)
+        for j, i in enumerate(at):
+            cslot[i] = seq.slot * self.max_children + j
+        last, pos = None, 0
+        while pos < max(len(t) for t in tails):
+            pieces = [t[pos: pos + self.prefill_chunk] for t in tails]
+            toks = np.zeros((r_b, _bucket(max(len(p) for p in pieces), 16)), np.int32)
+            start = np.zeros(r_b, np.int32)
+            nval = np.zeros(r_b, np.int32)
+            for i, j, p in zip(at, range(n), pieces):
+                toks[i, : len(p)] = p
+                start[i] = 1 + keep[j] + pos
+                nval[i] = len(p)
+            s_b = min(_bucket(p0 + 1, self.min_bucket), self.parent_capacity)
+            c_b = min(_bucket(int(start.max()) + 1, self.min_bucket), self.child_capacity)
+            self.cache, logits = _prefill(
+                self.params, self.config, self.cache, toks, cslot, parent, fork_len, start, nval, kind="child",
+                s_b=s_b, c_b=c_b, kv=self._kv, pos_off=pos_off, return_logits=True)
+            self.stats["prefill_calls"] += 1
+            if pieces[-1]:
+                last = logits[at[n - 1]]
+            pos += self.prefill_chunk
+        # the copy: child 0's slot 0 (the parent's pending token, run in every child), then each
+        # child's slots 1..len(branch), to parent slots p0.. (rows in the sequence's slot shard)
+        crow = [seq.slot * self.max_children] + [seq.slot * self.max_children + j
+                                                 for j, b in enumerate(branches) for _ in b]
+        cidx = [0] + [1 + s for b in branches for s in range(len(b))]
+        at, m = sh.slot_blocks([seq.slot] * len(crow), self.max_seqs, self._parts, cap=1 << 30)
+        m_b = max(m, 16 * self._parts)
+        ps = np.full(m_b, seq.slot, np.int32)
+        cr = np.full(m_b, seq.slot * self.max_children, np.int32)
+        ci = np.zeros(m_b, np.int32)
+        dst = np.full(m_b, 1 << 30, np.int32)                                  # padding: dropped
+        width, w_b = m // self._parts, m_b // self._parts
+        for k, i in enumerate(at):
+            i = (i // width) * w_b + i % width
+            cr[i], ci[i], dst[i] = crow[k], cidx[k], p0 + k
+        self.cache = _place_child_rows(self.cache, ps, cr, ci, dst, kv=self._kv)
+        seq.tokens = seq.tokens + [t for b in branches for t in b]
+        seq.pos_offset += max(len(b) for b in branches) - sum(len(b) for b in branches)
+        seq.joined = len(seq.tokens)
+        seq.join_logits = last
+        seq.last_fork = None
+        self.last_join_tokens = sum(len(t) for t in tails)
         return seq
 
     @property
@@ -712,15 +872,18 @@ class BatchEngine:
         slot = np.full(r_b, self.max_seqs, np.int32)   # padding rows write nowhere (dropped)
         start = np.zeros(r_b, np.int32)
         nval = np.zeros(r_b, np.int32)
+        pos_off = np.zeros(r_b, np.int32)
         for i, (work, piece) in zip(at, rows):
             toks[i, : len(piece)] = piece
             slot[i] = work[0].slot
             start[i] = work[3] + work[2]
             nval[i] = len(piece)
+            pos_off[i] = work[0].pos_offset
         s_b = min(_bucket(int(start.max()) + 1, self.min_bucket), self.parent_capacity)
         self.cache = _prefill(self.params, self.config, self.cache, jnp.asarray(toks), jnp.asarray(slot),
                               jnp.asarray(slot), jnp.zeros(r_b, jnp.int32), jnp.asarray(start),
-                              jnp.asarray(nval), kind="parent", s_b=s_b, c_b=1, kv=self._kv)
+                              jnp.asarray(nval), kind="parent", s_b=s_b, c_b=1, kv=self._kv,
+                              pos_off=jnp.asarray(pos_off))
         self.stats["prefill_calls"] += 1
         for work, piece in rows:
             work[2] += len(piece)
@@ -748,7 +911,9 @@ class BatchEngine:
         fork = np.zeros(r_b, np.int32)
         start = np.zeros(r_b, np.int32)
         nval = np.zeros(r_b, np.int32)
+        pos_off = np.zeros(r_b, np.int32)
         for i, (slot, g, row), piece in zip(at, work, pieces):
+            pos_off[i] = row.op.seq.pos_offset
             toks[i, : len(piece)] = piece
             cslot[i] = slot * self.max_children + g
             parent[i] = slot
@@ -757,7 +922,7 @@ class BatchEngine:
             nval[i] = len(piece)
         self.cache = _prefill(self.params, self.config, self.cache, jnp.asarray(toks), jnp.asarray(cslot),
                               jnp.asarray(parent), jnp.asarray(fork), jnp.asarray(start), jnp.asarray(nval),
-                              kind="child", s_b=s_b, c_b=c_b, kv=self._kv)
+                              kind="child", s_b=s_b, c_b=c_b, kv=self._kv, pos_off=jnp.asarray(pos_off))
         self.stats["prefill_calls"] += 1
         for (_, _, row), piece in zip(work, pieces):
             row.prefill_pos += len(piece)
@@ -813,6 +978,7 @@ class BatchEngine:
         b_pslot = np.full(nf, self.max_seqs, np.int32)
         b_fork = np.zeros(nf, np.int32)
         b_cslot = np.full(nf * w, self.max_seqs * self.max_children, np.int32)
+        pos_off = np.zeros(b, np.int32)
         lengths = np.zeros(b, np.int32)
         pending = np.zeros(b, np.int32)
         active = np.zeros(b, bool)
@@ -844,6 +1010,7 @@ class BatchEngine:
             pending[i] = feed[0]
             forced[i, : len(feed) - 1] = feed[1:]
             n_forced[i] = len(feed) - 1
+            pos_off[i] = row.op.seq.pos_offset
             if child:
                 need_c = max(need_c, lengths[i] + self.decode_chunk)
             else:
@@ -860,7 +1027,7 @@ class BatchEngine:
             self.params, self.config, self.cache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending, active,
             remaining, stop_ids, seeds, branch, steps, temp, top_k, top_p, forced, n_forced,
             w=w, chunk=self.decode_chunk, s_b=s_b, c_b=c_b, kv=self._kv,
-            attention_impl=self.attention_impl, n_valid=self.n_valid)
+            attention_impl=self.attention_impl, n_valid=self.n_valid, pos_off=pos_off)
         out, reason = jax.device_get((out, reason))
         self.stats["decode_calls"] += 1
         for i, row, child in placed:
@@ -896,6 +1063,11 @@ class BatchEngine:
             return
         group[1 + row.j] = None
         op.result[row.j] = gen
+        if seq.last_fork is not None:
+            # what a merge join needs: the child's tokens and how many of them its slot holds. At
+            # the end every forced token (prefilled or taken in a decode chunk) and each generated
+            # token but the last is written (a host-side stop's overshoot wrote more: not counted)
+            seq.last_fork[1][row.j] = (row.run + row.gen, len(row.run) - 1 + len(row.gen))
         if op.queued:                         # a serial fork: the next child starts
             nxt = op.queued.pop(0)
             group[1 + nxt.j] = nxt

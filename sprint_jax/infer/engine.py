@@ -67,10 +67,22 @@ class DecodeState:
     """
     cache: KVCache
     tokens: list[int]
+    # merge join (issue 17): position of cache slot s is s + pos_offset (a join places k branches
+    # side by side in the cache but continues at fork + the longest, so slots run ahead of
+    # positions); the first `joined` tokens are fixed by the last join (no rollback into them).
+    # Right after a join (`after_join`) the last token's KV is already in the cache (computed in
+    # its branch) and `join_logits` are its logits, from which the next token is sampled.
+    pos_offset: int = 0
+    joined: int = 0
+    join_logits: jax.Array | None = None
+
+    @property
+    def after_join(self) -> bool:
+        return self.join_logits is not None and len(self.tokens) == self.joined
 
     @property
     def length(self) -> int:          # tokens whose KV is in the cache
-        return len(self.tokens) - 1
+        return len(self.tokens) - (0 if self.after_join else 1)
 
     @property
     def pending(self) -> int:         # the last token, not yet run through the model
@@ -97,6 +109,49 @@ class BranchStats:
     wall_s: float
 
 
+@dataclasses.dataclass
+class _Fork:
+    """The branches of the last shared / copy `decode_branches`, kept for a merge join.
+    tokens[j] = [the planner's pending token] + prefix_j + generated_j: branch slot s (from
+    `start`) holds the KV of tokens[j][s] for s < computed[j] (the last token never ran)."""
+    state: DecodeState
+    n_tokens: int                     # len(state.tokens) at the fork: the state must be unchanged
+    p0: int                           # state.length at the fork: where slot 0 goes in the planner
+    tokens: list[list[int]]
+    computed: list[int]
+    cache: KVCache                    # [L, n, S, ...] branch suffixes (shared) or full copies (copy)
+    prefix: tuple | None              # the shared prefix (shared mode), None (copy)
+    start: int                        # slot of tokens[j][0] in a branch row (0 shared, p0 copy)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@functools.partial(jax.jit, static_argnames=("greedy",))
+def _sample_first_fn(logits, seed, temperature, top_k, top_p, greedy: bool):
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 0), 0)   # row 0, step 0
+    return sample_tokens(logits[None], key[None], temperature, top_k, top_p, greedy)[0]
+
+
+def _sample_first(logits, sampling: Sampling) -> int:
+    """The token a one-row decode would sample at step 0 from `logits` (same key stream)."""
+    return int(_sample_first_fn(logits, jnp.int32(sampling.seed), jnp.float32(sampling.temperature),
+                                jnp.int32(sampling.top_k), jnp.float32(sampling.top_p), sampling.greedy))
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _place_rows(cache: KVCache, src: KVCache, rows, slots, dst) -> KVCache:
+    """cache row 0 slots dst [M] <- src rows/slots [M] (a merge join's copy; dst out of range: dropped)."""
+    return KVCache(cache.k.at[:, 0, dst].set(src.k[:, rows, slots], mode="drop"),
+                   cache.v.at[:, 0, dst].set(src.v[:, rows, slots], mode="drop"))
+
+
 def _bucket(n: int, lo: int = 16) -> int:
     b = lo
     while b < n:
@@ -113,17 +168,19 @@ def _write_rows(cache_layer: jax.Array, new: jax.Array, start: jax.Array) -> jax
         cache_layer, new, start)
 
 
-def _cached_hidden(params, config: Qwen2Config, tokens, cache: KVCache, start, prefix, attention_impl: str):
+def _cached_hidden(params, config: Qwen2Config, tokens, cache: KVCache, start, prefix, attention_impl: str,
+                   pos_offset=0):
     """Run tokens [B, T] written at per-row cache offsets start [B]; returns hidden [B, T, E], cache.
 
-    Without a prefix, positions are start + t. With a shared prefix (k, v [L, P, Hkv, D], length
-    P0), the cache is a branch suffix: positions are P0 + start + t and attention covers the
-    prefix's first P0 keys plus this row's suffix, merged by log-sum-exp.
+    Without a prefix, positions are start + t + pos_offset. With a shared prefix (k, v [L, P, Hkv,
+    D], length P0), the cache is a branch suffix: positions are P0 + start + t + pos_offset and
+    attention covers the prefix's first P0 keys plus this row's suffix, merged by log-sum-exp.
+    pos_offset is the sequence's slot-to-position shift after a merge join (DecodeState).
     """
     b, t = tokens.shape
     cap = cache.k.shape[2]
     offs = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]             # [B, T] slot index
-    positions = offs if prefix is None else offs + prefix[2]
+    positions = (offs if prefix is None else offs + prefix[2]) + pos_offset
     mask_suffix = jnp.arange(cap, dtype=jnp.int32)[None, None, :] <= offs[:, :, None]  # [B, T, C]
 
     def attend(q, k, v, layer):
@@ -169,31 +226,35 @@ def _last_logits(params, config, hidden, n_valid):
     return unembed(params, config, h)[:, 0]
 
 
-def _step_plain(params, config, tokens, cache, start, prefix, attention_impl):
-    return _cached_hidden(params, config, tokens, cache, start, None, attention_impl)
+def _step_plain(params, config, tokens, cache, start, prefix, attention_impl, pos_offset=0):
+    return _cached_hidden(params, config, tokens, cache, start, None, attention_impl, pos_offset)
 
 
-def _step_branches(params, config, tokens, cache, start, prefix, attention_impl):
+def _step_branches(params, config, tokens, cache, start, prefix, attention_impl, pos_offset=0):
     """vmap of a one-branch step over branches; the shared prefix is unmapped (read once).
 
     With attention_impl="pallas" a decode step runs all branches as one batch instead, and the
     Pallas kernel (sprint_jax.kernels) does the prefix + suffix attention for all of them.
     """
     if attention_impl == "pallas" and tokens.shape[1] == 1:
-        return _cached_hidden(params, config, tokens, cache, start, prefix, attention_impl)
+        return _cached_hidden(params, config, tokens, cache, start, prefix, attention_impl, pos_offset)
     def one(tok, c, s):
         h, nc = _cached_hidden(params, config, tok[None], jax.tree.map(lambda a: a[:, None], c),
-                               s[None], prefix, attention_impl)
+                               s[None], prefix, attention_impl, pos_offset)
         return h[0], jax.tree.map(lambda a: a[:, 0], nc)
     # branch caches are stored [L, n, S, ...] like a batch; map over axis 1
     h, nc = jax.vmap(one, in_axes=(0, 1, 0), out_axes=(0, 1))(tokens, cache, start)
     return h, nc
 
 
-@functools.partial(jax.jit, static_argnames=("config", "branched", "attention_impl"), donate_argnames=("cache",))
-def _extend_fn(params, config, tokens, cache, start, n_valid, prefix, branched: bool, attention_impl: str):
+@functools.partial(jax.jit, static_argnames=("config", "branched", "attention_impl", "all_logits"),
+                   donate_argnames=("cache",))
+def _extend_fn(params, config, tokens, cache, start, n_valid, prefix, branched: bool, attention_impl: str,
+               pos_offset=0, all_logits: bool = False):
     fn = _step_branches if branched else _step_plain
-    hidden, cache = fn(params, config, tokens, cache, start, prefix, attention_impl)
+    hidden, cache = fn(params, config, tokens, cache, start, prefix, attention_impl, pos_offset)
+    if all_logits:                   # teacher forcing: every row's logits [B, T, V]
+        return cache, unembed(params, config, hidden)
     return cache, _last_logits(params, config, hidden, n_valid)
 
 
@@ -201,7 +262,7 @@ def _extend_fn(params, config, tokens, cache, start, n_valid, prefix, branched: 
                    donate_argnames=("cache",))
 def _decode_fn(params, config, cache, lengths, pending, done, remaining, stop_ids, keys, step0,
                temperature, top_k, top_p, prefix, branched: bool, chunk: int, greedy: bool,
-               attention_impl: str, n_valid: int | None = None):
+               attention_impl: str, n_valid: int | None = None, pos_offset=0):
     """Up to `chunk` decode steps on device. Each step runs the pending token of every row,
     samples the next one, and stops rows on EOS/stop-token ids or their token budget.
 
@@ -219,7 +280,7 @@ def _decode_fn(params, config, cache, lengths, pending, done, remaining, stop_id
 
     def body(c):
         i, cache, lengths, pending, done, remaining, out, reason = c
-        hidden, cache = fn(params, config, pending[:, None], cache, lengths, prefix, attention_impl)
+        hidden, cache = fn(params, config, pending[:, None], cache, lengths, prefix, attention_impl, pos_offset)
         logits = mask_padded(unembed(params, config, hidden)[:, 0], n_valid)     # no padded ids
         step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step0 + i))(keys)
         tok = sample_tokens(logits, step_keys, temperature, top_k, top_p, greedy)
@@ -309,6 +370,8 @@ class Engine:
         self._seq_cap = max_seq_len + self.prefill_chunk
         self._suffix_cap = _bucket(max_branch_tokens) + self.prefill_chunk
         self.last_branch_stats: BranchStats | None = None
+        self._fork: _Fork | None = None
+        self.last_join_tokens = 0           # tokens the last merge ran (in their branches)
         self._single_token_stops: dict[str, int | None] = {}
 
     @property
@@ -345,6 +408,11 @@ class Engine:
         if len(state.tokens) + len(token_ids) > self.max_seq_len:
             raise EngineError(f"extending to {len(state.tokens) + len(token_ids)} tokens exceeds "
                               f"max_seq_len={self.max_seq_len}")
+        if state.after_join and token_ids:
+            # after a merge join the last token is already in the cache: the first new token is
+            # the one its logits would have sampled (forced here), and becomes the pending one
+            state.tokens = state.tokens + token_ids[:1]
+            token_ids = token_ids[1:]
         run = [state.pending] + token_ids[:-1] if token_ids else []
         pos = 0
         while pos < len(run):
@@ -355,7 +423,8 @@ class Engine:
             start = jnp.asarray([state.length + pos], jnp.int32)
             state.cache, _ = _extend_fn(self.params, self.config, jnp.asarray(toks), state.cache, start,
                                         jnp.asarray([len(piece)], jnp.int32), None, branched=False,
-                                        attention_impl=self.attention_impl)
+                                        attention_impl=self.attention_impl,
+                                        pos_offset=jnp.int32(state.pos_offset))
             pos += len(piece)
         state.tokens = state.tokens + token_ids
         return state
@@ -366,16 +435,49 @@ class Engine:
         device: the KV past the new length is never read and the next write overwrites it."""
         if not 1 <= n <= len(state.tokens):
             raise EngineError(f"truncate to {n} tokens: the state holds {len(state.tokens)}")
+        if n < state.joined:
+            raise EngineError(f"truncate to {n} tokens: the first {state.joined} are fixed by a merge join "
+                              "(its branches' KV cannot be rolled back)")
         state.tokens = state.tokens[:n]
         return state
 
     def step_logits(self, state: DecodeState) -> np.ndarray:
         """Next-token logits [V] after state's tokens (runs the pending token; state unchanged)."""
+        if state.after_join:
+            return np.asarray(state.join_logits)
         state.cache, logits = _extend_fn(
             self.params, self.config, jnp.asarray([[state.pending]], jnp.int32), state.cache,
             jnp.asarray([state.length], jnp.int32), jnp.asarray([1], jnp.int32), None, branched=False,
-            attention_impl=self.attention_impl)
+            attention_impl=self.attention_impl, pos_offset=jnp.int32(state.pos_offset))
         return np.asarray(logits[0])
+
+    def extend_logits(self, state: DecodeState, token_ids: Sequence[int]) -> np.ndarray:
+        """Teacher forcing: append token_ids and return the logits [T, V] that predict each of them
+        (row t: the logits after state's tokens + token_ids[:t]). One pass for the pending token and
+        token_ids[:-1]; token_ids[-1] stays pending. Used by exactness tests."""
+        token_ids = [int(t) for t in token_ids]
+        if not token_ids:
+            return np.zeros((0, self.config.vocab_size), np.float32)
+        first = []
+        if state.after_join:
+            first = [np.asarray(state.join_logits)]
+            self.extend(state, token_ids[:1])
+            token_ids = token_ids[1:]
+            if not token_ids:
+                return np.stack(first)
+        if len(state.tokens) + len(token_ids) > self.max_seq_len:
+            raise EngineError(f"extending to {len(state.tokens) + len(token_ids)} tokens exceeds "
+                              f"max_seq_len={self.max_seq_len}")
+        run = [state.pending] + token_ids[:-1]
+        toks = np.zeros((1, _bucket(len(run), lo=4)), np.int32)
+        toks[0, : len(run)] = run
+        state.cache, logits = _extend_fn(
+            self.params, self.config, jnp.asarray(toks), state.cache, jnp.asarray([state.length], jnp.int32),
+            jnp.asarray([len(run)], jnp.int32), None, branched=False, attention_impl=self.attention_impl,
+            pos_offset=jnp.int32(state.pos_offset), all_logits=True)
+        state.tokens = state.tokens + token_ids
+        rows = np.asarray(logits[0, : len(run)])
+        return np.concatenate([np.stack(first), rows]) if first else rows
 
     # ---- stops ----------------------------------------------------------------------------
     def _stop_token(self, s: str) -> int | None:
@@ -395,8 +497,10 @@ class Engine:
         return jnp.asarray(arr)
 
     # ---- the decode loop shared by generate and the branch modes ---------------------------
-    def _run_decode(self, cache, lengths, pending, limits, stops, sampling, prefix, branched, row_ids):
-        """Decode rows until each stops. Returns (cache, per-row Generations, steps)."""
+    def _run_decode(self, cache, lengths, pending, limits, stops, sampling, prefix, branched, row_ids,
+                    pos_offset: int = 0, first: int | None = None):
+        """Decode rows until each stops. Returns (cache, per-row Generations, steps).
+        `first` (one row): a token already sampled at step 0 (after a merge join), `pending` is it."""
         b = len(limits)
         gens: list[list[int]] = [[] for _ in range(b)]
         reasons: list[str | None] = [None] * b
@@ -408,12 +512,24 @@ class Engine:
         base = jax.random.key(sampling.seed)
         keys = jax.vmap(lambda r: jax.random.fold_in(base, r))(jnp.asarray(row_ids, jnp.int32))
         steps = 0
-        while True:
+        if first is not None:
+            gens[0] = [first]
+            k = scanners[0].feed([first])
+            steps = 1
+            if k is not None:
+                reasons[0] = "stop"
+            elif first in self.eos_token_ids:
+                reasons[0] = "eos"
+            elif limits[0] <= 1:
+                reasons[0] = "length"
+            remaining = remaining - 1
+        while any(x is None for x in reasons):
             (cache, lengths, pending, done_dev, remaining, out, reason, n) = _decode_fn(
                 self.params, self.config, cache, lengths, pending, done, remaining, stop_ids, keys,
                 jnp.int32(steps), jnp.float32(sampling.temperature), jnp.int32(sampling.top_k),
                 jnp.float32(sampling.top_p), prefix, branched=branched, chunk=self.decode_chunk,
-                greedy=sampling.greedy, attention_impl=self.attention_impl, n_valid=self.n_valid)
+                greedy=sampling.greedy, attention_impl=self.attention_impl, n_valid=self.n_valid,
+                pos_offset=jnp.int32(pos_offset))
             out_h, reason_h, done_h = jax.device_get((out, reason, done_dev))
             steps += int(n)
             host_done = np.array(done_h)
@@ -455,12 +571,18 @@ class Engine:
         if len(state.tokens) + max_new_tokens > self.max_seq_len:
             raise EngineError(f"{len(state.tokens)} tokens + max_new_tokens={max_new_tokens} exceeds "
                               f"max_seq_len={self.max_seq_len}")
+        first = None
+        if state.after_join:
+            # after a merge join: step 0 samples from the logits the last branch token had in its
+            # branch (the key that step would use), then decoding continues from that token
+            first = _sample_first(mask_padded(state.join_logits, self.n_valid), sampling)   # no padded ids
+            state.tokens = state.tokens + [first]
         cache, gens, _ = self._run_decode(
             state.cache, jnp.asarray([state.length], jnp.int32), jnp.asarray([state.pending], jnp.int32),
-            [max_new_tokens], [list(stop)], sampling, None, False, [0])
+            [max_new_tokens], [list(stop)], sampling, None, False, [0], state.pos_offset, first)
         g = gens[0]
         state.cache = cache
-        state.tokens = state.tokens + g.tokens
+        state.tokens = state.tokens + (g.tokens[1:] if first is not None else g.tokens)
         g.state = state
         return g
 
@@ -482,6 +604,8 @@ class Engine:
             raise EngineError("decode_branches needs at least one branch prefix")
         if n > self.max_branches:
             raise EngineError(f"{n} branches exceed max_branches={self.max_branches}")
+        if state.after_join:
+            raise EngineError("decode_branches right after a merge join: the planner must write a token first")
         limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else [int(m) for m in max_new_tokens]
         if len(limits) != n:
             raise EngineError(f"max_new_tokens has {len(limits)} entries for {n} branches")
@@ -502,12 +626,106 @@ class Engine:
                 raise EngineError(f"branch {j}: context + prefix + max_new_tokens exceeds max_seq_len="
                                   f"{self.max_seq_len}")
         t0 = time.perf_counter()
+        self._fork = None
         if mode == "serial":
             gens, nbytes, steps = self._branches_serial(state, prefixes, limits, stops, sampling)
         else:
             gens, nbytes, steps = self._branches_batched(state, prefixes, limits, stops, sampling, mode)
+            self._fork.tokens = [list(f) + g.tokens for f, g in zip(self._fork.tokens, gens)]
         self.last_branch_stats = BranchStats(mode, n, nbytes, steps, time.perf_counter() - t0)
         return gens
+
+    # ---- merge join (issue 17) -----------------------------------------------------------
+    def merge(self, state: DecodeState, branches: Sequence[Sequence[int]]) -> DecodeState:
+        """Join the branches of the shared / copy fork just decoded from `state` into it without
+        re-running them: branches[j] is branch j's final tokens after the fork (its forced opening,
+        body and any repair, as the layout tokenizes them). Each branch first runs, in its own
+        branch, only the tokens it never computed (its last token, a repair close tag, a re-tokenized
+        end); then its KV rows are copied after the planner's prefix in branch order. Every branch
+        keeps the positions it had (all start at the fork), so the state continues at fork + the
+        longest branch: `pos_offset` takes the difference. The last branch's last token is in the
+        cache with its in-branch logits (`join_logits`): the next token is sampled from them, as
+        the one-sequence merge layout predicts it (train/data.py)."""
+        f = self._fork
+        if f is None or f.state is not state or f.n_tokens != len(state.tokens):
+            raise EngineError("merge needs the shared or copy fork just decoded from this state "
+                              "(decode_branches), with the state unchanged since")
+        n = len(f.tokens)
+        branches = [[int(t) for t in b] for b in branches]
+        if len(branches) != n:
+            raise EngineError(f"merge of {len(branches)} branches; the fork has {n}")
+        if any(not b for b in branches):
+            raise EngineError("merge: a branch has no tokens")
+        total = len(state.tokens) + sum(len(b) for b in branches)
+        if total > self.max_seq_len:
+            raise EngineError(f"merging to {total} tokens exceeds max_seq_len={self.max_seq_len}")
+        keep = [min(_common_prefix(have[1:], b), done - 1, len(b) - 1)
+                for b, have, done in zip(branches, f.tokens, f.computed)]
+        tails = [b[k:] for b, k in zip(branches, keep)]
+        cache, last, pos = f.cache, None, 0
+        while pos < max(len(t) for t in tails):
+            pieces = [t[pos: pos + self.prefill_chunk] for t in tails]
+            toks = np.zeros((n, _bucket(max(len(p) for p in pieces), lo=4)), np.int32)
+            for j, p in enumerate(pieces):
+                toks[j, : len(p)] = p
+            start = np.asarray([f.start + 1 + k + pos for k in keep], np.int32)
+            if int(start.max()) + toks.shape[1] > f.cache.k.shape[2]:   # a write would be clamped
+                raise EngineError(f"merge: a branch of {max(len(b) for b in branches)} tokens does not fit its "
+                                  f"branch cache (max_branch_tokens={self.max_branch_tokens})")
+            cache, logits = _extend_fn(self.params, self.config, jnp.asarray(toks), cache, jnp.asarray(start),
+                                       jnp.asarray([max(len(p), 1) for p in pieces], jnp.int32), f.prefix,
+                                       branched=f.prefix is not None, attention_impl=self.attention_impl,
+                                       pos_offset=jnp.int32(state.pos_offset))
+            if pieces[-1]:
+                last = logits[n - 1]
+            pos += self.prefill_chunk
+        rows = [0] + [j for j, b in enumerate(branches) for _ in b]
+        slots = [f.start] + [f.start + 1 + s for b in branches for s in range(len(b))]
+        m = _bucket(len(rows), lo=16)
+        pad = m - len(rows)
+        dst = np.arange(m, dtype=np.int32) + f.p0
+        dst[len(rows):] = np.iinfo(np.int32).max
+        state.cache = _place_rows(state.cache, cache, jnp.asarray(rows + [0] * pad, jnp.int32),
+                                  jnp.asarray(slots + [0] * pad, jnp.int32), jnp.asarray(dst))
+        longest, placed = max(len(b) for b in branches), sum(len(b) for b in branches)
+        state.tokens = state.tokens + [t for b in branches for t in b]
+        state.pos_offset += longest - placed
+        state.joined = len(state.tokens)
+        state.join_logits = last
+        self._fork = None
+        self.last_join_tokens = sum(len(t) for t in tails)
+        return state
+
+    def fork_logits(self, state: DecodeState, branches: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Teacher forcing over a fork: branch j continues `state` with branches[j] (all forced, in a
+        shared-prefix fork like decode_branches'); returns per branch the logits [len(branches[j]),
+        V] that predict each of its tokens (row 0: the planner's pending token, run in the branch).
+        The fork is kept for `merge` (each branch's last token is left for the join to run), so a
+        trajectory can be checked token by token through fork, branches and merge."""
+        if state.after_join:
+            raise EngineError("fork right after a merge join: the planner must write a token first")
+        branches = [[int(t) for t in b] for b in branches]
+        n = len(branches)
+        if not 1 <= n <= self.max_branches or any(not b for b in branches):
+            raise EngineError(f"fork_logits needs 1..{self.max_branches} non-empty branches")
+        if any(len(b) + 1 > self.max_branch_tokens for b in branches):
+            raise EngineError(f"a branch exceeds max_branch_tokens={self.max_branch_tokens}")
+        p0 = state.length
+        pk, pv = _slice_prefix(state.cache, min(_bucket(max(p0, 1)), self._seq_cap))
+        prefix = (pk, pv, jnp.int32(p0))
+        runs = [[state.pending] + b[:-1] for b in branches]
+        toks = np.zeros((n, _bucket(max(len(r) for r in runs), lo=4)), np.int32)
+        for j, r in enumerate(runs):
+            toks[j, : len(r)] = r
+        cache, logits = _extend_fn(self.params, self.config, jnp.asarray(toks),
+                                   KVCache.zeros(self.config, n, self._suffix_cap), jnp.zeros(n, jnp.int32),
+                                   jnp.asarray([len(r) for r in runs], jnp.int32), prefix, branched=True,
+                                   attention_impl=self.attention_impl, pos_offset=jnp.int32(state.pos_offset),
+                                   all_logits=True)
+        self._fork = _Fork(state, len(state.tokens), p0, [[state.pending] + b for b in branches],
+                           [len(r) for r in runs], cache, prefix, 0)
+        logits = np.asarray(logits)
+        return [logits[j, : len(r)] for j, r in enumerate(runs)]
 
     def _branches_serial(self, state, prefixes, limits, stops, sampling):
         gens, steps = [], 0
@@ -518,7 +736,7 @@ class Engine:
             self.extend(state, p)
             cache, (g,), s = self._run_decode(
                 state.cache, jnp.asarray([state.length], jnp.int32), jnp.asarray([state.pending], jnp.int32),
-                [m], [st], sampling, None, False, [j])
+                [m], [st], sampling, None, False, [j], state.pos_offset)
             state.cache = cache
             state.tokens = list(base_tokens)
             gens.append(g)
@@ -555,8 +773,12 @@ class Engine:
                 toks[j, : len(r)] = r
             cache, _ = _extend_fn(self.params, self.config, jnp.asarray(toks), cache, jnp.asarray(start0),
                                   jnp.asarray([max(len(r), 1) for r in runs], jnp.int32), prefix,
-                                  branched=branched, attention_impl=self.attention_impl)
+                                  branched=branched, attention_impl=self.attention_impl,
+                                  pos_offset=jnp.int32(state.pos_offset))
         lengths = jnp.asarray(start0 + np.array([len(r) for r in runs], np.int32))
         cache, gens, steps = self._run_decode(cache, lengths, jnp.asarray(pend, jnp.int32), limits, stops,
-                                              sampling, prefix, branched, list(range(n)))
+                                              sampling, prefix, branched, list(range(n)), state.pos_offset)
+        # kept for a merge join (the branch caches are dropped by the next fork)
+        self._fork = _Fork(state, len(state.tokens), p0, [[state.pending] + p for p in prefixes],
+                           [len(r) + len(g.tokens) for r, g in zip(runs, gens)], cache, prefix, int(start0[0]))
         return gens, nbytes, steps

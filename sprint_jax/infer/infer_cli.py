@@ -26,6 +26,15 @@ Token convention: where forced text (an executor's opening, the sync) meets gene
 context is tokenized the way the model's training layout did (flat or trie). The layout is read
 from MODEL/sprint_jax.json, which `sprint-jax train` writes into its export; a model without it
 is treated as flat (the paper's layout). `--layout trie` overrides.
+
+Join (issue 17): how the executors' work reaches the planner at each sync. `reprefill` prefills
+the executions onto the planner (every execution token is run again in the planner's context);
+`merge` places each executor's KV after the fork point without running the model (executors all
+start at the fork position; the planner continues at fork + the longest executor; only tokens a
+branch never computed, its close tag or a repair, are run, in their branch). The default follows
+the layout: `merge` for a model trained with the merge layout, else `reprefill`; `--join`
+overrides (merge needs a trie or merge model, and mode parallel). The two joins are different
+computations and agree only when every stage has one executor.
 """
 
 
@@ -44,7 +53,8 @@ def add_run_arguments(p) -> None:
     from sprint_jax.infer.orchestrator import OrchestratorConfig
 
     g = p.add_argument_group("budgets and sampling (OrchestratorConfig; flags override --config/--set)")
-    add_config_flags(g, OrchestratorConfig, defaults={"layout": "the model's sprint_jax.json, else flat"})
+    add_config_flags(g, OrchestratorConfig, defaults={"layout": "the model's sprint_jax.json, else flat",
+                                                      "join": "merge for a merge-layout model, else reprefill"})
     e = p.add_argument_group("engine capacities")
     e.add_argument("--max-seq-len", type=int, default=None,
                    help="planner context capacity in tokens (default: 8192, or the model's "
@@ -63,8 +73,14 @@ def config_from_args(args):
     from sprint_jax.config import flag_overrides, load_config
     from sprint_jax.infer.orchestrator import OrchestratorConfig
 
+    from sprint_jax.errors import UserError
+
     overrides = list(args.set) + flag_overrides(args, OrchestratorConfig)
-    return load_config(OrchestratorConfig, args.config, overrides, data=model_defaults(args.model))
+    config = load_config(OrchestratorConfig, args.config, overrides, data=model_defaults(args.model))
+    if getattr(args, "mode", None) == "serial" and config.resolved_join == "merge":
+        raise UserError("--mode serial runs the executors on the planner's own cache, so there is nothing to "
+                        "merge: use --mode parallel, or --join reprefill")
+    return config
 
 
 def model_defaults(model: str | None) -> dict:

@@ -8,8 +8,13 @@ One stage (DESIGN.md "Orchestrator"):
 3. The planner state is forked after `</Plan_i>`: executor j starts from the forced opening
    (block gap + `<execution_i.j>`) and every executor of the stage decodes in one batched call
    (`engine.decode_branches`), each stopping at its own `</execution_i.j>`.
-4. Sync: the openings and executions are appended in prompt order and only those tokens are
-   prefilled onto the planner cache (`engine.extend`); the planner continues with stage i+1.
+4. Sync (`config.join`, default from the layout): `reprefill` appends the openings and
+   executions in prompt order and prefills only those tokens onto the planner cache
+   (`engine.extend`); `merge` (issue 17, a merge-layout model) places each executor's KV after
+   the fork point without running the model (`engine.merge`: only tokens a branch never computed
+   run, in their branch), and the planner continues at fork + the longest executor. The two are
+   different computations and coincide only when the stage has one executor. The planner
+   continues with stage i+1.
 
 The text the planner ends up holding is exactly `format.render_completion` of the trajectory when
 the model writes canonical blocks (the forced openings and repairs use the gaps `render_completion`
@@ -77,6 +82,7 @@ from sprint_jax.infer.engine import EngineError
 from sprint_jax.infer.sampling import Sampling
 
 MODES = ("parallel", "serial", "sequential")
+JOINS = ("reprefill", "merge")
 _BRANCH_MODE = {"parallel": "shared", "serial": "serial"}
 
 TERMINATIONS = {
@@ -117,6 +123,7 @@ class OrchestratorConfig:
     top_p: float = 1.0                   # 1 = off
     seed: int = 0                        # each engine call gets its own seed derived from this
     layout: fmt.Layout = "flat"          # the model's training layout: token convention at boundaries
+    join: str | None = None              # reprefill | merge; None: merge for a merge-layout model, else reprefill
 
     def __post_init__(self) -> None:
         for name in ("max_stages", "max_prompts", "max_planner_tokens", "max_branch_tokens", "max_total_tokens"):
@@ -125,9 +132,19 @@ class OrchestratorConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if self.layout not in fmt.LAYOUTS:
             raise ValueError(f"layout must be one of {list(fmt.LAYOUTS)}, got {self.layout!r}")
+        if self.join is not None and self.join not in JOINS:
+            raise ValueError(f"join must be one of {list(JOINS)} or null, got {self.join!r}")
+        if self.resolved_join == "merge" and self.layout not in fmt.PIECEWISE_LAYOUTS:
+            raise ValueError("join='merge' needs a model trained with the trie or merge layout (its pieces "
+                             "are tokenized on their own); a flat model re-prefills (join='reprefill')")
         if self.time_limit_s is not None and not self.time_limit_s > 0:
             raise ValueError(f"time_limit_s must be > 0 or null, got {self.time_limit_s!r}")
         Sampling(self.temperature, self.top_k, self.top_p, self.seed)   # validates the sampling fields
+
+    @property
+    def resolved_join(self) -> str:
+        """The join that runs: `join`, or the one the training layout implies."""
+        return self.join or ("merge" if self.layout == "merge" else "reprefill")
 
     def sampling(self, call: int) -> Sampling:
         """Sampling for the call-th engine call: branches of one call fold in their index on top."""
@@ -155,7 +172,8 @@ class StageRecord:
     prompts: list[str] = dataclasses.field(default_factory=list)
     executions: list[ExecutionRecord] = dataclasses.field(default_factory=list)
     executor_mode: str = "none"   # shared | serial | inline (implicit prompt) | none
-    sync_tokens: int = 0
+    join: str = ""                # how the executors joined the planner: reprefill | merge ("" none ran)
+    sync_tokens: int = 0          # tokens the sync ran through the model (merge: only never-computed ones)
     planner_s: float = 0.0
     executors_s: float = 0.0
     sync_s: float = 0.0
@@ -181,6 +199,7 @@ class RunRecord:
     query: str
     mode: str
     config: dict
+    join: str = ""                # the join of this run's stages: reprefill | merge
     prompt_tokens: int = 0
     stages: list[StageRecord] = dataclasses.field(default_factory=list)
     final_text: str = ""          # the planner call that wrote the answer (sequential: everything)
@@ -341,7 +360,12 @@ class Orchestrator:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not query:
             raise ValueError("the query is empty")
-        record = RunRecord(query=query, mode=mode, config=dataclasses.asdict(self.config))
+        join = self.config.resolved_join
+        if join == "merge" and mode == "serial":
+            raise ValueError("mode 'serial' runs executors on the planner's own cache, so there are no "
+                             "branches to merge; use mode 'parallel' or join='reprefill'")
+        record = RunRecord(query=query, mode=mode, config=dataclasses.asdict(self.config),
+                           join=join if mode != "sequential" else "")
         t0 = time.perf_counter()
         self._emit("start", record)
         state = None
@@ -407,7 +431,8 @@ class Orchestrator:
     # -- SPRINT stages ------------------------------------------------------------------------
     def _stages(self, state, record: RunRecord, t0: float, branch_mode: str) -> None:
         cfg = self.config
-        trie = cfg.layout == "trie"
+        trie = cfg.layout in fmt.PIECEWISE_LAYOUTS   # trie and merge: pieces tokenized on their own
+        merge = cfg.resolved_join == "merge"
         used = 0            # generated tokens so far (Σ planner + Σ executors)
         call = 0            # engine calls so far (seeds)
         i = 1
@@ -534,7 +559,18 @@ class Orchestrator:
                 sync.append(fmt.BLOCK_GAP)
             self._check_clock(t0)
             t = time.perf_counter()
-            state, stage.sync_tokens = yield from self._settle(state, w, sync)
+            stage.join = "merge" if merge else "reprefill"
+            if merge:
+                # each executor's tokens after the fork as the layout tokenizes them: its forced
+                # opening (already canonical) and its body piece; the engine runs only the tokens
+                # a branch never computed and places the rest without running the model
+                bodies = sync[2::2]
+                branches = [list(o) + self._canonical([b]) for o, b in zip(openings, bodies)]
+                state = yield EngineCall("merge", state, prefixes=branches)
+                stage.sync_tokens = getattr(self.engine, "last_join_tokens", 0)
+                self._mark = len(state.tokens)
+            else:
+                state, stage.sync_tokens = yield from self._settle(state, w, sync)
             _block(state)
             stage.sync_s = time.perf_counter() - t
             self._emit("sync", record, stage)
@@ -577,11 +613,11 @@ class EngineCall:
     """One request of the stage loop. prefill -> a state; generate -> a Generation; branches ->
     one Generation per prefix; extend / truncate -> the state. `state` is the handle a prefill
     returned (a `DecodeState` on `Engine`, a `Seq` on `BatchEngine`); both hold `.tokens`."""
-    kind: str                                   # prefill | generate | branches | extend | truncate
+    kind: str                                   # prefill | generate | branches | extend | truncate | merge
     state: Any = None
     tokens: list[int] = dataclasses.field(default_factory=list)        # prefill / extend
     n: int = 0                                                         # truncate
-    prefixes: list[list[int]] = dataclasses.field(default_factory=list)  # branches
+    prefixes: list[list[int]] = dataclasses.field(default_factory=list)  # branches; merge: each branch's tokens
     limits: list[int] = dataclasses.field(default_factory=list)
     stops: list[list[str]] = dataclasses.field(default_factory=list)
     sampling: Sampling | None = None
@@ -601,6 +637,8 @@ def answer_single(engine: Any, call: EngineCall):
         return engine.extend(call.state, call.tokens)
     if call.kind == "truncate":
         return engine.truncate(call.state, call.n)
+    if call.kind == "merge":
+        return engine.merge(call.state, call.prefixes)
     raise ValueError(f"unknown engine call {call.kind!r}")
 
 
@@ -664,6 +702,9 @@ def run_many(engine: Any, queries: list[str], mode: str = "parallel", config: Or
                     value = engine.truncate(call.state, call.n)
                     if on_call is not None:
                         on_call(i, call, context, value)
+                    continue
+                if call.kind == "merge":     # a copy of KV rows (+ a few tokens): done at once
+                    value = engine.merge(call.state, call.prefixes)
                     continue
                 if call.kind == "prefill":
                     op = engine.open(call.tokens)

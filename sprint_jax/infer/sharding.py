@@ -316,11 +316,10 @@ def slot_local(rows: Sequence[str], out: Sequence[str] | str, cache_kv: Sequence
     cache or the gathered rows. Slot indices stay global: the step takes them modulo its (local)
     slot count. `rows`: the argument names with a leading row axis; `out`: per output, "cache",
     "rows" (leading row axis) or "max" (a scalar, the max over shards); `cache_kv[i]`: which
-    sharding of `kv` the cache's i-th leaf carries (pinned after the shard_map)."""
+    sharding of `kv` the cache's i-th leaf carries (pinned after the shard_map). `out` may be a
+    function of the bound arguments (a static flag adding an output); a row argument passed as
+    None is left out of the shard_map (the step reads None)."""
     from jax.sharding import PartitionSpec as P
-
-    single = isinstance(out, str)
-    outs = (out,) if single else tuple(out)
 
     def deco(fn):
         sig = inspect.signature(fn)
@@ -334,7 +333,11 @@ def slot_local(rows: Sequence[str], out: Sequence[str] | str, cache_kv: Sequence
             axes = slot_axes(kv)
             if not axes:
                 return fn(**a)
-            names = ("params", "cache") + tuple(rows)
+            spec = out(a) if callable(out) else out
+            single = isinstance(spec, str)
+            outs = (spec,) if single else tuple(spec)
+            present = tuple(n for n in rows if a[n] is not None)
+            names = ("params",) * ("params" in a) + ("cache",) + present      # a copy step has no params
             arrays = [a.pop(n) for n in names]
             a["kv"] = None
             row_spec, cache_spec = P(axes), P(None, axes)
@@ -349,8 +352,10 @@ def slot_local(rows: Sequence[str], out: Sequence[str] | str, cache_kv: Sequence
                 res = (res,) if single else res
                 return tuple(r[None] if kind == "max" else r for r, kind in zip(res, outs))
 
-            in_specs = (P(), jax.tree.map(lambda _: cache_spec, arrays[1])) + (row_spec,) * len(rows)
-            out_specs = tuple(jax.tree.map(lambda _: cache_spec, arrays[1]) if kind == "cache" else row_spec
+            cache = arrays[names.index("cache")]
+            in_specs = tuple(P() if n == "params" else jax.tree.map(lambda _: cache_spec, cache) if n == "cache"
+                             else row_spec for n in names)
+            out_specs = tuple(jax.tree.map(lambda _: cache_spec, cache) if kind == "cache" else row_spec
                               for kind in outs)
             res = jax.shard_map(local, mesh=kv[0].mesh, in_specs=in_specs, out_specs=out_specs,
                                 axis_names=frozenset(axes), check_vma=False)(*arrays)

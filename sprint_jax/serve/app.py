@@ -198,9 +198,13 @@ def _sprint_config(body: dict, state: ServeState) -> tuple[Any, str]:
             raise APIError(400, f"sprint.{k} is not a SPRINT budget; known: mode, {', '.join(sorted(fields))}",
                            f"sprint.{k}")
     try:
-        return dataclasses.replace(state.sprint_config, **upd), mode
+        config = dataclasses.replace(state.sprint_config, **upd)
     except (ValueError, TypeError) as e:
         raise APIError(400, f"sprint: {e}", "sprint") from None
+    if mode == "serial" and config.resolved_join == "merge":
+        raise APIError(400, "sprint.mode 'serial' has no branches to merge and this model joins by merge "
+                            "(its layout); use mode 'parallel' or sprint.join 'reprefill'", "sprint.mode")
+    return config, mode
 
 
 def build_job(body: dict, state: ServeState, chat: bool, channel: Channel) -> tuple[Job, int]:

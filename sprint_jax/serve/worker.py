@@ -251,6 +251,9 @@ class EngineWorker:
                 if call.kind == "truncate":
                     value = self.engine.truncate(call.state, call.n)
                     continue
+                if call.kind == "merge":     # a merge join (issue 17): runs at once, like truncate
+                    value = self.engine.merge(call.state, call.prefixes)
+                    continue
                 if call.kind == "prefill":
                     op = self.engine.open(call.tokens)
                     job.seq = op.seq

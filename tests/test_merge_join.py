@@ -1,0 +1,332 @@
+"""Merge join (issue 17): the executors' KV placed after the planner's prefix without re-running
+the model. The reference is independent of both engines: one plain full forward of the merged
+sequence with a dense mask and positions built here from the issue's semantics (executor j sees
+the context before the fork plus its own tokens, never its siblings; all executors start at the
+fork; the planner continues at fork + the longest and sees every executor), returning every
+layer's K/V and every row's logits."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_vocab_tokenizer
+from sprint_jax.infer import Engine, EngineError
+from sprint_jax.model import from_pretrained
+from sprint_jax.model.qwen2 import attend_partial, decoder, embed, unembed
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model(hf_untied):
+    return from_pretrained(hf_untied)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return Engine(model, tiny_vocab_tokenizer(), max_seq_len=128, max_branches=4, max_branch_tokens=40,
+                  decode_chunk=4, prefill_chunk=16, eos_token_ids=[])
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(3, 307, n)]
+
+
+def merged_layout(segments: list[tuple[str, list]]):
+    """Tokens, positions and the dense mask of a merged sequence from its semantics.
+
+    segments: ("planner", tokens) or ("stage", [branch tokens, ...]) in order. Row i sees j iff
+    j <= i and (j is planner text, or j's stage is earlier than i's, or i and j are in the same
+    branch); the branches of a stage all start at the position after the planner text before them;
+    planner text after a stage continues at that start + the longest branch."""
+    toks, pos, stage, branch = [], [], [], []
+    p, s = 0, 0
+    for kind, content in segments:
+        if kind == "planner":
+            toks += content
+            pos += list(range(p, p + len(content)))
+            stage += [s] * len(content)
+            branch += [-1] * len(content)
+            p += len(content)
+        else:
+            s += 1
+            for j, b in enumerate(content):
+                toks += b
+                pos += list(range(p, p + len(b)))
+                stage += [s] * len(b)
+                branch += [j] * len(b)
+            p += max(len(b) for b in content)
+            s += 1                          # planner text after the join is a later stage
+    n = len(toks)
+    stage, branch = np.asarray(stage), np.asarray(branch)
+    mask = np.zeros((n, n), bool)
+    for i in range(n):
+        for j in range(i + 1):
+            mask[i, j] = branch[j] < 0 or stage[j] < stage[i] or (branch[j] == branch[i] and stage[j] == stage[i])
+    return toks, pos, mask
+
+
+def reference(model, toks, pos, mask):
+    """(logits [T, V], k [L, T, Hkv, D], v [L, T, Hkv, D]): a plain dense pass that also returns
+    every layer's K/V (after RoPE), which is what a cache holds."""
+    params, config = model.params, model.config
+
+    def attend(q, k, v, layer):
+        return attend_partial(q, k, v, jnp.asarray(mask)[None])[0], (k, v)
+
+    x = embed(params, config, jnp.asarray([toks]))
+    x, (k, v) = decoder(params, config, x, jnp.asarray([pos]), attend, jnp.arange(config.num_hidden_layers))
+    return np.asarray(unembed(params, config, x))[0], np.asarray(k)[:, 0], np.asarray(v)[:, 0]
+
+
+@pytest.mark.parametrize("mode", ["shared", "copy"])
+def test_merged_planner_cache_equals_a_dense_forward_with_the_merge_mask(model, engine, mode):
+    """Two stages: a fork of 3 branches of different lengths (one with a forced repair token the
+    branch never decoded), merge, the planner writes, a second fork of 2, merge, the planner
+    writes. The planner's cache, the join logits and every later planner logit equal the dense
+    reference; the state's positions continue at fork + the longest branch."""
+    ctx = _ids(0, 11)
+    state = engine.prefill(ctx)
+    segments = [("planner", ctx)]
+    logits_after: list[np.ndarray] = []
+    for stage, (prefixes, limits, plan) in enumerate([
+            ([_ids(1, 2), _ids(2, 3), _ids(3, 1)], [5, 2, 7], _ids(4, 6)),
+            ([_ids(5, 2), _ids(6, 2)], [3, 6], _ids(7, 4))]):
+        gens = engine.decode_branches(state, prefixes, limits, mode=mode)
+        branches = [p + g.tokens for p, g in zip(prefixes, gens)]
+        branches[0] = branches[0] + _ids(8 + stage, 2)          # a repair: never computed in its branch
+        engine.merge(state, branches)
+        segments.append(("stage", branches))
+        logits_after.append(engine.extend_logits(state, plan))
+        segments.append(("planner", plan))
+    toks, pos, mask = merged_layout(segments)
+    assert state.tokens == toks
+    ref_logits, ref_k, ref_v = reference(model, toks, pos, mask)
+    n = state.length
+    k = np.asarray(state.cache.k)[:, 0, :n]
+    v = np.asarray(state.cache.v)[:, 0, :n]
+    np.testing.assert_allclose(k, ref_k[:, :n], atol=TOL, rtol=0)
+    np.testing.assert_allclose(v, ref_v[:, :n], atol=TOL, rtol=0)
+    # row t of extend_logits predicts plan[t]: the reference rows just before each plan token
+    ends = [i for i in range(1, len(segments)) if segments[i][0] == "planner"]
+    starts = np.cumsum([0] + [len(s[1]) if s[0] == "planner" else sum(len(b) for b in s[1]) for s in segments])
+    for got, seg in zip(logits_after, ends):
+        a = int(starts[seg])
+        np.testing.assert_allclose(got, ref_logits[a - 1: a - 1 + len(got)], atol=TOL, rtol=0)
+    # positions: the next token sits at the last planner position + 1 (fork + longest, twice)
+    assert state.length + state.pos_offset == pos[-1]
+    # greedy generation continues from the reference's last row
+    g = engine.generate(state, 1)
+    assert g.tokens == [int(np.argmax(ref_logits[-1]))]
+
+
+def test_join_logits_sample_the_first_planner_token_and_rollback_is_bounded(engine):
+    state = engine.prefill(_ids(10, 9))
+    gens = engine.decode_branches(state, [_ids(11, 2), _ids(12, 2)], [3, 4])
+    branches = [p + g.tokens for p, g in zip([_ids(11, 2), _ids(12, 2)], gens)]
+    with pytest.raises(EngineError, match="merge of 1 branches"):
+        engine.merge(state, branches[:1])
+    engine.merge(state, branches)
+    joined = len(state.tokens)
+    assert state.joined == joined and state.after_join
+    with pytest.raises(EngineError, match="right after a merge join"):
+        engine.decode_branches(state, [[5]], 2)
+    first = engine.step_logits(state)
+    g = engine.generate(state, 3)
+    assert g.tokens[0] == int(np.argmax(first))
+    engine.truncate(state, joined)              # back to the join: its logits are the pending ones again
+    assert state.after_join and engine.generate(state, 3).tokens == g.tokens
+    with pytest.raises(EngineError, match="fixed by a merge join"):
+        engine.truncate(state, joined - 1)
+    with pytest.raises(EngineError, match="fork just decoded"):
+        engine.merge(state, branches)
+
+
+STAGES = [([_ids(1, 2), _ids(2, 3), _ids(3, 1)], [5, 2, 7], _ids(4, 6)),
+          ([_ids(5, 2), _ids(6, 2)], [3, 6], _ids(7, 4))]
+
+
+def test_batched_engine_merge_equals_the_reference_and_the_single_run_engine(model, engine):
+    """The same two stages on the batched engine (children's slot rows copied into the parent slot):
+    the parent slot's K/V equals the dense reference, and tokens, join logits and the planner's
+    greedy continuation equal the single-run engine's."""
+    from sprint_jax.infer.batch import BatchEngine
+
+    batch = BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=2, max_children=4, max_seq_len=128,
+                        max_branch_tokens=40, decode_chunk=4, prefill_chunk=16, eos_token_ids=[], min_bucket=16)
+    ctx = _ids(0, 11)
+    op = batch.open(ctx)
+    batch.run([op])
+    seq = op.result
+    single = engine.prefill(ctx)
+    segments = [("planner", ctx)]
+    for stage, (prefixes, limits, plan) in enumerate(STAGES):
+        op = batch.fork(seq, prefixes, limits)
+        batch.run([op])
+        gens = engine.decode_branches(single, prefixes, limits)
+        assert [g.tokens for g in op.result] == [g.tokens for g in gens]
+        branches = [p + g.tokens for p, g in zip(prefixes, gens)]
+        branches[0] = branches[0] + _ids(8 + stage, 2)
+        batch.merge(seq, branches)
+        engine.merge(single, branches)
+        assert seq.tokens == single.tokens and seq.pos_offset == single.pos_offset
+        np.testing.assert_allclose(np.asarray(seq.join_logits), np.asarray(single.join_logits), atol=TOL, rtol=0)
+        segments += [("stage", branches), ("planner", plan)]
+        batch.extend(seq, plan)
+        batch.run()                     # an extend ends at once; the next step writes its tokens
+        engine.extend(single, plan)
+    toks, pos, mask = merged_layout(segments)
+    _, ref_k, ref_v = reference(model, toks, pos, mask)
+    n = seq.length
+    np.testing.assert_allclose(np.asarray(batch.cache.pk)[:, seq.slot, :n], ref_k[:, :n], atol=TOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(batch.cache.pv)[:, seq.slot, :n], ref_v[:, :n], atol=TOL, rtol=0)
+    op = batch.generate(seq, 6)
+    batch.run([op])
+    assert op.result.tokens == engine.generate(single, 6).tokens
+
+
+def test_batched_generate_right_after_a_join_samples_from_the_join_logits(model, engine):
+    from sprint_jax.infer.batch import BatchEngine
+    from sprint_jax.infer.sampling import Sampling
+
+    batch = BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=1, max_children=2, max_seq_len=96,
+                        max_branch_tokens=24, decode_chunk=4, prefill_chunk=16, eos_token_ids=[], min_bucket=16)
+    op = batch.open(_ids(20, 7))
+    batch.run([op])
+    seq = op.result
+    single = engine.prefill(_ids(20, 7))
+    prefixes = [_ids(21, 2), _ids(22, 3)]
+    op = batch.fork(seq, prefixes, 3)
+    batch.run([op])
+    gens = engine.decode_branches(single, prefixes, 3)
+    branches = [p + g.tokens for p, g in zip(prefixes, gens)]
+    batch.merge(seq, branches)
+    engine.merge(single, branches)
+    with pytest.raises(EngineError, match="right after a merge join"):
+        batch.fork(seq, [[3]], 2)
+    s = Sampling(temperature=1.0, seed=7)
+    op = batch.generate(seq, 5, sampling=s)
+    batch.run([op])
+    assert op.result.tokens == engine.generate(single, 5, sampling=s).tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Exactness against the merge training layout (train/data.py layout_merge, the training forward)
+# ---------------------------------------------------------------------------------------------
+def test_engine_through_fork_branches_and_merge_gives_the_merge_layout_logits():
+    """For a trajectory (three executors of unequal length, a plan-only stage, an implicit-prompt
+    stage): every token's logits from the training forward of its merge-layout example (flash
+    attention under the (stage, branch) rule, logits of the token's parent row) == the logits the
+    engine gives that token when it runs the trajectory teacher-forced: planner pieces by
+    extend, each stage with prompts as a shared fork (fork_logits) and a merge join, the first
+    planner token after a join from the join logits, fp32 <= 1e-4."""
+    from sprint_jax import format as fmt
+    from sprint_jax.curation.types import Example
+    from sprint_jax.model import Qwen2, Qwen2Config, forward, init_params
+    from sprint_jax.train import data as D
+    from sprint_jax.train.config import SPAN_WEIGHTS_DEFAULT
+
+    tok = D.byte_tokenizer()
+    cfg = Qwen2Config(vocab_size=263, hidden_size=40, intermediate_size=88, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    params = init_params(cfg, jax.random.key(1), std=0.2)
+    traj = fmt.Trajectory("Q: 7*(2+3)?", [
+        fmt.Stage(1, ["Split.", fmt.Prompt("2+3"), fmt.Prompt("note 7"), fmt.Prompt("x")],
+                  ["2+3=5", "7", "a longer third execution"]),
+        fmt.Stage(2, ["Think."], []),
+        fmt.Stage(3, ["Multiply 7 by 5."], ["7*5=35"]),
+    ], "35")
+    ex = Example("x", "sprint", traj.query + "\n", fmt.render_completion(traj))
+    item = D.layout_example(tok, ex, "merge", dict(SPAN_WEIGHTS_DEFAULT))
+    rows = D.RowStream([item], len(item), seed=0, pad_token=0).rows([0])
+    train = np.asarray(forward(params, cfg, jnp.asarray(rows.tokens), jnp.asarray(rows.positions),
+                               span_end=jnp.asarray(rows.span_end), stage=jnp.asarray(rows.stage),
+                               branch=jnp.asarray(rows.branch), attention_impl="xla"))[0]
+
+    pieces = D.split_pieces(ex.prompt, ex.completion, traj)
+    ptoks = [t.ids for t in D.tokenize_pieces(tok, ex, pieces)]
+    assert [t for p in ptoks for t in p] == item.tokens.tolist()
+    with_prompts = {s.index for s in traj.stages if any(isinstance(x, fmt.Prompt) for x in s.plan)}
+    engine = Engine(Qwen2(cfg, params=params), tok, max_seq_len=512, max_branches=4, max_branch_tokens=64,
+                    decode_chunk=4, prefill_chunk=32, eos_token_ids=[])
+    got = np.full((len(item), cfg.vocab_size), np.nan, np.float32)   # logits predicting token t
+    state = engine.prefill(ptoks[0][:1])
+    got[1: len(ptoks[0])] = engine.extend_logits(state, ptoks[0][1:])
+    at, i = len(ptoks[0]), 1
+    while i < len(ptoks):
+        st, br = pieces.stage[i], pieces.branch[i]
+        if br == 0 or st not in with_prompts:               # planner text, or an inline execution
+            got[at: at + len(ptoks[i])] = engine.extend_logits(state, ptoks[i])
+            at, i = at + len(ptoks[i]), i + 1
+            continue
+        group = [k for k in range(i, len(ptoks)) if pieces.stage[k] == st and pieces.branch[k] > 0]
+        branches: dict[int, list[int]] = {}
+        for k in group:
+            branches.setdefault(pieces.branch[k], []).extend(ptoks[k])
+        outs = engine.fork_logits(state, list(branches.values()))
+        for out in outs:                                    # branches lie in text order in the item
+            got[at: at + len(out)] = out
+            at += len(out)
+        engine.merge(state, list(branches.values()))
+        assert state.after_join
+        i = group[-1] + 1
+    assert at == len(item)
+    predicted = item.parents >= 0
+    assert predicted.sum() == len(item) - 1
+    ref = train[item.parents[predicted]]
+    np.testing.assert_allclose(got[predicted], ref, atol=TOL, rtol=0)
+    assert np.abs(ref).max() > 1.0                          # the comparison is not between zeros
+
+
+# ---------------------------------------------------------------------------------------------
+# The orchestrator's join
+# ---------------------------------------------------------------------------------------------
+def test_merge_and_reprefill_give_identical_records_when_every_stage_has_one_executor(model):
+    """With one executor per stage the merged planner state is the re-prefilled one (the executor
+    saw exactly the planner's context, at the planner's positions), so the two joins give the
+    same record: same executions (one truncated and repaired), same unscripted final planner call
+    decoded by the real engine. Only `join` and the tokens the sync ran differ. With more executors
+    per stage the two joins are different computations (a merged executor never saw its siblings)
+    and records are not expected to match."""
+    from test_orchestrator import ForcedPlanner, _untimed
+    from sprint_jax.infer.orchestrator import OrchestratorConfig, run_query
+
+    engine = Engine(model, tiny_vocab_tokenizer(), max_seq_len=320, max_branches=2, max_branch_tokens=40,
+                    decode_chunk=8, prefill_chunk=32, eos_token_ids=[])
+    planner = ["<Plan_1> first <prompt_1.1> a </prompt_1.1> </Plan_1>",
+               "\n<Plan_2> then <prompt_2.1> b </prompt_2.1> </Plan_2>"]
+    recs = {}
+    for join in ("reprefill", "merge"):
+        cfg = OrchestratorConfig(max_branch_tokens=6, max_planner_tokens=64, layout="trie", join=join)
+        recs[join] = run_query(ForcedPlanner(engine, planner), "Q: 2+3=?", "parallel", cfg)
+    rep, mer = recs["reprefill"], recs["merge"]
+    assert rep.join == "reprefill" and mer.join == "merge"
+    assert [s.join for s in mer.stages] == ["merge", "merge", ""]        # the last call writes no plan
+    assert all(e.repaired for s in mer.stages for e in s.executions)      # 6-token limit: closed by the sync
+    assert rep.termination == mer.termination == "planner_token_limit"   # the final call is the model's own
+    a, b = _untimed(rep), _untimed(mer)
+    for d in (a, b):
+        d.pop("join"), d["config"].pop("join")
+        for s in d["stages"]:
+            s.pop("join"), s.pop("sync_tokens")
+    assert a == b
+    # the merge ran only the tokens its branch never computed (the last one and the repair)
+    for r, m in zip(rep.stages[:2], mer.stages[:2]):
+        assert 0 < m.sync_tokens < r.sync_tokens
+
+
+def test_join_config_defaults_from_the_layout_and_rejects_what_cannot_merge():
+    from sprint_jax.infer.orchestrator import Orchestrator, OrchestratorConfig
+
+    assert OrchestratorConfig(layout="merge").resolved_join == "merge"
+    assert OrchestratorConfig(layout="trie").resolved_join == "reprefill"
+    assert OrchestratorConfig(layout="merge", join="reprefill").resolved_join == "reprefill"
+    assert OrchestratorConfig(layout="trie", join="merge").resolved_join == "merge"
+    with pytest.raises(ValueError, match="join='merge' needs"):
+        OrchestratorConfig(layout="flat", join="merge")
+    with pytest.raises(ValueError, match="join must be one of"):
+        OrchestratorConfig(join="copy")
+    with pytest.raises(ValueError, match="no branches to merge"):
+        Orchestrator(None, OrchestratorConfig(layout="merge")).run("q", "serial")
