@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sprint_jax.infer import sharding as sh
-from sprint_jax.infer.engine import EngineError, Generation
+from sprint_jax.infer.engine import EngineError, Generation, check_merge_branches, common_prefix
 from sprint_jax.infer.prefix_attention import pallas_parent_prefix_attention
 from sprint_jax.infer.sampling import GREEDY, Sampling, advance_rows, mask_padded, sample_tokens, valid_vocab
 from sprint_jax.infer.stops import StopScanner
@@ -49,15 +49,6 @@ from sprint_jax.model.config import Qwen2Config
 from sprint_jax.model.qwen2 import attend_partial, decoder, dtype_of, embed, merge_partials, unembed
 
 STOP_WIDTH = 8    # device-checked stop ids per row (EOS ids first, then one-token stop strings)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _bucket(n: int, lo: int) -> int:
@@ -674,19 +665,12 @@ class BatchEngine:
             raise EngineError("merge needs the fork just finished on this sequence, with the sequence unchanged since")
         rows = fork[1]
         n = len(rows)
-        branches = [[int(t) for t in b] for b in branches]
-        if len(branches) != n:
-            raise EngineError(f"merge of {len(branches)} branches; the fork has {n}")
-        if any(not b for b in branches):
-            raise EngineError("merge: a branch has no tokens")
-        total = len(seq.tokens) + sum(len(b) for b in branches)
-        if total > self.max_seq_len:
-            raise EngineError(f"merging to {total} tokens exceeds max_seq_len={self.max_seq_len}")
+        branches = check_merge_branches(branches, n, len(seq.tokens), self.max_seq_len)
         if any(1 + len(b) > self.child_capacity for b in branches):
             raise EngineError(f"merge: a branch of {max(len(b) for b in branches)} tokens exceeds the child "
                               f"capacity ({self.child_capacity})")
         p0 = seq.length
-        keep = [min(_common_prefix(have[1:], b), done - 1, len(b) - 1) for b, (have, done) in zip(branches, rows)]
+        keep = [min(common_prefix(have[1:], b), done - 1, len(b) - 1) for b, (have, done) in zip(branches, rows)]
         tails = [b[k:] for b, k in zip(branches, keep)]
         # the tails: one child prefill call (per prefill_chunk) for all children, rows placed in
         # the sequence's slot shard (sh.slot_blocks; one block without slot shards)

@@ -124,13 +124,29 @@ class _Fork:
     start: int                        # slot of tokens[j][0] in a branch row (0 shared, p0 copy)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
             break
         n += 1
     return n
+
+
+def check_merge_branches(branches: Sequence[Sequence[int]], n: int, n_tokens: int,
+                         max_seq_len: int) -> list[list[int]]:
+    """A merge join's branches as int lists, or an EngineError naming what does not fit (both
+    engines' `merge`): one non-empty branch per fork child, the merged length within max_seq_len."""
+    branches = [[int(t) for t in b] for b in branches]
+    if len(branches) != n:
+        raise EngineError(f"merge of {len(branches)} branches; the fork has {n}")
+    if any(not b for b in branches):
+        raise EngineError("merge: a branch has no tokens")
+    total = n_tokens + sum(len(b) for b in branches)
+    if total > max_seq_len:
+        raise EngineError(f"merging to {total} tokens exceeds max_seq_len={max_seq_len}")
+    return branches
 
 
 @functools.partial(jax.jit, static_argnames=("greedy",))
@@ -651,15 +667,8 @@ class Engine:
             raise EngineError("merge needs the shared or copy fork just decoded from this state "
                               "(decode_branches), with the state unchanged since")
         n = len(f.tokens)
-        branches = [[int(t) for t in b] for b in branches]
-        if len(branches) != n:
-            raise EngineError(f"merge of {len(branches)} branches; the fork has {n}")
-        if any(not b for b in branches):
-            raise EngineError("merge: a branch has no tokens")
-        total = len(state.tokens) + sum(len(b) for b in branches)
-        if total > self.max_seq_len:
-            raise EngineError(f"merging to {total} tokens exceeds max_seq_len={self.max_seq_len}")
-        keep = [min(_common_prefix(have[1:], b), done - 1, len(b) - 1)
+        branches = check_merge_branches(branches, n, len(state.tokens), self.max_seq_len)
+        keep = [min(common_prefix(have[1:], b), done - 1, len(b) - 1)
                 for b, have, done in zip(branches, f.tokens, f.computed)]
         tails = [b[k:] for b, k in zip(branches, keep)]
         cache, last, pos = f.cache, None, 0

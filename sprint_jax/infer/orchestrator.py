@@ -78,7 +78,7 @@ import time
 from typing import Any, Callable
 
 from sprint_jax import format as fmt
-from sprint_jax.infer.engine import EngineError
+from sprint_jax.infer.engine import EngineError, common_prefix
 from sprint_jax.infer.sampling import Sampling
 
 MODES = ("parallel", "serial", "sequential")
@@ -329,7 +329,7 @@ class Orchestrator:
         tails[k][0..]), and per window the tokens to force after that point."""
         have = list(state.tokens)[w:]
         windows = [self._canonical(t) for t in tails]
-        keep = w + min(_common_prefix(have, c) for c in windows)
+        keep = w + min(common_prefix(have, c) for c in windows)
         return keep, [c[keep - w:] for c in windows]
 
     def _settle(self, state, w: int, pieces: list[str]):
@@ -580,15 +580,6 @@ class Orchestrator:
 def _stop_end(text: str, stop: str) -> int:
     """Where the first occurrence of `stop` in `text` ends."""
     return text.index(stop) + len(stop)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _problem(record: RunRecord, stage: StageRecord, message: str) -> None:
