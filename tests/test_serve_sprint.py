@@ -91,12 +91,15 @@ def _infer(export: str, query: str, tmp_path, mode: str = "parallel") -> dict:
     return json.loads(rec.read_text())
 
 
-def test_sprint_response_equals_sprint_jax_infer_on_a_model_that_writes_stages(stage_model, served, tmp_path):
+def test_sprint_response_equals_sprint_jax_infer_on_a_model_that_writes_stages(stage_model, request, tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
     export, completions = stage_model
-    server, client = served
+    # the references first, before this process also runs a server (one fresh-clone run crashed in
+    # an XLA CPU compile of `infer` while the server's threads were up)
     refs = [_infer(export, q, tmp_path) for q in QUERIES]
+    seq_ref = _infer(export, QUERIES[0], tmp_path, "sequential")
+    server, client = request.getfixturevalue("served")
     for ref, completion, answer in zip(refs, completions, ANSWERS):
         # the model writes its trained trajectory: two stages, four executors, the answer
         assert ref["text"] == completion and ref["termination"] == "final_answer" and ref["final_answer"] == answer
@@ -116,7 +119,6 @@ def test_sprint_response_equals_sprint_jax_infer_on_a_model_that_writes_stages(s
         assert r.usage.completion_tokens == ref["total_tokens"]
     # sequential mode (one stream; this trie-trained model then writes malformed tags, the run
     # still has to be the one infer gives) through extra_body
-    seq_ref = _infer(export, QUERIES[0], tmp_path, "sequential")
     r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": QUERIES[0]}],
                                        extra_body={"sprint": {"mode": "sequential"}}, temperature=0)
     assert _untimed(r.model_extra["sprint"]) == _untimed(seq_ref) and seq_ref["total_tokens"] > 0
