@@ -265,6 +265,59 @@ def test_bad_inputs_get_their_status_and_message_and_the_server_keeps_serving(se
         assert "sprint_serve_" + name in text, name
 
 
+def test_a_full_queue_gets_429_with_retry_after_and_the_server_keeps_serving(setup, hf_untied):
+    """A server of its own with a tiny queue (`max_queue=1`, as `serve --max-queue 1` builds it):
+    4 requests decode, 1 waits, the next gets 429 + Retry-After in OpenAI's error shape (openai
+    client and a raw request); once the holders leave it serves again (reference: the request
+    decoded alone). A stopped engine thread gives 503 + Retry-After."""
+    _, _, alone, tok = setup
+    model = from_pretrained(hf_untied)
+    engine = BatchEngine(model, tok, max_seqs=4, max_children=4, **CAPS)    # the module engine's shapes
+    server = Server(engine, NAME, SPRINT_CFG, max_queue=1).start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        assert server.worker.capacity == 5
+        # 1000 tokens each: they hold their slots (and the queue place) for the whole test
+        holders = [client.completions.create(model=NAME, prompt=f"hold {i}", max_tokens=1000, temperature=0,
+                                             stream=True) for i in range(5)]
+        assert server.worker._pending == 5          # what the 429 decision counts
+        with pytest.raises(openai.RateLimitError) as e:
+            client.completions.create(model=NAME, prompt="one more", max_tokens=2)
+        assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
+        assert e.value.body["type"] == "rate_limit_error" and e.value.body["code"] == "queue_full"
+        assert "queue is full" in e.value.message
+        status, raw = _http(server, "/v1/chat/completions", json.dumps(
+            {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "stream": True}).encode())
+        assert status == 429 and json.loads(raw)["error"]["code"] == "queue_full"
+        req = urllib.request.Request(server.url + "/v1/completions", data=json.dumps(
+            {"model": NAME, "prompt": "x"}).encode(), headers={"content-type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as h:
+            urllib.request.urlopen(req, timeout=60)
+        assert h.value.code == 429 and h.value.headers["Retry-After"] == "1"
+        t_end = time.monotonic() + 120                # the engine's first step compiles
+        while _metrics(server)["running_jobs"] < 5 and time.monotonic() < t_end:
+            time.sleep(0.02)
+        m = _metrics(server)
+        assert m["running_jobs"] == 5 and m["slots_used"] == 4 and m["queue_depth"] == 1, m
+        for s in holders:
+            s.close()
+        m = _idle(server, within=10)
+        assert m["slots_used"] == 0 and m["running_jobs"] == 0 and m["queue_depth"] == 0, m
+        assert server.worker._pending == 0
+        got = client.completions.create(model=NAME, prompt="Count: 1, 2", max_tokens=12, temperature=0)
+        assert got.choices[0].text == _alone_text(alone, tok, "Count: 1, 2", 12)
+        text = _http(server, "/metrics")[1].decode()
+        assert 'sprint_serve_requests_total{status="429"} 3' in text and 'requests_total{status="200"} 1' in text
+        # the engine thread gone (here: stopped): 503 + Retry-After, and /health says so
+        server.worker.stop()
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model=NAME, prompt="ok", max_tokens=2)
+        assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "5"
+        assert _http(server, "/health")[0] == 503
+    finally:
+        server.stop()
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_slots_within_a_second(setup):
     server, client, alone, tok = setup
     # the same request whole first: every shape it needs is compiled (a cancel waits for the engine
@@ -563,15 +616,25 @@ def test_cli_serve_on_a_mesh_gives_the_single_device_servers_completions(hf_unti
 @pytest.mark.slow
 def test_bench_serve_http_runs_the_same_work_on_both_paths(tmp_path):
     """`sprint-jax bench serve --http` end to end, tiny settings: it checks itself that the server
-    and the in-process engine return the same texts, and writes its rows."""
+    and the in-process engine return the same texts, and writes its rows; the overhead is the
+    median of per-request differences of the recorded samples (same request, same wave)."""
     from sprint_jax.cli import main
 
     out = tmp_path / "b.json"
-    assert main(["bench", "serve", "--http", "--problems", "3", "--repeats", "1", "--concurrency", "1,2",
-                 "--max-tokens", "4", "--prompt-len", "8", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    assert main(["bench", "serve", "--http", "--problems", "4", "--repeats", "1", "--concurrency", "1,2",
+                 "--max-tokens", "4", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    assert res["model"] == "demo-size" and len(res["prompt_tokens"]) == 4
     assert [r["concurrency"] for r in rows] == [1, 2]
-    assert all(r[p]["p50_ms"] > 0 for r in rows for p in ("inproc", "raw", "openai"))
-    assert all(r[p]["overhead_ms_p50"] == r[p]["p50_ms"] - r["inproc"]["p50_ms"] for r in rows for p in ("raw", "openai"))
-    # the server's own share is part of what the client waited for
-    assert all(0 < r[p]["server_ms_p50"] < r[p]["p50_ms"] for r in rows for p in ("raw", "openai"))
+    assert rows[0]["arrival_spread_ms"] == 0 and rows[1]["arrival_spread_ms"] >= 0
+    for r in rows:
+        assert all(r[p]["p50_ms"] > 0 and len(r[p]["samples_ms"]) == 4 for p in ("inproc", "at_once", "raw", "openai"))
+        for p in ("raw", "openai"):
+            diff = np.array(r[p]["samples_ms"]) - np.array(r["inproc"]["samples_ms"])
+            assert r[p]["overhead_ms"] == pytest.approx(float(np.median(diff)))
+            assert r[p]["overhead_pct"] == pytest.approx(100 * r[p]["overhead_ms"] / r["inproc"]["p50_ms"])
+            # the server's own share is part of what the client waited for
+            assert 0 < r[p]["server_ms_p50"] < r[p]["p50_ms"] and 0 <= r[p]["pick_wait_ms_p50"] <= r[p]["server_ms_p50"]
+        client = np.array(r["openai"]["samples_ms"]) - np.array(r["raw"]["samples_ms"])
+        assert r["openai"]["client_ms"] == pytest.approx(float(np.median(client)))

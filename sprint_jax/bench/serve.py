@@ -20,13 +20,17 @@ Rows, all measured in one run:
   fork bytes   a fork of --executors children on a fresh engine: the KV bytes written, read off the
                cache arrays (slots whose K or V is non-zero), against prefix + n x suffix (the
                prefix stored once) and against what per-child prefix copies would hold.
-  --http       (issue 16) instead: the same plain requests (--prompt-len ids -> each of
-               --max-tokens, greedy) through `sprint-jax serve` at each --concurrency (default
-               1,8) vs in-process on an identical BatchEngine, with two clients: a minimal
-               keep-alive http.client (what HTTP itself costs) and the openai client (what users
-               run; its own Python work adds to the latency). Per-request p50 latency, the HTTP
-               overhead (target: < 10% of the in-process latency on the demo-sized model),
-               requests/s, and the load average. Every path must return the same texts.
+  --http       (issue 16) instead: plain greedy requests through `sprint-jax serve` vs in-process
+               on an identical BatchEngine. Model: the demo's (configs/demo.yaml: its shape, its
+               tokenizer, its held-out queries as prompts; random weights) unless --preset. Per
+               (--max-tokens, --concurrency): waves of `concurrency` requests submitted at once
+               on every path (in-process: opened together; HTTP: one connection each, released
+               together), the paths alternating wave by wave. Clients: a minimal keep-alive
+               http.client (raw: what HTTP and the server cost) and the openai client (its own
+               Python work is reported as its own column). HTTP overhead per request = its latency
+               through the server minus the same request's in-process latency in the same wave
+               (median over requests); target: < 10% of the in-process p50 latency. Every path
+               must return the same texts.
 Every point runs once untimed first (compiles every shape it meets), then --repeats times interleaved; the best is
 reported and every sample is kept in the JSON.
 
@@ -36,7 +40,7 @@ used length 256: capacity 8192 <= 1.2x capacity 512.
 Run:
     sprint-jax bench serve --quick --out bench_serve.json     # CPU, a few minutes
     sprint-jax bench serve --preset r1-distill-qwen-7b        # accelerator, random weights
-    sprint-jax bench serve --http --problems 24 --repeats 2   # HTTP vs in-process, a minute
+    sprint-jax bench serve --http --problems 32 --repeats 3   # HTTP vs in-process, a few minutes
 """
 from __future__ import annotations
 
@@ -70,10 +74,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--http", action="store_true",
                    help="measure the HTTP server's per-request overhead instead (model: the demo's size "
                         "unless --preset)")
-    h.add_argument("--max-tokens", default="32,128",
-                   help="--http: tokens generated per request, comma-separated (default 32,128: a short "
-                        "request, and about the length of a whole SPRINT completion of the demo's model: "
-                        "plans of <= 48 tokens, 4 executors of ~15)")
+    h.add_argument("--max-tokens", default="32,80",
+                   help="--http: tokens generated per request, comma-separated (default 32,80: about a planner "
+                        "call of the demo's model, and about a whole answer of its RFT model, 77 tokens; a whole "
+                        "SPRINT run of it writes ~93)")
 
 
 DEMO_NAME = "demo-size"   # the demo's model shape (sprint_jax.demo.DemoModel), vocabulary 512
@@ -203,146 +207,183 @@ def run_serve_bench(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 # --http: the OpenAI-compatible server vs the same engine in-process (issue 16)
 # ---------------------------------------------------------------------------------------------
-def _demo_model(seed: int):
-    """Random weights in the shape of the demo's model (configs/demo.yaml `model`)."""
+def _demo_model(seed: int, n: int):
+    """The demo's model exactly as `sprint-jax demo` builds it (configs/demo.yaml `model`, its
+    tokenizer and vocabulary, float32), with random weights, and `n` of the demo's held-out
+    queries (~10 tokens each) as the prompts."""
     import jax
-    import yaml
 
-    from sprint_jax.bench.decode import BENCH_TINY, synthetic_tokenizer
-    from sprint_jax.config import CONFIG_DIR
+    from sprint_jax.config import CONFIG_DIR, load_config, to_dict
+    from sprint_jax.demo import DemoConfig, _vocabulary
     from sprint_jax.model import Qwen2, Qwen2Config, init_params
+    from sprint_jax.model.tokenizer import VocabTokenizer
+    from sprint_jax.tasks import chains
 
-    dims = yaml.safe_load((CONFIG_DIR / "demo.yaml").read_text())["model"]
-    config = Qwen2Config(**{**BENCH_TINY, **dims}, param_dtype="float32", dtype="float32")
+    cfg = load_config(DemoConfig, CONFIG_DIR / "demo.yaml")
+    tok = VocabTokenizer(_vocabulary(cfg), eos_token="<eos>", pad_token="<pad>")
+    config = Qwen2Config.from_hf_config({"model_type": "qwen2", "vocab_size": (len(tok) + 7) // 8 * 8,
+                                         **to_dict(cfg.model), "max_position_embeddings": cfg.seq_len,
+                                         "tie_word_embeddings": False, "eos_token_id": tok.eos_token_id})
     params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(seed))
-    return Qwen2(config, params=params), synthetic_tokenizer(config.vocab_size), "demo-size"
+    tasks = chains.generate(n, cfg.seed + 10_000, cfg.chains, cfg.chains, cfg.chain_length)
+    prompts = [tok.encode(chains.prompt_for(t)) for t in tasks]
+    return Qwen2(config, params=params), tok, DEMO_NAME, prompts
 
 
-def _inproc(engine, prompts: list[list[int]], max_new: int, concurrency: int):
-    """Plain requests (open -> generate -> close) on a BatchEngine in this thread, `concurrency` in
-    flight; per-request latency from submission to its result. Returns (wall, latencies, texts)."""
-    todo = list(range(len(prompts)))[::-1]
-    live: dict[int, dict] = {}
-    lat: list[float] = [0.0] * len(prompts)
-    texts: list[str] = [""] * len(prompts)
-    t_start = time.perf_counter()
-    while todo or live:
-        while todo and len(live) < concurrency:
-            i = todo.pop()
-            live[i] = dict(op=engine.open(prompts[i]), t=time.perf_counter())
+def _inproc_wave(engine, prompts: list[list[int]], max_new: int,
+                 offsets: list[float] | None = None) -> tuple[list[float], list[str]]:
+    """The requests of one wave on a BatchEngine driven in this thread, request j submitted at
+    `offsets[j]` s after the wave starts (all at once without offsets), each generate following
+    its open at once as the server's engine thread does. A request that comes due while a step
+    runs waits for the step's end, as it would at the server. Per request: the time from its
+    submission to its result, and the texts."""
+    n = len(prompts)
+    offsets = offsets or [0.0] * n
+    order = sorted(range(n), key=lambda j: offsets[j])
+    t0 = time.perf_counter()
+    ops: dict[int, Any] = {}
+    lat: list[float | None] = [None] * n
+    texts = [""] * n
+    while any(x is None for x in lat):
+        now = time.perf_counter()
+        while order and t0 + offsets[order[0]] <= now:
+            j = order.pop(0)
+            op = engine.open(prompts[j])
+            ops[j] = engine.generate(op.result, max_new) if op.done else op
+        if not ops:                                   # nothing submitted yet: wait for the first
+            time.sleep(max(0.0, t0 + offsets[order[0]] - now))
+            continue
         engine.step()
-        for i in list(live):
-            st = live[i]
-            if not st["op"].done:
+        now = time.perf_counter()
+        for j, op in list(ops.items()):
+            if not op.done:
                 continue
-            if st["op"].kind == "open":
-                st["op"] = engine.generate(st["op"].result, max_new)
+            if op.kind == "open":
+                ops[j] = engine.generate(op.result, max_new)
                 continue
-            lat[i] = time.perf_counter() - st["t"]
-            texts[i] = st["op"].result.text
-            engine.close(st["op"].seq)
-            del live[i]
-    return time.perf_counter() - t_start, lat, texts
+            lat[j], texts[j] = now - (t0 + offsets[j]), op.result.text
+            engine.close(op.seq)
+            del ops[j]
+    return lat, texts
 
 
-def _over_http(url: str, model: str, prompts: list[list[int]], max_new: int, concurrency: int, client: str):
-    """The same requests through the server, `concurrency` client threads, from a separate process
-    (as clients are: in this one they would share the server's GIL). client: "openai" (the openai
-    package, what users run) or "raw" (one keep-alive http.client connection per thread, JSON in
-    and out: what the HTTP round trip itself costs, without the openai package's own work)."""
-    import subprocess
-    import sys
+class _ClientProcess:
+    """The HTTP clients, in a process of their own (as clients are: in the server's process they
+    would share its GIL), kept for the whole bench; `wave` sends it one wave and reads back the
+    per-request latencies and texts."""
 
-    job = json.dumps(dict(url=url, model=model, prompts=prompts, max_new=max_new, concurrency=concurrency,
-                          client=client))
-    proc = subprocess.run([sys.executable, "-c", "from sprint_jax.bench.serve import _client_main; _client_main()"],
-                          input=job, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the HTTP client process failed: {proc.stderr.strip()[-2000:]}")
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
-    return r["wall"], r["lat"], r["texts"]
+    def __init__(self, url: str, model: str, width: int):
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from sprint_jax.bench.serve import _client_main; _client_main()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._send(dict(url=url, model=model, width=width))
+
+    def _send(self, obj) -> dict:
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the HTTP client process failed: {self.proc.stderr.read()[-2000:]}")
+        r = json.loads(line)
+        if r.get("error"):
+            raise RuntimeError(f"HTTP request(s) failed: {r['error']}")
+        return r
+
+    def wave(self, kind: str, prompts: list[list[int]], max_new: int) -> tuple[list[float], list[str], list[float]]:
+        """Latencies, texts, and when each request went out (s after the wave's first)."""
+        r = self._send(dict(kind=kind, prompts=prompts, max_new=max_new))
+        return r["lat"], r["texts"], [t - min(r["sent"]) for t in r["sent"]]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(30)
 
 
 def _client_main() -> None:
-    """The client process of `_over_http`: a job on stdin, the result as one JSON line."""
-    import sys
-
-    job = json.loads(sys.stdin.read())
-    wall, lat, texts = _clients(job["url"], job["model"], job["prompts"], job["max_new"], job["concurrency"],
-                                job["client"])
-    print(json.dumps(dict(wall=wall, lat=lat, texts=texts)))
-
-
-def _clients(url: str, model: str, prompts: list[list[int]], max_new: int, concurrency: int, client: str):
+    """The client process of `_ClientProcess`: the first stdin line sets it up (url, model, width:
+    the most requests in one wave); then each line is a wave, answered by one JSON line. A wave's
+    requests go out together (one thread and one connection each, released by a barrier); each
+    request is timed from just before it is sent to its parsed reply."""
     import http.client
+    import sys
     import threading
     from urllib.parse import urlsplit
 
     import openai
 
-    lat: list[float] = [0.0] * len(prompts)
-    texts: list[str] = [""] * len(prompts)
-    errors: list[str] = []
-    nxt = iter(range(len(prompts)))
-    lock = threading.Lock()
+    setup = json.loads(sys.stdin.readline())
+    url, model, width = setup["url"], setup["model"], setup["width"]
     where = urlsplit(url)
+    clients = [openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600) for _ in range(width)]
+    conns = [http.client.HTTPConnection(where.hostname, where.port, timeout=600) for _ in range(width)]
+    def touch(kind: str, j: int) -> None:
+        """A GET on the connection (not timed): it is open when the timed request goes out (the
+        server closes connections idle for 5 s, e.g. while the in-process waves run)."""
+        if kind == "openai":
+            clients[j].models.list()
+            return
+        try:
+            conns[j].request("GET", "/v1/models")
+            conns[j].getresponse().read()
+        except (http.client.HTTPException, OSError):
+            conns[j].close()
+            conns[j].request("GET", "/v1/models")
+            conns[j].getresponse().read()
 
-    def make():
-        if client == "openai":
-            c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
-            c.models.list()                           # connect (not timed)
-            return c
-        c = http.client.HTTPConnection(where.hostname, where.port, timeout=600)
-        c.request("GET", "/v1/models")
-        c.getresponse().read()
-        return c
+    for j in range(width):
+        touch("openai", j)
+        touch("raw", j)
+    print(json.dumps({}), flush=True)
 
-    def ask(c, prompt) -> str:
-        if client == "openai":
-            return c.completions.create(model=model, prompt=prompt, max_tokens=max_new, temperature=0).choices[0].text
-        body = json.dumps(dict(model=model, prompt=prompt, max_tokens=max_new, temperature=0))
-        c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    def ask(kind: str, j: int, prompt: list[int], max_new: int) -> str:
+        if kind == "openai":
+            return clients[j].completions.create(model=model, prompt=prompt, max_tokens=max_new,
+                                                 temperature=0).choices[0].text
+        c = conns[j]
+        c.request("POST", "/v1/completions", json.dumps(dict(model=model, prompt=prompt, max_tokens=max_new,
+                                                             temperature=0)), {"Content-Type": "application/json"})
         r = c.getresponse()
         data = json.loads(r.read())
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {data}")
         return data["choices"][0]["text"]
 
-    conns = [make() for _ in range(concurrency)]
+    for line in sys.stdin:
+        job = json.loads(line)
+        n = len(job["prompts"])
+        lat, texts, sent, errors = [0.0] * n, [""] * n, [0.0] * n, []
+        barrier = threading.Barrier(n)
 
-    def client_thread(c):
-        while True:
-            with lock:
-                i = next(nxt, None)
-            if i is None:
-                break
-            t = time.perf_counter()
+        def one(j):
+            touch(job["kind"], j)
+            barrier.wait()
+            t = sent[j] = time.perf_counter()
             try:
-                texts[i] = ask(c, prompts[i])
-            except Exception as e:                   # noqa: BLE001  (reported below)
+                texts[j] = ask(job["kind"], j, job["prompts"][j], job["max_new"])
+            except Exception as e:                   # noqa: BLE001  (reported to the bench)
                 errors.append(f"{type(e).__name__}: {e}")
-                continue
-            lat[i] = time.perf_counter() - t
-        c.close()
-
-    t_start = time.perf_counter()
-    threads = [threading.Thread(target=client_thread, args=(c,)) for c in conns]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise RuntimeError(f"{len(errors)} HTTP request(s) failed, e.g. {errors[0]}")
-    return time.perf_counter() - t_start, lat, texts
+            lat[j] = time.perf_counter() - t
+        threads = [threading.Thread(target=one, args=(j,)) for j in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        print(json.dumps(dict(lat=lat, texts=texts, sent=sent, error=errors[0] if errors else None)), flush=True)
 
 
-HTTP_PATHS = ("inproc", "raw", "openai")
+HTTP_PATHS = ("inproc", "at_once", "raw", "openai")
+HTTP_CLIENTS = ("raw", "openai")
 
 
 def http_bench(args: argparse.Namespace) -> dict[str, Any]:
-    """Per (max_tokens, concurrency): p50 / mean request latency and requests/s in-process, over
-    HTTP with a minimal client (raw) and with the openai client, and the overhead each HTTP path
-    adds per request (target: < 10% of the in-process p50)."""
+    """Per (max_tokens, concurrency): the same requests in waves of `concurrency` submitted at
+    once, in-process and through the server (a minimal client and the openai client), the paths
+    alternating wave by wave; the HTTP overhead per request is its HTTP latency minus the
+    in-process latency of the same request in the same wave position (median over requests)."""
     import os
 
     import jax
@@ -359,87 +400,120 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
     n = args.problems or (16 if args.quick else 32)
     if min(conc) < 1 or n < 1 or args.repeats < 1 or min(lengths) < 1:
         raise UserError("--concurrency, --problems, --repeats and --max-tokens must be >= 1")
-    model, tok, name = _model(args.preset, args.seed) if args.preset else _demo_model(args.seed)
-    s = dict(prompt_len=args.prompt_len)
-    prompts = _problems(n, s, model.config.vocab_size, args.seed)
-    caps = dict(max_seqs=max(conc), max_children=1, max_seq_len=args.prompt_len + max(lengths) + 8,
+    if args.preset:
+        model, tok, name = _model(args.preset, args.seed)
+        prompts = _problems(n, dict(prompt_len=args.prompt_len), model.config.vocab_size, args.seed)
+    else:
+        model, tok, name, prompts = _demo_model(args.seed, n)
+    prompt_len = max(len(p) for p in prompts)
+    caps = dict(max_seqs=max(conc), max_children=1, max_seq_len=prompt_len + max(lengths) + 8,
                 max_branch_tokens=8, decode_chunk=args.decode_chunk, prefill_chunk=128, eos_token_ids=[])
     local = BatchEngine(model, tok, **caps)
     served = BatchEngine(model, tok, **caps)          # its own cache; the jitted steps are shared
     server = Server(served, name).start()
-    out: dict[str, Any] = dict(model=name, backend=jax.default_backend(), requests=n, prompt_len=args.prompt_len,
-                               http_impl=server.http_impl, rows=[])
+    clients = _ClientProcess(server.url, name, max(conc))
+    out: dict[str, Any] = dict(model=name, backend=jax.default_backend(), requests=n,
+                               prompt_tokens=[len(p) for p in prompts], http_impl=server.http_impl,
+                               loop_impl=server.loop_impl,
+                               decode_chunk=args.decode_chunk, rows=[])
 
-    def one(path: str, m: int, c: int):
-        if path == "inproc":
-            return _inproc(local, prompts, m, c)
+    arrivals: dict[tuple, list[float]] = {}      # (tokens, conc, wave) -> the raw client's send offsets
+
+    def wave(path: str, key: tuple, idx: list[int], m: int):
+        """(latencies, texts, the server's own ms per request, its pick-up waits)"""
+        ps = [prompts[i] for i in idx]
+        if path == "at_once":
+            return (*_inproc_wave(local, ps, m), [], [])
+        if path == "inproc":                          # the HTTP clients' arrival pattern, replayed
+            return (*_inproc_wave(local, ps, m, arrivals.get(key)), [], [])
         server.worker.overheads.clear()
-        wall, lat, texts = _over_http(server.url, name, prompts, m, c, path)
-        server_side[path].extend(server.worker.overheads)
-        return wall, lat, texts
+        server.worker.pick_waits.clear()
+        lat, texts, sent = clients.wave(path, ps, m)
+        if path == "raw":
+            arrivals[key] = sent
+        return lat, texts, list(server.worker.overheads), list(server.worker.pick_waits)
 
-    server_side: dict[str, list[float]] = {p: [] for p in HTTP_PATHS[1:]}
     try:
-        # compile every shape on every path: HTTP requests arrive staggered, so their batches take
-        # more shapes than the in-process ones (every row count bucket up to the concurrency)
-        for m in lengths:
-            for c in conc:
-                for path in HTTP_PATHS:
-                    for _ in range(2 if path != "openai" else 1):
-                        one(path, m, c)
         load_before = os.getloadavg()
         for m in lengths:
             for c in conc:
-                runs: dict[str, list] = {p: [] for p in HTTP_PATHS}
-                for v in server_side.values():
-                    v.clear()
-                for _ in range(args.repeats):         # interleaved: the paths see the same machine
-                    for path in HTTP_PATHS:
-                        runs[path].append(one(path, m, c))
+                waves = [list(range(i, min(i + c, n))) for i in range(0, n, c)]
+                # untimed: compile every shape; HTTP arrivals spread over a few ms, so their steps
+                # meet more row counts than the in-process waves (every bucket up to c)
+                for _ in range(2):
+                    for path in ("raw",) + tuple(p for p in HTTP_PATHS if p != "raw"):
+                        for w, idx in enumerate(waves):
+                            wave(path, (m, c, w), idx, m)
+                lat = {p: np.zeros((args.repeats, n)) for p in HTTP_PATHS}
+                srv: dict[str, list[float]] = {p: [] for p in HTTP_CLIENTS}
+                waits: dict[str, list[float]] = {p: [] for p in HTTP_CLIENTS}
+                spread: list[float] = []
+                texts: dict[str, list[str]] = {p: [""] * n for p in HTTP_PATHS}
+                for r in range(args.repeats):
+                    for w, idx in enumerate(waves):
+                        k = (w + r) % len(HTTP_PATHS)   # rotate the order: no path always goes first
+                        for path in HTTP_PATHS[k:] + HTTP_PATHS[:k]:
+                            l, t, s, q = wave(path, (m, c, w), idx, m)
+                            lat[path][r, idx] = l
+                            for i, x in zip(idx, t):
+                                texts[path][i] = x
+                            if path in HTTP_CLIENTS:
+                                srv[path].extend(s)
+                                waits[path].extend(q)
+                            if path == "raw":
+                                spread.append(max(arrivals[(m, c, w)]))
                 for path in HTTP_PATHS[1:]:
-                    if runs[path][0][2] != runs["inproc"][0][2]:
-                        raise RuntimeError(f"the server's texts ({path} client) differ from the in-process "
-                                           "engine's: not the same work")
-                row: dict[str, Any] = dict(max_tokens=m, concurrency=c)
-                for path, rs in runs.items():
-                    lat = np.concatenate([np.array(r[1]) for r in rs])
-                    row[path] = dict(p50_ms=1000 * float(np.median(lat)), mean_ms=1000 * float(lat.mean()),
-                                     min_ms=1000 * float(lat.min()),
-                                     p99_ms=1000 * float(np.percentile(lat, 99)),
-                                     requests_per_s=n / min(r[0] for r in rs), walls_s=[r[0] for r in rs])
-                for path in HTTP_PATHS[1:]:
-                    # the server's own share, timed inside it (handler time outside the engine
-                    # thread): unlike the end-to-end difference it does not move with the engine's
-                    # step times, which the machine's load changes run to run
-                    row[path]["server_ms_p50"] = 1000 * float(np.median(server_side[path]))
-                    over = row[path]["p50_ms"] - row["inproc"]["p50_ms"]
-                    row[path]["overhead_ms_p50"] = over
-                    row[path]["overhead_pct_p50"] = 100 * over / row["inproc"]["p50_ms"]
+                    if texts[path] != texts["inproc"]:
+                        raise RuntimeError(f"{path}'s texts differ from the in-process engine's: not the same work")
+                row: dict[str, Any] = dict(max_tokens=m, concurrency=c, arrival_spread_ms=1000 * float(np.median(spread)))
+                for path in HTTP_PATHS:
+                    x = 1000 * lat[path].ravel()
+                    row[path] = dict(p50_ms=float(np.median(x)), mean_ms=float(x.mean()), min_ms=float(x.min()),
+                                     p99_ms=float(np.percentile(x, 99)), samples_ms=x.tolist())
+                inproc_p50 = row["inproc"]["p50_ms"]
+                for path in HTTP_CLIENTS:
+                    # per request: HTTP latency - in-process latency of the same request in the same
+                    # wave, submitted at the same offset in the wave
+                    over = 1000 * float(np.median(lat[path] - lat["inproc"]))
+                    row[path].update(overhead_ms=over, overhead_pct=100 * over / inproc_p50,
+                                     server_ms_p50=1000 * float(np.median(srv[path])),
+                                     pick_wait_ms_p50=1000 * float(np.median(waits[path])))
+                # what the openai package adds over a minimal client: the client's cost, not the server's
+                row["openai"]["client_ms"] = 1000 * float(np.median(lat["openai"] - lat["raw"]))
                 out["rows"].append(row)
         out["loadavg"] = dict(before=load_before, after=os.getloadavg())
     finally:
+        clients.close()
         server.stop()
-    print(f"model {name} on {out['backend']}; {n} requests of {args.prompt_len} prompt tokens, greedy; "
-          f"uvicorn http={out['http_impl']}; load average {out['loadavg']['before'][0]:.1f} -> "
-          f"{out['loadavg']['after'][0]:.1f}")
-    print("p50 latency per request (ms); over = HTTP p50 - in-process p50; raw = a keep-alive http.client "
-          "connection, openai = the openai client; srv = the server's own time per request outside the engine "
-          "thread (timed inside it), srv % = of the in-process p50")
-    print(f"{'tokens':>6}{'conc':>5}{'inproc':>9}{'raw':>9}{'over ms':>9}{'over %':>8}{'openai':>9}{'over ms':>9}"
-          f"{'over %':>8}{'srv ms':>8}{'srv %':>7}{'inproc req/s':>14}{'raw req/s':>11}{'openai req/s':>14}")
-    for r in out["rows"]:
-        i, a, o = r["inproc"], r["raw"], r["openai"]
-        srv = a["server_ms_p50"]
-        print(f"{r['max_tokens']:>6}{r['concurrency']:>5}{i['p50_ms']:>9.2f}{a['p50_ms']:>9.2f}"
-              f"{a['overhead_ms_p50']:>9.2f}{a['overhead_pct_p50']:>8.1f}{o['p50_ms']:>9.2f}{o['overhead_ms_p50']:>9.2f}"
-              f"{o['overhead_pct_p50']:>8.1f}{srv:>8.2f}{100 * srv / i['p50_ms']:>7.1f}{i['requests_per_s']:>14.1f}"
-              f"{a['requests_per_s']:>11.1f}{o['requests_per_s']:>14.1f}")
-    print("target (issue 16): HTTP overhead per request < 10% of the in-process latency")
+    _http_report(out, args.repeats)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)
         print(f"written: {args.out}")
     return out
+
+
+def _http_report(out: dict, repeats: int) -> None:
+    print(f"model {out['model']} on {out['backend']}; {out['requests']} requests x {repeats} repeats, prompts of "
+          f"{min(out['prompt_tokens'])}-{max(out['prompt_tokens'])} tokens, greedy, decode chunk "
+          f"{out['decode_chunk']}; uvicorn http={out['http_impl']} loop={out['loop_impl']}; load average "
+          f"{out['loadavg']['before'][0]:.1f} -> {out['loadavg']['after'][0]:.1f}")
+    print("Waves of `conc` requests, the paths alternating wave by wave; latency = submission -> reply, p50 ms. "
+          "raw: through the server with a keep-alive http.client connection per request; inproc: the same "
+          "requests on an identical engine in-process, each submitted at the offset in its wave at which the "
+          "raw client sent it (spread: the last one's offset, p50); at once: all of a wave in-process at "
+          "the same instant (best case). HTTP over = a request's raw latency minus its inproc latency, median "
+          "over requests; % = of the inproc p50. srv: the server's own time per request outside the engine "
+          "thread (timed inside it); wait: of that, until the engine thread took it (a step was running). "
+          "openai: the openai client; client = openai - raw, the openai package's own cost (not the server's).")
+    print(f"{'tokens':>6}{'conc':>5}{'spread':>8}{'at once':>9}{'inproc':>9}{'raw':>9}{'HTTP over':>11}{'over %':>8}"
+          f"{'srv':>7}{'wait':>7}{'openai':>9}{'client':>8}")
+    for r in out["rows"]:
+        i, z, a, o = r["inproc"], r["at_once"], r["raw"], r["openai"]
+        print(f"{r['max_tokens']:>6}{r['concurrency']:>5}{r['arrival_spread_ms']:>8.2f}{z['p50_ms']:>9.2f}"
+              f"{i['p50_ms']:>9.2f}{a['p50_ms']:>9.2f}{a['overhead_ms']:>11.2f}{a['overhead_pct']:>8.1f}"
+              f"{a['server_ms_p50']:>7.2f}{a['pick_wait_ms_p50']:>7.2f}{o['p50_ms']:>9.2f}{o['client_ms']:>8.2f}")
+    print("target (issue 16): HTTP overhead per request < 10% of the in-process latency")
 
 
 def serve_bench(args: argparse.Namespace) -> dict[str, Any]:

@@ -29,9 +29,16 @@ class Server:
             self.http_impl = "httptools"
         except ImportError:
             self.http_impl = "h11"
+        # uvloop (libuv; orbax-checkpoint installs it) runs the event loop, asyncio's if it is missing;
+        # no access log line per request
+        try:
+            import uvloop  # noqa: F401
+            self.loop_impl = "uvloop"
+        except ImportError:
+            self.loop_impl = "asyncio"
         self._uv = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
-                                                 http=self.http_impl, access_log=False,
-                                                 timeout_graceful_shutdown=2))
+                                                 http=self.http_impl, loop=self.loop_impl,
+                                                 access_log=False, timeout_graceful_shutdown=2))
         self._thread: threading.Thread | None = None
         self.port = port
         # The engine thread and the HTTP thread hand work to each other many times per request;

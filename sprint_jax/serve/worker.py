@@ -81,6 +81,7 @@ class EngineWorker:
         self._jobs: list[Job] = []
         self._lock = threading.Lock()
         self._pending = 0                    # submitted, not finished (read by the HTTP side)
+        self._arrivals: list[Job] = []       # submitted on the event loop, not yet handed over
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="sprint-jax-engine", daemon=True)
         self.error: str | None = None        # set if the engine thread died
@@ -93,6 +94,8 @@ class EngineWorker:
         # per served request, the handler's time outside the engine thread (parse, validate, two
         # thread hand-offs, build the reply): what the server adds to the engine's own latency
         self.overheads: deque[float] = deque(maxlen=10_000)
+        # of those, the wait from submission until the engine thread took the job (it was in a step)
+        self.pick_waits: deque[float] = deque(maxlen=10_000)
 
     # ---- any thread ---------------------------------------------------------------------------
     def start(self) -> "EngineWorker":
@@ -120,8 +123,25 @@ class EngineWorker:
                 return False
             self._pending += 1
         job.t0 = time.perf_counter()
-        self._inbox.put(("submit", job))
+        try:
+            on_loop = asyncio.get_running_loop() is job.channel.loop
+        except RuntimeError:
+            on_loop = False
+        if not on_loop:
+            self._inbox.put(("submit", job))
+            return True
+        # On the HTTP side's event loop: hand the job over when the loop has run the handlers that
+        # are ready now, in one item with every request submitted meanwhile (requests that arrive
+        # together reach the engine thread together and share their first step; one waking the
+        # engine thread while the others are still parsed would start a step without them)
+        self._arrivals.append(job)
+        if len(self._arrivals) == 1:
+            job.channel.loop.call_soon(self._hand_over)
         return True
+
+    def _hand_over(self) -> None:
+        jobs, self._arrivals = self._arrivals, []
+        self._inbox.put(("submit", jobs))
 
     def cancel(self, job: Job) -> None:
         self._inbox.put(("cancel", job))
@@ -138,10 +158,16 @@ class EngineWorker:
     # ---- the engine thread --------------------------------------------------------------------
     def _loop(self) -> None:
         try:
+            stalled = False
             while not self._stop.is_set():
-                idle = not self._jobs
+                # wait for work only when there is nothing to step (idle), or when the last step
+                # could not move (opens wait for slots that idle sequences hold): a submission or
+                # cancel wakes the wait at once; otherwise take what has arrived and step
                 try:
-                    item = self._inbox.get(timeout=0.1) if idle else self._inbox.get_nowait()
+                    if not self._jobs or stalled:
+                        item = self._inbox.get(timeout=0.1 if not self._jobs else 0.005)
+                    else:
+                        item = self._inbox.get_nowait()
                 except queue.Empty:
                     item = None
                 while item is not None:
@@ -150,12 +176,12 @@ class EngineWorker:
                         item = self._inbox.get_nowait()
                     except queue.Empty:
                         item = None
+                stalled = False
                 if self._jobs:
                     moved = self.engine.step()
                     for job in list(self._jobs):
                         self._poll(job)
-                    if not moved and self._jobs and not any(j.op is not None and j.op.done for j in self._jobs):
-                        time.sleep(0.005)
+                    stalled = not moved and not any(j.op is not None and j.op.done for j in self._jobs)
                 self._update_metrics()
         except Exception as e:          # the engine failed: every open request learns why
             self.error = f"engine thread stopped: {type(e).__name__}: {e}"
@@ -167,7 +193,10 @@ class EngineWorker:
         if item is None:
             return
         what, job = item
-        if what == "submit":
+        if what == "submit" and isinstance(job, list):
+            for j in job:
+                self._handle(("submit", j))
+        elif what == "submit":
             job.t_pick = time.perf_counter()
             self._jobs.append(job)
             try:
@@ -175,6 +204,10 @@ class EngineWorker:
                     job.op = self.engine.open(job.prompt)
                     job.seq = job.op.seq
                     job.sent = [0] * job.n
+                    # admitted (a slot was free): generate / fork now, so the prompt is written
+                    # in the same step as the first decode chunk (as forced tokens when short)
+                    # instead of a step of its own
+                    self._poll(job)
                 else:
                     from sprint_jax.infer.orchestrator import Orchestrator
                     job.steps = Orchestrator(self.engine, job.config,
