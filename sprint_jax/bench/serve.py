@@ -420,18 +420,18 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
     arrivals: dict[tuple, list[float]] = {}      # (tokens, conc, wave) -> the raw client's send offsets
 
     def wave(path: str, key: tuple, idx: list[int], m: int):
-        """(latencies, texts, the server's own ms per request, its pick-up waits)"""
+        """(latencies, texts, the server's timings of each request: engine / server / wait)"""
         ps = [prompts[i] for i in idx]
         if path == "at_once":
-            return (*_inproc_wave(local, ps, m), [], [])
+            return (*_inproc_wave(local, ps, m), [])
         if path == "inproc":                          # the HTTP clients' arrival pattern, replayed
-            return (*_inproc_wave(local, ps, m, arrivals.get(key)), [], [])
-        server.worker.overheads.clear()
-        server.worker.pick_waits.clear()
+            return (*_inproc_wave(local, ps, m, arrivals.get(key)), [])
+        server.worker.timings.clear()
         lat, texts, sent = clients.wave(path, ps, m)
         if path == "raw":
             arrivals[key] = sent
-        return lat, texts, list(server.worker.overheads), list(server.worker.pick_waits)
+        by_prompt = {tuple(t["prompt"]): t for t in server.worker.timings}
+        return lat, texts, [by_prompt[tuple(p)] for p in ps]
 
     try:
         load_before = os.getloadavg()
@@ -445,21 +445,20 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
                         for w, idx in enumerate(waves):
                             wave(path, (m, c, w), idx, m)
                 lat = {p: np.zeros((args.repeats, n)) for p in HTTP_PATHS}
-                srv: dict[str, list[float]] = {p: [] for p in HTTP_CLIENTS}
-                waits: dict[str, list[float]] = {p: [] for p in HTTP_CLIENTS}
+                timing = {p: {k: np.zeros((args.repeats, n)) for k in ("engine", "server", "wait")} for p in HTTP_CLIENTS}
                 spread: list[float] = []
                 texts: dict[str, list[str]] = {p: [""] * n for p in HTTP_PATHS}
                 for r in range(args.repeats):
                     for w, idx in enumerate(waves):
                         k = (w + r) % len(HTTP_PATHS)   # rotate the order: no path always goes first
                         for path in HTTP_PATHS[k:] + HTTP_PATHS[:k]:
-                            l, t, s, q = wave(path, (m, c, w), idx, m)
+                            l, t, tm = wave(path, (m, c, w), idx, m)
                             lat[path][r, idx] = l
                             for i, x in zip(idx, t):
                                 texts[path][i] = x
-                            if path in HTTP_CLIENTS:
-                                srv[path].extend(s)
-                                waits[path].extend(q)
+                            for i, x in zip(idx, tm):
+                                for key in ("engine", "server", "wait"):
+                                    timing[path][key][r, i] = x[key]
                             if path == "raw":
                                 spread.append(max(arrivals[(m, c, w)]))
                 for path in HTTP_PATHS[1:]:
@@ -472,12 +471,19 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
                                      p99_ms=float(np.percentile(x, 99)), samples_ms=x.tolist())
                 inproc_p50 = row["inproc"]["p50_ms"]
                 for path in HTTP_CLIENTS:
-                    # per request: HTTP latency - in-process latency of the same request in the same
-                    # wave, submitted at the same offset in the wave
+                    # end to end, per request: HTTP latency - the same request's in-process latency
+                    # (same wave, submitted at the same offset in it)
                     over = 1000 * float(np.median(lat[path] - lat["inproc"]))
+                    # per request: HTTP latency - the engine thread's time on that request: what HTTP,
+                    # the server and the client add; the engine's step times, which the machine's
+                    # load moves run to run, cancel out
+                    outside = 1000 * float(np.median(lat[path] - timing[path]["engine"]))
                     row[path].update(overhead_ms=over, overhead_pct=100 * over / inproc_p50,
-                                     server_ms_p50=1000 * float(np.median(srv[path])),
-                                     pick_wait_ms_p50=1000 * float(np.median(waits[path])))
+                                     outside_engine_ms=outside, outside_engine_pct=100 * outside / inproc_p50,
+                                     engine_ms_p50=1000 * float(np.median(timing[path]["engine"])),
+                                     engine_samples_ms=(1000 * timing[path]["engine"].ravel()).tolist(),
+                                     server_ms_p50=1000 * float(np.median(timing[path]["server"])),
+                                     pick_wait_ms_p50=1000 * float(np.median(timing[path]["wait"])))
                 # what the openai package adds over a minimal client: the client's cost, not the server's
                 row["openai"]["client_ms"] = 1000 * float(np.median(lat["openai"] - lat["raw"]))
                 out["rows"].append(row)
@@ -499,20 +505,22 @@ def _http_report(out: dict, repeats: int) -> None:
           f"{out['decode_chunk']}; uvicorn http={out['http_impl']} loop={out['loop_impl']}; load average "
           f"{out['loadavg']['before'][0]:.1f} -> {out['loadavg']['after'][0]:.1f}")
     print("Waves of `conc` requests, the paths alternating wave by wave; latency = submission -> reply, p50 ms. "
-          "raw: through the server with a keep-alive http.client connection per request; inproc: the same "
-          "requests on an identical engine in-process, each submitted at the offset in its wave at which the "
-          "raw client sent it (spread: the last one's offset, p50); at once: all of a wave in-process at "
-          "the same instant (best case). HTTP over = a request's raw latency minus its inproc latency, median "
-          "over requests; % = of the inproc p50. srv: the server's own time per request outside the engine "
-          "thread (timed inside it); wait: of that, until the engine thread took it (a step was running). "
-          "openai: the openai client; client = openai - raw, the openai package's own cost (not the server's).")
-    print(f"{'tokens':>6}{'conc':>5}{'spread':>8}{'at once':>9}{'inproc':>9}{'raw':>9}{'HTTP over':>11}{'over %':>8}"
-          f"{'srv':>7}{'wait':>7}{'openai':>9}{'client':>8}")
+          "raw: through the server, a keep-alive http.client connection per request; inproc: the same requests "
+          "on an identical engine in-process, each submitted at the offset in its wave at which the raw client "
+          "sent it (spread: the last one's offset, p50); at once: a wave in-process all at the same instant. "
+          "Per request, median: e2e over = raw latency - the same request's inproc latency; outside = raw "
+          "latency - the engine thread's time on it (what HTTP, the server and the client add, the engine's "
+          "step times cancelled out); % = of the inproc p50. srv: the server's time per request outside the "
+          "engine thread, timed inside it; wait: of that, until the engine thread took it (a step was running). "
+          "openai: the openai client; client = openai - raw, the openai package's own cost, not the server's.")
+    print(f"{'tokens':>6}{'conc':>5}{'spread':>7}{'at once':>8}{'inproc':>8}{'raw':>8}{'e2e over':>9}{'%':>6}"
+          f"{'outside':>8}{'%':>6}{'srv':>6}{'wait':>6}{'openai':>8}{'client':>7}")
     for r in out["rows"]:
         i, z, a, o = r["inproc"], r["at_once"], r["raw"], r["openai"]
-        print(f"{r['max_tokens']:>6}{r['concurrency']:>5}{r['arrival_spread_ms']:>8.2f}{z['p50_ms']:>9.2f}"
-              f"{i['p50_ms']:>9.2f}{a['p50_ms']:>9.2f}{a['overhead_ms']:>11.2f}{a['overhead_pct']:>8.1f}"
-              f"{a['server_ms_p50']:>7.2f}{a['pick_wait_ms_p50']:>7.2f}{o['p50_ms']:>9.2f}{o['client_ms']:>8.2f}")
+        print(f"{r['max_tokens']:>6}{r['concurrency']:>5}{r['arrival_spread_ms']:>7.2f}{z['p50_ms']:>8.2f}"
+              f"{i['p50_ms']:>8.2f}{a['p50_ms']:>8.2f}{a['overhead_ms']:>9.2f}{a['overhead_pct']:>6.1f}"
+              f"{a['outside_engine_ms']:>8.2f}{a['outside_engine_pct']:>6.1f}{a['server_ms_p50']:>6.2f}"
+              f"{a['pick_wait_ms_p50']:>6.2f}{o['p50_ms']:>8.2f}{o['client_ms']:>7.2f}")
     print("target (issue 16): HTTP overhead per request < 10% of the in-process latency")
 
 

@@ -439,8 +439,9 @@ def make_app(state: ServeState) -> Starlette:
             choices.append(_choice(chat, i, text, finish))
             completion += len(g.tokens)
         response = JSONResponse(head.body(choices=choices, usage=_usage(n_prompt, completion)))
-        worker.overheads.append((time.perf_counter() - t0) - (job.t_end - job.t_pick))
-        worker.pick_waits.append(job.t_pick - job.t0)
+        engine_s = job.t_end - job.t_pick
+        worker.timings.append(dict(prompt=job.prompt, engine=engine_s, server=time.perf_counter() - t0 - engine_s,
+                                   wait=job.t_pick - job.t0))
         return response
 
     async def _stream(job: Job, head: _Head, n_prompt: int, t0: float):

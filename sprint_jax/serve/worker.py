@@ -91,11 +91,11 @@ class EngineWorker:
         self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
         self.latency_sum = 0.0
         self.requests: dict[str, int] = {}   # status code -> count
-        # per served request, the handler's time outside the engine thread (parse, validate, two
-        # thread hand-offs, build the reply): what the server adds to the engine's own latency
-        self.overheads: deque[float] = deque(maxlen=10_000)
-        # of those, the wait from submission until the engine thread took the job (it was in a step)
-        self.pick_waits: deque[float] = deque(maxlen=10_000)
+        # per served plain non-streaming request (its prompt, in seconds): `engine` = the engine
+        # thread's time on it (took it -> finished it), `server` = the handler's time outside that
+        # (parse, validate, wait for the engine thread to take it, two hand-offs, build the reply),
+        # `wait` = of that, the wait until the engine thread took it (a step was running)
+        self.timings: deque[dict] = deque(maxlen=10_000)
 
     # ---- any thread ---------------------------------------------------------------------------
     def start(self) -> "EngineWorker":
