@@ -59,7 +59,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="FILE.json", help="write the results here as JSON")
     parser.add_argument("--concurrency", default=None, help="comma-separated (default 1,4,16,64; quick 1,4,16)")
     parser.add_argument("--problems", type=int, default=None, help="problems per point (default 128; quick 32)")
-    parser.add_argument("--prompt-len", type=int, default=48, help="prompt tokens per problem")
+    parser.add_argument("--prompt-len", type=int, default=48,
+                        help="prompt tokens per problem (--http: only with --preset; else the demo's queries)")
     parser.add_argument("--planner-tokens", type=int, default=24, help="first planner call's tokens")
     parser.add_argument("--executors", type=int, default=3, help="executors forked per problem")
     parser.add_argument("--executor-tokens", type=int, default=24, help="tokens each executor decodes")
@@ -75,9 +76,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="measure the HTTP server's per-request overhead instead (model: the demo's size "
                         "unless --preset)")
     h.add_argument("--max-tokens", default="32,80",
-                   help="--http: tokens generated per request, comma-separated (default 32,80: about a planner "
-                        "call of the demo's model, and about a whole answer of its RFT model, 77 tokens; a whole "
-                        "SPRINT run of it writes ~93)")
+                   help="--http: tokens generated per request, comma-separated (default 32,80: a short request "
+                        "(the demo's planner calls stay within 48 tokens), and about a whole answer of the demo's "
+                        "RFT model, 77 tokens; a whole SPRINT run of it writes ~93)")
 
 
 DEMO_NAME = "demo-size"   # the demo's model shape (sprint_jax.demo.DemoModel), vocabulary 512
