@@ -446,7 +446,8 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
                         for w, idx in enumerate(waves):
                             wave(path, (m, c, w), idx, m)
                 lat = {p: np.zeros((args.repeats, n)) for p in HTTP_PATHS}
-                timing = {p: {k: np.zeros((args.repeats, n)) for k in ("engine", "server", "wait")} for p in HTTP_CLIENTS}
+                timing = {p: {k: np.zeros((args.repeats, n)) for k in ("engine", "server", "wait")}
+                          for p in HTTP_CLIENTS}
                 spread: list[float] = []
                 texts: dict[str, list[str]] = {p: [""] * n for p in HTTP_PATHS}
                 for r in range(args.repeats):
@@ -465,7 +466,8 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
                 for path in HTTP_PATHS[1:]:
                     if texts[path] != texts["inproc"]:
                         raise RuntimeError(f"{path}'s texts differ from the in-process engine's: not the same work")
-                row: dict[str, Any] = dict(max_tokens=m, concurrency=c, arrival_spread_ms=1000 * float(np.median(spread)))
+                row: dict[str, Any] = dict(max_tokens=m, concurrency=c,
+                                           arrival_spread_ms=1000 * float(np.median(spread)))
                 for path in HTTP_PATHS:
                     x = 1000 * lat[path].ravel()
                     row[path] = dict(p50_ms=float(np.median(x)), mean_ms=float(x.mean()), min_ms=float(x.min()),
