@@ -2,6 +2,8 @@
 and each branch decoded alone from a fresh full prefill (DESIGN.md "Inference engine")."""
 from __future__ import annotations
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,6 +147,44 @@ def test_cache_bytes_shared_vs_copy(setup):
     prefix, suffix = 64, engine.suffix_capacity   # the 40-token context is bucketed to 64 slots
     assert shared == (prefix + n * suffix) * per_tok
     assert copy == n * (prefix + suffix) * per_tok
+
+
+def test_a_state_the_slot_no_longer_holds_is_restored_or_refused(setup):
+    """The engine holds one sequence (its core's one slot); a DecodeState is a value. A state whose
+    slot a later prefill took is prefilled again from its tokens; an older copy of a state (fewer
+    tokens) rolls the slot back; a joined state whose KV is gone raises. Every result is checked
+    against a plain full forward (no cache), so a stale slot could not pass."""
+    model, _, engine = setup
+    a_ctx, b_ctx = _context(30, 12), _context(31, 15)
+    a = engine.prefill(a_ctx)
+    b = engine.prefill(b_ctx)                       # takes the slot from a
+    assert engine.generate(a, 6).tokens == greedy_by_full_forward(model, a_ctx, 6)
+    snap = copy.copy(b)
+    gb = engine.generate(b, 4)
+    assert gb.tokens == greedy_by_full_forward(model, b_ctx, 4)
+    assert engine.generate(snap, 5).tokens == greedy_by_full_forward(model, b_ctx, 5)   # slot rolled back
+    assert engine.generate(b, 3).tokens == greedy_by_full_forward(model, b_ctx + gb.tokens, 3)
+    gens = engine.decode_branches(a, [[5], [6]], 3)
+    engine.merge(a, [[5] + gens[0].tokens, [6] + gens[1].tokens])
+    engine.prefill(b_ctx)
+    with pytest.raises(EngineError, match="merge join whose KV is no longer"):
+        engine.generate(a, 2)
+
+
+def test_new_params_reach_the_core(setup):
+    """`engine.params = ...` (the RL trainer's in-process weight update) is what the next call
+    decodes with: logits == a plain full forward with the new weights."""
+    model, _, engine = setup
+    old = engine.params
+    new = jax.tree.map(lambda x: x * 1.25, old)
+    seq = _context(32, 10)
+    try:
+        engine.params = new
+        got = engine.step_logits(engine.prefill(seq))
+    finally:
+        engine.params = old
+    full = np.asarray(jax.jit(forward, static_argnums=1)(new, model.config, jnp.asarray([seq])))[0, -1]
+    assert np.abs(got - full).max() <= 1e-4
 
 
 def test_stop_overshoot_and_errors(setup):

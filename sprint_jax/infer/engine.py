@@ -181,8 +181,6 @@ class Engine:
                                 prefill_chunk=prefill_chunk, eos_token_ids=eos_token_ids, mesh=mesh,
                                 attention_impl=attention_impl)
         self.model = model
-        self.config = self.core.config          # on a mesh: the serving layout's (copied KV heads)
-        self.params = self.core.params
         self.mesh = mesh
         self.sharding_notes = self.core.sharding_notes
         self.tokenizer = tokenizer
@@ -199,6 +197,25 @@ class Engine:
         self._fork: tuple[DecodeState, int] | None = None   # the last shared fork, kept for merge
 
     @property
+    def config(self):
+        """The config the core runs (on a mesh: the serving layout's, e.g. copied KV heads)."""
+        return self.core.config
+
+    @property
+    def params(self):
+        return self.core.params
+
+    @params.setter
+    def params(self, params) -> None:
+        """New weights (the RL trainer's in-process update): the core decodes with them from the next
+        call on (on a mesh placed as the core placed the first ones)."""
+        if self.mesh is None:
+            self.core.params = params
+        else:
+            from sprint_jax.infer import sharding as sh
+            self.core.params = sh.shard_model(self.model.config, params, self.mesh, [])[1]
+
+    @property
     def seq_capacity(self) -> int:
         """Slots of the sequence's parent slot (max_seq_len + decode-chunk slack)."""
         return self.core.parent_capacity
@@ -207,6 +224,11 @@ class Engine:
     def suffix_capacity(self) -> int:
         """Slots of one branch's child slot."""
         return self.core.child_capacity
+
+    @property
+    def stats(self) -> dict:
+        """The core's counters (steps, decode_calls, prefill_calls, tokens)."""
+        return self.core.stats
 
     @property
     def last_join_tokens(self) -> int:
