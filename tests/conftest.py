@@ -101,3 +101,24 @@ def start_lock_holder(directory: Path):
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "locked"
     return holder
+
+
+def greedy_by_full_forward(model, tokens, n: int, width: int = 64) -> list[int]:
+    """An engine-independent reference: n greedy tokens after `tokens`, each the argmax of one plain
+    causal forward (`qwen2.forward`, no cache) over the whole sequence so far, padded at the end to
+    `width` (one compile; causal attention keeps the padding out of earlier rows)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sprint_jax.model.qwen2 import forward
+
+    fwd = jax.jit(forward, static_argnums=1)
+    seq = [int(t) for t in tokens]
+    for _ in range(n):
+        assert len(seq) <= width, (len(seq), width)
+        row = np.zeros((1, width), np.int32)
+        row[0, : len(seq)] = seq
+        logits = np.asarray(fwd(model.params, model.config, jnp.asarray(row)))[0, len(seq) - 1]
+        seq.append(int(np.argmax(logits)))
+    return seq[len(tokens):]

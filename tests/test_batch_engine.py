@@ -1,6 +1,8 @@
 """The batched engine (issue 13) against independent references: each request decoded alone on
-the single-run `Engine` (itself tested against a plain full forward and HF generate), each fork
-child decoded alone from a fresh prefill, and the compiled HLO of the decode step."""
+the single-run `Engine` (a layer over this same slot core, run one request at a time, and itself
+tested against a plain full forward and HF generate; the greedy rows here are also checked against
+a plain full forward directly), each fork child decoded alone from a fresh prefill, and the
+compiled HLO of the decode step."""
 from __future__ import annotations
 
 import re
@@ -10,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_vocab_tokenizer
+from conftest import greedy_by_full_forward, tiny_vocab_tokenizer
 from sprint_jax.infer import Engine, EngineError, Sampling
-from sprint_jax.infer import engine as single
+from sprint_jax.infer import copy_fork
 from sprint_jax.infer.batch import STOP_WIDTH, BatchEngine, _decode
 from sprint_jax.model import from_pretrained
 
@@ -107,6 +109,12 @@ def test_mixed_batch_rows_equal_each_request_alone(setup):
         assert _reasons(got[i]) == _reasons(ref), i
     assert got[0][0].stop_reason == "stop" and got[0][0].overshoot > 0
     assert engine.free_slots == 4 and not engine.busy
+    # engine-independent: the greedy fork children and the generate after extend of run 2 (no
+    # stops, eos off: each runs to its limit) == a plain full forward, no cache
+    ctx = scripts[2][0]
+    assert [g.tokens for g in got[2][0]] == [greedy_by_full_forward(model, ctx + p, m)
+                                             for p, m in zip([[7], [8, 9], [10, 11, 12]], [5, 9, 7])]
+    assert got[2][1].tokens == greedy_by_full_forward(model, ctx + [40, 41, 42], 6)
 
 
 def test_fork_children_equal_each_branch_decoded_alone_from_a_fresh_prefill(setup):
@@ -272,7 +280,7 @@ def _copies_of_the_cache(hlo: str, capacities: set[int]) -> list[str]:
 
 def test_decode_step_hlo_has_no_full_cache_copy(setup):
     """The compiled decode chunk updates the slot cache in place: nothing in it produces a fresh
-    array with a capacity axis. The same detector finds the copy in the single-run engine, whose
+    array with a capacity axis. The same detector finds the copy in the copy-fork baseline, whose
     layer scan carries the cache through its outputs (the prototype the issue measured)."""
     model, tok, alone = setup
     engine = _batch(model, tok)
@@ -287,12 +295,14 @@ def test_decode_step_hlo_has_no_full_cache_copy(setup):
     assert caps == {104, 56}
     assert _copies_of_the_cache(hlo, caps) == []
     assert "scatter" in hlo
-    old_cache = single.KVCache.zeros(model.config, 1, alone.seq_capacity)
+    # the counterexample: the copy-fork baseline's decode (sprint_jax.infer.copy_fork) carries its
+    # plain cache through the layer scan, so the detector must find the capacity copy there
+    old_cache = copy_fork.KVCache.zeros(model.config, 1, alone.seq_capacity)
     o = lambda dt=jnp.int32: jnp.zeros(1, dt)  # noqa: E731
-    old = single._decode_fn.lower(
+    old = copy_fork._decode_fn.lower(
         model.params, model.config, old_cache, o(), o(), o(bool), o(), jnp.zeros((1, 1), jnp.int32),
-        jax.vmap(jax.random.key)(o()), jnp.int32(0), jnp.float32(0), jnp.int32(0), jnp.float32(1), None,
-        branched=False, chunk=8, greedy=True, attention_impl="xla").compile().as_text()
+        jax.vmap(jax.random.key)(o()), jnp.int32(0), jnp.float32(0), jnp.int32(0), jnp.float32(1),
+        chunk=8, greedy=True).compile().as_text()
     assert _copies_of_the_cache(old, {alone.seq_capacity}) != []
 
 

@@ -2,13 +2,15 @@
 and each branch decoded alone from a fresh full prefill (DESIGN.md "Inference engine")."""
 from __future__ import annotations
 
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
-from conftest import load_hf, tiny_vocab_tokenizer
+from conftest import greedy_by_full_forward, load_hf, tiny_vocab_tokenizer
 from sprint_jax.infer import Engine, EngineError, Sampling
 from sprint_jax.model import from_pretrained
 from sprint_jax.model.qwen2 import forward
@@ -147,6 +149,44 @@ def test_cache_bytes_shared_vs_copy(setup):
     assert copy == n * (prefix + suffix) * per_tok
 
 
+def test_a_state_the_slot_no_longer_holds_is_restored_or_refused(setup):
+    """The engine holds one sequence (its core's one slot); a DecodeState is a value. A state whose
+    slot a later prefill took is prefilled again from its tokens; an older copy of a state (fewer
+    tokens) rolls the slot back; a joined state whose KV is gone raises. Every result is checked
+    against a plain full forward (no cache), so a stale slot could not pass."""
+    model, _, engine = setup
+    a_ctx, b_ctx = _context(30, 12), _context(31, 15)
+    a = engine.prefill(a_ctx)
+    b = engine.prefill(b_ctx)                       # takes the slot from a
+    assert engine.generate(a, 6).tokens == greedy_by_full_forward(model, a_ctx, 6)
+    snap = copy.copy(b)
+    gb = engine.generate(b, 4)
+    assert gb.tokens == greedy_by_full_forward(model, b_ctx, 4)
+    assert engine.generate(snap, 5).tokens == greedy_by_full_forward(model, b_ctx, 5)   # slot rolled back
+    assert engine.generate(b, 3).tokens == greedy_by_full_forward(model, b_ctx + gb.tokens, 3)
+    gens = engine.decode_branches(a, [[5], [6]], 3)
+    engine.merge(a, [[5] + gens[0].tokens, [6] + gens[1].tokens])
+    engine.prefill(b_ctx)
+    with pytest.raises(EngineError, match="merge join whose KV is no longer"):
+        engine.generate(a, 2)
+
+
+def test_new_params_reach_the_core(setup):
+    """`engine.params = ...` (the RL trainer's in-process weight update) is what the next call
+    decodes with: logits == a plain full forward with the new weights."""
+    model, _, engine = setup
+    old = engine.params
+    new = jax.tree.map(lambda x: x * 1.25, old)
+    seq = _context(32, 10)
+    try:
+        engine.params = new
+        got = engine.step_logits(engine.prefill(seq))
+    finally:
+        engine.params = old
+    full = np.asarray(jax.jit(forward, static_argnums=1)(new, model.config, jnp.asarray([seq])))[0, -1]
+    assert np.abs(got - full).max() <= 1e-4
+
+
 def test_stop_overshoot_and_errors(setup):
     _, tok, engine = setup
     ctx = _context(11, 9)
@@ -165,35 +205,17 @@ def test_stop_overshoot_and_errors(setup):
         engine.prefill(list(range(3, 100)))
 
 
-def test_pallas_and_xla_shared_steps_give_the_same_logits(setup):
-    """One shared-fork decode step of three branches with non-empty, ragged suffixes: the Pallas
-    kernel's logits (interpret mode) == the XLA path's (per-branch attend_partial + merge), fp32."""
-    from sprint_jax.infer.engine import KVCache, _bucket, _extend_fn, _slice_prefix
-
-    _, _, engine = setup
-    state = engine.prefill(_context(21, 19))
-    pk, pv = _slice_prefix(state.cache, _bucket(state.length))
-    prefix = (pk, pv, jnp.int32(state.length))
-    n, lens = 3, np.array([2, 3, 4], np.int32)
-    runs = np.array([[state.pending, 7, 0, 0], [state.pending, 8, 9, 0], [state.pending, 10, 11, 12]], np.int32)
-    suffix, _ = _extend_fn(engine.params, engine.config, jnp.asarray(runs), KVCache.zeros(engine.config, n, engine.suffix_capacity),
-                           jnp.zeros(n, jnp.int32), jnp.asarray(lens), prefix, branched=True, attention_impl="xla")
-    logits = {}
-    for impl in ("xla", "pallas"):
-        cache = jax.tree.map(jnp.copy, suffix)          # each call donates its cache
-        _, out = _extend_fn(engine.params, engine.config, jnp.asarray([[5], [6], [7]], jnp.int32), cache,
-                            jnp.asarray(lens), jnp.ones(n, jnp.int32), prefix, branched=True, attention_impl=impl)
-        logits[impl] = np.asarray(out)
-    assert np.abs(logits["xla"]).max() > 0.1                 # not trivially small
-    np.testing.assert_allclose(logits["pallas"], logits["xla"], rtol=1e-4, atol=1e-4)
-
-
 def test_pallas_attention_gives_the_same_greedy_branches(setup, hf_untied):
+    """The fork's parent-prefix attention in the Pallas kernel (interpret mode on CPU) gives the
+    XLA path's branches, and both equal each branch's greedy tokens from a plain full forward
+    (the logits-level kernel check is tests/test_parent_prefix.py's)."""
     model, tok, xla_engine = setup
     pallas = Engine(model, tok, max_seq_len=96, max_branches=16, max_branch_tokens=48, decode_chunk=8,
                     prefill_chunk=32, eos_token_ids=[], attention_impl="pallas")
     context = _context(21, 19)
     prefixes = [[7], [8, 9], [10, 11, 12]]
-    a = xla_engine.decode_branches(xla_engine.prefill(context), prefixes, [5, 9, 7], mode="shared")
-    b = pallas.decode_branches(pallas.prefill(context), prefixes, [5, 9, 7], mode="shared")
+    limits = [5, 9, 7]
+    a = xla_engine.decode_branches(xla_engine.prefill(context), prefixes, limits, mode="shared")
+    b = pallas.decode_branches(pallas.prefill(context), prefixes, limits, mode="shared")
     assert [g.tokens for g in a] == [g.tokens for g in b]
+    assert [g.tokens for g in a] == [greedy_by_full_forward(model, context + p, m) for p, m in zip(prefixes, limits)]

@@ -1,8 +1,9 @@
 """Inference over a mesh (issue 15) == one device: on 8 fake CPU devices, the batched engine on
 data=2, tensor=2 x data=2, tensor=4 x data=2 and tensor=8 meshes gives the same greedy tokens
 (generate, fork with forced prefixes, extend, the scheduler with several sequences at once) as
-the same engine on one device, and the single-run Engine's prefill logits (fp32 tolerance),
-greedy generate and decode_branches on a mesh match one device. The parameters are loaded
+the same engine on one device, and the single-run Engine (a layer over the same slot core) gives
+the one-device prefill logits (fp32 tolerance), greedy generate and decode_branches on every mesh,
+with the Pallas kernel per shard at tensor=8. The parameters are loaded
 straight into their shardings; data shards keep their slots local (compiled HLO checked).
 
 The 8 devices are faked with XLA_FLAGS in a subprocess, so the rest of the suite keeps 1 device.
@@ -72,10 +73,17 @@ for spec, n in (("data=2", 2), ("tensor=2,data=2", 4), ("tensor=4,data=2", 8), (
     q = model.params["layers"]["q_proj"]["kernel"]
     eng = BatchEngine(model, tok, max_seqs=4, max_children=4, mesh=mesh, **CAPS)
     got = drive(eng)
-    one = Engine(model, tok, mesh=mesh, **CAPS)
+    one = Engine(model, tok, mesh=mesh, **CAPS)       # the single-run API on the slot core's mesh path
     logits = one.step_logits(one.prefill(prompt))
+    pallas_single = None
+    if spec == "tensor=8":   # the Pallas parent-prefix kernel per shard, copied KV heads (interpret mode)
+        pe = Engine(model, tok, mesh=mesh, attention_impl="pallas", **CAPS)
+        pallas_single = [g.tokens for g in pe.decode_branches(pe.prefill(prompt), [ids(8, 4), [], ids(9, 2)], 7)]
+        pallas_single = pallas_single == ref_single[1]
     out[spec] = {"same_tokens": got == ref, "max_logit_diff": float(np.abs(logits - ref_logits).max()),
                  "same_single": single(one) == ref_single, "n_single": sum(map(len, ref_single[1])) + len(ref_single[0]),
+                 "single_notes": one.sharding_notes, "single_pk_spec": norm(one.core.cache.pk.sharding.spec, 5),
+                 "single_ck_spec": norm(one.core.cache.ck.sharding.spec, 5), "pallas_single": pallas_single,
                  "q_spec": norm(q.sharding.spec, 4), "pk_spec": norm(eng.cache.pk.sharding.spec, 5),
                  "ck_spec": norm(eng.cache.ck.sharding.spec, 5),
                  "pk_shard": list(eng.cache.pk.addressable_shards[0].data.shape),
@@ -117,6 +125,20 @@ def test_shardings_follow_the_rules_table(sharded):
     assert r8["pk_spec"] == [None, None, None, "tensor", None]
     assert any("KV heads copied -> 4" in n and "-> 8" in n for n in r4["notes"]), r4["notes"]
     assert any("KV heads copied -> 8" in n and "-> 8" in n for n in r8["notes"]), r8["notes"]
+
+
+
+def test_single_run_engine_takes_the_slot_cores_mesh_path(sharded):
+    """`Engine(mesh=)` is the slot core's: at tensor=8 (> the 2 KV heads) its KV heads are copied
+    (logged) and its slots split over tensor like the batched engine's, and the Pallas kernel runs
+    per shard (same branches as one device); at data=2 its one parent slot (and so its children)
+    stay whole on each data shard, noted, with the one-device tokens (test above)."""
+    r8, r2 = sharded["tensor=8"], sharded["data=2"]
+    assert any("KV heads copied -> 8" in n for n in r8["single_notes"]), r8["single_notes"]
+    assert r8["single_pk_spec"] == r8["single_ck_spec"] == [None, None, None, "tensor", None]
+    assert r8["pallas_single"] is True
+    assert r2["single_pk_spec"][1] is None and r2["single_ck_spec"][1] is None     # slots whole
+    assert any("child slots: replicated like the parent slots" in n for n in r2["single_notes"]), r2["single_notes"]
 
 
 def test_parse_mesh_flag():

@@ -81,8 +81,7 @@ def reference(model, toks, pos, mask):
     return np.asarray(unembed(params, config, x))[0], np.asarray(k)[:, 0], np.asarray(v)[:, 0]
 
 
-@pytest.mark.parametrize("mode", ["shared", "copy"])
-def test_merged_planner_cache_equals_a_dense_forward_with_the_merge_mask(model, engine, mode):
+def test_merged_planner_cache_equals_a_dense_forward_with_the_merge_mask(model, engine, mode="shared"):
     """Two stages: a fork of 3 branches of different lengths (one with a forced repair token the
     branch never decoded), merge, the planner writes, a second fork of 2, merge, the planner
     writes. The planner's cache, the join logits and every later planner logit equal the dense

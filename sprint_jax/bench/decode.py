@@ -3,9 +3,10 @@
 Why. A SPRINT stage (paper §10) runs its executors at the same time: the engine forks the
 planner's cache and decodes every branch in one batched step. This benchmark measures, in one
 run, what that buys (DESIGN.md "Performance contract"):
-  shared   `decode_branches(mode="shared")`: the prefix KV stored once, a suffix cache per branch,
-  copy     the prefix copied into every branch (the baseline to beat),
-  serial   one branch after another on the planner's cache (what a non-parallel runtime does),
+  shared   `decode_branches(mode="shared")`: the slot core's fork: the prefix KV stored once and
+           read in place once per step for all branches, a child slot per branch,
+  copy     the prefix copied into every branch (the baseline to beat: `infer/copy_fork.py`),
+  serial   the same child slots, one branch after another (what a non-parallel runtime does),
 for each branch count and context (prefix) length, plus single-sequence `engine.generate` vs
 HF transformers `generate` (PyTorch, `Qwen2ForCausalLM` or `Qwen3ForCausalLM`, eager attention)
 on the same weights, the peer a user would otherwise pick.

@@ -5,8 +5,8 @@ Model: random weights in the demo's model shape (`demo-size`: sprint_jax.demo.De
 
 Rows, all measured in one run:
   throughput   problems/s and generated tokens/s at each --concurrency on `BatchEngine`, and the
-               same problems one after another on the single-run `Engine` (the current per-run
-               path), on identical work. A problem is a SPRINT run with scripted stage lengths:
+               same problems one after another on the single-run `Engine` (the single-run API,
+               a layer over the same slot core with one slot: one run at a time), on identical work. A problem is a SPRINT run with scripted stage lengths:
                prompt (--prompt-len tokens) -> planner call (--planner-tokens) -> fork of
                --executors executors (forced 4-token opening, --executor-tokens each) -> sync
                (the executors' tokens prefilled onto the planner) -> final planner call
@@ -14,7 +14,7 @@ Rows, all measured in one run:
                strings, greedy. Random weights, so what a model would write does not matter.
   capacity     one sequence's decode step at used length --used (256) in a cache of capacity 512
                vs 8192, for the batched engine (attends over the bucketed used length) and the
-               single-run engine (attends over its capacity). The sequence is prefilled once;
+               single-run engine (the same core through the single-run API). The sequence is prefilled once;
                each timed call decodes N tokens and rolls back (truncate), and
                step_ms = (wall(8 chunks) - wall(1 chunk)) / (7 chunks) cancels per-call set-up.
   fork bytes   a fork of --executors children on a fresh engine: the KV bytes written, read off the

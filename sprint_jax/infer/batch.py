@@ -156,18 +156,20 @@ _NEVER = 1 << 30        # a span_end no query row reaches
 # ---------------------------------------------------------------------------------------------
 # Prefill: tokens [R, T] appended to R parent slots, or to R child slots (forced prefixes)
 # ---------------------------------------------------------------------------------------------
-@functools.partial(jax.jit, static_argnames=("config", "kind", "s_b", "c_b", "kv", "return_logits"),
+@functools.partial(jax.jit, static_argnames=("config", "kind", "s_b", "c_b", "kv", "return_logits", "all_logits"),
                    donate_argnames=("cache",))
 @sh.slot_local(rows=("tokens", "slot", "parent", "fork_len", "start", "n_valid", "pos_off"),
                out=lambda a: ("cache", "rows") if a["return_logits"] else "cache", cache_kv=(0, 0, 1, 1))
 def _prefill(params, config: Qwen2Config, cache: SlotCache, tokens, slot, parent, fork_len, start, n_valid,
-             kind: str, s_b: int, c_b: int, kv=None, pos_off=None, return_logits: bool = False):
+             kind: str, s_b: int, c_b: int, kv=None, pos_off=None, return_logits: bool = False,
+             all_logits: bool = False):
     """kind "parent": rows are parent slots `slot`, tokens written at start..start+n_valid.
     kind "child": rows are child slots `slot` of parent slots `parent`; they see the parent's
     first fork_len slots and their own first `start` slots; positions are fork_len + start + t.
     Slot ids are global; taken modulo the slots this call holds (all, or its shard's: slot_local).
     pos_off [R]: the (parent) sequence's slot-to-position shift after a merge join (Seq; None: 0).
-    return_logits: also each row's logits at its last valid token [R, V] (a merge join's last)."""
+    return_logits: also each row's logits at its last valid token [R, V] (a merge join's last);
+    with all_logits, at every token [R, T, V] (teacher forcing: `forced_logits`, `fork_logits`)."""
     r, t = tokens.shape
     slot = slot % (cache.pk if kind == "parent" else cache.ck).shape[1]
     parent = parent % cache.pk.shape[1]
@@ -200,6 +202,8 @@ def _prefill(params, config: Qwen2Config, cache: SlotCache, tokens, slot, parent
         out = _constrain(SlotCache(cache.pk, cache.pv, ck, cv), kv)
     if not return_logits:
         return out
+    if all_logits:
+        return out, unembed(params, config, hidden)
     last = jnp.take_along_axis(hidden, jnp.clip(n_valid - 1, 0, t - 1)[:, None, None], axis=1)
     return out, unembed(params, config, last)[:, 0]
 
@@ -476,6 +480,11 @@ class BatchEngine:
             self.config, self.params = sh.shard_model(self.config, model.params, mesh, notes)
             self._kv = (sh.kv_sharding(self.config, mesh, max_seqs, notes, "parent slots"),
                         sh.kv_sharding(self.config, mesh, max_seqs * max_children, notes, "child slots"))
+            if not sh.slot_axes(self._kv[:1]) and sh.slot_axes(self._kv[1:]):
+                # too few parent slots to split (the single-run Engine's one): children stay with
+                # their parent on every device rather than split apart from it (no per-step gathers)
+                self._kv = (self._kv[0], sh.whole_slots(self._kv[1]))
+                notes.append("child slots: replicated like the parent slots (too few parent slots to split)")
             sh.log_notes(notes, "BatchEngine on mesh " + ",".join(f"{k}={v}" for k, v in mesh.shape.items()))
             p, c = self._kv
             self.cache = jax.jit(SlotCache.zeros, static_argnums=(0, 1, 2, 3, 4),
@@ -724,6 +733,90 @@ class BatchEngine:
         seq.last_fork = None
         self.last_join_tokens = sum(len(t) for t in tails)
         return seq
+
+    def flush(self, seq: Seq) -> None:
+        """Write the sequence's queued tokens (an open's prompt, extends) into its slot now."""
+        while seq.id in self._prefill_work:
+            self._step_or_raise()
+
+    def forced_logits(self, seq: Seq, tokens: Sequence[int] = ()) -> np.ndarray:
+        """Teacher forcing on an idle sequence, now: its pending token and tokens[:-1] run through
+        its slot (parent prefill calls) and tokens are appended; returns the logits [T, V] that
+        predict each of tokens (row t: after the sequence + tokens[:t]). tokens empty: the next
+        token's logits [1, V], nothing appended. The single-run `Engine`'s step_logits /
+        extend_logits (exactness tests compare them with a plain forward)."""
+        self._check_idle(seq, "forced_logits")
+        if seq.after_join:
+            raise EngineError("forced_logits right after a merge join: its logits are the join logits")
+        tokens = [int(t) for t in tokens]
+        if len(seq.tokens) + len(tokens) > self.max_seq_len:
+            raise EngineError(f"extending to {len(seq.tokens) + len(tokens)} tokens exceeds "
+                              f"max_seq_len={self.max_seq_len}")
+        self.flush(seq)
+        run = [seq.tokens[-1]] + tokens[:-1]
+        (i,), r_b = sh.slot_blocks([seq.slot], self.max_seqs, self._parts)
+        rows = []
+        for pos in range(0, len(run), self.prefill_chunk):
+            piece = run[pos: pos + self.prefill_chunk]
+            toks = np.zeros((r_b, _bucket_fine(len(piece), 16)), np.int32)
+            slot = np.full(r_b, self.max_seqs, np.int32)     # padding rows: nothing valid, writes dropped
+            start, nval, pos_off = (np.zeros(r_b, np.int32) for _ in range(3))
+            toks[i, : len(piece)] = piece
+            slot[i], start[i], nval[i], pos_off[i] = seq.slot, seq.length + pos, len(piece), seq.pos_offset
+            s_b = min(_bucket(int(start[i]) + 1, self.min_bucket), self.parent_capacity)
+            self.cache, logits = _prefill(self.params, self.config, self.cache, toks, slot, slot, np.zeros_like(slot),
+                                          start, nval, kind="parent", s_b=s_b, c_b=1, kv=self._kv, pos_off=pos_off,
+                                          return_logits=True, all_logits=True)
+            self.stats["prefill_calls"] += 1
+            rows.append(np.asarray(logits[i, : len(piece)]))
+        seq.tokens = seq.tokens + tokens
+        return np.concatenate(rows)
+
+    def fork_logits(self, seq: Seq, branches: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Teacher forcing over a fork, now: child j runs the sequence's pending token and
+        branches[j][:-1] in its child slot (child prefill calls); returns per child the logits
+        [len(branches[j]), V] that predict each of its tokens. The fork is recorded for `merge`
+        (each child's last token is left for the join to run), as a finished `fork` would be."""
+        self._check_idle(seq, "fork_logits")
+        if seq.after_join:
+            raise EngineError("fork right after a merge join: the planner must write a token first")
+        branches = [[int(t) for t in b] for b in branches]
+        n = len(branches)
+        if not 1 <= n <= self.max_children or any(not b for b in branches):
+            raise EngineError(f"fork_logits needs 1..{self.max_children} non-empty branches")
+        if any(len(b) + 1 > self.max_branch_tokens for b in branches):
+            raise EngineError(f"a branch exceeds max_branch_tokens={self.max_branch_tokens}")
+        self.flush(seq)
+        p0 = seq.length
+        runs = [[seq.tokens[-1]] + b[:-1] for b in branches]
+        at, r_b = sh.slot_blocks([seq.slot] * n, self.max_seqs, self._parts,
+                                 cap=self.max_seqs // self._parts * self.max_children)
+        cslot = np.full(r_b, self.max_seqs * self.max_children, np.int32)   # padding rows write nowhere
+        parent = np.full(r_b, seq.slot, np.int32)
+        fork_len = np.full(r_b, p0, np.int32)
+        pos_off = np.full(r_b, seq.pos_offset, np.int32)
+        for j, i in enumerate(at):
+            cslot[i] = seq.slot * self.max_children + j
+        out: list[list[np.ndarray]] = [[] for _ in range(n)]
+        for pos in range(0, max(len(r) for r in runs), self.prefill_chunk):
+            pieces = [r[pos: pos + self.prefill_chunk] for r in runs]
+            toks = np.zeros((r_b, _bucket_fine(max(len(p) for p in pieces), 16)), np.int32)
+            start = np.full(r_b, pos, np.int32)
+            nval = np.zeros(r_b, np.int32)
+            for i, p in zip(at, pieces):
+                toks[i, : len(p)] = p
+                nval[i] = len(p)
+            s_b = min(_bucket(p0 + 1, self.min_bucket), self.parent_capacity)
+            c_b = min(_bucket(pos + 1, self.min_bucket), self.child_capacity)
+            self.cache, logits = _prefill(self.params, self.config, self.cache, toks, cslot, parent, fork_len, start,
+                                          nval, kind="child", s_b=s_b, c_b=c_b, kv=self._kv, pos_off=pos_off,
+                                          return_logits=True, all_logits=True)
+            self.stats["prefill_calls"] += 1
+            logits = np.asarray(logits)
+            for j, (i, p) in enumerate(zip(at, pieces)):
+                out[j].append(logits[i, : len(p)])
+        seq.last_fork = (len(seq.tokens), [([seq.tokens[-1]] + b, len(r)) for b, r in zip(branches, runs)])
+        return [np.concatenate(o) for o in out]
 
     @property
     def max_branches(self) -> int:        # the orchestrator's name for children per parent

@@ -80,7 +80,9 @@ def run(args) -> int:
         def encode(self, s, add_special_tokens=False):
             raise UserError("stop strings need a tokenizer")
 
-    engine = Engine(model, tok or _IdsOnly(), max_seq_len=len(ids) + args.max_new_tokens + 1)
+    # one sequence, no forks: the core's child slots are kept minimal
+    engine = Engine(model, tok or _IdsOnly(), max_seq_len=len(ids) + args.max_new_tokens + 1, max_branches=1,
+                    max_branch_tokens=1)
     t0 = time.perf_counter()
     state = engine.prefill(ids)
     g = engine.generate(state, args.max_new_tokens, stop=args.stop, sampling=sampling)

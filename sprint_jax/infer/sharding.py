@@ -268,6 +268,13 @@ def slot_axes(kv) -> tuple[str, ...]:
     return first if all(axes(s) == first for s in kv[1:]) else ()
 
 
+def whole_slots(kv: NamedSharding) -> NamedSharding:
+    """A KV sharding with the slot axis whole on every device (KV heads etc. as they were)."""
+    from jax.sharding import PartitionSpec as P
+    spec = tuple(kv.spec) + (None,) * (2 - len(kv.spec))
+    return NamedSharding(kv.mesh, P(*(None if i == 1 else a for i, a in enumerate(spec))))
+
+
 def slot_parts(kv) -> int:
     """How many blocks the slots are split into (1: one block, the plain path)."""
     axes = slot_axes(kv)
