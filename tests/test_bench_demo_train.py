@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,6 +29,7 @@ def test_bad_baseline_tree_is_one_line(tmp_path):
         assert "--baseline-tree" in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.slow
 def test_interleaved_runs_of_two_trees(tmp_path):
     old = tmp_path / "old"
     shutil.copytree(ROOT / "sprint_jax", old / "sprint_jax", ignore=shutil.ignore_patterns("__pycache__"))
