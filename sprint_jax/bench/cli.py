@@ -16,6 +16,7 @@ DESCRIPTION = """Benchmarks (each prints a table and writes JSON with --out):
   sprint-jax bench serve --http   the OpenAI-compatible server's per-request overhead vs in-process
   sprint-jax bench train          train step tokens/s vs an HF PyTorch step (MFU on GPU/TPU)
   sprint-jax bench train-memory   per-device memory of the 7B train step on a fake 8-device mesh
+  sprint-jax bench demo-train     the demo's training tokens/s vs an older checkout, runs interleaved
 
 Add --help after a name for its options.
 """
@@ -28,6 +29,7 @@ BENCHES = {
     "serve-memory": ("sprint_jax.bench.serve_memory", "add_serve_memory_arguments", "run_serve_memory_bench"),
     "train": ("sprint_jax.bench.train", "add_train_arguments", "run_train_bench"),
     "train-memory": ("sprint_jax.bench.train", "add_train_memory_arguments", "run_train_memory_bench"),
+    "demo-train": ("sprint_jax.bench.demo_train", "add_demo_train_arguments", "run_demo_train_bench"),
 }
 
 

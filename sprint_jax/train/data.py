@@ -597,6 +597,15 @@ def pack(lengths: Sequence[int], order: Sequence[int], seq_len: int, open_rows: 
     return rows
 
 
+def trim_bucket(seq_len: int, loss_chunk: int = 0) -> int:
+    """Width granularity of `data.trim_rows`: a quarter of seq_len rounded up to a multiple of 64
+    (and of loss_chunk when that divides seq_len, so the chunked loss keeps its chunks), hence at
+    most 4 distinct row widths, i.e. at most 4 compiled train steps."""
+    unit = loss_chunk if 0 < loss_chunk < seq_len and seq_len % loss_chunk == 0 else 64
+    unit = unit * 64 // int(np.gcd(unit, 64))
+    return int(-(-(-(-seq_len // 4)) // unit) * unit)
+
+
 @dataclasses.dataclass
 class Rows:
     """A batch of packed rows as numpy arrays, [B, T] each (stage / branch: merge layout only)."""
@@ -655,9 +664,25 @@ class RowStream:
         e, r = self.locate(row)
         return self.epoch_rows(e)[r]
 
-    def rows(self, row_ids: Sequence[int]) -> Rows:
-        """Materialise the given stream rows (and only those) as arrays."""
-        b, t = len(row_ids), self.seq_len
+    def row_length(self, row: int) -> int:
+        """Tokens of items in stream row `row` (the rest of its seq_len is padding)."""
+        return sum(self._lengths[i] for i in self.row_items(row))
+
+    def width(self, row_ids: Sequence[int], bucket: int) -> int:
+        """The row width a batch of these rows needs: its longest row rounded up to a multiple of
+        `bucket`, at most seq_len (`bucket` <= 0: always seq_len). Every process computes the same
+        value from the row ids alone. Cutting the trailing padding changes nothing a real token
+        sees or predicts: padding is never attended to (span_end = its own row + 1) and carries
+        no loss weight."""
+        if bucket <= 0:
+            return self.seq_len
+        longest = max((self.row_length(r) for r in row_ids), default=1)
+        return min(self.seq_len, max(1, -(-longest // bucket)) * bucket)
+
+    def rows(self, row_ids: Sequence[int], width: int | None = None) -> Rows:
+        """Materialise the given stream rows (and only those) as arrays, `width` (default
+        seq_len) tokens wide; every row's items must fit in `width`."""
+        b, t = len(row_ids), self.seq_len if width is None else width
         tokens = np.full((b, t), self.pad_token, np.int32)
         positions = np.zeros((b, t), np.int32)
         parents = np.full((b, t), -1, np.int32)
@@ -670,6 +695,8 @@ class RowStream:
             for i in self.row_items(row):
                 it = self.items[i]
                 n = len(it)
+                if off + n > t:
+                    raise ValueError(f"stream row {row} holds {self.row_length(row)} tokens, more than width {t}")
                 sl = slice(off, off + n)
                 tokens[r, sl] = it.tokens
                 positions[r, sl] = it.positions

@@ -266,6 +266,9 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
         say(f"  skipped {why}")
     stream = data_lib.RowStream(items, cfg.data.seq_len, cfg.data.seed, data_lib.pad_id(tokenizer),
                                 cfg.data.pack_open_rows)
+    # data.trim_rows: a batch whose rows all end in padding is cut to a narrower width (at most 4
+    # widths, each compiled once); the loss and every real token's gradient are unchanged
+    bucket = data_lib.trim_bucket(cfg.data.seq_len, cfg.model.loss_chunk) if cfg.data.trim_rows else 0
 
     # ---- mesh, step, state -----------------------------------------------------------------
     mesh = mesh_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
@@ -328,8 +331,9 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
     try:
         for step in range(start_step, cfg.steps):
             row_ids = range(rows, rows + cfg.optim.batch_size)
-            batch = distributed.put_batch(lambda ids: stream.rows(ids).as_dict(), rows, cfg.optim.batch_size,
-                                          cfg.data.seq_len, setup.batch_shardings)
+            width = stream.width(row_ids, bucket)
+            batch = distributed.put_batch(lambda ids: stream.rows(ids, width).as_dict(), rows,
+                                          cfg.optim.batch_size, width, setup.batch_shardings)
             state, m = setup.step(state, batch)
             if pending is not None:
                 _check_finite(*pending, last_saved)
@@ -350,7 +354,8 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
                 now = time.time()
                 rec = {"step": done, "loss": mv["loss"], "lr": mv["lr"], "grad_norm": mv["grad_norm"],
                        "tokens": tokens_total, "loss_tokens": int(mv["loss_tokens"]),
-                       "tokens_per_s": tok_log / max(now - t_log, 1e-9), "epoch": stream.epoch_of(rows),
+                       "tokens_per_s": tok_log / max(now - t_log, 1e-9), "row_width": width,
+                       "epoch": stream.epoch_of(rows),
                        "wall_s": now - t_start}
                 t_log, tok_log = now, 0
                 last_loss = mv["loss"]
