@@ -31,8 +31,11 @@ Rows, all measured in one run:
                through the server minus the same request's in-process latency in the same wave
                (median over requests); target: < 10% of the in-process p50 latency. Every path
                must return the same texts.
-Every point runs once untimed first (compiles every shape it meets), then --repeats times interleaved; the best is
-reported and every sample is kept in the JSON.
+Every point runs once untimed first (compiles every shape it meets; checks that every concurrency
+generates identical tokens: the same work), then --repeats times interleaved; the best is reported
+and every sample is kept in the JSON. Each sample also records this process's CPU seconds (all its
+threads) and the run the load average: on a shared machine other processes stretch the wall clock
+but not the CPU time, so the CPU-time ratio is printed next to the wall-clock one.
 
 Targets (issue 13, 2-core CPU): throughput at concurrency 16 >= 6x concurrency 1; decode step at
 used length 256: capacity 8192 <= 1.2x capacity 512.
@@ -113,8 +116,10 @@ def _openings(s: dict) -> list[list[int]]:
     return [[3, 4, 5, 6 + j] for j in range(s["executors"])]
 
 
-def run_batched(engine, prompts: list[list[int]], s: dict, concurrency: int) -> int:
-    """The problems on the BatchEngine, `concurrency` at a time; returns generated tokens."""
+def run_batched(engine, prompts: list[list[int]], s: dict, concurrency: int, outputs: list | None = None) -> int:
+    """The problems on the BatchEngine, `concurrency` at a time; returns generated tokens.
+    outputs: if given, receives (problem, stage, tokens) of every generation (the same work at
+    every concurrency: greedy, so identical lists once sorted)."""
     tokens = 0
     todo = list(range(len(prompts)))[::-1]
     live: dict[int, dict] = {}
@@ -123,6 +128,9 @@ def run_batched(engine, prompts: list[list[int]], s: dict, concurrency: int) -> 
         nonlocal tokens
         st = live[i]
         op = st["op"]
+        if outputs is not None and op.kind in ("generate", "fork"):
+            gens = [op.result] if op.kind == "generate" else op.result
+            outputs.extend((i, f"{op.kind}{int(st['forked'])}.{j}", g.tokens) for j, g in enumerate(gens))
         if op.kind == "open":
             st["seq"] = op.result
             st["op"] = engine.generate(st["seq"], s["planner_tokens"])
@@ -552,25 +560,35 @@ def serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     engines = {c: BatchEngine(model, tok, max_seqs=c, max_children=max(s["executors"], 1), **common) for c in conc}
     single = None if args.no_single else Engine(model, tok, max_branches=max(s["executors"], 1), **common)
     # compile every shape once: an untimed pass over the same work (the scheduler meets the same
-    # batch shapes again in the timed passes), then interleave the timed repeats
+    # batch shapes again in the timed passes), then interleave the timed repeats. The untimed pass
+    # also checks that every concurrency does the same work: identical generations (greedy).
+    works = {}
     for c, e in engines.items():
-        run_batched(e, prompts, s, c)
+        works[c] = []
+        run_batched(e, prompts, s, c, works[c])
+    out["same_work"] = all(sorted(w) == sorted(works[conc[0]]) for w in works.values())
     if single is not None:
         run_single(single, prompts[:1], s)
-    samples: dict[str, list[tuple[float, int]]] = {}
+    # each sample: wall s, generated tokens, this process's CPU s (all threads; on a shared machine
+    # the CPU time is what the run itself cost: other processes' load stretches the wall, not it)
+    samples: dict[str, list[tuple[float, int, float]]] = {}
+    out["loadavg_start"] = _loadavg()
     for _ in range(args.repeats):
         for c, e in engines.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             n_tok = run_batched(e, prompts, s, c)
-            samples.setdefault(f"batched@{c}", []).append((time.perf_counter() - t0, n_tok))
+            samples.setdefault(f"batched@{c}", []).append((time.perf_counter() - t0, n_tok, time.process_time() - c0))
         if single is not None:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             n_tok = run_single(single, prompts, s)
-            samples.setdefault("single", []).append((time.perf_counter() - t0, n_tok))
+            samples.setdefault("single", []).append((time.perf_counter() - t0, n_tok, time.process_time() - c0))
+    out["loadavg_end"] = _loadavg()
     for key, xs in samples.items():
-        wall, n_tok = min(xs)
+        wall, n_tok, _ = min(xs)
+        cpu = min(x[2] for x in xs)
         out["throughput"].append(dict(path=key, problems=n_problems, best_wall_s=wall, problems_per_s=n_problems / wall,
-                                      tokens_per_s=n_tok / wall, samples_s=[x for x, _ in xs]))
+                                      tokens_per_s=n_tok / wall, samples_s=[x[0] for x in xs], best_cpu_s=cpu,
+                                      cpu_samples_s=[x[2] for x in xs]))
     # capacity row
     used_prompt = [int(x) for x in np.random.default_rng(1).integers(2, model.config.vocab_size, args.used)]
     n_new = 8 * args.decode_chunk
@@ -618,18 +636,33 @@ def serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _loadavg() -> float | None:
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[0])
+    except OSError:
+        return None
+
+
 def _report(out: dict, conc: list[int], caps: list[int]) -> None:
     print(f"model {out['model']} on {out['backend']}; {out['settings']}")
-    print(f"{'path':<14}{'problems/s':>12}{'tokens/s':>12}{'wall s':>10}")
+    print(f"load average {out.get('loadavg_start')} -> {out.get('loadavg_end')}; same work at every concurrency "
+          f"(identical generations): {out.get('same_work')}")
+    print(f"{'path':<14}{'problems/s':>12}{'tokens/s':>12}{'wall s':>10}{'cpu s':>10}")
     rows = {r["path"]: r for r in out["throughput"]}
     for r in out["throughput"]:
-        print(f"{r['path']:<14}{r['problems_per_s']:>12.2f}{r['tokens_per_s']:>12.1f}{r['best_wall_s']:>10.2f}")
+        print(f"{r['path']:<14}{r['problems_per_s']:>12.2f}{r['tokens_per_s']:>12.1f}{r['best_wall_s']:>10.2f}"
+              f"{r['best_cpu_s']:>10.2f}")
     targets = {}
     one = rows.get(f"batched@{min(conc)}")
     for c in conc:
         r = rows.get(f"batched@{c}")
         if one and r:
             targets[f"throughput concurrency {c} / {min(conc)}"] = r["problems_per_s"] / one["problems_per_s"]
+    for c in conc:
+        r = rows.get(f"batched@{c}")
+        if one and r and c != min(conc):
+            targets[f"  the same in process CPU time ({c} / {min(conc)})"] = one["best_cpu_s"] / r["best_cpu_s"]
     if "single" in rows and one:
         targets[f"batched@{min(conc)} / single (latency path)"] = one["problems_per_s"] / rows["single"]["problems_per_s"]
     print(f"\n{'capacity':<10}{'used':>6}{'batched step ms':>18}{'single step ms':>16}")
