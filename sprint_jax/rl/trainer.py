@@ -173,8 +173,8 @@ def plot_curves(records: list[dict], path: Path) -> None:
     a[5].plot(x, col(rows, "executions_exact"), lw=1.0, label="executions exact (rollouts)")
     a[5].set_ylabel("stages per run; fraction")
     if ev:
+        a[1].plot(xe, col(ev, "eval_total_tokens"), "s--", ms=8, label="held-out total (greedy)")
         a[1].plot(xe, col(ev, "eval_sequential_tokens"), "o-", label="held-out sequential (greedy)")
-        a[1].plot(xe, col(ev, "eval_total_tokens"), "s--", label="held-out total (greedy)")
         a[2].plot(xe, col(ev, "eval_accuracy"), "o-", label="held-out (greedy)")
         a[4].plot(xe, col(ev, "eval_planner_tokens"), "o-", label="planner (held-out)")
         a[4].plot(xe, col(ev, "eval_executor_critical_tokens"), "s-", label="executors critical (held-out)")
