@@ -374,3 +374,31 @@ def test_length_parts_hand_computed():
     assert want["planner_tokens"] + want["executor_critical_tokens"] == rec.sequential_tokens == 27
     assert want["planner_tokens"] + want["executor_tokens"] == rec.total_tokens == 31
     assert mean_parts([rec, rec.to_json()], "eval_")["eval_executor_critical_tokens"] == 13.0
+
+
+def test_keyed_digits_combine():
+    """The `digits` combining plan lists the chains' last digits in chain order (by hand), parses for
+    every plan shape, tokenizes losslessly in the keyed vocabulary, and the answer is their max."""
+    from sprint_jax import format as fmt
+    from sprint_jax.model.tokenizer import VocabTokenizer
+    from sprint_jax.rl import keyed
+    from sprint_jax.tasks.types import Task
+
+    t = Task(id="k", kind="chains", problem="", answer={"starts": [3, 0], "length": 4, "key": "1101", "value": 9})
+    assert keyed.combine_text(t, "digits") == "Last digits: 5 9"          # 39115, 07339
+    assert keyed.combine_text(t) == keyed.chains.COMBINE
+    with pytest.raises(ValueError):
+        keyed.combine_text(t, "sum")
+    tok = VocabTokenizer(keyed.vocabulary(), eos_token="<eos>", pad_token="<pad>")
+    task = keyed.split(3, 0)[0][0]
+    for shape in keyed.SHAPES:
+        c = keyed.sprint_completion(task, shape, "digits")
+        traj, problems = fmt.parse_completion(c)
+        assert not problems and traj.final_answer == str(task.answer["value"])
+        lasts = [int(keyed.chain(s, task.answer["key"])[-1]) for s in task.answer["starts"]]
+        assert traj.stages[-1].plan == ["Last digits: " + " ".join(map(str, lasts))]
+        assert max(lasts) == task.answer["value"]
+        assert tok.decode(tok.encode(c)) == c
+    with pytest.raises(SystemExit) as e:
+        keyed.main(["--out", "/nonexistent/x", "--combine", "sum"])
+    assert e.value.code == 2

@@ -147,9 +147,25 @@ def shape_of(task: Task, shapes=SHAPES, weights: tuple[float, ...] | None = None
     return pairs[-1][0]
 
 
-def sprint_completion(task: Task, shape: tuple[int, ...] | None = None) -> str:
+LAST_DIGITS = "Last digits"
+COMBINES = ("sentence", "digits")
+
+
+def combine_text(task: Task, combine: str = "sentence") -> str:
+    """The plan of the combining stage: the demo's sentence, or (`digits`) the chains' last digits
+    in chain order, `Last digits: 1 1 8 5`, so the answer is the largest of four adjacent digits
+    whatever the plan shape that laid out the executions."""
+    if combine == "sentence":
+        return chains.COMBINE
+    if combine != "digits":
+        raise ValueError(f"combine must be one of {', '.join(COMBINES)}, got {combine!r}")
+    key = task.answer["key"]
+    return f"{LAST_DIGITS}: " + " ".join(chain(s, key)[-1] for s in task.answer["starts"])
+
+
+def sprint_completion(task: Task, shape: tuple[int, ...] | None = None, combine: str = "sentence") -> str:
     """The SPRINT body: the chains in order over stages of `shape` (default: all in one stage), then
-    a stage with the combining sentence, then the final answer."""
+    a stage with the combining plan (`combine_text`), then the final answer."""
     from sprint_jax import format as fmt
     starts, key = task.answer["starts"], task.answer["key"]
     shape = shape or (len(starts),)
@@ -158,7 +174,7 @@ def sprint_completion(task: Task, shape: tuple[int, ...] | None = None) -> str:
         part = starts[k:k + m]
         stages.append(fmt.Stage(i, [fmt.Prompt(f"Chain {s}:") for s in part], [chain(s, key) for s in part]))
         k += m
-    stages.append(fmt.Stage(len(shape) + 1, [chains.COMBINE]))
+    stages.append(fmt.Stage(len(shape) + 1, [combine_text(task, combine)]))
     return fmt.render_completion(fmt.Trajectory(stages=stages, final_answer=str(task.answer["value"])))
 
 
@@ -168,13 +184,14 @@ def rft_completion(task: Task) -> str:
     return to_rft(prompt_for(task), "\n".join(lines), str(task.answer["value"]))
 
 
-def write_sft_data(tasks: list[Task], out: Path, shape_weights: tuple[float, ...] | None = None) -> dict[str, Path]:
+def write_sft_data(tasks: list[Task], out: Path, shape_weights: tuple[float, ...] | None = None,
+                   combine: str = "sentence") -> dict[str, Path]:
     """OUT/sprint.jsonl and OUT/rft.jsonl: the same problems, as SPRINT bodies (plan shapes drawn by
-    `shape_of` with `shape_weights`) and serial traces."""
+    `shape_of` with `shape_weights`, combining plan by `combine`) and serial traces."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {"sprint": out / "sprint.jsonl", "rft": out / "rft.jsonl"}
     for kind, path in paths.items():
-        make = (lambda t: sprint_completion(t, shape_of(t, weights=shape_weights))) if kind == "sprint" else rft_completion
+        make = (lambda t: sprint_completion(t, shape_of(t, weights=shape_weights), combine)) if kind == "sprint" else rft_completion
         with open(path, "w") as f:
             for t in tasks:
                 f.write(json.dumps({"id": t.id, "kind": kind, "prompt": prompt_for(t), "completion": make(t),
@@ -190,7 +207,7 @@ def vocabulary(n_chains: int = 4) -> list[str]:
     tags for up to MAX_STAGES plans (one chain per stage, then the combining stage)."""
     from sprint_jax import format as fmt
     from sprint_jax.demo import DemoConfig, _vocabulary
-    vocab = _vocabulary(DemoConfig(chains=n_chains))
+    vocab = _vocabulary(DemoConfig(chains=n_chains)) + [LAST_DIGITS]
     for tag in fmt.tag_vocabulary(max_stages=MAX_STAGES, max_prompts=n_chains):
         for v in ([tag, " " + tag] if tag.startswith("</") else [tag] if tag.startswith("<execution") else
                   [tag, tag + " "]):
@@ -210,6 +227,7 @@ class SFTSettings:
     lr: float = 4e-3
     seed: int = 0
     shape_weights: str = ""   # one weight per SHAPES entry, e.g. "1,1,3"; empty = a third each
+    combine: str = "sentence"  # the combining plan: the demo's sentence, or "digits" (combine_text)
 
 
 def sft(out: Path, s: SFTSettings, kinds=("sprint", "rft"), progress: bool = True) -> dict[str, str]:
@@ -223,7 +241,7 @@ def sft(out: Path, s: SFTSettings, kinds=("sprint", "rft"), progress: bool = Tru
     from sprint_jax.train.trainer import train
 
     tasks, _ = split(s.n, 0, s.seed, n_chains=s.chains, length=s.length)
-    paths = write_sft_data(tasks, out / "data", parse_weights(s.shape_weights))
+    paths = write_sft_data(tasks, out / "data", parse_weights(s.shape_weights), s.combine)
     tok = VocabTokenizer(vocabulary(s.chains), eos_token="<eos>", pad_token="<pad>")
     model = {"model_type": "qwen2", "vocab_size": (len(tok) + 7) // 8 * 8, **to_dict(DemoModel()),
              "max_position_embeddings": s.seq_len, "tie_word_embeddings": False, "eos_token_id": tok.eos_token_id}
@@ -251,6 +269,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     try:
         parse_weights(a.shape_weights)
+        if a.combine not in COMBINES:
+            raise ValueError(f"--combine must be one of {', '.join(COMBINES)}, got {a.combine!r}")
     except ValueError as e:
         p.error(str(e))                                   # one line, exit 2
     s = SFTSettings(**{f.name: getattr(a, f.name) for f in dataclasses.fields(SFTSettings)})
