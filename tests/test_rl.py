@@ -317,3 +317,88 @@ def test_keyed_chains_hand_computed():
     assert keyed.execution_quality([rec], [t]) == {"executions_exact": 1.0, "answer_matches_executions": 1.0}
     rec["stages"][0]["executions"][0]["text"] = "12"
     assert keyed.execution_quality([rec], [t])["executions_exact"] == 0.75
+
+
+def test_keyed_shape_weights(tmp_path):
+    """SFT plan shapes drawn with weights: a pure function of the task id, the drawn frequencies follow
+    the weights (binomial bounds), a zero weight never draws its shape, no weights keeps the uniform
+    draw, and the written SPRINT set uses the drawn shapes. Bad weights: one line, exit 2."""
+    from collections import Counter
+
+    from sprint_jax import format as fmt
+    from sprint_jax.rl import keyed
+
+    tasks, _ = keyed.split(3000, 0)
+    w = keyed.parse_weights("1,2,4")
+    assert w == (1.0, 2.0, 4.0) and keyed.parse_weights("") is None
+    drawn = [keyed.shape_of(t, weights=w) for t in tasks]
+    assert drawn == [keyed.shape_of(t, weights=w) for t in tasks]                     # deterministic
+    c = Counter(drawn)
+    for shape, p in zip(keyed.SHAPES, (1 / 7, 2 / 7, 4 / 7)):
+        sd = np.sqrt(3000 * p * (1 - p))
+        assert abs(c[shape] - 3000 * p) < 4 * sd, (shape, c[shape], 3000 * p)
+    assert (4,) not in {keyed.shape_of(t, weights=(0.0, 1.0, 1.0)) for t in tasks}
+    # without weights: uniform over the shapes, the draw the shipped config was trained with
+    import random
+    assert [keyed.shape_of(t) for t in tasks[:50]] == [keyed.SHAPES[random.Random(t.id).randrange(3)]
+                                                       for t in tasks[:50]]
+    paths = keyed.write_sft_data(tasks[:40], tmp_path, w)
+    import json
+    rows = [json.loads(x) for x in paths["sprint"].read_text().splitlines()]
+    for t, row in zip(tasks[:40], rows):
+        traj, _ = fmt.parse_completion(row["completion"])
+        assert tuple(len(st.executions) for st in traj.stages[:-1]) == keyed.shape_of(t, weights=w)
+    for bad in ("1,2", "a,b,c", "-1,1,1", "0,0,0"):
+        with pytest.raises(ValueError):
+            keyed.parse_weights(bad)
+    with pytest.raises(SystemExit) as e:
+        keyed.main(["--out", str(tmp_path / "x"), "--shape-weights", "1,2"])
+    assert e.value.code == 2
+
+
+def test_length_parts_hand_computed():
+    """The sequential tokens split into planner and critical-path executor tokens, on a hand-built run:
+    stage 1 plans 5 tokens, executors 7 and 4; stage 2 plans 3, executor 6; final call 2 tokens."""
+    from sprint_jax.infer.orchestrator import ExecutionRecord, RunRecord, StageRecord
+    from sprint_jax.rl.trainer import length_parts, mean_parts
+
+    ex = lambda n: ExecutionRecord(index=1, prompt="p", text="t", tokens=n, stop_reason="stop", forced_tokens=1)  # noqa: E731
+    rec = RunRecord(query="q", mode="parallel", config={}, final_tokens=2,
+                    stages=[StageRecord(1, "", 5, "stop", executions=[ex(7), ex(4)]),
+                            StageRecord(2, "", 3, "stop", executions=[ex(6)]),
+                            StageRecord(3, "", 4, "stop")])
+    want = {"planner_tokens": 5 + 3 + 4 + 2, "executor_critical_tokens": 7 + 6, "executor_tokens": 17,
+            "executor_stages": 2}
+    assert length_parts(rec) == want
+    assert length_parts(rec.to_json()) == want
+    assert want["planner_tokens"] + want["executor_critical_tokens"] == rec.sequential_tokens == 27
+    assert want["planner_tokens"] + want["executor_tokens"] == rec.total_tokens == 31
+    assert mean_parts([rec, rec.to_json()], "eval_")["eval_executor_critical_tokens"] == 13.0
+
+
+def test_keyed_digits_combine():
+    """The `digits` combining plan lists the chains' last digits in chain order (by hand), parses for
+    every plan shape, tokenizes losslessly in the keyed vocabulary, and the answer is their max."""
+    from sprint_jax import format as fmt
+    from sprint_jax.model.tokenizer import VocabTokenizer
+    from sprint_jax.rl import keyed
+    from sprint_jax.tasks.types import Task
+
+    t = Task(id="k", kind="chains", problem="", answer={"starts": [3, 0], "length": 4, "key": "1101", "value": 9})
+    assert keyed.combine_text(t, "digits") == "Last digits: 5 9"          # 39115, 07339
+    assert keyed.combine_text(t) == keyed.chains.COMBINE
+    with pytest.raises(ValueError):
+        keyed.combine_text(t, "sum")
+    tok = VocabTokenizer(keyed.vocabulary(), eos_token="<eos>", pad_token="<pad>")
+    task = keyed.split(3, 0)[0][0]
+    for shape in keyed.SHAPES:
+        c = keyed.sprint_completion(task, shape, "digits")
+        traj, problems = fmt.parse_completion(c)
+        assert not problems and traj.final_answer == str(task.answer["value"])
+        lasts = [int(keyed.chain(s, task.answer["key"])[-1]) for s in task.answer["starts"]]
+        assert traj.stages[-1].plan == ["Last digits: " + " ".join(map(str, lasts))]
+        assert max(lasts) == task.answer["value"]
+        assert tok.decode(tok.encode(c)) == c
+    with pytest.raises(SystemExit) as e:
+        keyed.main(["--out", "/nonexistent/x", "--combine", "sum"])
+    assert e.value.code == 2

@@ -114,17 +114,58 @@ def execution_quality(records: list[dict], tasks: list[Task]) -> dict:
 SHAPES = ((4,), (2, 2), (1, 1, 1, 1))   # chains per stage: all parallel, two by two, one by one
 
 
-def shape_of(task: Task, shapes=SHAPES) -> tuple[int, ...]:
-    """The plan shape of a task's SPRINT example: a pure function of its id (uniform over `shapes`
-    that fit its number of chains)."""
+def parse_weights(text: str, shapes=SHAPES) -> tuple[float, ...] | None:
+    """`"1,1,3"` -> one non-negative weight per shape of `shapes` (None for an empty string)."""
+    if not text.strip():
+        return None
+    try:
+        w = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"shape weights must be comma-separated numbers, got {text!r}") from None
+    if len(w) != len(shapes) or min(w) < 0 or sum(w) <= 0:
+        raise ValueError(f"shape weights need {len(shapes)} non-negative numbers with a positive sum "
+                         f"(one per shape of {shapes}), got {text!r}")
+    return w
+
+
+def shape_of(task: Task, shapes=SHAPES, weights: tuple[float, ...] | None = None) -> tuple[int, ...]:
+    """The plan shape of a task's SPRINT example: a pure function of its id, uniform over `shapes`
+    that fit its number of chains, or drawn with `weights` (one per shape of `shapes`)."""
     n = len(task.answer["starts"])
-    fits = [sh for sh in shapes if sum(sh) == n] or [(n,)]
-    return fits[random.Random(task.id).randrange(len(fits))]
+    rng = random.Random(task.id)
+    if weights is None:
+        fits = [sh for sh in shapes if sum(sh) == n] or [(n,)]
+        return fits[rng.randrange(len(fits))]
+    pairs = [(sh, w) for sh, w in zip(shapes, weights) if sum(sh) == n and w > 0]
+    if not pairs:
+        return (n,)
+    x, acc = rng.random() * sum(w for _, w in pairs), 0.0
+    for sh, w in pairs:
+        acc += w
+        if x < acc:
+            return sh
+    return pairs[-1][0]
 
 
-def sprint_completion(task: Task, shape: tuple[int, ...] | None = None) -> str:
+LAST_DIGITS = "Last digits"
+COMBINES = ("sentence", "digits")
+
+
+def combine_text(task: Task, combine: str = "sentence") -> str:
+    """The plan of the combining stage: the demo's sentence, or (`digits`) the chains' last digits
+    in chain order, `Last digits: 1 1 8 5`, so the answer is the largest of four adjacent digits
+    whatever the plan shape that laid out the executions."""
+    if combine == "sentence":
+        return chains.COMBINE
+    if combine != "digits":
+        raise ValueError(f"combine must be one of {', '.join(COMBINES)}, got {combine!r}")
+    key = task.answer["key"]
+    return f"{LAST_DIGITS}: " + " ".join(chain(s, key)[-1] for s in task.answer["starts"])
+
+
+def sprint_completion(task: Task, shape: tuple[int, ...] | None = None, combine: str = "sentence") -> str:
     """The SPRINT body: the chains in order over stages of `shape` (default: all in one stage), then
-    a stage with the combining sentence, then the final answer."""
+    a stage with the combining plan (`combine_text`), then the final answer."""
     from sprint_jax import format as fmt
     starts, key = task.answer["starts"], task.answer["key"]
     shape = shape or (len(starts),)
@@ -133,7 +174,7 @@ def sprint_completion(task: Task, shape: tuple[int, ...] | None = None) -> str:
         part = starts[k:k + m]
         stages.append(fmt.Stage(i, [fmt.Prompt(f"Chain {s}:") for s in part], [chain(s, key) for s in part]))
         k += m
-    stages.append(fmt.Stage(len(shape) + 1, [chains.COMBINE]))
+    stages.append(fmt.Stage(len(shape) + 1, [combine_text(task, combine)]))
     return fmt.render_completion(fmt.Trajectory(stages=stages, final_answer=str(task.answer["value"])))
 
 
@@ -143,12 +184,14 @@ def rft_completion(task: Task) -> str:
     return to_rft(prompt_for(task), "\n".join(lines), str(task.answer["value"]))
 
 
-def write_sft_data(tasks: list[Task], out: Path) -> dict[str, Path]:
-    """OUT/sprint.jsonl and OUT/rft.jsonl: the same problems, as SPRINT bodies and serial traces."""
+def write_sft_data(tasks: list[Task], out: Path, shape_weights: tuple[float, ...] | None = None,
+                   combine: str = "sentence") -> dict[str, Path]:
+    """OUT/sprint.jsonl and OUT/rft.jsonl: the same problems, as SPRINT bodies (plan shapes drawn by
+    `shape_of` with `shape_weights`, combining plan by `combine`) and serial traces."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {"sprint": out / "sprint.jsonl", "rft": out / "rft.jsonl"}
     for kind, path in paths.items():
-        make = (lambda t: sprint_completion(t, shape_of(t))) if kind == "sprint" else rft_completion
+        make = (lambda t: sprint_completion(t, shape_of(t, weights=shape_weights), combine)) if kind == "sprint" else rft_completion
         with open(path, "w") as f:
             for t in tasks:
                 f.write(json.dumps({"id": t.id, "kind": kind, "prompt": prompt_for(t), "completion": make(t),
@@ -164,7 +207,7 @@ def vocabulary(n_chains: int = 4) -> list[str]:
     tags for up to MAX_STAGES plans (one chain per stage, then the combining stage)."""
     from sprint_jax import format as fmt
     from sprint_jax.demo import DemoConfig, _vocabulary
-    vocab = _vocabulary(DemoConfig(chains=n_chains))
+    vocab = _vocabulary(DemoConfig(chains=n_chains)) + [LAST_DIGITS]
     for tag in fmt.tag_vocabulary(max_stages=MAX_STAGES, max_prompts=n_chains):
         for v in ([tag, " " + tag] if tag.startswith("</") else [tag] if tag.startswith("<execution") else
                   [tag, tag + " "]):
@@ -183,6 +226,8 @@ class SFTSettings:
     seq_len: int = 256
     lr: float = 4e-3
     seed: int = 0
+    shape_weights: str = ""   # one weight per SHAPES entry, e.g. "1,1,3"; empty = a third each
+    combine: str = "sentence"  # the combining plan: the demo's sentence, or "digits" (combine_text)
 
 
 def sft(out: Path, s: SFTSettings, kinds=("sprint", "rft"), progress: bool = True) -> dict[str, str]:
@@ -196,7 +241,7 @@ def sft(out: Path, s: SFTSettings, kinds=("sprint", "rft"), progress: bool = Tru
     from sprint_jax.train.trainer import train
 
     tasks, _ = split(s.n, 0, s.seed, n_chains=s.chains, length=s.length)
-    paths = write_sft_data(tasks, out / "data")
+    paths = write_sft_data(tasks, out / "data", parse_weights(s.shape_weights), s.combine)
     tok = VocabTokenizer(vocabulary(s.chains), eos_token="<eos>", pad_token="<pad>")
     model = {"model_type": "qwen2", "vocab_size": (len(tok) + 7) // 8 * 8, **to_dict(DemoModel()),
              "max_position_embeddings": s.seq_len, "tie_word_embeddings": False, "eos_token_id": tok.eos_token_id}
@@ -222,6 +267,12 @@ def main(argv=None) -> int:
     for f in dataclasses.fields(SFTSettings):
         p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     a = p.parse_args(argv)
+    try:
+        parse_weights(a.shape_weights)
+        if a.combine not in COMBINES:
+            raise ValueError(f"--combine must be one of {', '.join(COMBINES)}, got {a.combine!r}")
+    except ValueError as e:
+        p.error(str(e))                                   # one line, exit 2
     s = SFTSettings(**{f.name: getattr(a, f.name) for f in dataclasses.fields(SFTSettings)})
     ex = sft(Path(a.out), s, [k for k in a.kinds.split(",") if k])
     print(json.dumps(ex))

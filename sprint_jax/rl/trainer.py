@@ -119,35 +119,72 @@ def score_groups(tasks, trajectories, group_size: int, reward_cfg) -> dict:
     return {"correct": correct, "rewards": rewards, "etas": etas, "bonuses": bonuses, "advantages": adv}
 
 
+def length_parts(record) -> dict:
+    """Where a run's tokens went, for a RunRecord or its to_json() dict: planner tokens (every plan
+    call and the final call; all on the critical path), executor tokens on the critical path (the
+    longest executor of each stage) and in total, and the number of stages with executors. Planner +
+    critical executors = sequential_tokens; planner + executors = total_tokens."""
+    if isinstance(record, dict):
+        stages = [(s["planner_tokens"], [e["tokens"] for e in s["executions"]]) for s in record["stages"]]
+        final = record["final_tokens"]
+    else:
+        stages = [(s.planner_tokens, s.executor_tokens) for s in record.stages]
+        final = record.final_tokens
+    return {"planner_tokens": sum(p for p, _ in stages) + final,
+            "executor_critical_tokens": sum(max(e, default=0) for _, e in stages),
+            "executor_tokens": sum(sum(e) for _, e in stages),
+            "executor_stages": sum(bool(e) for _, e in stages)}
+
+
+def mean_parts(records, prefix: str = "") -> dict:
+    """length_parts averaged over runs, keys prefixed (``eval_`` for the held-out set)."""
+    parts = [length_parts(r) for r in records]
+    return {prefix + k: float(np.mean([p[k] for p in parts])) for k in parts[0]} if parts else {}
+
+
 def plot_curves(records: list[dict], path: Path) -> None:
+    """Six panels per step: mean reward; sequential and total tokens (rollouts, held-out greedy);
+    accuracy; eta and bonus; the sequential tokens split into planner and critical-path executor
+    tokens; executor stages per run and executions exact."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in records if "reward" in r]
     ev = [r for r in records if "eval_accuracy" in r]
-    fig, axes = plt.subplots(1, 4, figsize=(17, 3.5))
-    for ax, key, label in ((axes[0], "reward", "mean reward"), (axes[1], "sequential_tokens", "sequential tokens"),
-                           (axes[2], "accuracy", "rollout accuracy")):
-        ax.plot([r["step"] for r in rows], [r[key] for r in rows], lw=1.0, label="rollouts")
-        ax.set_xlabel("step"), ax.set_ylabel(label), ax.grid(alpha=0.3)
-    axes[1].plot([r["step"] for r in rows], [r["total_tokens"] for r in rows], lw=1.0, label="total tokens")
+    x, xe = [r["step"] for r in rows], [r["step"] for r in ev]
+    col = lambda rs, k: [r.get(k, np.nan) for r in rs]          # noqa: E731
+    fig, axes = plt.subplots(2, 3, figsize=(16, 7.5))
+    a = axes.ravel()
+    a[0].plot(x, col(rows, "reward"), lw=1.0, label="rollouts")
+    a[0].set_ylabel("mean reward")
+    a[1].plot(x, col(rows, "sequential_tokens"), lw=1.0, label="rollouts sequential")
+    a[1].plot(x, col(rows, "total_tokens"), lw=1.0, label="rollouts total")
+    a[1].set_ylabel("tokens per run")
+    a[2].plot(x, col(rows, "accuracy"), lw=1.0, label="rollouts")
+    a[2].set_ylabel("accuracy")
+    a[3].plot(x, col(rows, "eta"), lw=1.0, label="eta (rollouts)")
+    a[3].plot(x, col(rows, "bonus"), lw=1.0, label="bonus (rollouts)")
+    a[3].set_ylabel("eta = 1 - seq/total; bonus")
+    a[4].plot(x, col(rows, "planner_tokens"), lw=1.0, label="planner (rollouts)")
+    a[4].plot(x, col(rows, "executor_critical_tokens"), lw=1.0, label="executors on the critical path (rollouts)")
+    a[4].set_ylabel("sequential tokens, by part")
+    a[5].plot(x, col(rows, "executor_stages"), lw=1.0, label="executor stages (rollouts)")
+    a[5].plot(x, col(rows, "executions_exact"), lw=1.0, label="executions exact (rollouts)")
+    a[5].set_ylabel("stages per run; fraction")
     if ev:
-        axes[2].plot([r["step"] for r in ev], [r["eval_accuracy"] for r in ev], "o-", label="held-out (greedy)")
-        axes[1].plot([r["step"] for r in ev], [r["eval_sequential_tokens"] for r in ev], "o-",
-                     label="held-out sequential")
-    if any("executions_exact" in r for r in rows):
-        axes[3].plot([r["step"] for r in rows], [r.get("executions_exact", np.nan) for r in rows], lw=1.0,
-                     label="rollouts")
-    if any("eval_executions_exact" in r for r in ev):
-        axes[3].plot([r["step"] for r in ev], [r.get("eval_executions_exact", np.nan) for r in ev], "o-",
-                     label="held-out (greedy)")
-    axes[3].set_xlabel("step"), axes[3].set_ylabel("executions exact"), axes[3].grid(alpha=0.3)
-    for ax in axes:
-        ax.legend(fontsize=7)
+        a[1].plot(xe, col(ev, "eval_total_tokens"), "s--", ms=8, label="held-out total (greedy)")
+        a[1].plot(xe, col(ev, "eval_sequential_tokens"), "o-", label="held-out sequential (greedy)")
+        a[2].plot(xe, col(ev, "eval_accuracy"), "o-", label="held-out (greedy)")
+        a[4].plot(xe, col(ev, "eval_planner_tokens"), "o-", label="planner (held-out)")
+        a[4].plot(xe, col(ev, "eval_executor_critical_tokens"), "s-", label="executors critical (held-out)")
+        a[5].plot(xe, col(ev, "eval_executor_stages"), "o-", label="executor stages (held-out)")
+        a[5].plot(xe, col(ev, "eval_executions_exact"), "s-", label="executions exact (held-out)")
+    for ax in a:
+        ax.set_xlabel("step"), ax.grid(alpha=0.3), ax.legend(fontsize=7)
     fig.suptitle("P-GRPO (acceleration reward)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -253,7 +290,7 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
         quality = execution_quality(held_tasks, recs) if eval_mode != "sequential" else {}
         return {"eval_accuracy": rep["accuracy"], "eval_sequential_tokens": rep["mean_sequential_tokens"],
                 "eval_total_tokens": rep["mean_total_tokens"], "eval_format_valid": rep["format_valid_rate"],
-                "eval_executor_stages": float(np.mean([sum(bool(st["executions"]) for st in r["stages"]) for r in recs])),
+                **mean_parts(recs, "eval_"),
                 **{f"eval_{k}": v for k, v in quality.items()}, "eval_s": time.perf_counter() - t}
 
     metrics = _Metrics(out, cfg.tensorboard, start_step)
@@ -290,7 +327,7 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
                "total_tokens": float(np.mean([t.record.total_tokens for t in trajs])),
                "eta": float(np.mean(sc["etas"])), "bonus": float(np.mean(sc["bonuses"])),
                "format_valid": float(np.mean([t.record.format_valid for t in trajs])),
-               "executor_stages": float(np.mean([sum(bool(st.executions) for st in t.record.stages) for t in trajs])),
+               **mean_parts([t.record for t in trajs]),
                **(execution_quality([t for t in tasks for _ in range(ro.group_size)], [t.record for t in trajs])
                   if ro.mode != "sequential" else {}),
                "adv_mean": float(adv.mean()), "adv_std": float(adv.std()), "adv_abs_mean": float(np.abs(adv).mean()),
@@ -343,4 +380,4 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
     return summary
 
 
-__all__ = ["TIMING_KEYS", "load_tasks", "prompt_indices", "rollout_seed", "score_groups", "run_rl"]
+__all__ = ["TIMING_KEYS", "length_parts", "mean_parts", "load_tasks", "prompt_indices", "rollout_seed", "score_groups", "run_rl"]
