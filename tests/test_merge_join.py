@@ -233,6 +233,46 @@ def test_batched_merge_is_one_call_compiled_ahead_and_long_tails_run_in_chunks(m
         batch.warm_merge(children=5)
 
 
+def test_flush_writes_a_sync_now_only_when_nothing_else_is_in_flight(model):
+    """BatchEngine.flush (the end of the orchestrator's sync, so that sync_s holds the join's
+    cost): a queued extend of more than a decode chunk is written at once, the same K/V as the
+    step that would write it; with another sequence live, or a short extend (it rides the next
+    decode chunk), nothing happens."""
+    from sprint_jax.infer.batch import BatchEngine
+
+    def engine():
+        return BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=2, max_children=1, max_seq_len=64,
+                           max_branch_tokens=8, decode_chunk=4, prefill_chunk=8, eos_token_ids=[], min_bucket=16)
+
+    a, b = engine(), engine()
+    seqs = []
+    for e in (a, b):
+        op = e.open(_ids(40, 9))
+        e.run()                                                     # the prompt written
+        seqs.append(op.result)
+        e.extend(op.result, _ids(41, 3))
+    assert not a.flush(seqs[0]) and a._prefill_work                 # 3 tokens: left to the decode chunk
+    a.run()
+    b.run()
+    for e, seq in zip((a, b), seqs):
+        e.extend(seq, _ids(42, 13))
+    other = a.open(_ids(43, 5))                                     # another sequence queued: no flush
+    assert not a.flush(seqs[0])
+    a.run()
+    a.close(other.result)
+    a.extend(seqs[0], _ids(44, 6))
+    b.run()
+    b.extend(seqs[1], _ids(44, 6))
+    calls = b.stats["prefill_calls"]
+    assert b.flush(seqs[1]) and not b._prefill_work and b.stats["prefill_calls"] == calls + 1
+    a.run()
+    n = seqs[0].length
+    assert n == seqs[1].length == 9 + 3 + 13 + 6 - 1
+    for x, y in ((a.cache.pk, b.cache.pk), (a.cache.pv, b.cache.pv)):
+        np.testing.assert_allclose(np.asarray(x)[:, seqs[0].slot, :n], np.asarray(y)[:, seqs[1].slot, :n],
+                                   atol=TOL, rtol=0)
+
+
 def test_batched_generate_right_after_a_join_samples_from_the_join_logits(model, engine):
     from sprint_jax.infer.batch import BatchEngine
     from sprint_jax.infer.sampling import Sampling

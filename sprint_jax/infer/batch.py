@@ -748,6 +748,25 @@ class BatchEngine:
         self.last_join_tokens = sum(len(t) for t in tails)
         return seq
 
+    def flush(self, seq: Seq) -> bool:
+        """Write the sequence's queued tokens now and wait until its slot holds them: the end of
+        the orchestrator's sync, so that a stage's `sync_s` is the join's real cost (an extend
+        only queues its tokens for the next step; a merge's call runs asynchronously). Only when
+        nothing else is in flight and the tokens would take a prefill call anyway (more than a
+        decode chunk; fewer ride the sequence's next decode chunk), so no batching or step is
+        given up: the same prefill calls, run before the next step instead of in it. Returns
+        whether it wrote anything."""
+        work = self._prefill_work.get(seq.id)
+        if (self._waiting or any(w[0] is not seq for w in self._prefill_work.values())
+                or any(r is not None for rows in self._groups.values() for r in rows)
+                or (work is not None and len(work[1]) - work[2] <= self.decode_chunk)):
+            return False
+        wrote = work is not None
+        while seq.id in self._prefill_work:
+            self._prefill_parents()
+        jax.block_until_ready(self.cache)
+        return wrote
+
     def _merge_bucket(self, n: int, cap: int) -> int:
         """A merge's length bucket (parent prefix, child rows): min_bucket * 2^k, capped."""
         return min(_bucket(n, self.min_bucket), cap)
