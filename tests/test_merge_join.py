@@ -195,7 +195,7 @@ def test_batched_merge_is_one_call_compiled_ahead_and_long_tails_run_in_chunks(m
 
     batch = BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=1, max_children=4, max_seq_len=48,
                         max_branch_tokens=12, decode_chunk=4, prefill_chunk=4, eos_token_ids=[], min_bucket=16)
-    assert batch.warm_merge(children=3, max_parent_len=30) == 2     # parent buckets 16, 32 x child bucket 16
+    assert batch.warm_merge(children=3, max_parent_len=30, tails=(1,)) == 2   # parent 16, 32 x child 16 x tail 1
     for a in (batch.cache.pk, batch.cache.pv, batch.cache.ck, batch.cache.cv):
         assert not np.asarray(a).any()
     compiled = _merge._cache_size()

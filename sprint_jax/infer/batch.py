@@ -721,7 +721,9 @@ class BatchEngine:
         last, pos, longest = None, 0, max(len(t) for t in tails)
         while pos < longest:
             pieces = [t[pos: pos + self.prefill_chunk] for t in tails]
-            toks = np.zeros((r_b, _bucket(max(len(p) for p in pieces), 16)), np.int32)
+            # tails are short (a close tag, a repair): their own bucket (1, 2, 4, ...), no padding
+            # to a prefill bucket (the call's compute is the tails' tokens, not 16 per child)
+            toks = np.zeros((r_b, _bucket(max(len(p) for p in pieces), 1)), np.int32)
             start = np.zeros(r_b, np.int32)
             nval = np.zeros(r_b, np.int32)
             for i, j, p in zip(at, range(n), pieces):
@@ -771,11 +773,12 @@ class BatchEngine:
         """A merge's length bucket (parent prefix, child rows): min_bucket * 2^k, capped."""
         return min(_bucket(n, self.min_bucket), cap)
 
-    def warm_merge(self, children: int | None = None, max_parent_len: int | None = None) -> int:
+    def warm_merge(self, children: int | None = None, max_parent_len: int | None = None,
+                   tails: Sequence[int] = (1, 2)) -> int:
         """Compile the merge join's shapes ahead of time, so that no compile lands in a timed sync:
         one call per (parent length bucket up to max_parent_len (default max_seq_len), child length
-        bucket) for `children` children (default max_children) with tails of at most 16 tokens
-        (the usual: each child's last token, a repair tag). The calls hold only padding rows
+        bucket, tail bucket in `tails`) for `children` children (default max_children); tails of 1
+        and 2 tokens are the usual (each child's close tag, a repair). The calls hold only padding rows
         (they write nothing). Returns the number of shapes."""
         children = self.max_children if children is None else children
         if not 1 <= children <= self.max_children:
@@ -796,14 +799,15 @@ class BatchEngine:
         pad = np.full(r_b, self.max_seqs * self.max_children, np.int32)
         zeros = np.zeros(r_b, np.int32)
         shapes = 0
-        for s_b in buckets(self.parent_capacity, top):
-            for c_b in buckets(self.child_capacity, self.child_capacity):
-                m = r_b * c_b
-                self.cache, _ = _merge(self.params, self.config, self.cache, np.zeros((r_b, 16), np.int32), pad,
-                                       zeros, zeros, zeros, zeros, zeros, np.zeros(m, np.int32),
-                                       np.zeros(m, np.int32), np.zeros(m, np.int32), np.full(m, 1 << 30, np.int32),
-                                       s_b=s_b, c_b=c_b, kv=self._kv)
-                shapes += 1
+        for s_b, c_b, t_b in itertools.product(buckets(self.parent_capacity, top),
+                                               buckets(self.child_capacity, self.child_capacity),
+                                               sorted({_bucket(t, 1) for t in tails})):
+            m = r_b * c_b
+            self.cache, _ = _merge(self.params, self.config, self.cache, np.zeros((r_b, t_b), np.int32), pad,
+                                   zeros, zeros, zeros, zeros, zeros, np.zeros(m, np.int32),
+                                   np.zeros(m, np.int32), np.zeros(m, np.int32), np.full(m, 1 << 30, np.int32),
+                                   s_b=s_b, c_b=c_b, kv=self._kv)
+            shapes += 1
         jax.block_until_ready(self.cache)
         return shapes
 
