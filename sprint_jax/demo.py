@@ -286,12 +286,16 @@ def _warm(engine, tasks, orch, mode) -> None:
     """Compile the engine's shapes before the timed evaluation, so that wall-clock comparisons
     measure decoding: a few problems (their outputs are discarded) meet the used-length buckets
     and row shapes the evaluation meets; one problem alone leaves SPRINT's later stages to compile
-    inside the timed run."""
+    inside the timed run. A merge join's shapes (parent / child length buckets) are compiled
+    ahead as well (`BatchEngine.warm_merge`): a few problems do not meet them all, and a compile
+    would land in a stage's timed sync."""
     from sprint_jax.infer.orchestrator import Orchestrator, run_many
     from sprint_jax.tasks import chains
 
     prompts = [chains.prompt_for(t) for t in tasks]
     if hasattr(engine, "max_seqs"):
+        if orch.resolved_join == "merge":      # every merge shape of a stage of `chains` executors
+            engine.warm_merge()
         run_many(engine, prompts, mode, orch)
     else:
         for p in prompts:

@@ -186,6 +186,92 @@ def test_batched_engine_merge_equals_the_reference_and_the_single_run_engine(mod
     assert op.result.tokens == engine.generate(single, 6).tokens
 
 
+def test_batched_merge_is_one_call_compiled_ahead_and_long_tails_run_in_chunks(model):
+    """BatchEngine.merge: after `warm_merge` a merge of the warmed shape compiles nothing and is one
+    call (tails + copy fused); the warm-up's padding rows write nothing; a tail longer than
+    prefill_chunk runs its leading chunks first. Reference: the dense merge-mask forward."""
+    from sprint_jax.infer.batch import BatchEngine, _merge
+
+    batch = BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=1, max_children=4, max_seq_len=48,
+                        max_branch_tokens=12, decode_chunk=4, prefill_chunk=4, eos_token_ids=[], min_bucket=16)
+    assert batch.warm_merge(children=3, max_parent_len=30, tails=(1,)) == 2   # parent 16, 32 x child 16 x tail 1
+    for a in (batch.cache.pk, batch.cache.pv, batch.cache.ck, batch.cache.cv):
+        assert not np.asarray(a).any()
+    compiled = _merge._cache_size()
+    ctx, plan = _ids(30, 11), _ids(34, 3)
+    op = batch.open(ctx)
+    batch.run([op])
+    seq = op.result
+    prefixes = [_ids(31, 2), _ids(32, 1), _ids(33, 3)]
+    op = batch.fork(seq, prefixes, 3)
+    batch.run([op])
+    first = [p + g.tokens for p, g in zip(prefixes, op.result)]
+    calls = batch.stats["prefill_calls"]
+    batch.merge(seq, first)
+    assert batch.stats["prefill_calls"] == calls + 1 and batch.last_join_tokens == 3
+    assert _merge._cache_size() == compiled                           # warmed: no compile in the sync
+    batch.extend(seq, plan)
+    batch.run()
+    prefixes = [_ids(35, 1), _ids(36, 2)]
+    op = batch.fork(seq, prefixes, 2)
+    batch.run([op])
+    second = [p + g.tokens for p, g in zip(prefixes, op.result)]
+    second[1] = second[1] + _ids(37, 6)                               # a 7-token tail: chunks 4 + 3
+    calls = batch.stats["prefill_calls"]
+    batch.merge(seq, second)
+    assert batch.stats["prefill_calls"] == calls + 2 and batch.last_join_tokens == 1 + 7
+    toks, pos, mask = merged_layout([("planner", ctx), ("stage", first), ("planner", plan), ("stage", second)])
+    logits, ref_k, ref_v = reference(model, toks, pos, mask)
+    n = len(toks)
+    assert seq.tokens == toks and seq.after_join and seq.length == n - 1     # every slot written
+    np.testing.assert_allclose(np.asarray(batch.cache.pk)[:, seq.slot, :n], ref_k, atol=TOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(batch.cache.pv)[:, seq.slot, :n], ref_v, atol=TOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(seq.join_logits), logits[-1], atol=TOL, rtol=0)
+    assert np.abs(logits[-1]).max() > 1e-2
+    with pytest.raises(EngineError, match="children must be in"):
+        batch.warm_merge(children=5)
+
+
+def test_flush_writes_a_sync_now_only_when_nothing_else_is_in_flight(model):
+    """BatchEngine.flush_sync (the end of the orchestrator's sync, so that sync_s holds the join's
+    cost): a queued extend of more than a decode chunk is written at once, the same K/V as the
+    step that would write it; with another sequence live, or a short extend (it rides the next
+    decode chunk), nothing happens."""
+    from sprint_jax.infer.batch import BatchEngine
+
+    def engine():
+        return BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=2, max_children=1, max_seq_len=64,
+                           max_branch_tokens=8, decode_chunk=4, prefill_chunk=8, eos_token_ids=[], min_bucket=16)
+
+    a, b = engine(), engine()
+    seqs = []
+    for e in (a, b):
+        op = e.open(_ids(40, 9))
+        e.run()                                                     # the prompt written
+        seqs.append(op.result)
+        e.extend(op.result, _ids(41, 3))
+    assert not a.flush_sync(seqs[0]) and a._prefill_work                 # 3 tokens: left to the decode chunk
+    a.run()
+    b.run()
+    for e, seq in zip((a, b), seqs):
+        e.extend(seq, _ids(42, 13))
+    other = a.open(_ids(43, 5))                                     # another sequence queued: no flush
+    assert not a.flush_sync(seqs[0])
+    a.run()
+    a.close(other.result)
+    a.extend(seqs[0], _ids(44, 6))
+    b.run()
+    b.extend(seqs[1], _ids(44, 6))
+    calls = b.stats["prefill_calls"]
+    assert b.flush_sync(seqs[1]) and not b._prefill_work and b.stats["prefill_calls"] == calls + 1
+    a.run()
+    n = seqs[0].length
+    assert n == seqs[1].length == 9 + 3 + 13 + 6 - 1
+    for x, y in ((a.cache.pk, b.cache.pk), (a.cache.pv, b.cache.pv)):
+        np.testing.assert_allclose(np.asarray(x)[:, seqs[0].slot, :n], np.asarray(y)[:, seqs[1].slot, :n],
+                                   atol=TOL, rtol=0)
+
+
 def test_batched_generate_right_after_a_join_samples_from_the_join_logits(model, engine):
     from sprint_jax.infer.batch import BatchEngine
     from sprint_jax.infer.sampling import Sampling

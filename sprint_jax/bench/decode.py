@@ -447,40 +447,56 @@ def _bench_hf(engine, hf, device: str, context: list[int], s: dict[str, Any]) ->
 # ---------------------------------------------------------------------------------------------
 def bench_join(model, tokenizer, s: dict[str, Any], rng) -> list[dict[str, Any]]:
     """Re-prefill vs merge join, per stage (issue 17): JOIN_EXECUTORS executors of N tokens each
-    forked from a JOIN_CONTEXT-token planner. reprefill = `engine.extend` of all executors' tokens
-    onto the planner (what the orchestrator's sync runs for a trie model); merge = `engine.merge`
-    of the fork (each executor's last token run in its branch, then its KV rows copied after the
-    prefix). The executors' own work (`fork_logits`, teacher-forced random tokens) is untimed and
-    the same for both. One untimed call per point compiles; best of --repeats is reported."""
-    from sprint_jax.infer import Engine
+    forked from a JOIN_CONTEXT-token planner, on the batched engine (`BatchEngine`: what the
+    orchestrator's demo, eval and server run). reprefill = `extend` of all executors' tokens onto
+    the planner, then the steps that write them (what the sync of a trie model costs: an extend
+    only queues its tokens); merge = `merge` of the fork (each executor's last token run in its
+    branch, then its KV rows copied after the prefix: one call). The executors' own work (a fork
+    whose children are forced the N tokens and decode one more) is untimed and the same for both.
+    One untimed call per point compiles; best of --repeats is reported."""
+    import jax
+
+    from sprint_jax.infer.batch import BatchEngine
 
     rows = []
     config = model.config
     for n in s["join_tokens"]:
         k = JOIN_EXECUTORS
-        engine = Engine(model, tokenizer, max_seq_len=JOIN_CONTEXT + k * n + 8, max_branches=k,
-                        max_branch_tokens=n + 2, decode_chunk=s["decode_chunk"], prefill_chunk=JOIN_PREFILL_CHUNK,
-                        eos_token_ids=[])
+        engine = BatchEngine(model, tokenizer, max_seqs=1, max_children=k, max_seq_len=JOIN_CONTEXT + k * n + 8,
+                             max_branch_tokens=n + 2, decode_chunk=s["decode_chunk"],
+                             prefill_chunk=JOIN_PREFILL_CHUNK, eos_token_ids=[])
         context = [int(x) for x in rng.integers(0, config.vocab_size, JOIN_CONTEXT)]
         branches = [[int(x) for x in rng.integers(0, config.vocab_size, n)] for _ in range(k)]
         flat = [t for b in branches for t in b]
+        ran = {}
+
+        def planner():
+            seq = engine.open(context).seq
+            engine.run()
+            jax.block_until_ready(engine.cache)
+            return seq
 
         def reprefill() -> float:
-            state = engine.prefill(context)
-            state.cache.k.block_until_ready()
+            seq = planner()
             t0 = time.perf_counter()
-            engine.extend(state, flat)
-            state.cache.k.block_until_ready()
-            return time.perf_counter() - t0
+            engine.extend(seq, flat)
+            engine.run()
+            jax.block_until_ready(engine.cache)
+            dt = time.perf_counter() - t0
+            engine.close(seq)
+            return dt
 
         def merge() -> float:
-            state = engine.prefill(context)
-            engine.fork_logits(state, branches)
-            state.cache.k.block_until_ready()
+            seq = planner()
+            engine.run([engine.fork(seq, branches, 1)])
+            jax.block_until_ready(engine.cache)
             t0 = time.perf_counter()
-            engine.merge(state, branches)
-            state.cache.k.block_until_ready()
-            return time.perf_counter() - t0
+            engine.merge(seq, branches)
+            jax.block_until_ready(engine.cache)
+            dt = time.perf_counter() - t0
+            ran["merge"] = engine.last_join_tokens
+            engine.close(seq)
+            return dt
 
         first = {"reprefill": reprefill(), "merge": merge()}
         samples: dict[str, list[float]] = {"reprefill": [], "merge": []}
@@ -488,10 +504,10 @@ def bench_join(model, tokenizer, s: dict[str, Any], rng) -> list[dict[str, Any]]
             samples["reprefill"].append(reprefill())
             samples["merge"].append(merge())
         best = {m: _best(v) for m, v in samples.items()}
-        row = dict(executors=k, tokens_per_executor=n, context=JOIN_CONTEXT,
+        row = dict(executors=k, tokens_per_executor=n, context=JOIN_CONTEXT, engine="BatchEngine",
                    reprefill_ms=best["reprefill"] * 1e3, merge_ms=best["merge"] * 1e3,
                    merge_over_reprefill=best["merge"] / best["reprefill"],
-                   reprefill_tokens=k * n, merge_tokens_run=k,
+                   reprefill_tokens=k * n, merge_tokens_run=ran["merge"],
                    compile_s={m: max(first[m] - best[m], 0.0) for m in first},
                    samples_ms={m: [x * 1e3 for x in v] for m, v in samples.items()})
         rows.append(row)
@@ -673,7 +689,7 @@ def run_decode_bench(args: argparse.Namespace) -> int:
         if s["join_tokens"]:
             print()
             print(f"join per stage: {JOIN_EXECUTORS} executors x N tokens after a {JOIN_CONTEXT}-token planner; "
-                  f"reprefill = extend of all executor tokens, merge = Engine.merge (best of {s['repeats']})")
+                  f"reprefill = extend of all executor tokens + the steps writing them, merge = BatchEngine.merge (best of {s['repeats']})")
             print(JOIN_HEADER)
             print("-" * len(JOIN_HEADER))
             join_rows = bench_join(model, tokenizer, s, rng)

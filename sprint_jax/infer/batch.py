@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import itertools
 from collections import deque
 from typing import Sequence
@@ -219,6 +220,23 @@ def _place_child_rows(cache: SlotCache, pslot, crow, cidx, dst, kv=None) -> Slot
     pk = _put(cache.pk, (slice(None), pslot, dst), _take(cache.ck, (slice(None), crow, cidx)))
     pv = _put(cache.pv, (slice(None), pslot, dst), _take(cache.cv, (slice(None), crow, cidx)))
     return _constrain(SlotCache(pk, pv, cache.ck, cache.cv), kv)
+
+
+_PREFILL_ROWS = inspect.unwrap(_prefill)            # the bodies, for steps fused into one call
+_PLACE_ROWS = inspect.unwrap(_place_child_rows)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "s_b", "c_b", "kv"), donate_argnames=("cache",))
+@sh.slot_local(rows=("tokens", "slot", "parent", "fork_len", "start", "n_valid", "pos_off", "pslot", "crow", "cidx",
+                     "dst"), out=("cache", "rows"), cache_kv=(0, 0, 1, 1))
+def _merge(params, config: Qwen2Config, cache: SlotCache, tokens, slot, parent, fork_len, start, n_valid, pos_off,
+           pslot, crow, cidx, dst, s_b: int, c_b: int, kv=None):
+    """A merge join in one call: the children's never-computed tail tokens (a child `_prefill`
+    with logits, rows [R]) then the copy of the children's rows into the parent slot
+    (`_place_child_rows`, rows [M]). Returns (cache, logits [R, V] at each row's last tail token)."""
+    cache, logits = _PREFILL_ROWS(params, config, cache, tokens, slot, parent, fork_len, start, n_valid,
+                                  kind="child", s_b=s_b, c_b=c_b, kv=kv, pos_off=pos_off, return_logits=True)
+    return _PLACE_ROWS(cache, pslot, crow, cidx, dst, kv=kv), logits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -682,8 +700,13 @@ class BatchEngine:
         p0 = seq.length
         keep = [min(common_prefix(have[1:], b), done - 1, len(b) - 1) for b, (have, done) in zip(branches, rows)]
         tails = [b[k:] for b, k in zip(branches, keep)]
-        # the tails: one child prefill call (per prefill_chunk) for all children, rows placed in
-        # the sequence's slot shard (sh.slot_blocks; one block without slot shards)
+        # one call (`_merge`): the tails, one child prefill row per child placed in the sequence's
+        # slot shard (sh.slot_blocks; one block without slot shards), then the copy: child 0's
+        # slot 0 (the parent's pending token, run in every child), then each child's slots
+        # 1..len(branch), to parent slots p0.. . Shapes: (children bucket, tail bucket, parent /
+        # child length buckets); the copy has r_b * c_copy rows, so it adds no shape of its own
+        # (`warm_merge` compiles them ahead). A tail longer than prefill_chunk (rare) runs its
+        # leading chunks as child prefill calls first.
         at, r_b = sh.slot_blocks([seq.slot] * n, self.max_seqs, self._parts,
                                  cap=self.max_seqs // self._parts * self.max_children)
         cslot = np.full(r_b, self.max_seqs * self.max_children, np.int32)   # padding rows write nowhere
@@ -692,41 +715,43 @@ class BatchEngine:
         pos_off = np.full(r_b, seq.pos_offset, np.int32)
         for j, i in enumerate(at):
             cslot[i] = seq.slot * self.max_children + j
-        last, pos = None, 0
-        while pos < max(len(t) for t in tails):
+        s_b = self._merge_bucket(p0 + 1, self.parent_capacity)
+        c_copy = self._merge_bucket(max(len(b) for b in branches) + 1, self.child_capacity)
+        crow = [seq.slot * self.max_children] + [seq.slot * self.max_children + j
+                                                 for j, b in enumerate(branches) for _ in b]
+        cidx = [0] + [1 + s for b in branches for s in range(len(b))]
+        w_b = r_b // self._parts * c_copy                  # >= 1 + sum(len(b)): n <= r_b / parts
+        ps = np.full(w_b * self._parts, seq.slot, np.int32)
+        cr = np.full(w_b * self._parts, seq.slot * self.max_children, np.int32)
+        ci = np.zeros(w_b * self._parts, np.int32)
+        dst = np.full(w_b * self._parts, 1 << 30, np.int32)                   # padding: dropped
+        base = seq.slot // (self.max_seqs // self._parts) * w_b                # the sequence's shard block
+        for k in range(len(crow)):
+            cr[base + k], ci[base + k], dst[base + k] = crow[k], cidx[k], p0 + k
+        last, pos, longest = None, 0, max(len(t) for t in tails)
+        while pos < longest:
             pieces = [t[pos: pos + self.prefill_chunk] for t in tails]
-            toks = np.zeros((r_b, _bucket(max(len(p) for p in pieces), 16)), np.int32)
+            # tails are short (a close tag, a repair): their own bucket (1, 2, 4, ...), no padding
+            # to a prefill bucket (the call's compute is the tails' tokens, not 16 per child)
+            toks = np.zeros((r_b, _bucket(max(len(p) for p in pieces), 1)), np.int32)
             start = np.zeros(r_b, np.int32)
             nval = np.zeros(r_b, np.int32)
             for i, j, p in zip(at, range(n), pieces):
                 toks[i, : len(p)] = p
                 start[i] = 1 + keep[j] + pos
                 nval[i] = len(p)
-            s_b = min(_bucket(p0 + 1, self.min_bucket), self.parent_capacity)
-            c_b = min(_bucket(int(start.max()) + 1, self.min_bucket), self.child_capacity)
-            self.cache, logits = _prefill(
-                self.params, self.config, self.cache, toks, cslot, parent, fork_len, start, nval, kind="child",
-                s_b=s_b, c_b=c_b, kv=self._kv, pos_off=pos_off, return_logits=True)
+            c_b = self._merge_bucket(int(start.max()) + 1, self.child_capacity)
+            if pos + self.prefill_chunk < longest:
+                self.cache, logits = _prefill(
+                    self.params, self.config, self.cache, toks, cslot, parent, fork_len, start, nval, kind="child",
+                    s_b=s_b, c_b=c_b, kv=self._kv, pos_off=pos_off, return_logits=True)
+            else:
+                self.cache, logits = _merge(self.params, self.config, self.cache, toks, cslot, parent, fork_len,
+                                            start, nval, pos_off, ps, cr, ci, dst, s_b=s_b, c_b=c_b, kv=self._kv)
             self.stats["prefill_calls"] += 1
             if pieces[-1]:
                 last = logits[at[n - 1]]
             pos += self.prefill_chunk
-        # the copy: child 0's slot 0 (the parent's pending token, run in every child), then each
-        # child's slots 1..len(branch), to parent slots p0.. (rows in the sequence's slot shard)
-        crow = [seq.slot * self.max_children] + [seq.slot * self.max_children + j
-                                                 for j, b in enumerate(branches) for _ in b]
-        cidx = [0] + [1 + s for b in branches for s in range(len(b))]
-        at, m = sh.slot_blocks([seq.slot] * len(crow), self.max_seqs, self._parts, cap=1 << 30)
-        m_b = max(m, 16 * self._parts)
-        ps = np.full(m_b, seq.slot, np.int32)
-        cr = np.full(m_b, seq.slot * self.max_children, np.int32)
-        ci = np.zeros(m_b, np.int32)
-        dst = np.full(m_b, 1 << 30, np.int32)                                  # padding: dropped
-        width, w_b = m // self._parts, m_b // self._parts
-        for k, i in enumerate(at):
-            i = (i // width) * w_b + i % width
-            cr[i], ci[i], dst[i] = crow[k], cidx[k], p0 + k
-        self.cache = _place_child_rows(self.cache, ps, cr, ci, dst, kv=self._kv)
         seq.tokens = seq.tokens + [t for b in branches for t in b]
         seq.pos_offset += max(len(b) for b in branches) - sum(len(b) for b in branches)
         seq.joined = len(seq.tokens)
@@ -818,6 +843,67 @@ class BatchEngine:
                 out[j].append(logits[i, : len(p)])
         seq.last_fork = (len(seq.tokens), [([seq.tokens[-1]] + b, len(r)) for b, r in zip(branches, runs)])
         return [np.concatenate(o) for o in out]
+
+    def flush_sync(self, seq: Seq) -> bool:
+        """Write the sequence's queued tokens now and wait until its slot holds them: the end of
+        the orchestrator's sync, so that a stage's `sync_s` is the join's real cost (an extend
+        only queues its tokens for the next step; a merge's call runs asynchronously). Only when
+        nothing else is in flight and the tokens would take a prefill call anyway (more than a
+        decode chunk; fewer ride the sequence's next decode chunk), so no batching or step is
+        given up: the same prefill calls, run before the next step instead of in it. Returns
+        whether it wrote anything."""
+        work = self._prefill_work.get(seq.id)
+        if (self._waiting or any(w[0] is not seq for w in self._prefill_work.values())
+                or any(r is not None for rows in self._groups.values() for r in rows)
+                or (work is not None and len(work[1]) - work[2] <= self.decode_chunk)):
+            return False
+        wrote = work is not None
+        while seq.id in self._prefill_work:
+            self._prefill_parents()
+        jax.block_until_ready(self.cache)
+        return wrote
+
+    def _merge_bucket(self, n: int, cap: int) -> int:
+        """A merge's length bucket (parent prefix, child rows): min_bucket * 2^k, capped."""
+        return min(_bucket(n, self.min_bucket), cap)
+
+    def warm_merge(self, children: int | None = None, max_parent_len: int | None = None,
+                   tails: Sequence[int] = (1, 2)) -> int:
+        """Compile the merge join's shapes ahead of time, so that no compile lands in a timed sync:
+        one call per (parent length bucket up to max_parent_len (default max_seq_len), child length
+        bucket, tail bucket in `tails`) for `children` children (default max_children); tails of 1
+        and 2 tokens are the usual (each child's close tag, a repair). The calls hold only padding rows
+        (they write nothing). Returns the number of shapes."""
+        children = self.max_children if children is None else children
+        if not 1 <= children <= self.max_children:
+            raise EngineError(f"warm_merge: children must be in 1..{self.max_children}, got {children}")
+        top = self.parent_capacity if max_parent_len is None else self._merge_bucket(max_parent_len + 1,
+                                                                                      self.parent_capacity)
+        _, r_b = sh.slot_blocks([0] * children, self.max_seqs, self._parts,
+                                cap=self.max_seqs // self._parts * self.max_children)
+
+        def buckets(cap: int, top: int) -> list[int]:
+            out, b = [], self._merge_bucket(1, cap)
+            while True:
+                out.append(b)
+                if b >= top:
+                    return out
+                b = self._merge_bucket(2 * b, cap)
+
+        pad = np.full(r_b, self.max_seqs * self.max_children, np.int32)
+        zeros = np.zeros(r_b, np.int32)
+        shapes = 0
+        for s_b, c_b, t_b in itertools.product(buckets(self.parent_capacity, top),
+                                               buckets(self.child_capacity, self.child_capacity),
+                                               sorted({_bucket(t, 1) for t in tails})):
+            m = r_b * c_b
+            self.cache, _ = _merge(self.params, self.config, self.cache, np.zeros((r_b, t_b), np.int32), pad,
+                                   zeros, zeros, zeros, zeros, zeros, np.zeros(m, np.int32),
+                                   np.zeros(m, np.int32), np.zeros(m, np.int32), np.full(m, 1 << 30, np.int32),
+                                   s_b=s_b, c_b=c_b, kv=self._kv)
+            shapes += 1
+        jax.block_until_ready(self.cache)
+        return shapes
 
     @property
     def max_branches(self) -> int:        # the orchestrator's name for children per parent

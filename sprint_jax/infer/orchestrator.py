@@ -571,7 +571,10 @@ class Orchestrator:
                 self._mark = len(state.tokens)
             else:
                 state, stage.sync_tokens = yield from self._settle(state, w, sync)
-            _block(state)
+            if hasattr(self.engine, "flush_sync"):    # BatchEngine: the sync's queued tokens written now
+                self.engine.flush_sync(state)
+            else:
+                _block(state)
             stage.sync_s = time.perf_counter() - t
             self._emit("sync", record, stage)
             i += 1
