@@ -678,6 +678,20 @@ class BatchEngine:
         seq.tokens = seq.tokens[:n]
         return seq
 
+    def _child_rows(self, seq: Seq, n: int, p0: int):
+        """Rows of a child prefill call for `n` children of `seq` forked at `p0`, placed in the
+        sequence's slot shard (sh.slot_blocks): (row of child j, rows, child slot, parent slot,
+        fork length, position offset) per row; padding rows write nowhere."""
+        at, r_b = sh.slot_blocks([seq.slot] * n, self.max_seqs, self._parts,
+                                 cap=self.max_seqs // self._parts * self.max_children)
+        cslot = np.full(r_b, self.max_seqs * self.max_children, np.int32)
+        parent = np.full(r_b, seq.slot, np.int32)
+        fork_len = np.full(r_b, p0, np.int32)
+        pos_off = np.full(r_b, seq.pos_offset, np.int32)
+        for j, i in enumerate(at):
+            cslot[i] = seq.slot * self.max_children + j
+        return at, r_b, cslot, parent, fork_len, pos_off
+
     def merge(self, seq: Seq, branches: Sequence[Sequence[int]]) -> Seq:
         """Join the children of the fork just finished on `seq` into its slot without re-running
         them (issue 17; `Engine.merge` is the single-run twin): branches[j] is child j's final
@@ -707,14 +721,7 @@ class BatchEngine:
         # child length buckets); the copy has r_b * c_copy rows, so it adds no shape of its own
         # (`warm_merge` compiles them ahead). A tail longer than prefill_chunk (rare) runs its
         # leading chunks as child prefill calls first.
-        at, r_b = sh.slot_blocks([seq.slot] * n, self.max_seqs, self._parts,
-                                 cap=self.max_seqs // self._parts * self.max_children)
-        cslot = np.full(r_b, self.max_seqs * self.max_children, np.int32)   # padding rows write nowhere
-        parent = np.full(r_b, seq.slot, np.int32)
-        fork_len = np.full(r_b, p0, np.int32)
-        pos_off = np.full(r_b, seq.pos_offset, np.int32)
-        for j, i in enumerate(at):
-            cslot[i] = seq.slot * self.max_children + j
+        at, r_b, cslot, parent, fork_len, pos_off = self._child_rows(seq, n, p0)
         s_b = self._merge_bucket(p0 + 1, self.parent_capacity)
         c_copy = self._merge_bucket(max(len(b) for b in branches) + 1, self.child_capacity)
         crow = [seq.slot * self.max_children] + [seq.slot * self.max_children + j
@@ -815,14 +822,7 @@ class BatchEngine:
         self.flush(seq)
         p0 = seq.length
         runs = [[seq.tokens[-1]] + b[:-1] for b in branches]
-        at, r_b = sh.slot_blocks([seq.slot] * n, self.max_seqs, self._parts,
-                                 cap=self.max_seqs // self._parts * self.max_children)
-        cslot = np.full(r_b, self.max_seqs * self.max_children, np.int32)   # padding rows write nowhere
-        parent = np.full(r_b, seq.slot, np.int32)
-        fork_len = np.full(r_b, p0, np.int32)
-        pos_off = np.full(r_b, seq.pos_offset, np.int32)
-        for j, i in enumerate(at):
-            cslot[i] = seq.slot * self.max_children + j
+        at, r_b, cslot, parent, fork_len, pos_off = self._child_rows(seq, n, p0)
         out: list[list[np.ndarray]] = [[] for _ in range(n)]
         for pos in range(0, max(len(r) for r in runs), self.prefill_chunk):
             pieces = [r[pos: pos + self.prefill_chunk] for r in runs]
