@@ -469,15 +469,7 @@ class Engine:
         of its tokens (row 0: the planner's pending token, run in the branch). The fork is kept for
         `merge` (each branch's last token is left for the join to run), so a trajectory can be
         checked token by token through fork, branches and merge."""
-        if state.after_join:
-            raise EngineError("fork right after a merge join: the planner must write a token first")
-        branches = [[int(t) for t in b] for b in branches]
-        n = len(branches)
-        if not 1 <= n <= self.max_branches or any(not b for b in branches):
-            raise EngineError(f"fork_logits needs 1..{self.max_branches} non-empty branches")
-        if any(len(b) + 1 > self.max_branch_tokens for b in branches):
-            raise EngineError(f"a branch exceeds max_branch_tokens={self.max_branch_tokens}")
         seq = self._bind(state)
-        out = self.core.fork_logits(seq, branches)
+        out = self.core.fork_logits(seq, branches)       # the core checks the branches (same errors)
         self._fork = (state, len(state.tokens))
         return out
