@@ -122,3 +122,18 @@ def greedy_by_full_forward(model, tokens, n: int, width: int = 64) -> list[int]:
         logits = np.asarray(fwd(model.params, model.config, jnp.asarray(row)))[0, len(seq) - 1]
         seq.append(int(np.argmax(logits)))
     return seq[len(tokens):]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+    """After each test module, drop jax's compiled executables. XLA CPU keeps every executable's
+    JIT code in its own memory mappings; an xdist worker that runs many modules reached ~59,000 of
+    the kernel's default 65,530 (vm.max_map_count) and then crashed inside a compile (segfault or
+    abort). Modules compile their own shapes anyway, so nothing is shared across them."""
+    yield
+    import gc
+    import sys
+
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+    gc.collect()
