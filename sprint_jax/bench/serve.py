@@ -82,6 +82,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="--http: tokens generated per request, comma-separated (default 32,80: a short request "
                         "(the demo's planner calls stay within 48 tokens), and about a whole answer of the demo's "
                         "RFT model, 77 tokens; a whole SPRINT run of it writes ~93)")
+    h.add_argument("--engine-on", choices=("auto", "loop", "thread"), default="auto",
+                   help="--http: where the server's engine steps, as `sprint-jax serve --engine-on` (default auto: "
+                        "the server's default, loop on CPU)")
 
 
 DEMO_NAME = "demo-size"   # the demo's model shape (sprint_jax.demo.DemoModel), vocabulary 512
@@ -243,7 +246,7 @@ def _inproc_wave(engine, prompts: list[list[int]], max_new: int,
                  offsets: list[float] | None = None) -> tuple[list[float], list[str]]:
     """The requests of one wave on a BatchEngine driven in this thread, request j submitted at
     `offsets[j]` s after the wave starts (all at once without offsets), each generate following
-    its open at once as the server's engine thread does. A request that comes due while a step
+    its open at once as the server's engine loop does. A request that comes due while a step
     runs waits for the step's end, as it would at the server. Per request: the time from its
     submission to its result, and the texts."""
     n = len(prompts)
@@ -419,11 +422,12 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
                 max_branch_tokens=8, decode_chunk=args.decode_chunk, prefill_chunk=128, eos_token_ids=[])
     local = BatchEngine(model, tok, **caps)
     served = BatchEngine(model, tok, **caps)          # its own cache; the jitted steps are shared
-    server = Server(served, name).start()
+    from sprint_jax.serve.cli import ENGINE_ON
+    server = Server(served, name, engine_on_loop=ENGINE_ON[args.engine_on]).start()
     clients = _ClientProcess(server.url, name, max(conc))
     out: dict[str, Any] = dict(model=name, backend=jax.default_backend(), requests=n,
                                prompt_tokens=[len(p) for p in prompts], http_impl=server.http_impl,
-                               loop_impl=server.loop_impl,
+                               loop_impl=server.loop_impl, engine_on="loop" if server.engine_on_loop else "thread",
                                decode_chunk=args.decode_chunk, rows=[])
 
     arrivals: dict[tuple, list[float]] = {}      # (tokens, conc, wave) -> the raw client's send offsets
@@ -485,7 +489,7 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
                     # end to end, per request: HTTP latency - the same request's in-process latency
                     # (same wave, submitted at the same offset in it)
                     over = 1000 * float(np.median(lat[path] - lat["inproc"]))
-                    # per request: HTTP latency - the engine thread's time on that request: what HTTP,
+                    # per request: HTTP latency - the engine's time on that request: what HTTP,
                     # the server and the client add; the engine's step times, which the machine's
                     # load moves run to run, cancel out
                     outside = 1000 * float(np.median(lat[path] - timing[path]["engine"]))
@@ -513,16 +517,17 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
 def _http_report(out: dict, repeats: int) -> None:
     print(f"model {out['model']} on {out['backend']}; {out['requests']} requests x {repeats} repeats, prompts of "
           f"{min(out['prompt_tokens'])}-{max(out['prompt_tokens'])} tokens, greedy, decode chunk "
-          f"{out['decode_chunk']}; uvicorn http={out['http_impl']} loop={out['loop_impl']}; load average "
+          f"{out['decode_chunk']}; uvicorn http={out['http_impl']} loop={out['loop_impl']}, engine on the "
+          f"{out['engine_on']}; load average "
           f"{out['loadavg']['before'][0]:.1f} -> {out['loadavg']['after'][0]:.1f}")
     print("Waves of `conc` requests, the paths alternating wave by wave; latency = submission -> reply, p50 ms. "
           "raw: through the server, a keep-alive http.client connection per request; inproc: the same requests "
           "on an identical engine in-process, each submitted at the offset in its wave at which the raw client "
           "sent it (spread: the last one's offset, p50); at once: a wave in-process all at the same instant. "
           "Per request, median: e2e over = raw latency - the same request's inproc latency; outside = raw "
-          "latency - the engine thread's time on it (what HTTP, the server and the client add, the engine's "
+          "latency - the engine's time on it (what HTTP, the server and the client add, the engine's "
           "step times cancelled out); % = of the inproc p50. srv: the server's time per request outside the "
-          "engine thread, timed inside it; wait: of that, until the engine thread took it (a step was running). "
+          "engine, timed inside it; wait: of that, until the engine took it (a step was running). "
           "openai: the openai client; client = openai - raw, the openai package's own cost, not the server's.")
     print(f"{'tokens':>6}{'conc':>5}{'spread':>7}{'at once':>8}{'inproc':>8}{'raw':>8}{'e2e over':>9}{'%':>6}"
           f"{'outside':>8}{'%':>6}{'srv':>6}{'wait':>6}{'openai':>8}{'client':>7}")

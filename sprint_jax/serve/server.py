@@ -10,14 +10,18 @@ import time
 class Server:
     def __init__(self, engine, model_name: str, sprint_config=None, host: str = "127.0.0.1", port: int = 0,
                  max_queue: int = 64, default_max_tokens: int = 256, log_level: str = "warning",
-                 switch_interval_s: float | None = 0.0005):
+                 switch_interval_s: float | None = 0.0005, engine_on_loop: bool | None = None):
         import uvicorn
 
         from sprint_jax.infer.orchestrator import OrchestratorConfig
         from sprint_jax.serve.app import ServeState, make_app
         from sprint_jax.serve.worker import EngineWorker
 
-        self.worker = EngineWorker(engine, max_queue=max_queue)
+        if engine_on_loop is None:             # see sprint_jax/serve/worker.py: where the engine runs
+            import jax
+            engine_on_loop = jax.default_backend() == "cpu"
+        self.engine_on_loop = engine_on_loop
+        self.worker = EngineWorker(engine, max_queue=max_queue, on_loop=engine_on_loop)
         self.state = ServeState(self.worker, model_name, sprint_config or OrchestratorConfig(),
                                 default_max_tokens=default_max_tokens)
         self.app = make_app(self.state)
