@@ -365,7 +365,7 @@ def make_app(state: ServeState):
 
     async def health(request: Request) -> Response:
         if not worker.alive:
-            return JSONResponse({"status": "error", "error": worker.error or "engine thread not running"},
+            return JSONResponse({"status": "error", "error": worker.error or "the engine is not running"},
                                 status_code=503)
         mesh = getattr(state.engine, "mesh", None)
         shape = {k: int(v) for k, v in mesh.shape.items()} if mesh is not None else None
@@ -382,7 +382,7 @@ def make_app(state: ServeState):
         metric("active_rows", "gauge", "Decoding rows (requests' sequences and their fork children).", m["active_rows"])
         metric("slots_used", "gauge", "Parent sequence slots in use.", m["slots_used"])
         metric("slots_total", "gauge", "Parent sequence slots.", m["slots_total"])
-        metric("running_requests", "gauge", "Requests held by the engine thread.", m["running_jobs"])
+        metric("running_requests", "gauge", "Requests held by the engine.", m["running_jobs"])
         metric("generated_tokens_total", "counter", "Tokens generated since start.", m["tokens_total"])
         metric("tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.",
                f"{m['tokens_per_s']:.3f}")

@@ -29,6 +29,7 @@ import dataclasses
 import queue
 import threading
 import time
+import traceback
 from collections import deque
 from typing import Any
 
@@ -94,8 +95,8 @@ class Job:
     steps: Any = None
     sent: list[int] = dataclasses.field(default_factory=list)      # streamed tokens per choice
     t0: float = 0.0
-    t_pick: float = 0.0                     # when the engine thread took it
-    t_end: float = 0.0                      # when the engine thread finished it
+    t_pick: float = 0.0                     # when the engine took it
+    t_end: float = 0.0                      # when the engine finished it
     cancelled: bool = False
     finished: bool = False
 
@@ -120,17 +121,17 @@ class EngineWorker:
         self._arrivals: list[Job] = []       # submitted on the event loop, not yet handed over
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="sprint-jax-engine", daemon=True)
-        self.error: str | None = None        # set if the engine thread died
+        self.error: str | None = None        # set if the engine thread / task died
         self._tok_window: deque[tuple[float, int]] = deque()
         self.metrics = dict(queue_depth=0, active_rows=0, slots_used=0, slots_total=engine.max_seqs,
                             running_jobs=0, tokens_total=0, tokens_per_s=0.0, steps=0, cancelled=0)
         self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
         self.latency_sum = 0.0
         self.requests: dict[str, int] = {}   # status code -> count
-        # per served plain non-streaming request (its prompt, in seconds): `engine` = the engine
-        # thread's time on it (took it -> finished it), `server` = the handler's time outside that
-        # (parse, validate, wait for the engine thread to take it, two hand-offs, build the reply),
-        # `wait` = of that, the wait until the engine thread took it (a step was running)
+        # per served plain non-streaming request (its prompt, in seconds): `engine` = the engine's
+        # time on it (took it -> finished it), `server` = the handler's time outside that (parse,
+        # validate, wait for the engine to take it, the hand-offs, build the reply), `wait` = of
+        # that, the wait until the engine took it
         self.timings: deque[dict] = deque(maxlen=10_000)
 
     # ---- any thread ---------------------------------------------------------------------------
@@ -277,7 +278,6 @@ class EngineWorker:
                 await asyncio.sleep(0)
         except Exception as e:
             self._failed(e)
-            import traceback
             traceback.print_exc()
         finally:
             self._ended.set()
