@@ -563,6 +563,9 @@ def test_cli_rejects_bad_flags_in_one_line(tmp_path, capsys):
     assert "model directory not found" in capsys.readouterr().err
     assert main(["serve", "--model", str(tmp_path), "--max-seqs", "0"]) == 2
     assert "--max-seqs must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model", str(tmp_path), "--engine-on", "gpu"])
+    assert e.value.code == 2 and "--engine-on: invalid choice: 'gpu'" in capsys.readouterr().err
 
 
 def _tiny_model_dir(hf_untied, tmp_path) -> str:
