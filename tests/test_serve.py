@@ -671,26 +671,30 @@ def test_cli_serve_on_a_mesh_gives_the_single_device_servers_completions(hf_unti
 def test_bench_serve_http_runs_the_same_work_on_both_paths(tmp_path):
     """`sprint-jax bench serve --http` end to end, tiny settings: it checks itself that the server
     and the in-process engine return the same texts, and writes its rows; the overhead is the
-    median of per-request differences of the recorded samples (same request, same wave)."""
+    median of per-request differences of the recorded samples (same request, same wave). With
+    --compare-engine-on a second server, its engine on a thread (the first's on the loop, the CPU
+    default), serves the same waves and must return the same texts too."""
     from sprint_jax.cli import main
 
     out = tmp_path / "b.json"
     assert main(["bench", "serve", "--http", "--problems", "4", "--repeats", "1", "--concurrency", "1,2",
-                 "--max-tokens", "4", "--out", str(out)]) == 0
+                 "--max-tokens", "4", "--compare-engine-on", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     rows = res["rows"]
     assert res["model"] == "demo-size" and len(res["prompt_tokens"]) == 4
+    assert (res["engine_on"], res["other_engine_on"]) == ("loop", "thread")
     assert [r["concurrency"] for r in rows] == [1, 2]
     assert rows[0]["arrival_spread_ms"] == 0 and rows[1]["arrival_spread_ms"] >= 0
     for r in rows:
-        assert all(r[p]["p50_ms"] > 0 and len(r[p]["samples_ms"]) == 4 for p in ("inproc", "at_once", "raw", "openai"))
-        for p in ("raw", "openai"):
+        assert all(r[p]["p50_ms"] > 0 and len(r[p]["samples_ms"]) == 4
+                   for p in ("inproc", "at_once", "raw", "openai", "raw_other"))
+        for p in ("raw", "openai", "raw_other"):
             diff = np.array(r[p]["samples_ms"]) - np.array(r["inproc"]["samples_ms"])
             assert r[p]["overhead_ms"] == pytest.approx(float(np.median(diff)))
             assert r[p]["overhead_pct"] == pytest.approx(100 * r[p]["overhead_ms"] / r["inproc"]["p50_ms"])
             outside = np.array(r[p]["samples_ms"]) - np.array(r[p]["engine_samples_ms"])
             assert r[p]["outside_engine_ms"] == pytest.approx(float(np.median(outside)))
-            # the engine thread's time and the server's own share are parts of what the client waited for
+            # the engine's time and the server's own share are parts of what the client waited for
             assert (outside > 0).all() and 0 < r[p]["server_ms_p50"] < r[p]["outside_engine_ms"]
             assert 0 <= r[p]["pick_wait_ms_p50"] <= r[p]["server_ms_p50"]
         client = np.array(r["openai"]["samples_ms"]) - np.array(r["raw"]["samples_ms"])
