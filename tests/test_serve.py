@@ -269,7 +269,7 @@ def test_a_full_queue_gets_429_with_retry_after_and_the_server_keeps_serving(set
     """A server of its own with a tiny queue (`max_queue=1`, as `serve --max-queue 1` builds it):
     4 requests decode, 1 waits, the next gets 429 + Retry-After in OpenAI's error shape (openai
     client and a raw request); once the holders leave it serves again (reference: the request
-    decoded alone). A stopped engine thread gives 503 + Retry-After."""
+    decoded alone). A stopped engine (here: the engine task on the event loop) gives 503 + Retry-After."""
     _, _, alone, tok = setup
     model = from_pretrained(hf_untied)
     engine = BatchEngine(model, tok, max_seqs=4, max_children=4, **CAPS)    # the module engine's shapes
@@ -308,12 +308,63 @@ def test_a_full_queue_gets_429_with_retry_after_and_the_server_keeps_serving(set
         assert got.choices[0].text == _alone_text(alone, tok, "Count: 1, 2", 12)
         text = _http(server, "/metrics")[1].decode()
         assert 'sprint_serve_requests_total{status="429"} 3' in text and 'requests_total{status="200"} 1' in text
-        # the engine thread gone (here: stopped): 503 + Retry-After, and /health says so
+        # the engine gone (here: stopped): 503 + Retry-After, and /health says so
         server.worker.stop()
         with pytest.raises(openai.APIStatusError) as e:
             client.completions.create(model=NAME, prompt="ok", max_tokens=2)
         assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "5"
         assert _http(server, "/health")[0] == 503
+    finally:
+        server.stop()
+
+
+def test_the_engine_on_a_thread_of_its_own_serves_the_same(setup, hf_untied):
+    """`serve --engine-on thread` (the accelerator default; the module's server runs its engine on
+    the event loop, the CPU default): greedy completions and chat equal the request decoded alone,
+    n = 4 shares one prefill and equals the branches decoded alone, streaming equals the whole
+    response, SPRINT mode gives the single-run driver's record, a client leaving mid-stream frees
+    its slot within a second, and a stopped engine thread gives 503."""
+    loop_server, _, alone, tok = setup
+    assert loop_server.engine_on_loop and loop_server.worker.on_loop         # CPU: the engine on the loop
+    model = from_pretrained(hf_untied)
+    engine = BatchEngine(model, tok, max_seqs=4, max_children=4, **CAPS)    # the module engine's shapes
+    server = Server(engine, NAME, SPRINT_CFG, engine_on_loop=False).start()
+    try:
+        assert not server.worker.on_loop and server.worker._thread.is_alive()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        prompt = "What is 17 * 23?"
+        ref = _alone_text(alone, tok, prompt, 12)
+        assert client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0).choices[0].text == ref
+        c = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=12,
+                                           temperature=0)
+        assert c.choices[0].message.content == ref
+        before = _metrics(server)
+        r = client.completions.create(model=NAME, prompt="Name four primes: ", max_tokens=10, n=4, temperature=1.0,
+                                      seed=5)
+        assert _metrics(server)["prefill_calls"] - before["prefill_calls"] == 1
+        branches = alone.decode_branches(alone.prefill(tok.encode("Name four primes: ")), [[]] * 4, 10,
+                                         sampling=Sampling(temperature=1.0, seed=5))
+        assert [ch.text for ch in r.choices] == [g.text for g in branches]
+        streamed = "".join(ch.text for chunk in client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True) for ch in chunk.choices)
+        assert streamed == ref
+        query = "abc xyz hg"
+        got = client.chat.completions.create(model=NAME + ":sprint", messages=[{"role": "user", "content": query}],
+                                             temperature=0).model_extra["sprint"]
+        sprint_ref = Orchestrator(alone, SPRINT_CFG).run(query, "parallel").to_json()
+        sprint_ref.pop("query")
+        assert _untimed(got) == _untimed(sprint_ref)
+        client.completions.create(model=NAME, prompt="Go on:", max_tokens=180, temperature=0)   # compiles its shapes
+        stream = client.completions.create(model=NAME, prompt="Go on:", max_tokens=180, temperature=0, stream=True)
+        next(c for c in stream if c.choices and c.choices[0].text)
+        assert _metrics(server)["slots_used"] == 1
+        stream.close()
+        m = _idle(server, within=1.0)
+        assert m["slots_used"] == 0 and m["active_rows"] == 0 and m["running_jobs"] == 0
+        server.worker.stop()
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model=NAME, prompt="ok", max_tokens=2)
+        assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "5"
     finally:
         server.stop()
 
@@ -512,6 +563,9 @@ def test_cli_rejects_bad_flags_in_one_line(tmp_path, capsys):
     assert "model directory not found" in capsys.readouterr().err
     assert main(["serve", "--model", str(tmp_path), "--max-seqs", "0"]) == 2
     assert "--max-seqs must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model", str(tmp_path), "--engine-on", "gpu"])
+    assert e.value.code == 2 and "--engine-on: invalid choice: 'gpu'" in capsys.readouterr().err
 
 
 def _tiny_model_dir(hf_untied, tmp_path) -> str:
@@ -617,26 +671,30 @@ def test_cli_serve_on_a_mesh_gives_the_single_device_servers_completions(hf_unti
 def test_bench_serve_http_runs_the_same_work_on_both_paths(tmp_path):
     """`sprint-jax bench serve --http` end to end, tiny settings: it checks itself that the server
     and the in-process engine return the same texts, and writes its rows; the overhead is the
-    median of per-request differences of the recorded samples (same request, same wave)."""
+    median of per-request differences of the recorded samples (same request, same wave). With
+    --compare-engine-on a second server, its engine on a thread (the first's on the loop, the CPU
+    default), serves the same waves and must return the same texts too."""
     from sprint_jax.cli import main
 
     out = tmp_path / "b.json"
     assert main(["bench", "serve", "--http", "--problems", "4", "--repeats", "1", "--concurrency", "1,2",
-                 "--max-tokens", "4", "--out", str(out)]) == 0
+                 "--max-tokens", "4", "--compare-engine-on", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     rows = res["rows"]
     assert res["model"] == "demo-size" and len(res["prompt_tokens"]) == 4
+    assert (res["engine_on"], res["other_engine_on"]) == ("loop", "thread")
     assert [r["concurrency"] for r in rows] == [1, 2]
     assert rows[0]["arrival_spread_ms"] == 0 and rows[1]["arrival_spread_ms"] >= 0
     for r in rows:
-        assert all(r[p]["p50_ms"] > 0 and len(r[p]["samples_ms"]) == 4 for p in ("inproc", "at_once", "raw", "openai"))
-        for p in ("raw", "openai"):
+        assert all(r[p]["p50_ms"] > 0 and len(r[p]["samples_ms"]) == 4
+                   for p in ("inproc", "at_once", "raw", "openai", "raw_other"))
+        for p in ("raw", "openai", "raw_other"):
             diff = np.array(r[p]["samples_ms"]) - np.array(r["inproc"]["samples_ms"])
             assert r[p]["overhead_ms"] == pytest.approx(float(np.median(diff)))
             assert r[p]["overhead_pct"] == pytest.approx(100 * r[p]["overhead_ms"] / r["inproc"]["p50_ms"])
             outside = np.array(r[p]["samples_ms"]) - np.array(r[p]["engine_samples_ms"])
             assert r[p]["outside_engine_ms"] == pytest.approx(float(np.median(outside)))
-            # the engine thread's time and the server's own share are parts of what the client waited for
+            # the engine's time and the server's own share are parts of what the client waited for
             assert (outside > 0).all() and 0 < r[p]["server_ms_p50"] < r[p]["outside_engine_ms"]
             assert 0 <= r[p]["pick_wait_ms_p50"] <= r[p]["server_ms_p50"]
         client = np.array(r["openai"]["samples_ms"]) - np.array(r["raw"]["samples_ms"])

@@ -30,7 +30,9 @@ Rows, all measured in one run:
                Python work is reported as its own column). HTTP overhead per request = its latency
                through the server minus the same request's in-process latency in the same wave
                (median over requests); target: < 10% of the in-process p50 latency. Every path
-               must return the same texts.
+               must return the same texts. --engine-on picks where the server's engine steps;
+               --compare-engine-on adds a second server with it on the other place (raw client,
+               same waves): the two side by side in one run.
 Every point runs once untimed first (compiles every shape it meets; checks that every concurrency
 generates identical tokens: the same work), then --repeats times interleaved; the best is reported
 and every sample is kept in the JSON. Each sample also records this process's CPU seconds (all its
@@ -82,6 +84,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="--http: tokens generated per request, comma-separated (default 32,80: a short request "
                         "(the demo's planner calls stay within 48 tokens), and about a whole answer of the demo's "
                         "RFT model, 77 tokens; a whole SPRINT run of it writes ~93)")
+    h.add_argument("--engine-on", choices=("auto", "loop", "thread"), default="auto",
+                   help="--http: where the server's engine steps, as `sprint-jax serve --engine-on` (default auto: "
+                        "the server's default, loop on CPU)")
+    h.add_argument("--compare-engine-on", action="store_true",
+                   help="--http: also a second server with its engine on the other place (thread if the first is on "
+                        "the loop, and back), its own raw client, in the same waves: the two side by side in one run")
 
 
 DEMO_NAME = "demo-size"   # the demo's model shape (sprint_jax.demo.DemoModel), vocabulary 512
@@ -243,7 +251,7 @@ def _inproc_wave(engine, prompts: list[list[int]], max_new: int,
                  offsets: list[float] | None = None) -> tuple[list[float], list[str]]:
     """The requests of one wave on a BatchEngine driven in this thread, request j submitted at
     `offsets[j]` s after the wave starts (all at once without offsets), each generate following
-    its open at once as the server's engine thread does. A request that comes due while a step
+    its open at once as the server's engine loop does. A request that comes due while a step
     runs waits for the step's end, as it would at the server. Per request: the time from its
     submission to its result, and the texts."""
     n = len(prompts)
@@ -419,12 +427,21 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
                 max_branch_tokens=8, decode_chunk=args.decode_chunk, prefill_chunk=128, eos_token_ids=[])
     local = BatchEngine(model, tok, **caps)
     served = BatchEngine(model, tok, **caps)          # its own cache; the jitted steps are shared
-    server = Server(served, name).start()
+    from sprint_jax.serve.cli import ENGINE_ON
+    server = Server(served, name, engine_on_loop=ENGINE_ON[args.engine_on]).start()
     clients = _ClientProcess(server.url, name, max(conc))
+    paths, client_paths = HTTP_PATHS, HTTP_CLIENTS
+    other = other_clients = None
+    if args.compare_engine_on:                        # raw_other: the same raw client, the other engine place
+        other = Server(BatchEngine(model, tok, **caps), name, engine_on_loop=not server.engine_on_loop).start()
+        other_clients = _ClientProcess(other.url, name, max(conc))
+        paths, client_paths = HTTP_PATHS + ("raw_other",), HTTP_CLIENTS + ("raw_other",)
     out: dict[str, Any] = dict(model=name, backend=jax.default_backend(), requests=n,
                                prompt_tokens=[len(p) for p in prompts], http_impl=server.http_impl,
-                               loop_impl=server.loop_impl,
+                               loop_impl=server.loop_impl, engine_on="loop" if server.engine_on_loop else "thread",
                                decode_chunk=args.decode_chunk, rows=[])
+    if other is not None:
+        out["other_engine_on"] = "loop" if other.engine_on_loop else "thread"
 
     arrivals: dict[tuple, list[float]] = {}      # (tokens, conc, wave) -> the raw client's send offsets
 
@@ -435,11 +452,12 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
             return (*_inproc_wave(local, ps, m), [])
         if path == "inproc":                          # the HTTP clients' arrival pattern, replayed
             return (*_inproc_wave(local, ps, m, arrivals.get(key)), [])
-        server.worker.timings.clear()
-        lat, texts, sent = clients.wave(path, ps, m)
+        srv, cl = (other, other_clients) if path == "raw_other" else (server, clients)
+        srv.worker.timings.clear()
+        lat, texts, sent = cl.wave("raw" if path == "raw_other" else path, ps, m)
         if path == "raw":
             arrivals[key] = sent
-        by_prompt = {tuple(t["prompt"]): t for t in server.worker.timings}
+        by_prompt = {tuple(t["prompt"]): t for t in srv.worker.timings}
         return lat, texts, [by_prompt[tuple(p)] for p in ps]
 
     try:
@@ -450,18 +468,18 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
                 # untimed: compile every shape; HTTP arrivals spread over a few ms, so their steps
                 # meet more row counts than the in-process waves (every bucket up to c)
                 for _ in range(2):
-                    for path in ("raw",) + tuple(p for p in HTTP_PATHS if p != "raw"):
+                    for path in ("raw",) + tuple(p for p in paths if p != "raw"):
                         for w, idx in enumerate(waves):
                             wave(path, (m, c, w), idx, m)
-                lat = {p: np.zeros((args.repeats, n)) for p in HTTP_PATHS}
+                lat = {p: np.zeros((args.repeats, n)) for p in paths}
                 timing = {p: {k: np.zeros((args.repeats, n)) for k in ("engine", "server", "wait")}
-                          for p in HTTP_CLIENTS}
+                          for p in client_paths}
                 spread: list[float] = []
-                texts: dict[str, list[str]] = {p: [""] * n for p in HTTP_PATHS}
+                texts: dict[str, list[str]] = {p: [""] * n for p in paths}
                 for r in range(args.repeats):
                     for w, idx in enumerate(waves):
-                        k = (w + r) % len(HTTP_PATHS)   # rotate the order: no path always goes first
-                        for path in HTTP_PATHS[k:] + HTTP_PATHS[:k]:
+                        k = (w + r) % len(paths)   # rotate the order: no path always goes first
+                        for path in paths[k:] + paths[:k]:
                             l, t, tm = wave(path, (m, c, w), idx, m)
                             lat[path][r, idx] = l
                             for i, x in zip(idx, t):
@@ -471,21 +489,21 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
                                     timing[path][key][r, i] = x[key]
                             if path == "raw":
                                 spread.append(max(arrivals[(m, c, w)]))
-                for path in HTTP_PATHS[1:]:
+                for path in paths[1:]:
                     if texts[path] != texts["inproc"]:
                         raise RuntimeError(f"{path}'s texts differ from the in-process engine's: not the same work")
                 row: dict[str, Any] = dict(max_tokens=m, concurrency=c,
                                            arrival_spread_ms=1000 * float(np.median(spread)))
-                for path in HTTP_PATHS:
+                for path in paths:
                     x = 1000 * lat[path].ravel()
                     row[path] = dict(p50_ms=float(np.median(x)), mean_ms=float(x.mean()), min_ms=float(x.min()),
                                      p99_ms=float(np.percentile(x, 99)), samples_ms=x.tolist())
                 inproc_p50 = row["inproc"]["p50_ms"]
-                for path in HTTP_CLIENTS:
+                for path in client_paths:
                     # end to end, per request: HTTP latency - the same request's in-process latency
                     # (same wave, submitted at the same offset in it)
                     over = 1000 * float(np.median(lat[path] - lat["inproc"]))
-                    # per request: HTTP latency - the engine thread's time on that request: what HTTP,
+                    # per request: HTTP latency - the engine's time on that request: what HTTP,
                     # the server and the client add; the engine's step times, which the machine's
                     # load moves run to run, cancel out
                     outside = 1000 * float(np.median(lat[path] - timing[path]["engine"]))
@@ -502,6 +520,9 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         clients.close()
         server.stop()
+        if other is not None:
+            other_clients.close()
+            other.stop()
     _http_report(out, args.repeats)
     if args.out:
         with open(args.out, "w") as f:
@@ -513,16 +534,17 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
 def _http_report(out: dict, repeats: int) -> None:
     print(f"model {out['model']} on {out['backend']}; {out['requests']} requests x {repeats} repeats, prompts of "
           f"{min(out['prompt_tokens'])}-{max(out['prompt_tokens'])} tokens, greedy, decode chunk "
-          f"{out['decode_chunk']}; uvicorn http={out['http_impl']} loop={out['loop_impl']}; load average "
+          f"{out['decode_chunk']}; uvicorn http={out['http_impl']} loop={out['loop_impl']}, engine on the "
+          f"{out['engine_on']}; load average "
           f"{out['loadavg']['before'][0]:.1f} -> {out['loadavg']['after'][0]:.1f}")
     print("Waves of `conc` requests, the paths alternating wave by wave; latency = submission -> reply, p50 ms. "
           "raw: through the server, a keep-alive http.client connection per request; inproc: the same requests "
           "on an identical engine in-process, each submitted at the offset in its wave at which the raw client "
           "sent it (spread: the last one's offset, p50); at once: a wave in-process all at the same instant. "
           "Per request, median: e2e over = raw latency - the same request's inproc latency; outside = raw "
-          "latency - the engine thread's time on it (what HTTP, the server and the client add, the engine's "
+          "latency - the engine's time on it (what HTTP, the server and the client add, the engine's "
           "step times cancelled out); % = of the inproc p50. srv: the server's time per request outside the "
-          "engine thread, timed inside it; wait: of that, until the engine thread took it (a step was running). "
+          "engine, timed inside it; wait: of that, until the engine took it (a step was running). "
           "openai: the openai client; client = openai - raw, the openai package's own cost, not the server's.")
     print(f"{'tokens':>6}{'conc':>5}{'spread':>7}{'at once':>8}{'inproc':>8}{'raw':>8}{'e2e over':>9}{'%':>6}"
           f"{'outside':>8}{'%':>6}{'srv':>6}{'wait':>6}{'openai':>8}{'client':>7}")
@@ -532,6 +554,15 @@ def _http_report(out: dict, repeats: int) -> None:
               f"{i['p50_ms']:>8.2f}{a['p50_ms']:>8.2f}{a['overhead_ms']:>9.2f}{a['overhead_pct']:>6.1f}"
               f"{a['outside_engine_ms']:>8.2f}{a['outside_engine_pct']:>6.1f}{a['server_ms_p50']:>6.2f}"
               f"{a['pick_wait_ms_p50']:>6.2f}{o['p50_ms']:>8.2f}{o['client_ms']:>7.2f}")
+    if out.get("other_engine_on"):
+        print(f"The same waves through a second server with its engine on the {out['other_engine_on']} (raw client):")
+        print(f"{'tokens':>6}{'conc':>5}{'inproc':>8}{'raw':>8}{'e2e over':>9}{'%':>6}{'outside':>8}{'%':>6}{'srv':>6}"
+              f"{'wait':>6}")
+        for r in out["rows"]:
+            i, a = r["inproc"], r["raw_other"]
+            print(f"{r['max_tokens']:>6}{r['concurrency']:>5}{i['p50_ms']:>8.2f}{a['p50_ms']:>8.2f}{a['overhead_ms']:>9.2f}"
+                  f"{a['overhead_pct']:>6.1f}{a['outside_engine_ms']:>8.2f}{a['outside_engine_pct']:>6.1f}"
+                  f"{a['server_ms_p50']:>6.2f}{a['pick_wait_ms_p50']:>6.2f}")
     print("target (issue 16): HTTP overhead per request < 10% of the in-process latency")
 
 

@@ -1,12 +1,15 @@
-"""The OpenAI-compatible HTTP side (starlette): request validation, the OpenAI response and error
-shapes, server-sent events, metrics. Every engine interaction goes through `EngineWorker`.
+"""The OpenAI-compatible HTTP side: request validation, the OpenAI response and error shapes,
+server-sent events, metrics. Every engine interaction goes through `EngineWorker`.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health,
-GET /metrics (Prometheus text format).
+GET /metrics (Prometheus text format). The two POST routes are plain ASGI handlers, reached before
+starlette (its middleware, routing, Request and Response objects cost ~0.1 ms a request, which is
+what a request's whole HTTP overhead may be on the demo model); the rest is a starlette app.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -14,7 +17,7 @@ import uuid
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -37,11 +40,13 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
 
-    def response(self) -> JSONResponse:
+    def payload(self) -> dict:
         kind = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
                 503: "server_error"}.get(self.status, "server_error")
-        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status, headers=self.headers)
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.payload(), status_code=self.status, headers=self.headers)
 
 
 def default_chat_prompt(messages: list[dict]) -> str:
@@ -350,7 +355,7 @@ class _StreamText:
 # ---------------------------------------------------------------------------------------------
 # Handlers
 # ---------------------------------------------------------------------------------------------
-def make_app(state: ServeState) -> Starlette:
+def make_app(state: ServeState):
     worker = state.worker
 
     async def models(request: Request) -> Response:
@@ -360,7 +365,7 @@ def make_app(state: ServeState) -> Starlette:
 
     async def health(request: Request) -> Response:
         if not worker.alive:
-            return JSONResponse({"status": "error", "error": worker.error or "engine thread not running"},
+            return JSONResponse({"status": "error", "error": worker.error or "the engine is not running"},
                                 status_code=503)
         mesh = getattr(state.engine, "mesh", None)
         shape = {k: int(v) for k, v in mesh.shape.items()} if mesh is not None else None
@@ -377,7 +382,7 @@ def make_app(state: ServeState) -> Starlette:
         metric("active_rows", "gauge", "Decoding rows (requests' sequences and their fork children).", m["active_rows"])
         metric("slots_used", "gauge", "Parent sequence slots in use.", m["slots_used"])
         metric("slots_total", "gauge", "Parent sequence slots.", m["slots_total"])
-        metric("running_requests", "gauge", "Requests held by the engine thread.", m["running_jobs"])
+        metric("running_requests", "gauge", "Requests held by the engine.", m["running_jobs"])
         metric("generated_tokens_total", "counter", "Tokens generated since start.", m["tokens_total"])
         metric("tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.",
                f"{m['tokens_per_s']:.3f}")
@@ -397,52 +402,79 @@ def make_app(state: ServeState) -> Starlette:
                   f"sprint_serve_request_latency_seconds_count {acc}"]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
-    async def serve(request: Request, chat: bool) -> Response:
+    async def post(scope, receive, send, chat: bool) -> None:
+        """POST /v1/completions (chat False) and /v1/chat/completions (chat True), plain ASGI."""
         t0 = time.perf_counter()
+        started = False
+
+        async def reply(status: int, obj: dict, headers: dict | None = None) -> None:
+            nonlocal started
+            started = True
+            await _send_json(send, status, obj, headers)
+
         try:
             try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise APIError(400, "the request body is not valid JSON") from None
-            if not isinstance(body, dict):
-                raise APIError(400, "the request body must be a JSON object")
-            if not worker.alive:
-                raise APIError(503, worker.error or "the engine is not running", headers={"Retry-After": "5"})
-            channel = Channel(asyncio.get_running_loop())
-            job, n_prompt = build_job(body, state, chat, channel)
-            if not worker.try_submit(job):
-                raise APIError(429, f"the server holds {worker.capacity} requests (its queue is full); retry later",
-                               code="queue_full", headers={"Retry-After": "1"})
-        except APIError as e:
-            worker.observe(e.status, None)
-            return e.response()
-        head = _Head(chat, body["model"], job.stream)
-        if job.stream:
-            return StreamingResponse(_stream(job, head, n_prompt, t0), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        try:
-            kind, value = await channel.get()
-        finally:
-            if not job.finished:           # the client went away (the handler was cancelled)
-                worker.cancel(job)
-        if kind == "error":
+                raw = await _read_body(receive)
+                try:
+                    body = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    raise APIError(400, "the request body is not valid JSON") from None
+                if not isinstance(body, dict):
+                    raise APIError(400, "the request body must be a JSON object")
+                if not worker.alive:
+                    raise APIError(503, worker.error or "the engine is not running", headers={"Retry-After": "5"})
+                channel = Channel(asyncio.get_running_loop())
+                job, n_prompt = build_job(body, state, chat, channel)
+                if not worker.try_submit(job):
+                    raise APIError(429, f"the server holds {worker.capacity} requests (its queue is full); retry later",
+                                   code="queue_full", headers={"Retry-After": "1"})
+            except APIError as e:
+                worker.observe(e.status, None)
+                await reply(e.status, e.payload(), e.headers)
+                return
+            head = _Head(chat, body["model"], job.stream)
+            if job.stream:
+                started = True
+                events = _stream(job, head, n_prompt, t0)
+                try:
+                    await StreamingResponse(events, media_type="text/event-stream",
+                                            headers={"Cache-Control": "no-cache"})(scope, receive, send)
+                except (ClientDisconnect, OSError):   # the client left mid-stream
+                    pass
+                finally:
+                    await events.aclose()             # a job still running is cancelled now
+                return
+            try:
+                kind, value = await channel.get()
+            finally:
+                if not job.finished:           # the client went away (the handler was cancelled)
+                    worker.cancel(job)
+            if kind == "error":
+                worker.observe(500, None)
+                await reply(500, APIError(500, value).payload())
+                return
+            worker.observe(200, time.perf_counter() - t0)
+            if job.kind == "sprint":
+                rec = value
+                await reply(200, head.body(choices=[_choice(chat, 0, rec.text, _sprint_finish(rec))],
+                                           usage=_usage(n_prompt, rec.total_tokens), sprint=_sprint_json(rec)))
+                return
+            choices, completion = [], 0
+            for i, g in enumerate(value):
+                text, finish = _finish(g, job.stop)
+                choices.append(_choice(chat, i, text, finish))
+                completion += len(g.tokens)
+            obj = head.body(choices=choices, usage=_usage(n_prompt, completion))
+            engine_s = job.t_end - job.t_pick       # recorded before the reply goes out (a client that
+            worker.timings.append(dict(prompt=job.prompt, engine=engine_s,    # has it may read them)
+                                       server=time.perf_counter() - t0 - engine_s, wait=job.t_pick - job.t0))
+            await reply(200, obj)
+        except Exception as exc:               # noqa: BLE001  (a bug: the client gets a 500, the log the traceback)
             worker.observe(500, None)
-            return APIError(500, value).response()
-        worker.observe(200, time.perf_counter() - t0)
-        if job.kind == "sprint":
-            rec = value
-            return JSONResponse(head.body(choices=[_choice(chat, 0, rec.text, _sprint_finish(rec))],
-                                          usage=_usage(n_prompt, rec.total_tokens), sprint=_sprint_json(rec)))
-        choices, completion = [], 0
-        for i, g in enumerate(value):
-            text, finish = _finish(g, job.stop)
-            choices.append(_choice(chat, i, text, finish))
-            completion += len(g.tokens)
-        response = JSONResponse(head.body(choices=choices, usage=_usage(n_prompt, completion)))
-        engine_s = job.t_end - job.t_pick
-        worker.timings.append(dict(prompt=job.prompt, engine=engine_s, server=time.perf_counter() - t0 - engine_s,
-                                   wait=job.t_pick - job.t0))
-        return response
+            if started:
+                raise
+            await reply(500, APIError(500, f"internal error: {type(exc).__name__}: {exc}").payload())
+            raise
 
     async def _stream(job: Job, head: _Head, n_prompt: int, t0: float):
         texts = [_StreamText(state.engine.decode_text, job.stop) for _ in range(job.n)]
@@ -492,11 +524,14 @@ def make_app(state: ServeState) -> Starlette:
     def chat_of(head: _Head) -> bool:
         return head.chat
 
-    async def completions(request: Request) -> Response:
-        return await serve(request, chat=False)
+    class Post:                                # an ASGI app (starlette's Route calls it as one)
+        def __init__(self, chat: bool):
+            self.chat = chat
 
-    async def chat_completions(request: Request) -> Response:
-        return await serve(request, chat=True)
+        async def __call__(self, scope, receive, send) -> None:
+            await post(scope, receive, send, self.chat)
+
+    posts = {"/v1/completions": Post(False), "/v1/chat/completions": Post(True)}
 
     async def not_found(request: Request, exc) -> Response:
         return APIError(404, f"no route {request.method} {request.url.path}").response()
@@ -508,12 +543,49 @@ def make_app(state: ServeState) -> Starlette:
         worker.observe(500, None)
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
 
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        worker.start_on_loop()                 # the engine task, when the engine runs on the loop
+        yield
+        worker.stop()
+
     routes = [Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
-              Route("/metrics", metrics, methods=["GET"]),
-              Route("/v1/completions", completions, methods=["POST"]),
-              Route("/v1/chat/completions", chat_completions, methods=["POST"])]
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: bad_method,
-                                                                Exception: internal})
+              Route("/metrics", metrics, methods=["GET"])]
+    routes += [Route(path, handler, methods=["POST"]) for path, handler in posts.items()]
+    rest = Starlette(routes=routes, exception_handlers={404: not_found, 405: bad_method, Exception: internal},
+                     lifespan=lifespan)
+
+    async def app(scope, receive, send) -> None:
+        """The completion POSTs straight to their handler; everything else to starlette."""
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = posts.get(scope["path"])
+            if handler is not None:
+                await handler(scope, receive, send)
+                return
+        await rest(scope, receive, send)
+
+    return app
+
+
+async def _read_body(receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":      # http.disconnect
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+async def _send_json(send, status: int, obj, headers: dict | None = None) -> None:
+    data = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    h = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    for k, v in (headers or {}).items():
+        h.append((k.lower().encode("latin-1"), str(v).encode("latin-1")))
+    await send({"type": "http.response.start", "status": status, "headers": h})
+    await send({"type": "http.response.body", "body": data})
 
 
 def _sprint_finish(rec) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 DESCRIPTION = """Serve a model over the OpenAI API (completions, chat completions, SSE streaming) on the
-batched engine: one engine thread steps every request's rows together; n > 1 forks n children
+batched engine: one engine loop steps every request's rows together; n > 1 forks n children
 from one prefill of the prompt.
 
   sprint-jax serve --model runs/sft_sprint --port 8000
@@ -23,6 +23,9 @@ tokens/s and the request latency histogram.
 """
 
 
+ENGINE_ON = {"auto": None, "loop": True, "thread": False}      # --engine-on -> Server(engine_on_loop=...)
+
+
 def add_arguments(p) -> None:
     from sprint_jax.infer.infer_cli import add_run_arguments
 
@@ -33,6 +36,11 @@ def add_arguments(p) -> None:
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests queued beyond the slots before new ones get HTTP 429 (Retry-After)")
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a request that sets none")
+    p.add_argument("--engine-on", choices=ENGINE_ON, default="auto",
+                   help="where the engine steps: 'loop' = on the HTTP event loop (no thread hand-offs: the "
+                        "least overhead per request; /health and new requests wait while a step runs), "
+                        "'thread' = a thread of its own (the loop stays responsive during long steps); "
+                        "auto (default): loop on CPU, thread on an accelerator")
     add_run_arguments(p)
 
 
@@ -57,7 +65,8 @@ def run(args) -> int:
     engine = build_batch_engine(args, config, args.max_seqs)
     name = args.served_model_name or Path(args.model).resolve().name
     server = Server(engine, name, config, host=args.host, port=args.port, max_queue=args.max_queue,
-                    default_max_tokens=args.default_max_tokens, log_level="info")
+                    default_max_tokens=args.default_max_tokens, log_level="info",
+                    engine_on_loop=ENGINE_ON[args.engine_on])
     print(f"sprint-jax serve: model ids {name} and {name}:sprint; uvicorn reports the address", flush=True)
     server.serve_forever()
     return 0

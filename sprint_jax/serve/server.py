@@ -1,5 +1,7 @@
-"""One process: uvicorn serving the starlette app on one thread, the engine thread stepping the
-BatchEngine. `Server.start()` returns once the socket listens (port 0 picks a free port)."""
+"""One process: uvicorn serving the app on one thread (its event loop), the BatchEngine stepped by
+a task on that loop (CPU default) or by an engine thread (accelerator default; see
+sprint_jax/serve/worker.py). `Server.start()` returns once the socket listens (port 0 picks a free
+port)."""
 from __future__ import annotations
 
 import sys
@@ -10,14 +12,18 @@ import time
 class Server:
     def __init__(self, engine, model_name: str, sprint_config=None, host: str = "127.0.0.1", port: int = 0,
                  max_queue: int = 64, default_max_tokens: int = 256, log_level: str = "warning",
-                 switch_interval_s: float | None = 0.0005):
+                 switch_interval_s: float | None = 0.0005, engine_on_loop: bool | None = None):
         import uvicorn
 
         from sprint_jax.infer.orchestrator import OrchestratorConfig
         from sprint_jax.serve.app import ServeState, make_app
         from sprint_jax.serve.worker import EngineWorker
 
-        self.worker = EngineWorker(engine, max_queue=max_queue)
+        if engine_on_loop is None:             # see sprint_jax/serve/worker.py: where the engine runs
+            import jax
+            engine_on_loop = jax.default_backend() == "cpu"
+        self.engine_on_loop = engine_on_loop
+        self.worker = EngineWorker(engine, max_queue=max_queue, on_loop=engine_on_loop)
         self.state = ServeState(self.worker, model_name, sprint_config or OrchestratorConfig(),
                                 default_max_tokens=default_max_tokens)
         self.app = make_app(self.state)
@@ -30,7 +36,7 @@ class Server:
         except ImportError:
             self.http_impl = "h11"
         # uvloop (libuv; orbax-checkpoint installs it) runs the event loop, asyncio's if it is missing;
-        # no access log line per request
+        # no access log line per request; no proxy-headers layer (nothing here reads the client's address)
         try:
             import uvloop  # noqa: F401
             self.loop_impl = "uvloop"
@@ -38,12 +44,14 @@ class Server:
             self.loop_impl = "asyncio"
         self._uv = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
                                                  http=self.http_impl, loop=self.loop_impl,
-                                                 access_log=False, timeout_graceful_shutdown=2))
+                                                 access_log=False, proxy_headers=False,
+                                                 timeout_graceful_shutdown=2))
         self._thread: threading.Thread | None = None
         self.port = port
-        # The engine thread and the HTTP thread hand work to each other many times per request;
-        # Python's default GIL switch interval (5 ms) would add up to that per hand-off. Set for
-        # the process while the server runs (restored by stop()); None leaves it alone.
+        # With the engine on a thread of its own, it and the HTTP thread hand work to each other
+        # many times per request; Python's default GIL switch interval (5 ms) would add up to that
+        # per hand-off. Set for the process while the server runs (restored by stop()); None leaves
+        # it alone.
         self._switch = switch_interval_s
         self._old_switch = sys.getswitchinterval()
 

@@ -1,6 +1,17 @@
-"""The engine thread: one thread owns the BatchEngine and steps it; requests arrive through a
-thread-safe queue and their tokens / events / results leave through per-request channels that
-hand items to the HTTP side's asyncio loop (`loop.call_soon_threadsafe`).
+"""The engine's driver: one place owns the BatchEngine and steps it; requests arrive through a
+queue and their tokens / events / results leave through per-request channels.
+
+Where the engine runs (`on_loop`):
+  thread  an engine thread of its own (default on accelerators): the HTTP side's event loop stays
+          responsive while a step runs; items reach the loop by `loop.call_soon_threadsafe`, so a
+          request crosses threads twice (loop -> engine thread -> loop).
+  loop    a task on the HTTP side's event loop (default on CPU): it runs one engine step, then
+          yields so the loop reads the sockets and runs the handlers of requests that arrived
+          meanwhile (they join the next step), and so on. No thread hand-off and no GIL contention
+          between two threads; the price: the loop does nothing else while a step runs (a request,
+          /health or /metrics waits for the step to end). On CPU the host is the device, so a
+          thread of its own buys no overlap; on an accelerator a step's device time is time the
+          loop could use, so there the thread is the default.
 
 A job is one request:
   plain   open(prompt) -> generate (n = 1) or fork of n empty prefixes (n > 1: the n children
@@ -18,6 +29,7 @@ import dataclasses
 import queue
 import threading
 import time
+import traceback
 from collections import deque
 from typing import Any
 
@@ -34,15 +46,34 @@ class Channel:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
+        self._held = None           # an item taken while coalescing "tokens", given out next
 
     def put(self, item) -> None:
+        try:
+            on_loop = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:                 # the engine runs on the loop: no thread to cross
+            self.queue.put_nowait(item)
+            return
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:        # the loop is closed: nobody listens any more
             pass
 
     async def get(self):
-        return await self.queue.get()
+        """The next item; "tokens" items waiting back to back give only the last (each holds
+        every token so far): a handler that fell behind the engine catches up in one write."""
+        item, self._held = self._held, None
+        if item is None:
+            item = await self.queue.get()
+        while item[0] == "tokens" and not self.queue.empty():
+            nxt = self.queue.get_nowait()
+            if nxt[0] != "tokens":
+                self._held = nxt
+                break
+            item = nxt
+        return item
 
 
 @dataclasses.dataclass
@@ -64,19 +95,25 @@ class Job:
     steps: Any = None
     sent: list[int] = dataclasses.field(default_factory=list)      # streamed tokens per choice
     t0: float = 0.0
-    t_pick: float = 0.0                     # when the engine thread took it
-    t_end: float = 0.0                      # when the engine thread finished it
+    t_pick: float = 0.0                     # when the engine took it
+    t_end: float = 0.0                      # when the engine finished it
     cancelled: bool = False
     finished: bool = False
 
 
 class EngineWorker:
-    """Owns `engine` (a BatchEngine) on its own thread. `submit(job)` and `cancel(job)` may be
-    called from any thread; everything else about the engine happens on the worker thread."""
+    """Owns `engine` (a BatchEngine) on its own thread (`start()`), or as a task on an event loop
+    (`on_loop=True`, `start_on_loop()` from that loop). `try_submit(job)` and `cancel(job)` may be
+    called from any thread; everything else about the engine happens where the engine runs."""
 
-    def __init__(self, engine, max_queue: int = 64):
+    def __init__(self, engine, max_queue: int = 64, on_loop: bool = False):
         self.engine = engine
         self.max_queue = max_queue
+        self.on_loop = on_loop
+        self._event_loop: asyncio.AbstractEventLoop | None = None  # on_loop: the loop it runs on
+        self._wake: asyncio.Event | None = None                  # on_loop: set by a submit / cancel
+        self._task: asyncio.Task | None = None
+        self._ended = threading.Event()                          # on_loop: the task has ended
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: list[Job] = []
         self._lock = threading.Lock()
@@ -84,32 +121,69 @@ class EngineWorker:
         self._arrivals: list[Job] = []       # submitted on the event loop, not yet handed over
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="sprint-jax-engine", daemon=True)
-        self.error: str | None = None        # set if the engine thread died
+        self.error: str | None = None        # set if the engine thread / task died
         self._tok_window: deque[tuple[float, int]] = deque()
         self.metrics = dict(queue_depth=0, active_rows=0, slots_used=0, slots_total=engine.max_seqs,
                             running_jobs=0, tokens_total=0, tokens_per_s=0.0, steps=0, cancelled=0)
         self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
         self.latency_sum = 0.0
         self.requests: dict[str, int] = {}   # status code -> count
-        # per served plain non-streaming request (its prompt, in seconds): `engine` = the engine
-        # thread's time on it (took it -> finished it), `server` = the handler's time outside that
-        # (parse, validate, wait for the engine thread to take it, two hand-offs, build the reply),
-        # `wait` = of that, the wait until the engine thread took it (a step was running)
+        # per served plain non-streaming request (its prompt, in seconds): `engine` = the engine's
+        # time on it (took it -> finished it), `server` = the handler's time outside that (parse,
+        # validate, wait for the engine to take it, the hand-offs, build the reply), `wait` = of
+        # that, the wait until the engine took it
         self.timings: deque[dict] = deque(maxlen=10_000)
 
     # ---- any thread ---------------------------------------------------------------------------
     def start(self) -> "EngineWorker":
-        self._thread.start()
+        if not self.on_loop:
+            self._thread.start()
         return self
+
+    def start_on_loop(self) -> None:
+        """on_loop: start the engine task on the running loop (the server's startup does)."""
+        if self.on_loop and self._task is None:
+            self._event_loop = asyncio.get_running_loop()
+            self._wake = asyncio.Event()
+            self._task = self._event_loop.create_task(self._run_on_loop())
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
-        self._inbox.put(None)
-        self._thread.join(timeout)
+        if not self.on_loop:
+            self._inbox.put(None)
+            self._thread.join(timeout)
+            return
+        if self._task is None:
+            return
+        self._notify()
+        try:
+            on_loop = asyncio.get_running_loop() is self._event_loop
+        except RuntimeError:
+            on_loop = False
+        if not on_loop and self._event_loop.is_running():
+            self._ended.wait(timeout)
 
     @property
     def alive(self) -> bool:
+        if self.on_loop:
+            return self._task is not None and not self._ended.is_set() and self.error is None
         return self._thread.is_alive() and self.error is None
+
+    def _notify(self) -> None:
+        """on_loop: wake the engine task (from the loop or from another thread)."""
+        if not self.on_loop or self._wake is None:
+            return
+        try:
+            on_loop = asyncio.get_running_loop() is self._event_loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            self._wake.set()
+            return
+        try:
+            self._event_loop.call_soon_threadsafe(self._wake.set)
+        except RuntimeError:        # the loop is closed
+            pass
 
     @property
     def capacity(self) -> int:
@@ -123,6 +197,10 @@ class EngineWorker:
                 return False
             self._pending += 1
         job.t0 = time.perf_counter()
+        if self.on_loop:              # the engine task takes it at its next turn, with the others
+            self._inbox.put(("submit", job))       # submitted before that turn
+            self._notify()
+            return True
         try:
             on_loop = asyncio.get_running_loop() is job.channel.loop
         except RuntimeError:
@@ -145,6 +223,7 @@ class EngineWorker:
 
     def cancel(self, job: Job) -> None:
         self._inbox.put(("cancel", job))
+        self._notify()
 
     def observe(self, status: int, seconds: float | None) -> None:
         """Count a finished HTTP request (its status) and, for a served one, its latency."""
@@ -155,8 +234,9 @@ class EngineWorker:
                 self.latency_counts[i] += 1
                 self.latency_sum += seconds
 
-    # ---- the engine thread --------------------------------------------------------------------
+    # ---- where the engine runs -----------------------------------------------------------------
     def _loop(self) -> None:
+        """The engine thread."""
         try:
             stalled = False
             while not self._stop.is_set():
@@ -170,24 +250,61 @@ class EngineWorker:
                         item = self._inbox.get_nowait()
                 except queue.Empty:
                     item = None
-                while item is not None:
+                if item is not None:
                     self._handle(item)
-                    try:
-                        item = self._inbox.get_nowait()
-                    except queue.Empty:
-                        item = None
-                stalled = False
-                if self._jobs:
-                    moved = self.engine.step()
-                    for job in list(self._jobs):
-                        self._poll(job)
-                    stalled = not moved and not any(j.op is not None and j.op.done for j in self._jobs)
-                self._update_metrics()
-        except Exception as e:          # the engine failed: every open request learns why
-            self.error = f"engine thread stopped: {type(e).__name__}: {e}"
-            for job in self._jobs:
-                job.channel.put(("error", self.error))
+                stalled = self._turn()
+        except Exception as e:
+            self._failed(e)
             raise
+
+    async def _run_on_loop(self) -> None:
+        """The engine task (on_loop): one turn (take what arrived, one engine step), then yield
+        to the loop twice: the first lets it poll the sockets (the handlers of requests that
+        arrived during the step are scheduled after this task), the second lets those handlers
+        run, so their requests join the next step instead of waiting for it."""
+        try:
+            stalled = False
+            while not self._stop.is_set():
+                if (not self._jobs or stalled) and self._inbox.empty():
+                    self._wake.clear()
+                    try:            # idle: until a submission; stalled: at most 5 ms
+                        await asyncio.wait_for(self._wake.wait(), 0.005 if self._jobs else None)
+                    except asyncio.TimeoutError:
+                        pass
+                    if not self._jobs and self._inbox.empty():
+                        continue
+                stalled = self._turn()
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+        except Exception as e:
+            self._failed(e)
+            traceback.print_exc()
+        finally:
+            self._ended.set()
+
+    def _turn(self) -> bool:
+        """Take every queued submission / cancel, step the engine once, hand out what finished.
+        Returns whether the step was stalled (nothing could move)."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            self._handle(item)
+        stalled = False
+        if self._jobs:
+            moved = self.engine.step()
+            for job in list(self._jobs):
+                self._poll(job)
+            stalled = not moved and not any(j.op is not None and j.op.done for j in self._jobs)
+        self._update_metrics()
+        return stalled
+
+    def _failed(self, e: Exception) -> None:
+        """The engine failed: every open request learns why."""
+        self.error = f"engine {'task' if self.on_loop else 'thread'} stopped: {type(e).__name__}: {e}"
+        for job in self._jobs:
+            job.channel.put(("error", self.error))
 
     def _handle(self, item) -> None:
         if item is None:
