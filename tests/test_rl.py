@@ -376,6 +376,33 @@ def test_length_parts_hand_computed():
     assert mean_parts([rec, rec.to_json()], "eval_")["eval_executor_critical_tokens"] == 13.0
 
 
+def test_shape_metrics_hand_computed():
+    """Plan shapes and per-shape accuracy on hand-built runs: two 1+1 runs (one right), one 2-in-one
+    run (right), one run without executors (wrong); the RunRecord and its json agree, and the
+    shape-weighted accuracy is the overall accuracy."""
+    from sprint_jax.infer.orchestrator import ExecutionRecord, RunRecord, StageRecord
+    from sprint_jax.rl.trainer import plan_shape, shape_metrics
+
+    ex = ExecutionRecord(index=1, prompt="p", text="t", tokens=3, stop_reason="stop", forced_tokens=1)
+
+    def run(*counts):
+        stages = [StageRecord(i + 1, "", 2, "stop", executions=[ex] * n) for i, n in enumerate(counts)]
+        return RunRecord(query="q", mode="parallel", config={}, final_tokens=1, stages=stages)
+
+    runs = [run(1, 1, 0), run(2, 0), run(1, 1, 0), run(0)]
+    correct = [True, True, False, False]
+    assert [plan_shape(r) for r in runs] == ["1+1", "2", "1+1", "none"]
+    assert [plan_shape(r.to_json()) for r in runs] == ["1+1", "2", "1+1", "none"]
+    want = {"shape_frac/1+1": 0.5, "shape_acc/1+1": 0.5, "shape_frac/2": 0.25, "shape_acc/2": 1.0,
+            "shape_frac/none": 0.25, "shape_acc/none": 0.0}
+    assert shape_metrics(runs, correct) == want
+    assert shape_metrics([r.to_json() for r in runs], correct, "eval_") == {"eval_" + k: v for k, v in want.items()}
+    m = shape_metrics(runs, correct)
+    assert sum(m[f"shape_frac/{s}"] * m[f"shape_acc/{s}"] for s in ("1+1", "2", "none")) == sum(correct) / len(correct)
+    with pytest.raises(ValueError):
+        shape_metrics(runs, correct[:3])
+
+
 def test_keyed_digits_combine():
     """The `digits` combining plan lists the chains' last digits in chain order (by hand), parses for
     every plan shape, tokenizes losslessly in the keyed vocabulary, and the answer is their max."""

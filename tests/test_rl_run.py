@@ -178,6 +178,14 @@ def test_rl_resume_is_bitwise_and_cli(sft_model, tmp_path):
     steps = [r for r in a if "reward" in r]
     assert any(r["adv_abs_mean"] > 0 for r in steps), "no group had a reward spread: nothing was learnt"
     assert len({r["mean_logp"] for r in steps}) == len(steps)       # the policy moved between steps
+    for r in steps:                          # per-shape metrics: the shape mix covers the runs, accuracy adds up
+        shapes = [k.split("/", 1)[1] for k in r if k.startswith("shape_frac/")]
+        assert shapes and abs(sum(r[f"shape_frac/{s}"] for s in shapes) - 1) < 1e-9
+        assert abs(sum(r[f"shape_frac/{s}"] * r[f"shape_acc/{s}"] for s in shapes) - r["accuracy"]) < 1e-9
+    ev0 = a[0]
+    shapes = [k.split("/", 1)[1] for k in ev0 if k.startswith("eval_shape_frac/")]
+    assert shapes and abs(sum(ev0[f"eval_shape_frac/{s}"] * ev0[f"eval_shape_acc/{s}"] for s in shapes)
+                          - ev0["eval_accuracy"]) < 1e-9
     assert (tmp_path / "straight" / "eval" / "report.json").exists()
     assert (tmp_path / "straight" / "eval_start" / "results.jsonl").exists()
 

@@ -142,10 +142,36 @@ def mean_parts(records, prefix: str = "") -> dict:
     return {prefix + k: float(np.mean([p[k] for p in parts])) for k in parts[0]} if parts else {}
 
 
+def plan_shape(record) -> str:
+    """The plan shape of a run, for a RunRecord or its to_json() dict: the executors of each stage that
+    has any, joined by '+' ('4', '2+2', '1+1+1+1' on keyed chains); 'none' for a run without executors."""
+    if isinstance(record, dict):
+        counts = [len(s["executions"]) for s in record["stages"]]
+    else:
+        counts = [len(s.executions) for s in record.stages]
+    return "+".join(str(n) for n in counts if n) or "none"
+
+
+def shape_metrics(records, correct, prefix: str = "") -> dict:
+    """Per plan shape (plan_shape): the fraction of runs with that shape (`shape_frac/S`) and their
+    accuracy (`shape_acc/S`). The group-mean advantage moves the policy toward the shape it is most
+    accurate with, whatever the bonus (s3 diagnosis), so these show where the policy goes at step 1."""
+    by: dict[str, list[bool]] = {}
+    for r, ok in zip(records, correct, strict=True):
+        by.setdefault(plan_shape(r), []).append(bool(ok))
+    n = max(len(correct), 1)
+    out = {}
+    for shape in sorted(by):
+        out[f"{prefix}shape_frac/{shape}"] = len(by[shape]) / n
+        out[f"{prefix}shape_acc/{shape}"] = float(np.mean(by[shape]))
+    return out
+
+
 def plot_curves(records: list[dict], path: Path) -> None:
-    """Six panels per step: mean reward; sequential and total tokens (rollouts, held-out greedy);
+    """Eight panels per step: mean reward; sequential and total tokens (rollouts, held-out greedy);
     accuracy; eta and bonus; the sequential tokens split into planner and critical-path executor
-    tokens; executor stages per run and executions exact."""
+    tokens; executor stages per run and executions exact; the plan-shape mix of the rollouts; the
+    rollouts' accuracy per plan shape (10-step running mean over the steps that drew it)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -154,7 +180,7 @@ def plot_curves(records: list[dict], path: Path) -> None:
     ev = [r for r in records if "eval_accuracy" in r]
     x, xe = [r["step"] for r in rows], [r["step"] for r in ev]
     col = lambda rs, k: [r.get(k, np.nan) for r in rs]          # noqa: E731
-    fig, axes = plt.subplots(2, 3, figsize=(16, 7.5))
+    fig, axes = plt.subplots(2, 4, figsize=(21, 7.5))
     a = axes.ravel()
     a[0].plot(x, col(rows, "reward"), lw=1.0, label="rollouts")
     a[0].set_ylabel("mean reward")
@@ -172,6 +198,15 @@ def plot_curves(records: list[dict], path: Path) -> None:
     a[5].plot(x, col(rows, "executor_stages"), lw=1.0, label="executor stages (rollouts)")
     a[5].plot(x, col(rows, "executions_exact"), lw=1.0, label="executions exact (rollouts)")
     a[5].set_ylabel("stages per run; fraction")
+    shapes = sorted({k.split("/", 1)[1] for r in rows for k in r if k.startswith("shape_frac/")})
+    for sh in shapes:
+        a[6].plot(x, [r.get(f"shape_frac/{sh}", 0.0) for r in rows], lw=1.0, label=sh)
+        acc = [r.get(f"shape_acc/{sh}", np.nan) for r in rows]
+        smooth = [np.nanmean(acc[max(0, i - 9): i + 1]) if np.isfinite(acc[max(0, i - 9): i + 1]).any() else np.nan
+                  for i in range(len(acc))]
+        a[7].plot(x, smooth, lw=1.0, label=sh)
+    a[6].set_ylabel("fraction of rollouts, by plan shape")
+    a[7].set_ylabel("rollout accuracy by plan shape (10-step mean)")
     if ev:
         a[1].plot(xe, col(ev, "eval_total_tokens"), "s--", ms=8, label="held-out total (greedy)")
         a[1].plot(xe, col(ev, "eval_sequential_tokens"), "o-", label="held-out sequential (greedy)")
@@ -196,7 +231,7 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
     import jax
     import yaml
 
-    from sprint_jax.eval.evaluate import RECORDS_FILE, evaluate
+    from sprint_jax.eval.evaluate import RECORDS_FILE, RESULTS_FILE, evaluate
     from sprint_jax.infer import Engine
     from sprint_jax.infer.batch import BatchEngine
     from sprint_jax.infer.sampling import valid_vocab
@@ -287,10 +322,12 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
                           out_dir=out / out_sub, progress=False, overwrite=True,
                           meta={"model": str(out / "hf"), "rl_step": step, "mode": eval_mode})
         recs = [json.loads(x) for x in (out / out_sub / RECORDS_FILE).read_text().splitlines()]
+        results = {r["id"]: r["correct"]
+                   for r in map(json.loads, (out / out_sub / RESULTS_FILE).read_text().splitlines())}
         quality = execution_quality(held_tasks, recs) if eval_mode != "sequential" else {}
         return {"eval_accuracy": rep["accuracy"], "eval_sequential_tokens": rep["mean_sequential_tokens"],
                 "eval_total_tokens": rep["mean_total_tokens"], "eval_format_valid": rep["format_valid_rate"],
-                **mean_parts(recs, "eval_"),
+                **mean_parts(recs, "eval_"), **shape_metrics(recs, [results[r["id"]] for r in recs], "eval_"),
                 **{f"eval_{k}": v for k, v in quality.items()}, "eval_s": time.perf_counter() - t}
 
     metrics = _Metrics(out, cfg.tensorboard, start_step)
@@ -328,6 +365,7 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
                "eta": float(np.mean(sc["etas"])), "bonus": float(np.mean(sc["bonuses"])),
                "format_valid": float(np.mean([t.record.format_valid for t in trajs])),
                **mean_parts([t.record for t in trajs]),
+               **shape_metrics([t.record for t in trajs], sc["correct"]),
                **(execution_quality([t for t in tasks for _ in range(ro.group_size)], [t.record for t in trajs])
                   if ro.mode != "sequential" else {}),
                "adv_mean": float(adv.mean()), "adv_std": float(adv.std()), "adv_abs_mean": float(np.abs(adv).mean()),
@@ -380,4 +418,4 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
     return summary
 
 
-__all__ = ["TIMING_KEYS", "length_parts", "mean_parts", "load_tasks", "prompt_indices", "rollout_seed", "score_groups", "run_rl"]
+__all__ = ["TIMING_KEYS", "length_parts", "mean_parts", "plan_shape", "shape_metrics", "load_tasks", "prompt_indices", "rollout_seed", "score_groups", "run_rl"]
