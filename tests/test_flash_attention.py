@@ -124,20 +124,25 @@ def test_xla_body_bf16_and_default_blocks():
 def test_xla_body_unrolled_tile_loops_compute_the_same_tiles():
     """Short rows run the XLA body's tile loops unrolled (FlashConfig.unroll_tiles): the same
     tiles are computed (the counts both bodies return) in the same order, so out, lse and the
-    gradients equal the lax loops' to the bit; real trie rows with queries at offsets."""
+    gradients equal the lax loops' to the bit; real trie rows, with and without query offsets."""
     from sprint_jax.model.attention import FlashConfig, _xla_backward, _xla_forward
     b, t, h, hkv, d = 2, 80, 4, 2, 8
     q, k, v, do, dlse = inputs(4, b, t, h, hkv, d, jnp.float32)
     se, off = jnp.asarray(trie_rows(b, t)), jnp.asarray([0, 3], jnp.int32)
-    runs = []
-    for unroll_tiles in (0, 25):                       # 16-blocks: 5 x 5 tiles
-        cfg = FlashConfig("xla", 16, 16, unroll_tiles=unroll_tiles)
-        o, lse, n_f = jax.jit(_xla_forward, static_argnums=6)(q, k, v, se, off, None, cfg)
-        *grads, n_b = jax.jit(_xla_backward, static_argnums=10)(q, k, v, se, off, None, o, lse, do, dlse, cfg)
-        runs.append((o, lse, *grads, n_f, n_b))
-    for a, r in zip(*runs):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
-    assert 0 < int(runs[0][-2]) < 25 and 0 < int(runs[0][-1]) < 25, "some tiles skipped, some computed"
+    zero = jnp.zeros((b,), jnp.int32)
+    # (unroll_tiles, no_offset, q_offset); 16-blocks: 5 x 5 tiles. no_offset (flash_attention
+    # without q_offset) also leaves the tiles past the causal limit out of the unrolled loops.
+    for cases in [((0, False, off), (25, False, off)), ((0, False, zero), (25, True, zero))]:
+        runs = []
+        for unroll_tiles, no_offset, q_off in cases:
+            cfg = FlashConfig("xla", 16, 16, unroll_tiles=unroll_tiles, no_offset=no_offset)
+            o, lse, n_f = jax.jit(_xla_forward, static_argnums=6)(q, k, v, se, q_off, None, cfg)
+            *grads, n_b = jax.jit(_xla_backward, static_argnums=10)(q, k, v, se, q_off, None, o, lse,
+                                                                     do, dlse, cfg)
+            runs.append((o, lse, *grads, n_f, n_b))
+        for a, r in zip(*runs):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+        assert 0 < int(runs[0][-2]) < 25 and 0 < int(runs[0][-1]) < 25, "some tiles skipped, some computed"
 
 
 def test_queries_at_an_offset_into_the_keys():

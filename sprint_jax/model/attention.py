@@ -182,6 +182,8 @@ class FlashConfig:
     block_k: int
     interpret: bool = False
     unroll_tiles: int = 16   # XLA body: Python-unroll the tile loops when nq * nk <= this (`_tile_loop`)
+    no_offset: bool = False  # q_offset is known to be 0 (the queries are the keys): unrolled loops
+                             # leave out the tiles past the causal limit at trace time
 
 
 def default_blocks(impl: str, t: int, s: int) -> tuple[int, int]:
@@ -337,18 +339,18 @@ class _Tiles:
         return jnp.any(vis)
 
 
-def _tile_loop(lo, hi, count: int, visible, step, carry, unroll: bool):
+def _tile_loop(lo, hi, count: int, visible, step, carry, unroll: bool, first: int = 0):
     """carry = step(i, carry) for each i in [lo, hi) with visible(i); other tiles are never computed.
 
     Rolled: a `lax.fori_loop` over [lo, hi) with each tile under `lax.cond`. Unrolled (short rows:
-    `FlashConfig.unroll_tiles`): a Python loop over all `count` indices, each tile under one
-    `lax.cond` on (lo <= i < hi and visible). Same tiles, same order, same arithmetic; static
-    indices slice blocks without dynamic-slice copies and XLA CPU schedules the tiles without
-    while-loop bookkeeping (the 10M train step at T = 256: 4 x 4 tiles of 64)."""
+    `FlashConfig.unroll_tiles`): a Python loop over first..count-1 (static bounds containing
+    [lo, hi)), each tile under one `lax.cond` on (lo <= i < hi and visible). Same tiles, same
+    order, same arithmetic; static indices slice blocks without dynamic-slice copies and XLA CPU
+    runs the tiles without while-loop bookkeeping (the 10M train step at T = 256: 4 x 4 tiles)."""
     if not unroll:
         return lax.fori_loop(lo, hi, lambda i, c: lax.cond(visible(i), functools.partial(step, i),
                                                            lambda c: c, c), carry)
-    for i in range(count):
+    for i in range(first, count):
         carry = lax.cond((lo <= i) & (i < hi) & visible(i), functools.partial(step, i), lambda c: c, carry)
     return carry
 
@@ -401,7 +403,9 @@ def _xla_forward(q, k, v, span_end, q_offset, tags, cfg: FlashConfig):
         init = (jnp.full((b, hkv, g, bq), _M_INIT, jnp.float32),
                 jnp.zeros((b, hkv, g, bq), jnp.float32),
                 jnp.zeros((b, hkv, g * bq, d), jnp.float32), n_acc)
-        m, l, acc, n = _tile_loop(jnp.minimum(lo, hi), hi, nk, lambda ki: tiles.visible(qi, ki, kmax[ki]),
+        # with no offset, key blocks past this query block's last row are never visible
+        nk_q = min(nk, ((qi + 1) * bq - 1) // bk + 1) if unroll and cfg.no_offset else nk
+        m, l, acc, n = _tile_loop(jnp.minimum(lo, hi), hi, nk_q, lambda ki: tiles.visible(qi, ki, kmax[ki]),
                                   step, init, unroll)
         seen = l > 0
         l_safe = jnp.where(seen, l, 1.0)
@@ -470,8 +474,9 @@ def _xla_backward(q, k, v, span_end, q_offset, tags, o, lse, do, dlse, cfg: Flas
             return dk, dv, dq.at[qi].add(dq_t), n + 1
 
         zeros = jnp.zeros((b, hkv, bk, d), jnp.float32)
+        first = k_start // bq if unroll and cfg.no_offset else 0     # with no offset: causal start
         dk, dv, dq, n = _tile_loop(lo, hi, nq, lambda qi: tiles.visible(qi, ki, kmax_t), step,
-                                   (zeros, zeros, dq, n), unroll)
+                                   (zeros, zeros, dq, n), unroll, first)
         return (dq, n), (dk, dv)
 
     dq0 = jnp.zeros(qb.shape, jnp.float32)
@@ -637,7 +642,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, span_end: jax.Arra
                                   check_vma=False)
         return run_s(q, k, v, span_end.astype(jnp.int32))
     dq_, dk_ = default_blocks(impl, t, k.shape[1])
-    cfg = FlashConfig(impl, block_q or dq_, block_k or dk_, interpret)
+    cfg = FlashConfig(impl, block_q or dq_, block_k or dk_, interpret, no_offset=q_offset is None)
     off = jnp.zeros((b,), jnp.int32) if q_offset is None else \
         jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32).reshape(-1), (b,))
     span_end = span_end.astype(jnp.int32)
