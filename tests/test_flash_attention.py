@@ -100,8 +100,11 @@ def check(span_end, h, hkv, d, dtype, seed=0, q_offset=None, **flash_kw):
     return dead
 
 
-@pytest.mark.parametrize("h,hkv,blocks", [(3, 3, (16, 16)), (8, 2, (32, 16)), (7, 1, (16, 48))])
+@pytest.mark.parametrize("h,hkv,blocks", [(3, 3, (16, 16)), (8, 2, (32, 16)), (7, 1, (16, 48)),
+                                          (4, 2, (64, 32))])
 def test_xla_body_packed_segments_fp32(h, hkv, blocks):
+    """Blocks (64, 32) give 2 x 4 tiles: the XLA body's unrolled tile loops (FlashConfig.unroll_tiles);
+    the others its lax loops."""
     se = packed_segments(np.random.default_rng(h), 2, T)
     dead = check(se, h, hkv, 8, jnp.float32, impl="xla", block_q=blocks[0], block_k=blocks[1])
     assert dead.any(), "the case must contain fully masked rows"
@@ -116,6 +119,30 @@ def test_xla_body_bf16_and_default_blocks():
     se = packed_segments(np.random.default_rng(5), 2, T)
     check(se, 8, 2, 16, jnp.bfloat16, impl="xla")
     check(trie_rows(2, T), 4, 1, 16, jnp.bfloat16, impl="xla", block_q=32, block_k=16)
+
+
+def test_xla_body_unrolled_tile_loops_compute_the_same_tiles():
+    """Short rows run the XLA body's tile loops unrolled (FlashConfig.unroll_tiles): the same
+    tiles are computed (the counts both bodies return) in the same order, so out, lse and the
+    gradients equal the lax loops' to the bit; real trie rows, with and without query offsets."""
+    from sprint_jax.model.attention import FlashConfig, _xla_backward, _xla_forward
+    b, t, h, hkv, d = 2, 80, 4, 2, 8
+    q, k, v, do, dlse = inputs(4, b, t, h, hkv, d, jnp.float32)
+    se, off = jnp.asarray(trie_rows(b, t)), jnp.asarray([0, 3], jnp.int32)
+    zero = jnp.zeros((b,), jnp.int32)
+    # (unroll_tiles, no_offset, q_offset); 16-blocks: 5 x 5 tiles. no_offset (flash_attention
+    # without q_offset) also leaves the tiles past the causal limit out of the unrolled loops.
+    for cases in [((0, False, off), (25, False, off)), ((0, False, zero), (25, True, zero))]:
+        runs = []
+        for unroll_tiles, no_offset, q_off in cases:
+            cfg = FlashConfig("xla", 16, 16, unroll_tiles=unroll_tiles, no_offset=no_offset)
+            o, lse, n_f = jax.jit(_xla_forward, static_argnums=6)(q, k, v, se, q_off, None, cfg)
+            *grads, n_b = jax.jit(_xla_backward, static_argnums=10)(q, k, v, se, q_off, None, o, lse,
+                                                                     do, dlse, cfg)
+            runs.append((o, lse, *grads, n_f, n_b))
+        for a, r in zip(*runs):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+        assert 0 < int(runs[0][-2]) < 25 and 0 < int(runs[0][-1]) < 25, "some tiles skipped, some computed"
 
 
 def test_queries_at_an_offset_into_the_keys():
@@ -143,14 +170,15 @@ def test_pallas_bodies_interpret(impl):
     assert dead.any()
 
 
-@pytest.mark.parametrize("impl,kw", [("xla", {}), ("gpu", {"interpret": True}),
-                                     ("tpu", {"interpret": True})])
-def test_empty_tiles_are_never_computed(impl, kw):
-    """Keys no row may see (span_end[j] = 16 <= j) filling key block 1 hold NaN: its tiles are
-    empty by the rule (kmax 16 <= every later query block's first row; earlier query blocks end
-    before it), and any computation of such a tile, even masked, would turn the output or a
-    gradient NaN (0 * NaN)."""
-    b, t, h, hkv, d, blk = 1, 64, 2, 1, 16, 16
+@pytest.mark.parametrize("impl,blk,kw", [("xla", 16, {}), ("xla", 8, {}), ("gpu", 16, {"interpret": True}),
+                                         ("tpu", 16, {"interpret": True})])
+def test_empty_tiles_are_never_computed(impl, blk, kw):
+    """Keys no row may see (span_end[j] = 16 <= j) filling keys 16..31 (key block 1 at blocks of
+    16, blocks 2 and 3 at 8) hold NaN: their tiles are empty by the rule (kmax 16 <= every later
+    query block's first row; earlier query blocks end before it), and any computation of such a
+    tile, even masked, would turn the output or a gradient NaN (0 * NaN). The XLA body runs its
+    unrolled tile loops at blocks of 16 (4 x 4 tiles) and its lax loops at 8 (8 x 8)."""
+    b, t, h, hkv, d = 1, 64, 2, 1, 16
     q, k, v, wo, wl = inputs(2, b, t, h, hkv, d, jnp.float32)
     se = np.full((b, t), t, np.int32)
     se[:, 16:32] = 16                             # key block 1: hidden from everyone

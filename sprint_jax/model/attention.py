@@ -181,6 +181,9 @@ class FlashConfig:
     block_q: int
     block_k: int
     interpret: bool = False
+    unroll_tiles: int = 16   # XLA body: Python-unroll the tile loops when nq * nk <= this (`_tile_loop`)
+    no_offset: bool = False  # q_offset is known to be 0 (the queries are the keys): unrolled loops
+                             # leave out the tiles past the causal limit at trace time
 
 
 def default_blocks(impl: str, t: int, s: int) -> tuple[int, int]:
@@ -336,6 +339,34 @@ class _Tiles:
         return jnp.any(vis)
 
 
+def _tile_loop(lo, hi, count: int, visible, step, carry, unroll: bool, first: int = 0):
+    """carry = step(i, carry) for each i in [lo, hi) with visible(i); other tiles are never computed.
+
+    Rolled: a `lax.fori_loop` over [lo, hi) with each tile under `lax.cond`. Unrolled (short rows:
+    `FlashConfig.unroll_tiles`): a Python loop over first..count-1 (static bounds containing
+    [lo, hi)), each tile under one `lax.cond` on (lo <= i < hi and visible). Same tiles, same
+    order, same arithmetic; static indices slice blocks without dynamic-slice copies and XLA CPU
+    runs the tiles without while-loop bookkeeping (the 10M train step at T = 256: 4 x 4 tiles)."""
+    if not unroll:
+        return lax.fori_loop(lo, hi, lambda i, c: lax.cond(visible(i), functools.partial(step, i),
+                                                           lambda c: c, c), carry)
+    for i in range(first, count):
+        carry = lax.cond((lo <= i) & (i < hi) & visible(i), functools.partial(step, i), lambda c: c, carry)
+    return carry
+
+
+def _block_scan(f, carry, xs, count: int, unroll: bool):
+    """`lax.scan` of f(carry, i, xs[i]) over blocks i < count, or the same Python-unrolled with
+    static i (see `_tile_loop`); ys stacked on a leading block axis either way."""
+    if not unroll:
+        return lax.scan(lambda c, a: f(c, a[0], a[1]), carry, (jnp.arange(count, dtype=jnp.int32), xs))
+    ys = []
+    for i in range(count):
+        carry, y = f(carry, i, jax.tree.map(lambda x: x[i], xs))
+        ys.append(y)
+    return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+
+
 def _xla_forward(q, k, v, span_end, q_offset, tags, cfg: FlashConfig):
     """(out, lse, tiles computed); tags None or the merge form's [B, 2, S] (stage, branch)."""
     b, t, h, d = q.shape
@@ -347,8 +378,9 @@ def _xla_forward(q, k, v, span_end, q_offset, tags, cfg: FlashConfig):
     scale = 1.0 / math.sqrt(d)
     tiles = _Tiles(span_end, q_offset, tags, t, bq, bk)
 
-    def q_block(_, xs):
-        qi, qt = xs                                                        # qt [B, Hkv, G*bq, D]
+    unroll = nq * nk <= cfg.unroll_tiles
+
+    def q_block(n_acc, qi, qt):                                            # qt [B, Hkv, G*bq, D]
         row_lo = q_offset + qi * bq                                        # [B]
         row_hi = row_lo + bq - 1
         hi = jnp.clip(jnp.max(row_hi) // bk + 1, 0, nk)                   # causal limit
@@ -368,13 +400,13 @@ def _xla_forward(q, k, v, span_end, q_offset, tags, cfg: FlashConfig):
             return (m_new, alpha * l + jnp.sum(p, axis=-1), alpha.reshape(b, hkv, g * bq, 1) * acc + pv,
                     n + 1)
 
-        def body(ki, carry):
-            return lax.cond(tiles.visible(qi, ki, kmax[ki]), functools.partial(step, ki), lambda c: c, carry)
-
         init = (jnp.full((b, hkv, g, bq), _M_INIT, jnp.float32),
                 jnp.zeros((b, hkv, g, bq), jnp.float32),
-                jnp.zeros((b, hkv, g * bq, d), jnp.float32), jnp.int32(0))
-        m, l, acc, n = lax.fori_loop(jnp.minimum(lo, hi), hi, body, init)
+                jnp.zeros((b, hkv, g * bq, d), jnp.float32), n_acc)
+        # with no offset, key blocks past this query block's last row are never visible
+        nk_q = min(nk, ((qi + 1) * bq - 1) // bk + 1) if unroll and cfg.no_offset else nk
+        m, l, acc, n = _tile_loop(jnp.minimum(lo, hi), hi, nk_q, lambda ki: tiles.visible(qi, ki, kmax[ki]),
+                                  step, init, unroll)
         seen = l > 0
         l_safe = jnp.where(seen, l, 1.0)
         o = acc.reshape(b, hkv, g, bq, d) / l_safe[..., None]
@@ -382,11 +414,7 @@ def _xla_forward(q, k, v, span_end, q_offset, tags, cfg: FlashConfig):
         o = jnp.einsum("bkgqd->bqkgd", o).reshape(b, bq, h, d).astype(q.dtype)
         return n, (o, jnp.einsum("bkgq->bqkg", lse).reshape(b, bq, h))
 
-    def counted(n, xs):
-        n_q, ys = q_block(None, xs)
-        return n + n_q, ys
-
-    n, (o, lse) = lax.scan(counted, jnp.int32(0), (jnp.arange(nq, dtype=jnp.int32), qb))
+    n, (o, lse) = _block_scan(q_block, jnp.int32(0), qb, nq, unroll)
     o = jnp.moveaxis(o, 0, 1).reshape(b, nq * bq, h, d)[:, :t]
     lse = jnp.moveaxis(lse, 0, 1).reshape(b, nq * bq, h)[:, :t]
     return o, lse, n
@@ -416,9 +444,11 @@ def _xla_backward(q, k, v, span_end, q_offset, tags, o, lse, do, dlse, cfg: Flas
     lse_b = q_layout(lse, _PAD_LSE)
     delta_b = q_layout(delta)
 
-    def k_block(carry, xs):
+    unroll = nq * nk <= cfg.unroll_tiles
+
+    def k_block(carry, ki, xs):
         dq, n = carry
-        ki, kt, vt, se_t, kmax_t = xs                                     # kt, vt [B, Hkv, bk, D]
+        kt, vt, se_t, kmax_t = xs                                         # kt, vt [B, Hkv, bk, D]
         k_start = ki * bk
         # first query block whose last row can reach this key block (rows >= k_start)
         lo = jnp.clip(jnp.min(k_start - q_offset) // bq, 0, nq)
@@ -443,16 +473,14 @@ def _xla_backward(q, k, v, span_end, q_offset, tags, o, lse, do, dlse, cfg: Flas
                               preferred_element_type=jnp.float32)
             return dk, dv, dq.at[qi].add(dq_t), n + 1
 
-        def body(qi, carry):
-            return lax.cond(tiles.visible(qi, ki, kmax_t), functools.partial(step, qi), lambda c: c, carry)
-
         zeros = jnp.zeros((b, hkv, bk, d), jnp.float32)
-        dk, dv, dq, n = lax.fori_loop(lo, hi, body, (zeros, zeros, dq, n))
+        first = k_start // bq if unroll and cfg.no_offset else 0     # with no offset: causal start
+        dk, dv, dq, n = _tile_loop(lo, hi, nq, lambda qi: tiles.visible(qi, ki, kmax_t), step,
+                                   (zeros, zeros, dq, n), unroll, first)
         return (dq, n), (dk, dv)
 
     dq0 = jnp.zeros(qb.shape, jnp.float32)
-    (dq, n), (dk, dv) = lax.scan(k_block, (dq0, jnp.int32(0)),
-                                 (jnp.arange(nk, dtype=jnp.int32), kb, vb, se, kmax))
+    (dq, n), (dk, dv) = _block_scan(k_block, (dq0, jnp.int32(0)), (kb, vb, se, kmax), nk, unroll)
     dq = dq.reshape(nq, b, hkv, g, bq, d).transpose(1, 0, 4, 2, 3, 5).reshape(b, tp, h, d)[:, :t]   # [B,T,H,D]
     kv_out = lambda x: x.transpose(1, 0, 3, 2, 4).reshape(b, nk * bk, hkv, d)[:, :s_len]  # noqa: E731
     return dq.astype(q.dtype), kv_out(dk).astype(k.dtype), kv_out(dv).astype(v.dtype), n
@@ -614,7 +642,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, span_end: jax.Arra
                                   check_vma=False)
         return run_s(q, k, v, span_end.astype(jnp.int32))
     dq_, dk_ = default_blocks(impl, t, k.shape[1])
-    cfg = FlashConfig(impl, block_q or dq_, block_k or dk_, interpret)
+    cfg = FlashConfig(impl, block_q or dq_, block_k or dk_, interpret, no_offset=q_offset is None)
     off = jnp.zeros((b,), jnp.int32) if q_offset is None else \
         jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32).reshape(-1), (b,))
     span_end = span_end.astype(jnp.int32)
