@@ -195,29 +195,14 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     return y.reshape(*lead, *outer)
 
 
-def fused_dense(x: jax.Array, ws: Sequence[jax.Array]) -> list[jax.Array]:
-    """[dense(x, w) for w in ws] as one matmul against the weights concatenated on their output
-    axes (each w [I, *O_i]), split back. Each output element is the same dot product; one larger
-    matmul (and one in each backward product) instead of several small ones."""
-    k = x.shape[-1]
-    sizes = [math.prod(w.shape[1:]) for w in ws]
-    y = dense(x, jnp.concatenate([w.reshape(k, -1) for w in ws], axis=1))    # [..., sum O_i]
-    parts = jnp.split(y, list(np.cumsum(sizes)[:-1]), axis=-1)
-    return [p.reshape(*x.shape[:-1], *w.shape[1:]) for p, w in zip(parts, ws)]
-
-
-def _layer(config: Qwen2Config, x, lp, positions, attend: AttendFn, layer_cache, fuse: bool = False):
-    """One decoder layer. x [B, T, E]; lp: this layer's params (no leading layers axis).
-    fuse: q/k/v and gate/up each as one matmul (`fused_dense`; see `fuse_projections`)."""
+def _layer(config: Qwen2Config, x, lp, positions, attend: AttendFn, layer_cache):
+    """One decoder layer. x [B, T, E]; lp: this layer's params (no leading layers axis)."""
     cdt = dtype_of(config.dtype)
     c = lambda a: a.astype(cdt)  # noqa: E731
     h = rms_norm(x, lp["input_layernorm"]["scale"], config.rms_norm_eps)
-    if fuse:
-        q, k, v = fused_dense(h, [c(lp[n]["kernel"]) for n in ("q_proj", "k_proj", "v_proj")])
-    else:
-        q = dense(h, c(lp["q_proj"]["kernel"]))                               # [B, T, H, D]
-        k = dense(h, c(lp["k_proj"]["kernel"]))                               # [B, T, Hkv, D]
-        v = dense(h, c(lp["v_proj"]["kernel"]))                               # [B, T, Hkv, D]
+    q = dense(h, c(lp["q_proj"]["kernel"]))                                   # [B, T, H, D]
+    k = dense(h, c(lp["k_proj"]["kernel"]))                                   # [B, T, Hkv, D]
+    v = dense(h, c(lp["v_proj"]["kernel"]))                                   # [B, T, Hkv, D]
     if config.qkv_bias:                                                       # Qwen2
         q, k, v = (y + c(lp[n]["bias"]) for y, n in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
     if config.qk_norm:                                # Qwen3: per-head RMSNorm over D, before RoPE
@@ -228,11 +213,8 @@ def _layer(config: Qwen2Config, x, lp, positions, attend: AttendFn, layer_cache,
     a, new_cache = attend(q, k, v, layer_cache)                               # [B, T, H, D]
     x = x + dense(a, c(lp["o_proj"]["kernel"]), n_in=2)                       # [B, T, E]
     h = rms_norm(x, lp["post_attention_layernorm"]["scale"], config.rms_norm_eps)
-    if fuse:
-        g, u = fused_dense(h, [c(lp["gate_proj"]["kernel"]), c(lp["up_proj"]["kernel"])])
-    else:
-        g = dense(h, c(lp["gate_proj"]["kernel"]))                            # [B, T, M]
-        u = dense(h, c(lp["up_proj"]["kernel"]))                              # [B, T, M]
+    g = dense(h, c(lp["gate_proj"]["kernel"]))                                # [B, T, M]
+    u = dense(h, c(lp["up_proj"]["kernel"]))                                  # [B, T, M]
     x = x + dense(jax.nn.silu(g) * u, c(lp["down_proj"]["kernel"]))           # [B, T, E]
     return x, new_cache
 
@@ -289,23 +271,13 @@ def scan_unroll(config: Qwen2Config) -> int:
     return n if n <= UNROLL_MAX_LAYERS else 1
 
 
-def fuse_projections(config: Qwen2Config) -> bool:
-    """Plain forwards of the same small stacks run q/k/v and gate/up as one matmul each
-    (`fused_dense`: the weights are concatenated per forward, so training and full-sequence
-    passes amortise it; the engine's per-token steps call `decoder` unfused). Measured on the
-    10M CPU train step: ~2% less CPU time. Deep models keep separate products (the 7B sharding
-    and memory plan are unchanged)."""
-    return config.num_hidden_layers <= UNROLL_MAX_LAYERS
-
-
 def decoder(params: Params, config: Qwen2Config, x: jax.Array, positions: jax.Array,
-            attend: AttendFn, cache: Any = None, remat: str = "none", unroll: int = 1,
-            fuse: bool = False):
-    """The layer stack under lax.scan (`unroll` layers per loop iteration; the same arithmetic;
-    `fuse`: see `fuse_projections`). `cache` is any pytree with a leading layers axis (or None)."""
+            attend: AttendFn, cache: Any = None, remat: str = "none", unroll: int = 1):
+    """The layer stack under lax.scan (`unroll` layers per loop iteration; the same arithmetic).
+    `cache` is any pytree with a leading layers axis (or None)."""
     def body(carry, xs):
         lp, lc = xs
-        y, new_lc = _layer(config, constrain(carry, ("batch", None, None)), lp, positions, attend, lc, fuse)
+        y, new_lc = _layer(config, constrain(carry, ("batch", None, None)), lp, positions, attend, lc)
         return constrain(y, ("batch", None, None)), new_lc
 
     if remat == "full":
@@ -349,8 +321,7 @@ def forward(params: Params, config: Qwen2Config, tokens: jax.Array, positions: j
             attention_mask = segment_causal_mask(segment_ids)
         attend = masked_attend(attention_mask)
     x = embed(params, config, tokens)
-    x, _ = decoder(params, config, x, positions, attend, None, remat, unroll=scan_unroll(config),
-                   fuse=fuse_projections(config))
+    x, _ = decoder(params, config, x, positions, attend, None, remat, unroll=scan_unroll(config))
     if return_hidden:
         return x
     return unembed(params, config, x)
