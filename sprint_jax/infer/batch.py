@@ -275,12 +275,13 @@ def parent_prefix_attention(pk: jax.Array, pv: jax.Array, layer, pslot: jax.Arra
                    donate_argnames=("cache",))
 @sh.slot_local(rows=("a_slot", "b_pslot", "b_fork", "b_cslot", "lengths", "pending", "active", "remaining",
                      "stop_ids", "seeds", "branch", "steps", "temperature", "top_k", "top_p", "forced", "n_forced",
-                     "pos_off"),
-               out=("cache", "rows", "rows", "max"), cache_kv=(0, 0, 1, 1))
+                     "pos_off", "feed_last"),
+               out=lambda a: ("cache", "rows", "rows", "max") + ("rows",) * (a["feed_last"] is not None),
+               cache_kv=(0, 0, 1, 1))
 def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending,
             active, remaining, stop_ids, seeds, branch, steps, temperature, top_k, top_p, forced, n_forced,
             w: int, chunk: int, s_b: int, c_b: int, kv=None, attention_impl: str = "xla",
-            n_valid: int | None = None, pos_off=None):
+            n_valid: int | None = None, pos_off=None, feed_last=None):
     """The active rows, packed: rows [0, A) decode on parent slots a_slot (a generate op: the row
     attends to its own parent slot); rows [A, A + F*w) are fork children, F groups of w rows,
     group i's children of parent slot b_pslot[i] (read-only, fork point b_fork[i]) in child
@@ -295,8 +296,14 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
     (`BatchEngine._decode` lays them out so); slot ids are global, taken modulo this call's slots.
     pos_off [B] (None: 0): the row's sequence's slot-to-position shift after a merge join (Seq).
     attention_impl: the parent-prefix attention's ("xla" gather or "pallas" kernel).
+    feed_last [B] bool (None: off): a row that finishes on device (stop id, EOS, length) runs one
+    more step that only feeds its last token: its KV is written and its logits (before the padded
+    ids are masked) are kept; the token that step samples is dropped. A merge join's children
+    (issue 17) so hold their close tag's KV, and the last one its join logits, with nothing left
+    to run at the join. The feed step may run past `chunk` (one step, nothing emitted).
     Returns the cache, the emitted tokens [B, chunk] (-1 = none), per-row reason codes
-    (1 stop id / EOS, 2 length), and the steps run."""
+    (1 stop id / EOS, 2 length), the steps run, and with feed_last the kept logits [B, V] (a row's
+    logits after its fed last token; zeros where no row was fed)."""
     na, nf = a_slot.shape[0], b_pslot.shape[0]
     b = na + nf * w
     a_slot = a_slot % cache.pk.shape[1]            # global slot ids -> this call's (see _prefill)
@@ -307,7 +314,7 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
     base = jax.vmap(lambda s, j: jax.random.fold_in(jax.random.key(s), j))(seeds, branch)
     drop = 1 << 30
 
-    def one_step(cache, lengths, pending, active, steps):
+    def one_step(cache, lengths, pending, active, steps, fed):
         positions = (fork_of_row + lengths)[:, None]                                  # [B, 1]
         if pos_off is not None:                        # the row's sequence's shift after a merge join
             positions = positions + pos_off[:, None]
@@ -336,7 +343,7 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
         x = embed(params, config, pending[:, None])
         hidden, (nk, nv) = decoder(params, config, x, positions, attend, jnp.arange(n_layers))
         nk, nv = nk[:, :, 0], nv[:, :, 0]                                            # [L, B, Hkv, D]
-        pos = jnp.where(active, lengths, drop)
+        pos = jnp.where(active | fed, lengths, drop)
         pk, pv, ck, cv = cache.pk, cache.pv, cache.ck, cache.cv
         if na:
             pk = _put(pk, (slice(None), a_slot, pos[:na]), nk[:, :na])
@@ -344,19 +351,26 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
         if nf:
             ck = _put(ck, (slice(None), b_cslot, pos[na:]), nk[:, na:])
             cv = _put(cv, (slice(None), b_cslot, pos[na:]), nv[:, na:])
-        logits = mask_padded(unembed(params, config, hidden)[:, 0], n_valid)     # no padded ids
+        raw = unembed(params, config, hidden)[:, 0]
+        logits = mask_padded(raw, n_valid)                                        # no padded ids
         tok = _sample_rows(logits, base, steps, temperature, top_k, top_p)
-        return _constrain(SlotCache(pk, pv, ck, cv), kv), tok
+        return _constrain(SlotCache(pk, pv, ck, cv), kv), tok, raw
 
     out = jnp.full((b, chunk), -1, jnp.int32)
     reason = jnp.zeros((b,), jnp.int32)
+    feeding = feed_last is not None
+    fed0 = jnp.zeros((b,), bool)
+    kept0 = jnp.zeros((b, config.vocab_size), jnp.float32) if feeding else jnp.zeros((b, 0), jnp.float32)
 
     def cond(c):
-        return (c[0] < chunk) & jnp.any(c[4])
+        return ((c[0] < chunk) & jnp.any(c[4])) | jnp.any(c[9])
 
     def body(c):
-        i, cache, lengths, pending, active, remaining, steps, out, reason = c
-        cache, tok = one_step(cache, lengths, pending, active, steps)
+        i, cache, lengths, pending, active, remaining, steps, out, reason, fed, kept = c
+        cache, tok, raw = one_step(cache, lengths, pending, active, steps, fed)
+        if feeding:                   # the rows fed their last token this step: its logits kept
+            kept = jnp.where(fed[:, None], raw.astype(jnp.float32), kept)
+        active = active & (i < chunk)                 # a step past the chunk only feeds
         forcing = active & (i < n_forced)
         sampling = active & ~forcing
         tok, finished, remaining, reason, lengths, pending = advance_rows(
@@ -364,13 +378,16 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
         nxt = forced[:, jnp.minimum(i, forced.shape[1] - 1)]
         lengths = jnp.where(forcing, lengths + 1, lengths)
         pending = jnp.where(forcing, nxt, pending)
-        out = out.at[:, i].set(tok)
+        out = out.at[:, i].set(tok, mode="drop")
         steps = jnp.where(sampling, steps + 1, steps)
         active = active & ~finished
-        return i + 1, cache, lengths, pending, active, remaining, steps, out, reason
+        fed = (finished & feed_last) if feeding else fed
+        return i + 1, cache, lengths, pending, active, remaining, steps, out, reason, fed, kept
 
-    init = (jnp.int32(0), cache, lengths, pending, active, remaining, steps, out, reason)
-    i, cache, *_, out, reason = jax.lax.while_loop(cond, body, init)
+    init = (jnp.int32(0), cache, lengths, pending, active, remaining, steps, out, reason, fed0, kept0)
+    i, cache, *_, out, reason, _, kept = jax.lax.while_loop(cond, body, init)
+    if feeding:
+        return cache, out, reason, i, kept
     return cache, out, reason, i
 
 
@@ -420,6 +437,7 @@ class Op:
     result: object = None
     tag: object = None                    # the caller's (e.g. which run this op belongs to)
     queued: list = dataclasses.field(default_factory=list)   # a serial fork's children not yet started
+    join: bool = False                    # fork: its children will be merged (they feed their last token)
 
 
 class _Row:
@@ -436,6 +454,8 @@ class _Row:
         self.reason: str | None = None
         self.overshoot = 0
         self.prefill_pos = 0              # child: how much of run[:-1] is in its suffix slot
+        self.fed = False                  # its last token was run (a join fork's child: `_decode` feed_last)
+        self.last_logits = None           # then its logits after that token (device, [V]), if kept
 
 
 class BatchEngine:
@@ -618,12 +638,16 @@ class BatchEngine:
 
     def fork(self, seq: Seq, prefixes: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
              stop: Sequence[Sequence[str]] | Sequence[str] = (), sampling: Sampling | None = None, tag=None,
-             serial: bool = False) -> Op:
+             serial: bool = False, join: bool = False) -> Op:
         """len(prefixes) children of `seq`: child j continues seq with prefixes[j] (forced) and
         decodes until its own stops / EOS / limit. Result: one Generation per child (generated
         tokens only); `seq` keeps its content and is read-only until the fork finishes.
         serial: the children run one after another (child j starts when child j-1 ends), each
-        alone on the parent's context: SPRINT's `serial` mode, the same tokens as together."""
+        alone on the parent's context: SPRINT's `serial` mode, the same tokens as together.
+        join: the fork will be merged (`merge`): a child that ends on device (a one-token stop,
+        EOS, its limit) runs one more step feeding its last token, so its slot holds that token's
+        KV and the last child keeps its logits: a join whose branches are what the children
+        generated runs no model call. The same tokens either way."""
         self._check_idle(seq, "fork")
         if seq.after_join:
             raise EngineError("fork right after a merge join: the planner must write a token first")
@@ -646,7 +670,8 @@ class BatchEngine:
             if len(p) + 1 + m > self.max_branch_tokens:
                 raise EngineError(f"child {j}: prefix of {len(p)} tokens + max_new_tokens={m} exceeds "
                                   f"max_branch_tokens={self.max_branch_tokens}")
-        op = Op("fork", seq, prefixes=prefixes, limits=limits, stops=stops, sampling=sampling or GREEDY, tag=tag)
+        op = Op("fork", seq, prefixes=prefixes, limits=limits, stops=stops, sampling=sampling or GREEDY, tag=tag,
+                join=join)
         seq.op = op
         group = self._groups.setdefault(seq.slot, [None] * (1 + self.max_children))
         rows = [_Row(op, j, [seq.tokens[-1]] + p, m, st, StopScanner(self.decode_text, st))
@@ -712,29 +737,41 @@ class BatchEngine:
             raise EngineError(f"merge: a branch of {max(len(b) for b in branches)} tokens exceeds the child "
                               f"capacity ({self.child_capacity})")
         p0 = seq.length
-        keep = [min(common_prefix(have[1:], b), done - 1, len(b) - 1) for b, (have, done) in zip(branches, rows)]
+        # branch j's first keep[j] tokens are in child j's slot as they must be (its slots
+        # 1..keep[j]; slot 0 is the parent's pending token): the common prefix of what the child
+        # ran and the branch, up to what its slot holds. The last child's last token also needs
+        # its logits (the join's): kept from its decode (`fork(join=True)`), else it runs again.
+        keep = [min(common_prefix(have[1:], b), done - 1) for b, (have, done, _) in zip(branches, rows)]
+        if keep[-1] == len(branches[-1]) and not (rows[-1][2] is not None and rows[-1][1] - 1 == keep[-1]):
+            keep[-1] -= 1
         tails = [b[k:] for b, k in zip(branches, keep)]
-        # one call (`_merge`): the tails, one child prefill row per child placed in the sequence's
-        # slot shard (sh.slot_blocks; one block without slot shards), then the copy: child 0's
-        # slot 0 (the parent's pending token, run in every child), then each child's slots
-        # 1..len(branch), to parent slots p0.. . Shapes: (children bucket, tail bucket, parent /
-        # child length buckets); the copy has r_b * c_copy rows, so it adds no shape of its own
-        # (`warm_merge` compiles them ahead). A tail longer than prefill_chunk (rare) runs its
-        # leading chunks as child prefill calls first.
+        # the copy: child 0's slot 0 (the parent's pending token, run in every child), then each
+        # child's slots 1..len(branch), to parent slots p0.. ; r_b * c_copy rows (a length bucket
+        # per children bucket, so the copy adds few shapes; `warm_merge` compiles them ahead), the
+        # sequence's rows in its slot shard's block (sh.slot_blocks; one block without shards)
         at, r_b, cslot, parent, fork_len, pos_off = self._child_rows(seq, n, p0)
-        s_b = self._merge_bucket(p0 + 1, self.parent_capacity)
-        c_copy = self._merge_bucket(max(len(b) for b in branches) + 1, self.child_capacity)
-        crow = [seq.slot * self.max_children] + [seq.slot * self.max_children + j
-                                                 for j, b in enumerate(branches) for _ in b]
-        cidx = [0] + [1 + s for b in branches for s in range(len(b))]
+        lens = [len(b) for b in branches]
+        c_copy = self._merge_bucket(max(lens) + 1, self.child_capacity)
         w_b = r_b // self._parts * c_copy                  # >= 1 + sum(len(b)): n <= r_b / parts
+        m = 1 + sum(lens)
+        base = seq.slot // (self.max_seqs // self._parts) * w_b                # the sequence's shard block
+        g0 = seq.slot * self.max_children
         ps = np.full(w_b * self._parts, seq.slot, np.int32)
-        cr = np.full(w_b * self._parts, seq.slot * self.max_children, np.int32)
+        cr = np.full(w_b * self._parts, g0, np.int32)
         ci = np.zeros(w_b * self._parts, np.int32)
         dst = np.full(w_b * self._parts, 1 << 30, np.int32)                   # padding: dropped
-        base = seq.slot // (self.max_seqs // self._parts) * w_b                # the sequence's shard block
-        for k in range(len(crow)):
-            cr[base + k], ci[base + k], dst[base + k] = crow[k], cidx[k], p0 + k
+        cr[base + 1: base + m] = g0 + np.repeat(np.arange(n, dtype=np.int32), lens)
+        ci[base + 1: base + m] = np.arange(1, m, dtype=np.int32) - np.repeat(np.cumsum([0] + lens[:-1]), lens)
+        dst[base: base + m] = np.arange(p0, p0 + m, dtype=np.int32)
+        if not any(tails):
+            # every token was computed in its branch (the children fed their last token): no
+            # model call, only the copy (a call without the parameters: the least host work)
+            self.cache = _place_child_rows(self.cache, ps, cr, ci, dst, kv=self._kv)
+            return self._joined(seq, branches, rows[-1][2], 0)
+        # else one call (`_merge`): the tails (one child prefill row per child, its shard's block;
+        # tail bucket 1, 2, 4, ...), then the copy. A tail longer than prefill_chunk (rare) runs
+        # its leading chunks as child prefill calls first.
+        s_b = self._merge_bucket(p0 + 1, self.parent_capacity)
         last, pos, longest = None, 0, max(len(t) for t in tails)
         while pos < longest:
             pieces = [t[pos: pos + self.prefill_chunk] for t in tails]
@@ -759,12 +796,17 @@ class BatchEngine:
             if pieces[-1]:
                 last = logits[at[n - 1]]
             pos += self.prefill_chunk
+        return self._joined(seq, branches, last if tails[-1] else rows[-1][2], sum(len(t) for t in tails))
+
+    def _joined(self, seq: Seq, branches: list[list[int]], join_logits, ran: int) -> Seq:
+        """The sequence after a merge join (see `Seq`)."""
+        lens = [len(b) for b in branches]
         seq.tokens = seq.tokens + [t for b in branches for t in b]
-        seq.pos_offset += max(len(b) for b in branches) - sum(len(b) for b in branches)
+        seq.pos_offset += max(lens) - sum(lens)
         seq.joined = len(seq.tokens)
-        seq.join_logits = last
+        seq.join_logits = join_logits
         seq.last_fork = None
-        self.last_join_tokens = sum(len(t) for t in tails)
+        self.last_join_tokens = ran
         return seq
 
     def flush(self, seq: Seq) -> None:
@@ -841,7 +883,7 @@ class BatchEngine:
             logits = np.asarray(logits)
             for j, (i, p) in enumerate(zip(at, pieces)):
                 out[j].append(logits[i, : len(p)])
-        seq.last_fork = (len(seq.tokens), [([seq.tokens[-1]] + b, len(r)) for b, r in zip(branches, runs)])
+        seq.last_fork = (len(seq.tokens), [([seq.tokens[-1]] + b, len(r), None) for b, r in zip(branches, runs)])
         return [np.concatenate(o) for o in out]
 
     def flush_sync(self, seq: Seq) -> bool:
@@ -872,8 +914,9 @@ class BatchEngine:
         """Compile the merge join's shapes ahead of time, so that no compile lands in a timed sync:
         one call per (parent length bucket up to max_parent_len (default max_seq_len), child length
         bucket, tail bucket in `tails`) for `children` children (default max_children); tails of 1
-        and 2 tokens are the usual (each child's close tag, a repair). The calls hold only padding rows
-        (they write nothing). Returns the number of shapes."""
+        and 2 tokens are the usual (each child's close tag, a repair); and the copy alone (a join
+        with nothing left to run) per child length bucket. The calls hold only padding rows (they
+        write nothing). Returns the number of shapes."""
         children = self.max_children if children is None else children
         if not 1 <= children <= self.max_children:
             raise EngineError(f"warm_merge: children must be in 1..{self.max_children}, got {children}")
@@ -893,6 +936,11 @@ class BatchEngine:
         pad = np.full(r_b, self.max_seqs * self.max_children, np.int32)
         zeros = np.zeros(r_b, np.int32)
         shapes = 0
+        for c_b in buckets(self.child_capacity, self.child_capacity):          # a join with no tails: the copy
+            m = r_b * c_b
+            self.cache = _place_child_rows(self.cache, np.zeros(m, np.int32), np.zeros(m, np.int32),
+                                           np.zeros(m, np.int32), np.full(m, 1 << 30, np.int32), kv=self._kv)
+            shapes += 1
         for s_b, c_b, t_b in itertools.product(buckets(self.parent_capacity, top),
                                                buckets(self.child_capacity, self.child_capacity),
                                                sorted({_bucket(t, 1) for t in tails})):
@@ -1157,6 +1205,7 @@ class BatchEngine:
         placed: list[tuple[int, _Row, bool]] = []
         forced = np.zeros((b, self.decode_chunk), np.int32)
         n_forced = np.zeros(b, np.int32)
+        fed_rows = np.zeros(b, bool)                                  # rows that feed their last token
         block = wa + wf * w                                           # rows per slot shard
         for p, (slot, row) in zip(at_a, gen_rows):
             a_slot[p] = slot
@@ -1175,7 +1224,8 @@ class BatchEngine:
             n_forced[i] = len(feed) - 1
             pos_off[i] = row.op.seq.pos_offset
             if child:
-                need_c = max(need_c, lengths[i] + self.decode_chunk)
+                need_c = max(need_c, lengths[i] + self.decode_chunk + row.op.join)   # + a feed step
+                fed_rows[i] = row.op.join
             else:
                 need_p = max(need_p, lengths[i] + self.decode_chunk)
             active[i] = True
@@ -1188,11 +1238,14 @@ class BatchEngine:
         # two) cut the over-read (80 used -> 96, not 128), the per-row cost of a many-row step
         s_b = min(_bucket_fine(need_p, self.min_bucket), self.parent_capacity)
         c_b = min(_bucket_fine(need_c, self.min_bucket), self.child_capacity) if forks else 1
-        self.cache, out, reason, n = _decode(
+        res = _decode(
             self.params, self.config, self.cache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending, active,
             remaining, stop_ids, seeds, branch, steps, temp, top_k, top_p, forced, n_forced,
             w=w, chunk=self.decode_chunk, s_b=s_b, c_b=c_b, kv=self._kv,
-            attention_impl=self.attention_impl, n_valid=self.n_valid, pos_off=pos_off)
+            attention_impl=self.attention_impl, n_valid=self.n_valid, pos_off=pos_off,
+            feed_last=fed_rows if fed_rows.any() else None)
+        self.cache, out, reason = res[:3]
+        kept = res[4] if len(res) > 4 else None
         out, reason = jax.device_get((out, reason))
         self.stats["decode_calls"] += 1
         for i, row, child in placed:
@@ -1214,6 +1267,11 @@ class BatchEngine:
             elif reason[i] == 2 or len(row.gen) >= row.limit:
                 row.reason = "length"
             if row.reason is not None:
+                # the last kept token was run: a later token was sampled from its logits (host-side
+                # stop, overshoot), or the device ended the row and fed it (feed_last)
+                row.fed = row.overshoot > 0 or bool(fed_rows[i] and reason[i])
+                if fed_rows[i] and reason[i] and not row.overshoot and row.j == len(row.op.prefixes) - 1:
+                    row.last_logits = kept[i]          # the join logits of a merge (device)
                 self._row_done(row, child)
 
     def _row_done(self, row: _Row, child: bool) -> None:
@@ -1229,10 +1287,12 @@ class BatchEngine:
         group[1 + row.j] = None
         op.result[row.j] = gen
         if seq.last_fork is not None:
-            # what a merge join needs: the child's tokens and how many of them its slot holds. At
-            # the end every forced token (prefilled or taken in a decode chunk) and each generated
-            # token but the last is written (a host-side stop's overshoot wrote more: not counted)
-            seq.last_fork[1][row.j] = (row.run + row.gen, len(row.run) - 1 + len(row.gen))
+            # what a merge join needs: the child's tokens, how many of them its slot holds, and the
+            # logits after the last (None: not kept). At the end every forced token (prefilled or
+            # taken in a decode chunk) and each generated token but the last is written; the last
+            # too when it was fed (row.fed; a host-side stop's overshoot wrote more: not counted)
+            seq.last_fork[1][row.j] = (row.run + row.gen, len(row.run) - 1 + len(row.gen) + row.fed,
+                                       row.last_logits)
         if op.queued:                         # a serial fork: the next child starts
             nxt = op.queued.pop(0)
             group[1 + nxt.j] = nxt
