@@ -463,9 +463,10 @@ def bench_join(model, tokenizer, s: dict[str, Any], rng) -> list[dict[str, Any]]
     tokens); merge = `merge` of the fork, as in the orchestrator: each executor was forced its
     first N-1 tokens and generated its last (the close tag) in a join fork (`fork(join=True)`),
     which ran that token too, so the merge is the copy of the KV rows alone (merge_tokens_run 0).
-    The executors' own work (untimed) is the same fork for both. Timed calls alternate (A B A B);
-    best of --repeats is reported, with the process CPU time of the same call (`cpu_ms`: XLA's
-    threads included; it moves less with machine load than wall clock)."""
+    The executors' decode is timed apart (`fork_ms`, best: a plain fork before re-prefill, the join
+    fork, whose feed step is its cost of the merge's empty tails, before merge). Timed calls alternate
+    (A B A B); best of --repeats is reported, with the process CPU time of the same call (`cpu_ms`:
+    XLA's threads included; it moves less with machine load than wall clock)."""
     import jax
 
     from sprint_jax.infer.batch import BatchEngine
@@ -477,18 +478,9 @@ def bench_join(model, tokenizer, s: dict[str, Any], rng) -> list[dict[str, Any]]
         engine = BatchEngine(model, tokenizer, max_seqs=1, max_children=k, max_seq_len=ctx + k * n + 8,
                              max_branch_tokens=n + 2, decode_chunk=s["decode_chunk"],
                              prefill_chunk=JOIN_PREFILL_CHUNK, eos_token_ids=[])
-        engine.warm_merge(children=k, max_parent_len=ctx + 1, tails=(1,))
         context = [int(x) for x in rng.integers(0, config.vocab_size, ctx)]
         forced = [[int(x) for x in rng.integers(0, config.vocab_size, n - 1)] for _ in range(k)]
         ran = {}
-
-        def planner_and_fork():
-            """The planner, its executors (forced N-1 tokens, one generated), their final tokens."""
-            seq = engine.open(context).seq
-            op = engine.fork(seq, forced, 1, join=True)
-            engine.run([op])
-            jax.block_until_ready(engine.cache)
-            return seq, [f + g.tokens for f, g in zip(forced, op.result)]
 
         def timed(fn) -> tuple[float, float]:
             t0, c0 = time.perf_counter(), time.process_time()
@@ -496,24 +488,37 @@ def bench_join(model, tokenizer, s: dict[str, Any], rng) -> list[dict[str, Any]]
             jax.block_until_ready(engine.cache)
             return time.perf_counter() - t0, time.process_time() - c0
 
-        def reprefill() -> tuple[float, float]:
-            seq, branches = planner_and_fork()
+        def planner_and_fork(join: bool):
+            """The planner, its executors (forced N-1 tokens, one generated: a plain fork for
+            re-prefill, a join fork for merge), their final tokens, the fork's (wall, cpu)."""
+            seq = engine.open(context).seq
+            engine.run()
+            jax.block_until_ready(engine.cache)
+            op = engine.fork(seq, forced, 1, join=join)
+            dt = timed(lambda: engine.run([op]))
+            return seq, [f + g.tokens for f, g in zip(forced, op.result)], dt
+
+        def reprefill() -> tuple[tuple[float, float], tuple[float, float]]:
+            seq, branches, fork_dt = planner_and_fork(False)
             dt = timed(lambda: (engine.extend(seq, [t for b in branches for t in b]), engine.run()))
             engine.close(seq)
-            return dt
+            return dt, fork_dt
 
-        def merge() -> tuple[float, float]:
-            seq, branches = planner_and_fork()
+        def merge() -> tuple[tuple[float, float], tuple[float, float]]:
+            seq, branches, fork_dt = planner_and_fork(True)
             dt = timed(lambda: engine.merge(seq, branches))
             ran["merge"] = engine.last_join_tokens
             engine.close(seq)
-            return dt
+            return dt, fork_dt
 
-        first = {"reprefill": reprefill()[0], "merge": merge()[0]}
+        first = {"reprefill": reprefill()[0][0], "merge": merge()[0][0]}
         samples: dict[str, list[tuple[float, float]]] = {"reprefill": [], "merge": []}
+        forks: dict[str, list[float]] = {"reprefill": [], "merge": []}
         for _ in range(s["repeats"]):
-            samples["reprefill"].append(reprefill())
-            samples["merge"].append(merge())
+            for m, fn in (("reprefill", reprefill), ("merge", merge)):
+                dt, fork_dt = fn()
+                samples[m].append(dt)
+                forks[m].append(fork_dt[0])
         best = {m: _best([w for w, _ in v]) for m, v in samples.items()}
         cpu = {m: min(c for _, c in v) for m, v in samples.items()}
         row = dict(executors=k, tokens_per_executor=n, context=ctx, engine="BatchEngine",
@@ -524,7 +529,8 @@ def bench_join(model, tokenizer, s: dict[str, Any], rng) -> list[dict[str, Any]]
                    reprefill_tokens=k * n, merge_tokens_run=ran["merge"],
                    compile_s={m: max(first[m] - best[m], 0.0) for m in first},
                    samples_ms={m: [w * 1e3 for w, _ in v] for m, v in samples.items()},
-                   samples_cpu_ms={m: [c * 1e3 for _, c in v] for m, v in samples.items()})
+                   samples_cpu_ms={m: [c * 1e3 for _, c in v] for m, v in samples.items()},
+                   fork_ms={m: _best(v) * 1e3 for m, v in forks.items()})
         rows.append(row)
         _print_join(row)
         del engine

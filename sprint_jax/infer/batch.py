@@ -226,6 +226,14 @@ _PREFILL_ROWS = inspect.unwrap(_prefill)            # the bodies, for steps fuse
 _PLACE_ROWS = inspect.unwrap(_place_child_rows)
 
 
+@functools.partial(jax.jit, static_argnames=("kv",), donate_argnames=("cache",))
+@sh.slot_local(rows=("idx",), out="cache", cache_kv=(0, 0, 1, 1))
+def _copy_rows(cache: SlotCache, idx, kv=None) -> SlotCache:
+    """`_place_child_rows` with its four index rows packed in one array idx [M, 4] (pslot, crow,
+    cidx, dst): a merge join with nothing left to run is this call alone, one host transfer."""
+    return _PLACE_ROWS(cache, idx[:, 0], idx[:, 1], idx[:, 2], idx[:, 3], kv=kv)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "s_b", "c_b", "kv"), donate_argnames=("cache",))
 @sh.slot_local(rows=("tokens", "slot", "parent", "fork_len", "start", "n_valid", "pos_off", "pslot", "crow", "cidx",
                      "dst"), out=("cache", "rows"), cache_kv=(0, 0, 1, 1))
@@ -540,6 +548,7 @@ class BatchEngine:
         self._texts: list[str] | None = None
         self.stats = dict(steps=0, decode_calls=0, prefill_calls=0, tokens=0)
         self.last_join_tokens = 0           # tokens the last merge ran (in the children's slots)
+        self._merge_rows: dict[int, int] = {}   # children -> rows of a merge's child prefill (its bucket)
 
     # ---- tokens <-> text ------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -720,12 +729,15 @@ class BatchEngine:
     def merge(self, seq: Seq, branches: Sequence[Sequence[int]]) -> Seq:
         """Join the children of the fork just finished on `seq` into its slot without re-running
         them (issue 17; `Engine.merge` is the single-run twin): branches[j] is child j's final
-        tokens after the fork (opening, body, repair as the layout tokenizes them). The children
-        first run, in their own slots, only the tokens they never computed (their last token, a
-        repair, a re-tokenized end: one prefill call for all); then their slot rows are copied
-        after the parent's prefix in child order (one gather/scatter). The sequence continues at
-        fork + the longest child (`pos_offset`); its next token is sampled from the last child's
-        last logits (`join_logits`). Runs at once (no step needed)."""
+        tokens after the fork (opening, body, repair as the layout tokenizes them). Their slot
+        rows are copied after the parent's prefix in child order (one gather/scatter, `_copy_rows`).
+        After a join fork (`fork(join=True)`) whose children's tokens are the branches, that copy is
+        all: each child ran its last token in its decode and the last child kept its logits. Else the
+        children first run, in their own slots, only the tokens they never computed (a repair, a
+        re-tokenized end; a last token not run, or the last child's when its logits were not kept),
+        fused with the copy in one call (`_merge`). The sequence continues at fork + the longest
+        child (`pos_offset`); its next token is sampled from the last child's last logits
+        (`join_logits`). Runs at once (no step needed)."""
         self._check_idle(seq, "merge")
         fork = seq.last_fork
         if fork is None or fork[0] != len(seq.tokens) or any(r is None for r in fork[1]):
@@ -749,25 +761,28 @@ class BatchEngine:
         # child's slots 1..len(branch), to parent slots p0.. ; r_b * c_copy rows (a length bucket
         # per children bucket, so the copy adds few shapes; `warm_merge` compiles them ahead), the
         # sequence's rows in its slot shard's block (sh.slot_blocks; one block without shards)
-        at, r_b, cslot, parent, fork_len, pos_off = self._child_rows(seq, n, p0)
+        r_b = self._merge_rows.get(n)
+        if r_b is None:
+            r_b = self._merge_rows[n] = self._child_rows(seq, n, p0)[1]
         lens = [len(b) for b in branches]
         c_copy = self._merge_bucket(max(lens) + 1, self.child_capacity)
         w_b = r_b // self._parts * c_copy                  # >= 1 + sum(len(b)): n <= r_b / parts
         m = 1 + sum(lens)
         base = seq.slot // (self.max_seqs // self._parts) * w_b                # the sequence's shard block
         g0 = seq.slot * self.max_children
-        ps = np.full(w_b * self._parts, seq.slot, np.int32)
-        cr = np.full(w_b * self._parts, g0, np.int32)
-        ci = np.zeros(w_b * self._parts, np.int32)
-        dst = np.full(w_b * self._parts, 1 << 30, np.int32)                   # padding: dropped
-        cr[base + 1: base + m] = g0 + np.repeat(np.arange(n, dtype=np.int32), lens)
-        ci[base + 1: base + m] = np.arange(1, m, dtype=np.int32) - np.repeat(np.cumsum([0] + lens[:-1]), lens)
-        dst[base: base + m] = np.arange(p0, p0 + m, dtype=np.int32)
+        idx = np.empty((w_b * self._parts, 4), np.int32)     # pslot, child row, child slot, parent slot
+        idx[:] = (seq.slot, g0, 0, 1 << 30)                  # padding: dropped
+        blk = idx[base: base + m]
+        blk[1:, 1] = g0 + np.repeat(np.arange(n, dtype=np.int32), lens)
+        blk[1:, 2] = np.arange(1, m, dtype=np.int32) - np.repeat(np.cumsum([0] + lens[:-1]), lens)
+        blk[:, 3] = np.arange(p0, p0 + m, dtype=np.int32)
         if not any(tails):
             # every token was computed in its branch (the children fed their last token): no
-            # model call, only the copy (a call without the parameters: the least host work)
-            self.cache = _place_child_rows(self.cache, ps, cr, ci, dst, kv=self._kv)
+            # model call, only the copy (`_copy_rows`: no parameters, one index array)
+            self.cache = _copy_rows(self.cache, idx, kv=self._kv)
             return self._joined(seq, branches, rows[-1][2], 0)
+        at, r_b, cslot, parent, fork_len, pos_off = self._child_rows(seq, n, p0)
+        ps, cr, ci, dst = (np.ascontiguousarray(idx[:, k]) for k in range(4))
         # else one call (`_merge`): the tails (one child prefill row per child, its shard's block;
         # tail bucket 1, 2, 4, ...), then the copy. A tail longer than prefill_chunk (rare) runs
         # its leading chunks as child prefill calls first.
@@ -937,9 +952,9 @@ class BatchEngine:
         zeros = np.zeros(r_b, np.int32)
         shapes = 0
         for c_b in buckets(self.child_capacity, self.child_capacity):          # a join with no tails: the copy
-            m = r_b * c_b
-            self.cache = _place_child_rows(self.cache, np.zeros(m, np.int32), np.zeros(m, np.int32),
-                                           np.zeros(m, np.int32), np.full(m, 1 << 30, np.int32), kv=self._kv)
+            idx = np.zeros((r_b * c_b, 4), np.int32)
+            idx[:, 3] = 1 << 30
+            self.cache = _copy_rows(self.cache, idx, kv=self._kv)
             shapes += 1
         for s_b, c_b, t_b in itertools.product(buckets(self.parent_capacity, top),
                                                buckets(self.child_capacity, self.child_capacity),

@@ -626,8 +626,9 @@ def answer_single(engine: Any, call: EngineCall):
     if call.kind == "generate":
         return engine.generate(call.state, call.limits[0], stop=call.stops[0], sampling=call.sampling)
     if call.kind == "branches":
+        join = {"join": True} if call.join else {}         # engines without a join fork still re-prefill
         return engine.decode_branches(call.state, call.prefixes, call.limits, stop=call.stops,
-                                      sampling=call.sampling, mode=call.mode, join=call.join)
+                                      sampling=call.sampling, mode=call.mode, **join)
     if call.kind == "extend":
         return engine.extend(call.state, call.tokens)
     if call.kind == "truncate":
@@ -707,8 +708,9 @@ def run_many(engine: Any, queries: list[str], mode: str = "parallel", config: Or
                     op = engine.generate(call.state, call.limits[0], call.stops[0], call.sampling)
                 elif call.kind == "branches":
                     serial = {"serial": True} if call.mode == "serial" else {}   # one executor at a time
+                    join = {"join": True} if call.join else {}
                     op = engine.fork(call.state, call.prefixes, call.limits, call.stops, call.sampling, **serial,
-                                     join=call.join)
+                                     **join)
                 elif call.kind == "extend":
                     op = engine.extend(call.state, call.tokens)
                 else:
