@@ -194,8 +194,8 @@ def test_batched_merge_is_one_call_compiled_ahead_and_long_tails_run_in_chunks(m
 
     batch = BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=1, max_children=4, max_seq_len=48,
                         max_branch_tokens=12, decode_chunk=4, prefill_chunk=4, eos_token_ids=[], min_bucket=16)
-    # (parent 16, 32) x child 16 x tail 1, and the copy alone at child 16
-    assert batch.warm_merge(children=3, max_parent_len=30, tails=(1,)) == 3
+    # (parent 16, 32) x child 16 x tail 1, and the copy alone at child 16 for 1, 2, 4 child rows
+    assert batch.warm_merge(children=3, max_parent_len=30, tails=(1,)) == 2 + 3
     for a in (batch.cache.pk, batch.cache.pv, batch.cache.ck, batch.cache.cv):
         assert not np.asarray(a).any()
     compiled = _merge._cache_size()
@@ -241,12 +241,12 @@ def test_a_join_fork_runs_its_last_tokens_so_the_merge_runs_no_model_call(model)
     the repair: the token before it was fed), on the last child too (the join logits then come from
     that run). Tokens equal a plain fork's; K/V and every join's logits == the dense merge-mask
     forward (`merged_layout` + `reference`), 1e-4."""
-    from sprint_jax.infer.batch import BatchEngine, _copy_rows, _merge
+    from sprint_jax.infer.batch import BatchEngine, _copy_join, _merge
 
     batch = BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=1, max_children=4, max_seq_len=48,
                         max_branch_tokens=12, decode_chunk=4, prefill_chunk=4, eos_token_ids=[], min_bucket=16)
     batch.warm_merge(children=3, max_parent_len=30, tails=(1,))
-    compiled = (_merge._cache_size(), _copy_rows._cache_size())
+    compiled = (_merge._cache_size(), _copy_join._cache_size())
     ctx = _ids(50, 11)
     op = batch.open(ctx)
     batch.run([op])
@@ -270,7 +270,7 @@ def test_a_join_fork_runs_its_last_tokens_so_the_merge_runs_no_model_call(model)
     # child 0 ends at the chunk's last step (its feed runs past the chunk), child 1 in the second
     # decode call, child 2 (the last: its logits are the join's) mid chunk in the first call
     stage([_ids(51, 1), _ids(52, 2), _ids(53, 1)], [3, 5, 1], {}, 0)
-    assert compiled == (_merge._cache_size(), _copy_rows._cache_size())   # warmed: no compile
+    assert compiled == (_merge._cache_size(), _copy_join._cache_size())   # warmed: no compile
     for k, (prefixes, limits, repair, ran) in enumerate([
             ([_ids(54, 1), _ids(55, 1)], [2, 2], {0: _ids(56, 2)}, 2),     # a repair on child 0 only
             ([_ids(57, 1), _ids(58, 1)], [1, 2], {1: _ids(59, 1)}, 1)]):   # on the last child

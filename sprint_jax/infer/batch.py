@@ -234,6 +234,29 @@ def _copy_rows(cache: SlotCache, idx, kv=None) -> SlotCache:
     return _PLACE_ROWS(cache, idx[:, 0], idx[:, 1], idx[:, 2], idx[:, 3], kv=kv)
 
 
+_COPY_ROWS = _copy_rows.__wrapped__                  # its body per slot shard (sh.slot_local), not jitted
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "kv"), donate_argnames=("cache",))
+def _copy_join(cache: SlotCache, meta, rows: int, kv=None) -> SlotCache:
+    """A merge join with nothing left to run: `_copy_rows` with its index rows built on device from
+    meta [3 + G] = (parent slot, first row of the sequence's block, fork slot p0, each child's
+    branch length (0: no child)), so the host builds one small array. Row base: child 0's slot 0
+    (the parent's pending token) to p0; rows base+1..: child j's slots 1..len_j, in child order, to
+    p0+1.. ; the other of the `rows` rows are padding (dropped)."""
+    slot, base, p0, lens = meta[0], meta[1], meta[2], meta[3:]
+    g = cache.ck.shape[1] // cache.pk.shape[1]
+    ends = jnp.cumsum(lens)                                                     # [G]
+    r = jnp.arange(rows, dtype=jnp.int32) - base                                # row in the block
+    j = jnp.clip(jnp.searchsorted(ends, r - 1, side="right"), 0, lens.shape[0] - 1)   # its child
+    head = r <= 0
+    crow = slot * g + jnp.where(head, 0, j)
+    cidx = jnp.where(head, 0, r - (ends - lens)[j])
+    dst = jnp.where((r >= 0) & (r <= ends[-1]), p0 + r, 1 << 30)
+    idx = jnp.stack([jnp.full((rows,), slot), crow, cidx, dst], axis=1).astype(jnp.int32)
+    return _COPY_ROWS(cache, idx, kv=kv)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "s_b", "c_b", "kv"), donate_argnames=("cache",))
 @sh.slot_local(rows=("tokens", "slot", "parent", "fork_len", "start", "n_valid", "pos_off", "pslot", "crow", "cidx",
                      "dst"), out=("cache", "rows"), cache_kv=(0, 0, 1, 1))
@@ -730,7 +753,7 @@ class BatchEngine:
         """Join the children of the fork just finished on `seq` into its slot without re-running
         them (issue 17; `Engine.merge` is the single-run twin): branches[j] is child j's final
         tokens after the fork (opening, body, repair as the layout tokenizes them). Their slot
-        rows are copied after the parent's prefix in child order (one gather/scatter, `_copy_rows`).
+        rows are copied after the parent's prefix in child order (one gather/scatter, `_copy_join`).
         After a join fork (`fork(join=True)`) whose children's tokens are the branches, that copy is
         all: each child ran its last token in its decode and the last child kept its logits. Else the
         children first run, in their own slots, only the tokens they never computed (a repair, a
@@ -767,8 +790,16 @@ class BatchEngine:
         lens = [len(b) for b in branches]
         c_copy = self._merge_bucket(max(lens) + 1, self.child_capacity)
         w_b = r_b // self._parts * c_copy                  # >= 1 + sum(len(b)): n <= r_b / parts
-        m = 1 + sum(lens)
         base = seq.slot // (self.max_seqs // self._parts) * w_b                # the sequence's shard block
+        if not any(tails):
+            # every token was computed in its branch (the children fed their last token): no
+            # model call, only the copy (`_copy_join`: no parameters, its index rows built on
+            # device from one small array)
+            meta = np.zeros(3 + self.max_children, np.int32)
+            meta[:3 + n] = [seq.slot, base, p0] + lens
+            self.cache = _copy_join(self.cache, meta, rows=w_b * self._parts, kv=self._kv)
+            return self._joined(seq, branches, rows[-1][2], 0)
+        m = 1 + sum(lens)
         g0 = seq.slot * self.max_children
         idx = np.empty((w_b * self._parts, 4), np.int32)     # pslot, child row, child slot, parent slot
         idx[:] = (seq.slot, g0, 0, 1 << 30)                  # padding: dropped
@@ -776,11 +807,6 @@ class BatchEngine:
         blk[1:, 1] = g0 + np.repeat(np.arange(n, dtype=np.int32), lens)
         blk[1:, 2] = np.arange(1, m, dtype=np.int32) - np.repeat(np.cumsum([0] + lens[:-1]), lens)
         blk[:, 3] = np.arange(p0, p0 + m, dtype=np.int32)
-        if not any(tails):
-            # every token was computed in its branch (the children fed their last token): no
-            # model call, only the copy (`_copy_rows`: no parameters, one index array)
-            self.cache = _copy_rows(self.cache, idx, kv=self._kv)
-            return self._joined(seq, branches, rows[-1][2], 0)
         at, r_b, cslot, parent, fork_len, pos_off = self._child_rows(seq, n, p0)
         ps, cr, ci, dst = (np.ascontiguousarray(idx[:, k]) for k in range(4))
         # else one call (`_merge`): the tails (one child prefill row per child, its shard's block;
@@ -930,8 +956,9 @@ class BatchEngine:
         one call per (parent length bucket up to max_parent_len (default max_seq_len), child length
         bucket, tail bucket in `tails`) for `children` children (default max_children); tails of 1
         and 2 tokens are the usual (each child's close tag, a repair); and the copy alone (a join
-        with nothing left to run) per child length bucket. The calls hold only padding rows (they
-        write nothing). Returns the number of shapes."""
+        with nothing left to run, the usual join) per child length bucket for every children
+        bucket up to `children` (1, 2, 4, ...: a stage of fewer executors compiles nothing either).
+        The calls hold only padding rows (they write nothing). Returns the number of shapes."""
         children = self.max_children if children is None else children
         if not 1 <= children <= self.max_children:
             raise EngineError(f"warm_merge: children must be in 1..{self.max_children}, got {children}")
@@ -951,10 +978,13 @@ class BatchEngine:
         pad = np.full(r_b, self.max_seqs * self.max_children, np.int32)
         zeros = np.zeros(r_b, np.int32)
         shapes = 0
-        for c_b in buckets(self.child_capacity, self.child_capacity):          # a join with no tails: the copy
-            idx = np.zeros((r_b * c_b, 4), np.int32)
-            idx[:, 3] = 1 << 30
-            self.cache = _copy_rows(self.cache, idx, kv=self._kv)
+        rows = sorted({sh.slot_blocks([0] * k, self.max_seqs, self._parts,
+                                      cap=self.max_seqs // self._parts * self.max_children)[1]
+                       for k in range(1, children + 1)})
+        meta = np.zeros(3 + self.max_children, np.int32)
+        meta[1] = 1 << 30                                                         # every row padding
+        for r, c_b in itertools.product(rows, buckets(self.child_capacity, self.child_capacity)):
+            self.cache = _copy_join(self.cache, meta, rows=r * c_b, kv=self._kv)    # the copy alone
             shapes += 1
         for s_b, c_b, t_b in itertools.product(buckets(self.parent_capacity, top),
                                                buckets(self.child_capacity, self.child_capacity),
