@@ -339,18 +339,22 @@ CAPS = dict(max_seqs=4, max_children=2, max_seq_len=128, max_branch_tokens=40, d
 
 def drive(engine):
     # two sequences (on data=2: one per slot shard), each: fork of 2, merge join with a repair on
-    # child 0, extend the planner, a second fork + merge, greedy generate from the join
+    # child 0, extend the planner, a second fork as a join fork (its children feed their last token)
+    # + merge (sequence 0: a repair, its tail run; sequence 1: the copy alone), greedy generate
     opens = [engine.open(ids(1, 13)), engine.open(ids(2, 9))]
     engine.run(opens)
     seqs = [o.result for o in opens]
-    out = {"slots": [s.slot for s in seqs], "tokens": [], "logits": [], "kv": []}
+    out = {"slots": [s.slot for s in seqs], "tokens": [], "logits": [], "kv": [], "ran": []}
     for stage in range(2):
-        forks = [engine.fork(s, [ids(10 + 3 * k + stage, 2), ids(20 + k + stage, 3)], [5, 3 + k]) for k, s in enumerate(seqs)]
+        forks = [engine.fork(s, [ids(10 + 3 * k + stage, 2), ids(20 + k + stage, 3)], [5, 3 + k], join=stage == 1)
+                 for k, s in enumerate(seqs)]
         engine.run(forks)
         for k, (s, f) in enumerate(zip(seqs, forks)):
             branches = [p + g.tokens for p, g in zip(f.prefixes, f.result)]
-            branches[0] = branches[0] + ids(30 + k, 2)
+            if stage == 0 or k == 0:
+                branches[0] = branches[0] + ids(30 + k, 2)
             engine.merge(s, branches)
+            out["ran"].append(engine.last_join_tokens)
             out["logits"].append(np.asarray(s.join_logits).tolist())
         if stage == 0:
             for k, s in enumerate(seqs):
@@ -367,7 +371,7 @@ model = from_pretrained(sys.argv[1])
 ref = drive(BatchEngine(model, tiny_vocab_tokenizer(), **CAPS))
 mesh = sh.mesh_from_flag("data=2", devices=jax.devices()[:2])
 got = drive(BatchEngine(model, tiny_vocab_tokenizer(), mesh=mesh, **CAPS))
-res = {"slots": got["slots"], "same_tokens": got["tokens"] == ref["tokens"],
+res = {"slots": got["slots"], "same_tokens": got["tokens"] == ref["tokens"], "ran": got["ran"], "ran_ref": ref["ran"],
        "n_tokens": sum(map(len, ref["tokens"])),
        "logit_diff": float(np.abs(np.asarray(got["logits"]) - np.asarray(ref["logits"])).max()),
        "kv_diff": max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(got["kv"], ref["kv"])),
@@ -378,15 +382,16 @@ print("RESULT " + json.dumps(res))
 
 def test_merge_join_on_data_shards_slots_local_equals_one_device(hf_untied):
     """data=2: the batched engine's merge join (the children's tail prefill and the row copy into the
-    parent slot, both per slot shard) on two sequences in different shards gives the tokens, join
-    logits and parent-slot K/V of the same engine on one device (test_merge_join checks one device
-    against a dense reference)."""
+    parent slot, both per slot shard; after a join fork the feed step and the copy alone) on two
+    sequences in different shards gives the tokens, join logits and parent-slot K/V of the same
+    engine on one device (test_merge_join checks one device against a dense reference)."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     p = subprocess.run([sys.executable, "-c", MERGE_SCRIPT, str(hf_untied), str(ROOT / "tests")], env=env,
                        capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
     out = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
     assert out["slots"] == [0, 2]                    # one sequence per slot shard
+    assert out["ran"] == out["ran_ref"] and out["ran"][2:] == [2, 0]   # join forks: the repair only; the copy alone
     assert out["same_tokens"] and out["n_tokens"] > 60
     assert out["logit_diff"] < 1e-4
     assert out["kv_scale"] > 0.1 and out["kv_diff"] < 1e-4

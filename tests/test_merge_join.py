@@ -194,7 +194,8 @@ def test_batched_merge_is_one_call_compiled_ahead_and_long_tails_run_in_chunks(m
 
     batch = BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=1, max_children=4, max_seq_len=48,
                         max_branch_tokens=12, decode_chunk=4, prefill_chunk=4, eos_token_ids=[], min_bucket=16)
-    assert batch.warm_merge(children=3, max_parent_len=30, tails=(1,)) == 2   # parent 16, 32 x child 16 x tail 1
+    # (parent 16, 32) x child 16 x tail 1, and the copy alone at child 16 for 1, 2, 4 child rows
+    assert batch.warm_merge(children=3, max_parent_len=30, tails=(1,)) == 2 + 3
     for a in (batch.cache.pk, batch.cache.pv, batch.cache.ck, batch.cache.cv):
         assert not np.asarray(a).any()
     compiled = _merge._cache_size()
@@ -230,6 +231,66 @@ def test_batched_merge_is_one_call_compiled_ahead_and_long_tails_run_in_chunks(m
     assert np.abs(logits[-1]).max() > 1e-2
     with pytest.raises(EngineError, match="children must be in"):
         batch.warm_merge(children=5)
+
+
+def test_a_join_fork_runs_its_last_tokens_so_the_merge_runs_no_model_call(model):
+    """fork(join=True): a child that ends on device runs one more step feeding its last token (mid
+    chunk, at the chunk's last step: a step past the chunk, or in a later call), so the merge of what
+    the children generated is the copy alone: no model call, nothing compiled after `warm_merge`.
+    The join logits are the last child's, kept on device from its decode. A repair still runs (only
+    the repair: the token before it was fed), on the last child too (the join logits then come from
+    that run). Tokens equal a plain fork's; K/V and every join's logits == the dense merge-mask
+    forward (`merged_layout` + `reference`), 1e-4."""
+    from sprint_jax.infer.batch import BatchEngine, _copy_join, _merge
+
+    batch = BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=1, max_children=4, max_seq_len=48,
+                        max_branch_tokens=12, decode_chunk=4, prefill_chunk=4, eos_token_ids=[], min_bucket=16)
+    batch.warm_merge(children=3, max_parent_len=30, tails=(1,))
+    compiled = (_merge._cache_size(), _copy_join._cache_size())
+    ctx = _ids(50, 11)
+    op = batch.open(ctx)
+    batch.run([op])
+    seq = op.result
+    segments, joins = [("planner", ctx)], []
+
+    def stage(prefixes, limits, repair: dict[int, list[int]], ran: int):
+        plain = batch.fork(seq, prefixes, limits)                   # no join: the same tokens
+        batch.run([plain])
+        op = batch.fork(seq, prefixes, limits, join=True)
+        batch.run([op])
+        assert [g.tokens for g in op.result] == [g.tokens for g in plain.result]
+        branches = [p + g.tokens + repair.get(j, []) for j, (p, g) in enumerate(zip(prefixes, op.result))]
+        calls = batch.stats["prefill_calls"]
+        batch.merge(seq, branches)
+        assert batch.last_join_tokens == ran and batch.stats["prefill_calls"] == calls + (ran > 0)
+        segments.append(("stage", branches))
+        joins.append((sum(len(x[1]) if x[0] == "planner" else sum(map(len, x[1])) for x in segments) - 1,
+                      np.asarray(seq.join_logits)))
+
+    # child 0 ends at the chunk's last step (its feed runs past the chunk), child 1 in the second
+    # decode call, child 2 (the last: its logits are the join's) mid chunk in the first call
+    stage([_ids(51, 1), _ids(52, 2), _ids(53, 1)], [3, 5, 1], {}, 0)
+    assert compiled == (_merge._cache_size(), _copy_join._cache_size())   # warmed: no compile
+    for k, (prefixes, limits, repair, ran) in enumerate([
+            ([_ids(54, 1), _ids(55, 1)], [2, 2], {0: _ids(56, 2)}, 2),     # a repair on child 0 only
+            ([_ids(57, 1), _ids(58, 1)], [1, 2], {1: _ids(59, 1)}, 1)]):   # on the last child
+        plan = _ids(60 + k, 3)
+        batch.extend(seq, plan)
+        batch.run()
+        segments.append(("planner", plan))
+        stage(prefixes, limits, repair, ran)
+    toks, pos, mask = merged_layout(segments)
+    logits, ref_k, ref_v = reference(model, toks, pos, mask)
+    n = len(toks)
+    assert seq.tokens == toks and seq.after_join and seq.length == n - 1
+    np.testing.assert_allclose(np.asarray(batch.cache.pk)[:, seq.slot, :n], ref_k, atol=TOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(batch.cache.pv)[:, seq.slot, :n], ref_v, atol=TOL, rtol=0)
+    for row, got in joins:
+        np.testing.assert_allclose(got, logits[row], atol=TOL, rtol=0)
+    assert np.abs(logits[-1]).max() > 1e-2
+    op = batch.generate(seq, 1)
+    batch.run([op])
+    assert op.result.tokens == [int(np.argmax(logits[-1]))]
 
 
 def test_flush_writes_a_sync_now_only_when_nothing_else_is_in_flight(model):

@@ -226,6 +226,37 @@ _PREFILL_ROWS = inspect.unwrap(_prefill)            # the bodies, for steps fuse
 _PLACE_ROWS = inspect.unwrap(_place_child_rows)
 
 
+@functools.partial(jax.jit, static_argnames=("kv",), donate_argnames=("cache",))
+@sh.slot_local(rows=("idx",), out="cache", cache_kv=(0, 0, 1, 1))
+def _copy_rows(cache: SlotCache, idx, kv=None) -> SlotCache:
+    """`_place_child_rows` with its four index rows packed in one array idx [M, 4] (pslot, crow,
+    cidx, dst): a merge join with nothing left to run is this call alone, one host transfer."""
+    return _PLACE_ROWS(cache, idx[:, 0], idx[:, 1], idx[:, 2], idx[:, 3], kv=kv)
+
+
+_COPY_ROWS = _copy_rows.__wrapped__                  # its body per slot shard (sh.slot_local), not jitted
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "kv"), donate_argnames=("cache",))
+def _copy_join(cache: SlotCache, meta, rows: int, kv=None) -> SlotCache:
+    """A merge join with nothing left to run: `_copy_rows` with its index rows built on device from
+    meta [3 + G] = (parent slot, first row of the sequence's block, fork slot p0, each child's
+    branch length (0: no child)), so the host builds one small array. Row base: child 0's slot 0
+    (the parent's pending token) to p0; rows base+1..: child j's slots 1..len_j, in child order, to
+    p0+1.. ; the other of the `rows` rows are padding (dropped)."""
+    slot, base, p0, lens = meta[0], meta[1], meta[2], meta[3:]
+    g = cache.ck.shape[1] // cache.pk.shape[1]
+    ends = jnp.cumsum(lens)                                                     # [G]
+    r = jnp.arange(rows, dtype=jnp.int32) - base                                # row in the block
+    j = jnp.clip(jnp.searchsorted(ends, r - 1, side="right"), 0, lens.shape[0] - 1)   # its child
+    head = r <= 0
+    crow = slot * g + jnp.where(head, 0, j)
+    cidx = jnp.where(head, 0, r - (ends - lens)[j])
+    dst = jnp.where((r >= 0) & (r <= ends[-1]), p0 + r, 1 << 30)
+    idx = jnp.stack([jnp.full((rows,), slot), crow, cidx, dst], axis=1).astype(jnp.int32)
+    return _COPY_ROWS(cache, idx, kv=kv)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "s_b", "c_b", "kv"), donate_argnames=("cache",))
 @sh.slot_local(rows=("tokens", "slot", "parent", "fork_len", "start", "n_valid", "pos_off", "pslot", "crow", "cidx",
                      "dst"), out=("cache", "rows"), cache_kv=(0, 0, 1, 1))
@@ -275,12 +306,13 @@ def parent_prefix_attention(pk: jax.Array, pv: jax.Array, layer, pslot: jax.Arra
                    donate_argnames=("cache",))
 @sh.slot_local(rows=("a_slot", "b_pslot", "b_fork", "b_cslot", "lengths", "pending", "active", "remaining",
                      "stop_ids", "seeds", "branch", "steps", "temperature", "top_k", "top_p", "forced", "n_forced",
-                     "pos_off"),
-               out=("cache", "rows", "rows", "max"), cache_kv=(0, 0, 1, 1))
+                     "pos_off", "feed_last"),
+               out=lambda a: ("cache", "rows", "rows", "max") + ("rows",) * (a["feed_last"] is not None),
+               cache_kv=(0, 0, 1, 1))
 def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending,
             active, remaining, stop_ids, seeds, branch, steps, temperature, top_k, top_p, forced, n_forced,
             w: int, chunk: int, s_b: int, c_b: int, kv=None, attention_impl: str = "xla",
-            n_valid: int | None = None, pos_off=None):
+            n_valid: int | None = None, pos_off=None, feed_last=None):
     """The active rows, packed: rows [0, A) decode on parent slots a_slot (a generate op: the row
     attends to its own parent slot); rows [A, A + F*w) are fork children, F groups of w rows,
     group i's children of parent slot b_pslot[i] (read-only, fork point b_fork[i]) in child
@@ -295,8 +327,14 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
     (`BatchEngine._decode` lays them out so); slot ids are global, taken modulo this call's slots.
     pos_off [B] (None: 0): the row's sequence's slot-to-position shift after a merge join (Seq).
     attention_impl: the parent-prefix attention's ("xla" gather or "pallas" kernel).
+    feed_last [B] bool (None: off): a row that finishes on device (stop id, EOS, length) runs one
+    more step that only feeds its last token: its KV is written and its logits (before the padded
+    ids are masked) are kept; the token that step samples is dropped. A merge join's children
+    (issue 17) so hold their close tag's KV, and the last one its join logits, with nothing left
+    to run at the join. The feed step may run past `chunk` (one step, nothing emitted).
     Returns the cache, the emitted tokens [B, chunk] (-1 = none), per-row reason codes
-    (1 stop id / EOS, 2 length), and the steps run."""
+    (1 stop id / EOS, 2 length), the steps run, and with feed_last the kept logits [B, V] (a row's
+    logits after its fed last token; zeros where no row was fed)."""
     na, nf = a_slot.shape[0], b_pslot.shape[0]
     b = na + nf * w
     a_slot = a_slot % cache.pk.shape[1]            # global slot ids -> this call's (see _prefill)
@@ -307,7 +345,7 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
     base = jax.vmap(lambda s, j: jax.random.fold_in(jax.random.key(s), j))(seeds, branch)
     drop = 1 << 30
 
-    def one_step(cache, lengths, pending, active, steps):
+    def one_step(cache, lengths, pending, active, steps, fed):
         positions = (fork_of_row + lengths)[:, None]                                  # [B, 1]
         if pos_off is not None:                        # the row's sequence's shift after a merge join
             positions = positions + pos_off[:, None]
@@ -336,7 +374,7 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
         x = embed(params, config, pending[:, None])
         hidden, (nk, nv) = decoder(params, config, x, positions, attend, jnp.arange(n_layers))
         nk, nv = nk[:, :, 0], nv[:, :, 0]                                            # [L, B, Hkv, D]
-        pos = jnp.where(active, lengths, drop)
+        pos = jnp.where(active | fed, lengths, drop)
         pk, pv, ck, cv = cache.pk, cache.pv, cache.ck, cache.cv
         if na:
             pk = _put(pk, (slice(None), a_slot, pos[:na]), nk[:, :na])
@@ -344,19 +382,26 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
         if nf:
             ck = _put(ck, (slice(None), b_cslot, pos[na:]), nk[:, na:])
             cv = _put(cv, (slice(None), b_cslot, pos[na:]), nv[:, na:])
-        logits = mask_padded(unembed(params, config, hidden)[:, 0], n_valid)     # no padded ids
+        raw = unembed(params, config, hidden)[:, 0]
+        logits = mask_padded(raw, n_valid)                                        # no padded ids
         tok = _sample_rows(logits, base, steps, temperature, top_k, top_p)
-        return _constrain(SlotCache(pk, pv, ck, cv), kv), tok
+        return _constrain(SlotCache(pk, pv, ck, cv), kv), tok, raw
 
     out = jnp.full((b, chunk), -1, jnp.int32)
     reason = jnp.zeros((b,), jnp.int32)
+    feeding = feed_last is not None
+    fed0 = jnp.zeros((b,), bool)
+    kept0 = jnp.zeros((b, config.vocab_size), jnp.float32) if feeding else jnp.zeros((b, 0), jnp.float32)
 
     def cond(c):
-        return (c[0] < chunk) & jnp.any(c[4])
+        return ((c[0] < chunk) & jnp.any(c[4])) | jnp.any(c[9])
 
     def body(c):
-        i, cache, lengths, pending, active, remaining, steps, out, reason = c
-        cache, tok = one_step(cache, lengths, pending, active, steps)
+        i, cache, lengths, pending, active, remaining, steps, out, reason, fed, kept = c
+        cache, tok, raw = one_step(cache, lengths, pending, active, steps, fed)
+        if feeding:                   # the rows fed their last token this step: its logits kept
+            kept = jnp.where(fed[:, None], raw.astype(jnp.float32), kept)
+        active = active & (i < chunk)                 # a step past the chunk only feeds
         forcing = active & (i < n_forced)
         sampling = active & ~forcing
         tok, finished, remaining, reason, lengths, pending = advance_rows(
@@ -364,13 +409,16 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
         nxt = forced[:, jnp.minimum(i, forced.shape[1] - 1)]
         lengths = jnp.where(forcing, lengths + 1, lengths)
         pending = jnp.where(forcing, nxt, pending)
-        out = out.at[:, i].set(tok)
+        out = out.at[:, i].set(tok, mode="drop")
         steps = jnp.where(sampling, steps + 1, steps)
         active = active & ~finished
-        return i + 1, cache, lengths, pending, active, remaining, steps, out, reason
+        fed = (finished & feed_last) if feeding else fed
+        return i + 1, cache, lengths, pending, active, remaining, steps, out, reason, fed, kept
 
-    init = (jnp.int32(0), cache, lengths, pending, active, remaining, steps, out, reason)
-    i, cache, *_, out, reason = jax.lax.while_loop(cond, body, init)
+    init = (jnp.int32(0), cache, lengths, pending, active, remaining, steps, out, reason, fed0, kept0)
+    i, cache, *_, out, reason, _, kept = jax.lax.while_loop(cond, body, init)
+    if feeding:
+        return cache, out, reason, i, kept
     return cache, out, reason, i
 
 
@@ -420,6 +468,7 @@ class Op:
     result: object = None
     tag: object = None                    # the caller's (e.g. which run this op belongs to)
     queued: list = dataclasses.field(default_factory=list)   # a serial fork's children not yet started
+    join: bool = False                    # fork: its children will be merged (they feed their last token)
 
 
 class _Row:
@@ -436,6 +485,8 @@ class _Row:
         self.reason: str | None = None
         self.overshoot = 0
         self.prefill_pos = 0              # child: how much of run[:-1] is in its suffix slot
+        self.fed = False                  # its last token was run (a join fork's child: `_decode` feed_last)
+        self.last_logits = None           # then its logits after that token (device, [V]), if kept
 
 
 class BatchEngine:
@@ -520,6 +571,7 @@ class BatchEngine:
         self._texts: list[str] | None = None
         self.stats = dict(steps=0, decode_calls=0, prefill_calls=0, tokens=0)
         self.last_join_tokens = 0           # tokens the last merge ran (in the children's slots)
+        self._merge_rows: dict[int, int] = {}   # children -> rows of a merge's child prefill (its bucket)
 
     # ---- tokens <-> text ------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -618,12 +670,16 @@ class BatchEngine:
 
     def fork(self, seq: Seq, prefixes: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
              stop: Sequence[Sequence[str]] | Sequence[str] = (), sampling: Sampling | None = None, tag=None,
-             serial: bool = False) -> Op:
+             serial: bool = False, join: bool = False) -> Op:
         """len(prefixes) children of `seq`: child j continues seq with prefixes[j] (forced) and
         decodes until its own stops / EOS / limit. Result: one Generation per child (generated
         tokens only); `seq` keeps its content and is read-only until the fork finishes.
         serial: the children run one after another (child j starts when child j-1 ends), each
-        alone on the parent's context: SPRINT's `serial` mode, the same tokens as together."""
+        alone on the parent's context: SPRINT's `serial` mode, the same tokens as together.
+        join: the fork will be merged (`merge`): a child that ends on device (a one-token stop,
+        EOS, its limit) runs one more step feeding its last token, so its slot holds that token's
+        KV and the last child keeps its logits: a join whose branches are what the children
+        generated runs no model call. The same tokens either way."""
         self._check_idle(seq, "fork")
         if seq.after_join:
             raise EngineError("fork right after a merge join: the planner must write a token first")
@@ -646,7 +702,8 @@ class BatchEngine:
             if len(p) + 1 + m > self.max_branch_tokens:
                 raise EngineError(f"child {j}: prefix of {len(p)} tokens + max_new_tokens={m} exceeds "
                                   f"max_branch_tokens={self.max_branch_tokens}")
-        op = Op("fork", seq, prefixes=prefixes, limits=limits, stops=stops, sampling=sampling or GREEDY, tag=tag)
+        op = Op("fork", seq, prefixes=prefixes, limits=limits, stops=stops, sampling=sampling or GREEDY, tag=tag,
+                join=join)
         seq.op = op
         group = self._groups.setdefault(seq.slot, [None] * (1 + self.max_children))
         rows = [_Row(op, j, [seq.tokens[-1]] + p, m, st, StopScanner(self.decode_text, st))
@@ -695,12 +752,15 @@ class BatchEngine:
     def merge(self, seq: Seq, branches: Sequence[Sequence[int]]) -> Seq:
         """Join the children of the fork just finished on `seq` into its slot without re-running
         them (issue 17; `Engine.merge` is the single-run twin): branches[j] is child j's final
-        tokens after the fork (opening, body, repair as the layout tokenizes them). The children
-        first run, in their own slots, only the tokens they never computed (their last token, a
-        repair, a re-tokenized end: one prefill call for all); then their slot rows are copied
-        after the parent's prefix in child order (one gather/scatter). The sequence continues at
-        fork + the longest child (`pos_offset`); its next token is sampled from the last child's
-        last logits (`join_logits`). Runs at once (no step needed)."""
+        tokens after the fork (opening, body, repair as the layout tokenizes them). Their slot
+        rows are copied after the parent's prefix in child order (one gather/scatter, `_copy_join`).
+        After a join fork (`fork(join=True)`) whose children's tokens are the branches, that copy is
+        all: each child ran its last token in its decode and the last child kept its logits. Else the
+        children first run, in their own slots, only the tokens they never computed (a repair, a
+        re-tokenized end; a last token not run, or the last child's when its logits were not kept),
+        fused with the copy in one call (`_merge`). The sequence continues at fork + the longest
+        child (`pos_offset`); its next token is sampled from the last child's last logits
+        (`join_logits`). Runs at once (no step needed)."""
         self._check_idle(seq, "merge")
         fork = seq.last_fork
         if fork is None or fork[0] != len(seq.tokens) or any(r is None for r in fork[1]):
@@ -712,29 +772,47 @@ class BatchEngine:
             raise EngineError(f"merge: a branch of {max(len(b) for b in branches)} tokens exceeds the child "
                               f"capacity ({self.child_capacity})")
         p0 = seq.length
-        keep = [min(common_prefix(have[1:], b), done - 1, len(b) - 1) for b, (have, done) in zip(branches, rows)]
+        # branch j's first keep[j] tokens are in child j's slot as they must be (its slots
+        # 1..keep[j]; slot 0 is the parent's pending token): the common prefix of what the child
+        # ran and the branch, up to what its slot holds. The last child's last token also needs
+        # its logits (the join's): kept from its decode (`fork(join=True)`), else it runs again.
+        keep = [min(common_prefix(have[1:], b), done - 1) for b, (have, done, _) in zip(branches, rows)]
+        if keep[-1] == len(branches[-1]) and not (rows[-1][2] is not None and rows[-1][1] - 1 == keep[-1]):
+            keep[-1] -= 1
         tails = [b[k:] for b, k in zip(branches, keep)]
-        # one call (`_merge`): the tails, one child prefill row per child placed in the sequence's
-        # slot shard (sh.slot_blocks; one block without slot shards), then the copy: child 0's
-        # slot 0 (the parent's pending token, run in every child), then each child's slots
-        # 1..len(branch), to parent slots p0.. . Shapes: (children bucket, tail bucket, parent /
-        # child length buckets); the copy has r_b * c_copy rows, so it adds no shape of its own
-        # (`warm_merge` compiles them ahead). A tail longer than prefill_chunk (rare) runs its
-        # leading chunks as child prefill calls first.
-        at, r_b, cslot, parent, fork_len, pos_off = self._child_rows(seq, n, p0)
-        s_b = self._merge_bucket(p0 + 1, self.parent_capacity)
-        c_copy = self._merge_bucket(max(len(b) for b in branches) + 1, self.child_capacity)
-        crow = [seq.slot * self.max_children] + [seq.slot * self.max_children + j
-                                                 for j, b in enumerate(branches) for _ in b]
-        cidx = [0] + [1 + s for b in branches for s in range(len(b))]
+        # the copy: child 0's slot 0 (the parent's pending token, run in every child), then each
+        # child's slots 1..len(branch), to parent slots p0.. ; r_b * c_copy rows (a length bucket
+        # per children bucket, so the copy adds few shapes; `warm_merge` compiles them ahead), the
+        # sequence's rows in its slot shard's block (sh.slot_blocks; one block without shards)
+        r_b = self._merge_rows.get(n)
+        if r_b is None:
+            r_b = self._merge_rows[n] = self._child_rows(seq, n, p0)[1]
+        lens = [len(b) for b in branches]
+        c_copy = self._merge_bucket(max(lens) + 1, self.child_capacity)
         w_b = r_b // self._parts * c_copy                  # >= 1 + sum(len(b)): n <= r_b / parts
-        ps = np.full(w_b * self._parts, seq.slot, np.int32)
-        cr = np.full(w_b * self._parts, seq.slot * self.max_children, np.int32)
-        ci = np.zeros(w_b * self._parts, np.int32)
-        dst = np.full(w_b * self._parts, 1 << 30, np.int32)                   # padding: dropped
         base = seq.slot // (self.max_seqs // self._parts) * w_b                # the sequence's shard block
-        for k in range(len(crow)):
-            cr[base + k], ci[base + k], dst[base + k] = crow[k], cidx[k], p0 + k
+        if not any(tails):
+            # every token was computed in its branch (the children fed their last token): no
+            # model call, only the copy (`_copy_join`: no parameters, its index rows built on
+            # device from one small array)
+            meta = np.zeros(3 + self.max_children, np.int32)
+            meta[:3 + n] = [seq.slot, base, p0] + lens
+            self.cache = _copy_join(self.cache, meta, rows=w_b * self._parts, kv=self._kv)
+            return self._joined(seq, branches, rows[-1][2], 0)
+        m = 1 + sum(lens)
+        g0 = seq.slot * self.max_children
+        idx = np.empty((w_b * self._parts, 4), np.int32)     # pslot, child row, child slot, parent slot
+        idx[:] = (seq.slot, g0, 0, 1 << 30)                  # padding: dropped
+        blk = idx[base: base + m]
+        blk[1:, 1] = g0 + np.repeat(np.arange(n, dtype=np.int32), lens)
+        blk[1:, 2] = np.arange(1, m, dtype=np.int32) - np.repeat(np.cumsum([0] + lens[:-1]), lens)
+        blk[:, 3] = np.arange(p0, p0 + m, dtype=np.int32)
+        at, r_b, cslot, parent, fork_len, pos_off = self._child_rows(seq, n, p0)
+        ps, cr, ci, dst = (np.ascontiguousarray(idx[:, k]) for k in range(4))
+        # else one call (`_merge`): the tails (one child prefill row per child, its shard's block;
+        # tail bucket 1, 2, 4, ...), then the copy. A tail longer than prefill_chunk (rare) runs
+        # its leading chunks as child prefill calls first.
+        s_b = self._merge_bucket(p0 + 1, self.parent_capacity)
         last, pos, longest = None, 0, max(len(t) for t in tails)
         while pos < longest:
             pieces = [t[pos: pos + self.prefill_chunk] for t in tails]
@@ -759,12 +837,17 @@ class BatchEngine:
             if pieces[-1]:
                 last = logits[at[n - 1]]
             pos += self.prefill_chunk
+        return self._joined(seq, branches, last if tails[-1] else rows[-1][2], sum(len(t) for t in tails))
+
+    def _joined(self, seq: Seq, branches: list[list[int]], join_logits, ran: int) -> Seq:
+        """The sequence after a merge join (see `Seq`)."""
+        lens = [len(b) for b in branches]
         seq.tokens = seq.tokens + [t for b in branches for t in b]
-        seq.pos_offset += max(len(b) for b in branches) - sum(len(b) for b in branches)
+        seq.pos_offset += max(lens) - sum(lens)
         seq.joined = len(seq.tokens)
-        seq.join_logits = last
+        seq.join_logits = join_logits
         seq.last_fork = None
-        self.last_join_tokens = sum(len(t) for t in tails)
+        self.last_join_tokens = ran
         return seq
 
     def flush(self, seq: Seq) -> None:
@@ -841,7 +924,7 @@ class BatchEngine:
             logits = np.asarray(logits)
             for j, (i, p) in enumerate(zip(at, pieces)):
                 out[j].append(logits[i, : len(p)])
-        seq.last_fork = (len(seq.tokens), [([seq.tokens[-1]] + b, len(r)) for b, r in zip(branches, runs)])
+        seq.last_fork = (len(seq.tokens), [([seq.tokens[-1]] + b, len(r), None) for b, r in zip(branches, runs)])
         return [np.concatenate(o) for o in out]
 
     def flush_sync(self, seq: Seq) -> bool:
@@ -872,8 +955,10 @@ class BatchEngine:
         """Compile the merge join's shapes ahead of time, so that no compile lands in a timed sync:
         one call per (parent length bucket up to max_parent_len (default max_seq_len), child length
         bucket, tail bucket in `tails`) for `children` children (default max_children); tails of 1
-        and 2 tokens are the usual (each child's close tag, a repair). The calls hold only padding rows
-        (they write nothing). Returns the number of shapes."""
+        and 2 tokens are the usual (each child's close tag, a repair); and the copy alone (a join
+        with nothing left to run, the usual join) per child length bucket for every children
+        bucket up to `children` (1, 2, 4, ...: a stage of fewer executors compiles nothing either).
+        The calls hold only padding rows (they write nothing). Returns the number of shapes."""
         children = self.max_children if children is None else children
         if not 1 <= children <= self.max_children:
             raise EngineError(f"warm_merge: children must be in 1..{self.max_children}, got {children}")
@@ -893,6 +978,14 @@ class BatchEngine:
         pad = np.full(r_b, self.max_seqs * self.max_children, np.int32)
         zeros = np.zeros(r_b, np.int32)
         shapes = 0
+        rows = sorted({sh.slot_blocks([0] * k, self.max_seqs, self._parts,
+                                      cap=self.max_seqs // self._parts * self.max_children)[1]
+                       for k in range(1, children + 1)})
+        meta = np.zeros(3 + self.max_children, np.int32)
+        meta[1] = 1 << 30                                                         # every row padding
+        for r, c_b in itertools.product(rows, buckets(self.child_capacity, self.child_capacity)):
+            self.cache = _copy_join(self.cache, meta, rows=r * c_b, kv=self._kv)    # the copy alone
+            shapes += 1
         for s_b, c_b, t_b in itertools.product(buckets(self.parent_capacity, top),
                                                buckets(self.child_capacity, self.child_capacity),
                                                sorted({_bucket(t, 1) for t in tails})):
@@ -1157,6 +1250,7 @@ class BatchEngine:
         placed: list[tuple[int, _Row, bool]] = []
         forced = np.zeros((b, self.decode_chunk), np.int32)
         n_forced = np.zeros(b, np.int32)
+        fed_rows = np.zeros(b, bool)                                  # rows that feed their last token
         block = wa + wf * w                                           # rows per slot shard
         for p, (slot, row) in zip(at_a, gen_rows):
             a_slot[p] = slot
@@ -1175,7 +1269,8 @@ class BatchEngine:
             n_forced[i] = len(feed) - 1
             pos_off[i] = row.op.seq.pos_offset
             if child:
-                need_c = max(need_c, lengths[i] + self.decode_chunk)
+                need_c = max(need_c, lengths[i] + self.decode_chunk + row.op.join)   # + a feed step
+                fed_rows[i] = row.op.join
             else:
                 need_p = max(need_p, lengths[i] + self.decode_chunk)
             active[i] = True
@@ -1188,11 +1283,14 @@ class BatchEngine:
         # two) cut the over-read (80 used -> 96, not 128), the per-row cost of a many-row step
         s_b = min(_bucket_fine(need_p, self.min_bucket), self.parent_capacity)
         c_b = min(_bucket_fine(need_c, self.min_bucket), self.child_capacity) if forks else 1
-        self.cache, out, reason, n = _decode(
+        res = _decode(
             self.params, self.config, self.cache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending, active,
             remaining, stop_ids, seeds, branch, steps, temp, top_k, top_p, forced, n_forced,
             w=w, chunk=self.decode_chunk, s_b=s_b, c_b=c_b, kv=self._kv,
-            attention_impl=self.attention_impl, n_valid=self.n_valid, pos_off=pos_off)
+            attention_impl=self.attention_impl, n_valid=self.n_valid, pos_off=pos_off,
+            feed_last=fed_rows if fed_rows.any() else None)
+        self.cache, out, reason = res[:3]
+        kept = res[4] if len(res) > 4 else None
         out, reason = jax.device_get((out, reason))
         self.stats["decode_calls"] += 1
         for i, row, child in placed:
@@ -1214,6 +1312,11 @@ class BatchEngine:
             elif reason[i] == 2 or len(row.gen) >= row.limit:
                 row.reason = "length"
             if row.reason is not None:
+                # the last kept token was run: a later token was sampled from its logits (host-side
+                # stop, overshoot), or the device ended the row and fed it (feed_last)
+                row.fed = row.overshoot > 0 or bool(fed_rows[i] and reason[i])
+                if fed_rows[i] and reason[i] and not row.overshoot and row.j == len(row.op.prefixes) - 1:
+                    row.last_logits = kept[i]          # the join logits of a merge (device)
                 self._row_done(row, child)
 
     def _row_done(self, row: _Row, child: bool) -> None:
@@ -1229,10 +1332,12 @@ class BatchEngine:
         group[1 + row.j] = None
         op.result[row.j] = gen
         if seq.last_fork is not None:
-            # what a merge join needs: the child's tokens and how many of them its slot holds. At
-            # the end every forced token (prefilled or taken in a decode chunk) and each generated
-            # token but the last is written (a host-side stop's overshoot wrote more: not counted)
-            seq.last_fork[1][row.j] = (row.run + row.gen, len(row.run) - 1 + len(row.gen))
+            # what a merge join needs: the child's tokens, how many of them its slot holds, and the
+            # logits after the last (None: not kept). At the end every forced token (prefilled or
+            # taken in a decode chunk) and each generated token but the last is written; the last
+            # too when it was fed (row.fed; a host-side stop's overshoot wrote more: not counted)
+            seq.last_fork[1][row.j] = (row.run + row.gen, len(row.run) - 1 + len(row.gen) + row.fed,
+                                       row.last_logits)
         if op.queued:                         # a serial fork: the next child starts
             nxt = op.queued.pop(0)
             group[1 + nxt.j] = nxt

@@ -370,13 +370,14 @@ class Engine:
     # ---- branches -------------------------------------------------------------------------
     def decode_branches(self, state: DecodeState, prefixes: Sequence[Sequence[int]],
                         max_new_tokens: int | Sequence[int], stop: Sequence[Sequence[str]] | Sequence[str] = (),
-                        sampling: Sampling | None = None, mode: str = "shared") -> list[Generation]:
+                        sampling: Sampling | None = None, mode: str = "shared", join: bool = False) -> list[Generation]:
         """Fork `state` into len(prefixes) branches, force each branch's prefix tokens, decode all.
 
         Branch j continues state's sequence with prefixes[j] (e.g. the tokens of
         `<execution_2.j>`) and then decodes until its own stop strings / EOS / token limit, with
         key stream j. Returns one Generation per branch (generated tokens only). `state` keeps
-        its content. A shared fork is kept for `merge`.
+        its content. A shared fork is kept for `merge`; join=True (a merge follows): each branch
+        also runs its last token (`BatchEngine.fork`), so the merge runs no model call.
         """
         sampling = sampling or GREEDY
         n = len(prefixes)
@@ -413,7 +414,8 @@ class Engine:
         if mode == "copy":
             gens, nbytes, steps = self._branches_copy(seq, prefixes, limits, stops, sampling)
         else:
-            op = self.core.fork(seq, prefixes, limits, stops, sampling, serial=mode == "serial")
+            op = self.core.fork(seq, prefixes, limits, stops, sampling, serial=mode == "serial",
+                                join=join and mode == "shared")
             self.core.run([op])
             gens = list(op.result)
             nbytes = self._fork_bytes(seq.length, n)

@@ -528,7 +528,7 @@ class Orchestrator:
                 state = yield EngineCall("truncate", state, n=keep)
             gens = yield EngineCall("branches", state, prefixes=openings, limits=limits,
                                     stops=[[fmt.execution_close(i, j)] for j in range(1, k + 1)],
-                                    sampling=cfg.sampling(call), mode=branch_mode)
+                                    sampling=cfg.sampling(call), mode=branch_mode, join=merge)
             stage.executors_s = time.perf_counter() - t
             stats = getattr(self.engine, "last_branch_stats", None)
             stage.branch_cache_bytes = getattr(stats, "cache_bytes", None)
@@ -616,6 +616,7 @@ class EngineCall:
     stops: list[list[str]] = dataclasses.field(default_factory=list)
     sampling: Sampling | None = None
     mode: str = "shared"                        # branches on Engine: shared | serial
+    join: bool = False                          # branches: a merge join follows (children feed their last token)
 
 
 def answer_single(engine: Any, call: EngineCall):
@@ -625,8 +626,9 @@ def answer_single(engine: Any, call: EngineCall):
     if call.kind == "generate":
         return engine.generate(call.state, call.limits[0], stop=call.stops[0], sampling=call.sampling)
     if call.kind == "branches":
+        join = {"join": True} if call.join else {}         # engines without a join fork still re-prefill
         return engine.decode_branches(call.state, call.prefixes, call.limits, stop=call.stops,
-                                      sampling=call.sampling, mode=call.mode)
+                                      sampling=call.sampling, mode=call.mode, **join)
     if call.kind == "extend":
         return engine.extend(call.state, call.tokens)
     if call.kind == "truncate":
@@ -706,7 +708,9 @@ def run_many(engine: Any, queries: list[str], mode: str = "parallel", config: Or
                     op = engine.generate(call.state, call.limits[0], call.stops[0], call.sampling)
                 elif call.kind == "branches":
                     serial = {"serial": True} if call.mode == "serial" else {}   # one executor at a time
-                    op = engine.fork(call.state, call.prefixes, call.limits, call.stops, call.sampling, **serial)
+                    join = {"join": True} if call.join else {}
+                    op = engine.fork(call.state, call.prefixes, call.limits, call.stops, call.sampling, **serial,
+                                     **join)
                 elif call.kind == "extend":
                     op = engine.extend(call.state, call.tokens)
                 else:

@@ -64,9 +64,10 @@ class RecordingEngine:
         self.units.append(Unit(context, list(g.tokens), "planner"))
         return g
 
-    def decode_branches(self, state, prefixes, max_new_tokens, stop=(), sampling=None, mode="shared"):
+    def decode_branches(self, state, prefixes, max_new_tokens, stop=(), sampling=None, mode="shared", join=False):
         context = list(state.tokens)
-        gens = self._engine.decode_branches(state, prefixes, max_new_tokens, stop=stop, sampling=sampling, mode=mode)
+        gens = self._engine.decode_branches(state, prefixes, max_new_tokens, stop=stop, sampling=sampling, mode=mode,
+                                            join=join)
         for p, g in zip(prefixes, gens):
             self.units.append(Unit(context + [int(t) for t in p], list(g.tokens), "executor"))
         return gens

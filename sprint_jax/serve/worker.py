@@ -410,7 +410,8 @@ class EngineWorker:
                 elif call.kind == "generate":
                     op = self.engine.generate(call.state, call.limits[0], call.stops[0], call.sampling)
                 elif call.kind == "branches":
-                    op = self.engine.fork(call.state, call.prefixes, call.limits, call.stops, call.sampling)
+                    op = self.engine.fork(call.state, call.prefixes, call.limits, call.stops, call.sampling,
+                                          join=call.join)
                 elif call.kind == "extend":
                     op = self.engine.extend(call.state, call.tokens)
                 else:
