@@ -49,6 +49,11 @@ class APIError(Exception):
         return JSONResponse(self.payload(), status_code=self.status, headers=self.headers)
 
 
+def internal_error(exc: Exception) -> APIError:
+    """A bug in a handler, as the client sees it (a 500 naming the exception)."""
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
 def default_chat_prompt(messages: list[dict]) -> str:
     """The prompt of a chat for a tokenizer without a chat template: a lone user message is given
     as is (SPRINT models are trained on the bare problem text); otherwise each message becomes
@@ -473,7 +478,7 @@ def make_app(state: ServeState):
             worker.observe(500, None)
             if started:
                 raise
-            await reply(500, APIError(500, f"internal error: {type(exc).__name__}: {exc}").payload())
+            await reply(500, internal_error(exc).payload())
             raise
 
     async def _stream(job: Job, head: _Head, n_prompt: int, t0: float):
@@ -541,7 +546,7 @@ def make_app(state: ServeState):
 
     async def internal(request: Request, exc) -> Response:
         worker.observe(500, None)
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+        return internal_error(exc).response()
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

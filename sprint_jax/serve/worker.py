@@ -39,6 +39,14 @@ from sprint_jax.infer.sampling import Sampling
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
+def _running_on(loop) -> bool:
+    """Whether the caller runs on `loop` (its thread, inside it), not on another thread."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
 class Channel:
     """Engine thread -> one request handler. Items: ("tokens", [[ids] per choice]) (streaming),
     ("event", Event) (SPRINT streaming), ("done", result), ("error", message)."""
@@ -49,11 +57,7 @@ class Channel:
         self._held = None           # an item taken while coalescing "tokens", given out next
 
     def put(self, item) -> None:
-        try:
-            on_loop = asyncio.get_running_loop() is self.loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:                 # the engine runs on the loop: no thread to cross
+        if _running_on(self.loop):  # the engine runs on the loop: no thread to cross
             self.queue.put_nowait(item)
             return
         try:
@@ -156,11 +160,7 @@ class EngineWorker:
         if self._task is None:
             return
         self._notify()
-        try:
-            on_loop = asyncio.get_running_loop() is self._event_loop
-        except RuntimeError:
-            on_loop = False
-        if not on_loop and self._event_loop.is_running():
+        if not _running_on(self._event_loop) and self._event_loop.is_running():
             self._ended.wait(timeout)
 
     @property
@@ -173,11 +173,7 @@ class EngineWorker:
         """on_loop: wake the engine task (from the loop or from another thread)."""
         if not self.on_loop or self._wake is None:
             return
-        try:
-            on_loop = asyncio.get_running_loop() is self._event_loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:
+        if _running_on(self._event_loop):
             self._wake.set()
             return
         try:
@@ -201,11 +197,7 @@ class EngineWorker:
             self._inbox.put(("submit", job))       # submitted before that turn
             self._notify()
             return True
-        try:
-            on_loop = asyncio.get_running_loop() is job.channel.loop
-        except RuntimeError:
-            on_loop = False
-        if not on_loop:
+        if not _running_on(job.channel.loop):
             self._inbox.put(("submit", job))
             return True
         # On the HTTP side's event loop: hand the job over when the loop has run the handlers that
