@@ -527,8 +527,9 @@ def _until(t: float) -> None:
     """Wait until perf_counter() reaches t: asleep, then awake for the last 0.5 ms (a process
     woken from sleep runs its first microseconds slowly on a loaded machine; that is the client's
     wake-up, not the server's cost)."""
-    if t - time.perf_counter() > 0.0005:
-        time.sleep(t - time.perf_counter() - 0.0005)
+    ahead = t - time.perf_counter() - 0.0005
+    if ahead > 0:
+        time.sleep(ahead)
     while time.perf_counter() < t:
         pass
 
