@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import threading
 import time
 
@@ -327,11 +328,14 @@ def test_the_engine_on_a_thread_of_its_own_serves_the_same(setup, hf_untied):
     its slot within a second, and a stopped engine thread gives 503."""
     loop_server, _, alone, tok = setup
     assert loop_server.engine_on_loop and loop_server.worker.on_loop         # CPU: the engine on the loop
+    switch = sys.getswitchinterval()
+    assert switch != 0.0005                  # the engine on the loop leaves the GIL switch interval alone
     model = from_pretrained(hf_untied)
     engine = BatchEngine(model, tok, max_seqs=4, max_children=4, **CAPS)    # the module engine's shapes
     server = Server(engine, NAME, SPRINT_CFG, engine_on_loop=False).start()
     try:
         assert not server.worker.on_loop and server.worker._thread.is_alive()
+        assert sys.getswitchinterval() == 0.0005                            # on a thread: short hand-offs
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
         prompt = "What is 17 * 23?"
         ref = _alone_text(alone, tok, prompt, 12)
@@ -368,6 +372,7 @@ def test_the_engine_on_a_thread_of_its_own_serves_the_same(setup, hf_untied):
         assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "5"
     finally:
         server.stop()
+    assert sys.getswitchinterval() == switch                                 # restored by stop()
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_slots_within_a_second(setup):
