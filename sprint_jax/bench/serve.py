@@ -471,22 +471,17 @@ def _client_main() -> None:
         return r.status, r.read()
 
     def touch(kind: str, s: int) -> None:
-        """A GET on the connection (not timed): it is open when the timed request goes out (the
-        server closes connections idle for 5 s, e.g. while the in-process waves run)."""
+        """Not timed: the connection is open when the timed request goes out (the server closes
+        connections idle for 5 s, e.g. while the in-process waves run). lean / http.client: a
+        look at the socket (closed by the server: reconnect), no request; openai (its own pool):
+        a GET /v1/models."""
         if kind == "openai":
             oa[s].models.list()
             return
-        for attempt in (0, 1):
-            try:
-                if kind == "lean":
-                    lean[s].request("GET", "/v1/models")
-                else:
-                    get_hc(s, "/v1/models")
-                return
-            except (http.client.HTTPException, OSError):
-                if attempt:
-                    raise
-                (lean if kind == "lean" else hc)[s].close()
+        c = lean[s] if kind == "lean" else hc[s]
+        if c.sock is None or _closed_by_peer(c.sock):
+            c.close()
+            c.connect()
 
     def ask(kind: str, s: int, prompt: list[int], max_new: int) -> str:
         if kind == "openai":
@@ -521,6 +516,19 @@ def _client_main() -> None:
         except Exception as e:                   # noqa: BLE001  (reported to the bench)
             out = dict(error=f"{type(e).__name__}: {e}")
         print(json.dumps(out), flush=True)
+
+
+def _closed_by_peer(sock) -> bool:
+    """Whether the other end closed this idle keep-alive socket (readable, and nothing to read)."""
+    import select
+    import socket
+
+    if not select.select([sock], [], [], 0)[0]:
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
 
 
 def _until(t: float) -> None:
@@ -564,11 +572,12 @@ def _floor(lean: LeanHTTP, get_hc, s: int, n: int) -> dict:
 
 def wave_lead(n: int) -> float:
     """Seconds from the end of one wave to the start of the next, on every path: long enough for
-    n client processes to get their request (and touch their connection) before it goes out. The
-    engine is idle that long before every wave, HTTP or in-process: a request that finds it idle
-    pays the wake-up of its threads (measured: ~2 ms more in-process latency after 5 ms idle at
-    load 8) on both paths alike."""
-    return 0.002 + 0.003 * n
+    n client processes to get their request before it goes out (one that is late sends late: its
+    send time is recorded and replayed in-process). The engine is idle that long before every
+    wave, HTTP or in-process: a request that finds it idle pays the wake-up of its threads
+    (measured: ~2 ms more in-process latency for 32 tokens after 5 ms idle at load 8) on both
+    paths alike; short, so that it stays small."""
+    return 0.001 + 0.0005 * n
 
 
 HTTP_PATHS = ("inproc", "at_once", "lean", "httpclient", "openai")
