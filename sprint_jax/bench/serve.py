@@ -25,7 +25,8 @@ Rows, all measured in one run:
                tokenizer, its held-out queries as prompts; random weights) unless --preset. Per
                (--max-tokens, --concurrency): waves of `concurrency` requests submitted at once
                on every path (in-process: opened together; HTTP: one client process and keep-alive
-               connection each, sent at one instant), the paths alternating wave by wave. Clients:
+               connection each, sent at one instant), the paths alternating wave by wave, each
+               wave on every path the same short idle lead after the last (`wave_lead`). Clients:
                lean (`LeanHTTP`, a raw-socket HTTP/1.1 client as load generators use: what HTTP
                and the server cost), http.client and the openai client (what each adds over lean
                is reported as its own column). HTTP overhead per request = its lean latency
