@@ -5,6 +5,8 @@ the batched engine's counters (one prefill for n children), and the server's own
 from __future__ import annotations
 
 import json
+import socket
+import sys
 import threading
 import time
 
@@ -326,11 +328,14 @@ def test_the_engine_on_a_thread_of_its_own_serves_the_same(setup, hf_untied):
     its slot within a second, and a stopped engine thread gives 503."""
     loop_server, _, alone, tok = setup
     assert loop_server.engine_on_loop and loop_server.worker.on_loop         # CPU: the engine on the loop
+    switch = sys.getswitchinterval()
+    assert switch != 0.0005                  # the engine on the loop leaves the GIL switch interval alone
     model = from_pretrained(hf_untied)
     engine = BatchEngine(model, tok, max_seqs=4, max_children=4, **CAPS)    # the module engine's shapes
     server = Server(engine, NAME, SPRINT_CFG, engine_on_loop=False).start()
     try:
         assert not server.worker.on_loop and server.worker._thread.is_alive()
+        assert sys.getswitchinterval() == 0.0005                            # on a thread: short hand-offs
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
         prompt = "What is 17 * 23?"
         ref = _alone_text(alone, tok, prompt, 12)
@@ -367,6 +372,7 @@ def test_the_engine_on_a_thread_of_its_own_serves_the_same(setup, hf_untied):
         assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "5"
     finally:
         server.stop()
+    assert sys.getswitchinterval() == switch                                 # restored by stop()
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_slots_within_a_second(setup):
@@ -442,6 +448,87 @@ def test_load_64_concurrent_clients(setup):
     lat = np.sort(latencies)
     print(f"\nload: 64 clients x 2 requests: {len(lat) / wall:.1f} req/s, {128 * 7 / wall:.0f} tokens/s, "
           f"p50 {1000 * np.percentile(lat, 50):.0f} ms, p99 {1000 * np.percentile(lat, 99):.0f} ms, wall {wall:.1f} s")
+
+
+def _record(server, method: str, path: str, body: bytes | None) -> bytes:
+    """The server's response to one request, byte for byte (Connection: close, read to the end)."""
+    with socket.create_connection(("127.0.0.1", server.port), 60) as s:
+        head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        if body is not None:
+            head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        s.sendall(head.encode() + b"\r\n" + (body or b""))
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, sep, rest = data.partition(b"\r\n\r\n")
+    lines = [x for x in head.split(b"\r\n") if x.lower() != b"connection: close"]   # replayed keep-alive
+    return b"\r\n".join(lines) + sep + rest
+
+
+def _replay(responses: list[bytes]) -> int:
+    """A server that answers its k-th request (any method, any connection) with responses[k],
+    written in 40-byte pieces (the client meets split status lines, headers and chunks); a
+    response framed by Connection: close ends its connection. Returns the port."""
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def run():
+        k = 0
+        while k < len(responses):
+            conn, _ = srv.accept()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            buf = b""
+            with conn:
+                while k < len(responses):
+                    while b"\r\n\r\n" not in buf:
+                        buf += conn.recv(65536)
+                    head, _, buf = buf.partition(b"\r\n\r\n")
+                    n = next((int(x.split(b":")[1]) for x in head.split(b"\r\n")
+                              if x.lower().startswith(b"content-length:")), 0)
+                    while len(buf) < n:
+                        buf += conn.recv(65536)
+                    buf = buf[n:]
+                    out, k = responses[k], k + 1
+                    for i in range(0, len(out), 40):
+                        conn.sendall(out[i:i + 40])
+                        time.sleep(0.0002)
+                    if b"connection: close" in out.partition(b"\r\n\r\n")[0].lower():
+                        break
+        srv.close()
+    threading.Thread(target=run, daemon=True).start()
+    return srv.getsockname()[1]
+
+
+def test_bench_lean_client_parses_the_servers_responses_as_http_client_does(setup):
+    """`bench serve --http`'s raw-socket client (LeanHTTP) against http.client on the same bytes:
+    the server's responses recorded once (JSON 200, 400, 404, Prometheus text, an SSE stream in
+    chunked encoding), plus one framed by the connection's close, replayed in small pieces to
+    each client; status, headers and body must be the same."""
+    import http.client
+
+    from sprint_jax.bench.serve import LeanHTTP
+
+    server = setup[0]
+    completion = json.dumps(dict(model=NAME, prompt="2+2=", max_tokens=5, temperature=0)).encode()
+    stream = json.dumps(dict(model=NAME, prompt="2+2=", max_tokens=6, temperature=0, n=2, stream=True)).encode()
+    recorded = [_record(server, *r) for r in (("GET", "/v1/models", None), ("POST", "/v1/completions", completion),
+                                              ("POST", "/v1/completions", b"{not json"), ("GET", "/nope", None),
+                                              ("GET", "/metrics", None), ("POST", "/v1/completions", stream),
+                                              ("POST", "/v1/completions", completion))]
+    recorded.append(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\nto the close")
+    assert b"transfer-encoding: chunked" in recorded[5].lower() and recorded[5].count(b"data: ") >= 4
+    assert [int(r.split(b" ")[1]) for r in recorded] == [200, 200, 400, 404, 200, 200, 200, 200]
+
+    lean = LeanHTTP("127.0.0.1", _replay(recorded))
+    got = [lean.request("GET", "/") for _ in recorded]
+    hc = http.client.HTTPConnection("127.0.0.1", _replay(recorded), timeout=60)
+    ref = []
+    for _ in recorded:
+        hc.request("GET", "/")
+        r = hc.getresponse()
+        ref.append((r.status, [(k.lower(), v) for k, v in r.getheaders()], r.read()))
+    assert got == ref
+    assert got[-1][2] == b"to the close" and lean.sock is None       # the server's close ended the connection
+    assert json.loads(got[1][2])["choices"][0]["text"] and got[5][2].endswith(b"data: [DONE]\n\n")
 
 
 def test_curate_with_our_server_as_teacher_completes_and_resumes_from_its_store(setup, tmp_path):
@@ -685,10 +772,13 @@ def test_bench_serve_http_runs_the_same_work_on_both_paths(tmp_path):
     assert (res["engine_on"], res["other_engine_on"]) == ("loop", "thread")
     assert [r["concurrency"] for r in rows] == [1, 2]
     assert rows[0]["arrival_spread_ms"] == 0 and rows[1]["arrival_spread_ms"] >= 0
+    f = res["floor"]
+    assert set(f) == {f"{w}_{c}_ms" for w in ("health", "post_400", "post_400_idle") for c in ("lean", "httpclient")}
+    assert all(v > 0 for v in f.values())
     for r in rows:
         assert all(r[p]["p50_ms"] > 0 and len(r[p]["samples_ms"]) == 4
-                   for p in ("inproc", "at_once", "raw", "openai", "raw_other"))
-        for p in ("raw", "openai", "raw_other"):
+                   for p in ("inproc", "at_once", "lean", "httpclient", "openai", "lean_other"))
+        for p in ("lean", "httpclient", "openai", "lean_other"):
             diff = np.array(r[p]["samples_ms"]) - np.array(r["inproc"]["samples_ms"])
             assert r[p]["overhead_ms"] == pytest.approx(float(np.median(diff)))
             assert r[p]["overhead_pct"] == pytest.approx(100 * r[p]["overhead_ms"] / r["inproc"]["p50_ms"])
@@ -697,5 +787,7 @@ def test_bench_serve_http_runs_the_same_work_on_both_paths(tmp_path):
             # the engine's time and the server's own share are parts of what the client waited for
             assert (outside > 0).all() and 0 < r[p]["server_ms_p50"] < r[p]["outside_engine_ms"]
             assert 0 <= r[p]["pick_wait_ms_p50"] <= r[p]["server_ms_p50"]
-        client = np.array(r["openai"]["samples_ms"]) - np.array(r["raw"]["samples_ms"])
-        assert r["openai"]["client_ms"] == pytest.approx(float(np.median(client)))
+        for p in ("httpclient", "openai"):
+            client = np.array(r[p]["samples_ms"]) - np.array(r["lean"]["samples_ms"])
+            assert r[p]["client_ms"] == pytest.approx(float(np.median(client)))
+        assert r["target_met"] == (r["lean"]["overhead_pct"] < 10)

@@ -12,8 +12,8 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import secrets
 import time
-import uuid
 from typing import Any
 
 from starlette.applications import Starlette
@@ -251,7 +251,7 @@ def build_job(body: dict, state: ServeState, chat: bool, channel: Channel) -> tu
     top_k = _int(body, "top_k", 0, 0)
     seed = _int(body, "seed", None)
     if seed is None:
-        seed = int.from_bytes(uuid.uuid4().bytes[:4], "little") & 0x7FFFFFFF
+        seed = secrets.randbits(31)
     seed &= 0x7FFFFFFF
     limit_default = min(state.default_max_tokens, max(1, cap - len(prompt)))
     name = "max_tokens" if not chat or body.get("max_tokens") is not None else "max_completion_tokens"
@@ -304,7 +304,7 @@ def _delta(chat: bool, index: int, text: str, finish: str | None = None, first: 
 class _Head:
     def __init__(self, chat: bool, model: str, stream: bool):
         self.chat = chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.model = model
         self.object = ("chat.completion" if chat else "text_completion") + (".chunk" if stream and chat else "")

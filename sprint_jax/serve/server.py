@@ -51,8 +51,9 @@ class Server:
         # With the engine on a thread of its own, it and the HTTP thread hand work to each other
         # many times per request; Python's default GIL switch interval (5 ms) would add up to that
         # per hand-off. Set for the process while the server runs (restored by stop()); None leaves
-        # it alone.
-        self._switch = switch_interval_s
+        # it alone, and so does an engine on the loop (one thread: no hand-off to speed up, and a
+        # short interval would only make any other thread of the process preempt it more often).
+        self._switch = None if engine_on_loop else switch_interval_s
         self._old_switch = sys.getswitchinterval()
 
     def _set_switch(self) -> None:
