@@ -194,8 +194,8 @@ def test_batched_merge_is_one_call_compiled_ahead_and_long_tails_run_in_chunks(m
 
     batch = BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=1, max_children=4, max_seq_len=48,
                         max_branch_tokens=12, decode_chunk=4, prefill_chunk=4, eos_token_ids=[], min_bucket=16)
-    # (parent 16, 32) x child 16 x tail 1, and the copy alone at child 16 for 1, 2, 4 child rows
-    assert batch.warm_merge(children=3, max_parent_len=30, tails=(1,)) == 2 + 3
+    # (parent 16, 32) x child 16 x tail 1, and the copy alone at child 16 (any number of children)
+    assert batch.warm_merge(children=3, max_parent_len=30, tails=(1,)) == 2 + 1
     for a in (batch.cache.pk, batch.cache.pv, batch.cache.ck, batch.cache.cv):
         assert not np.asarray(a).any()
     compiled = _merge._cache_size()
@@ -231,6 +231,38 @@ def test_batched_merge_is_one_call_compiled_ahead_and_long_tails_run_in_chunks(m
     assert np.abs(logits[-1]).max() > 1e-2
     with pytest.raises(EngineError, match="children must be in"):
         batch.warm_merge(children=5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_join_copy_places_each_childs_rows_and_writes_nothing_else(dtype):
+    """`_copy_join` (the merge join's copy) against numpy indexing: child j's slots (child 0's from
+    slot 0, the parent's pending token; the others' from slot 1) land in the parent's slot at
+    p0 + len_0 + .. + len_{j-1} + t, in child order; with a window that would pass the parent's
+    capacity (w=16 here: it is placed earlier and the rows shifted in it) the same; a meta with no
+    child writes nothing, and no other slot or the child arrays change. bf16 moves exactly."""
+    from sprint_jax.infer.batch import SlotCache, _copy_join
+
+    rng = np.random.default_rng(0)
+    n_layers, slots, g, cap, ccap = 2, 3, 3, 24, 16
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in [(n_layers, slots, cap, 2, 4)] * 2
+              + [(n_layers, slots * g, ccap, 2, 4)] * 2]
+    cache0 = [np.asarray(jnp.asarray(a, dtype)) for a in arrays]
+    slot, p0, lens = 1, 9, [3, 2, 4]
+    offs = np.cumsum([0] + lens[:-1])
+    meta = np.array([[slot, p0] + [int(x) for o, n in zip(offs, lens) for x in (o, n)]], np.int32)
+    want = [a.copy() for a in cache0]
+    for j, (o, n) in enumerate(zip(offs, lens)):
+        for t in range(0 if j == 0 else 1, n + 1):
+            for par, child in ((0, 2), (1, 3)):
+                want[par][:, slot, p0 + o + t] = cache0[child][:, slot * g + j, t]
+    assert p0 + sum(lens) < cap and p0 + 16 > cap          # w=16: every child's window is shifted
+    for w in (8, 16):
+        got = _copy_join(SlotCache(*(jnp.array(a, copy=True) for a in cache0)), meta, w=w)
+        for a, b in zip((got.pk, got.pv, got.ck, got.cv), want):
+            assert a.dtype == jnp.dtype(dtype) and np.array_equal(np.asarray(a), b)
+    got = _copy_join(SlotCache(*(jnp.array(a, copy=True) for a in cache0)), np.zeros_like(meta), w=8)     # no child
+    for a, b in zip((got.pk, got.pv, got.ck, got.cv), cache0):
+        assert np.array_equal(np.asarray(a), b)
 
 
 def test_a_join_fork_runs_its_last_tokens_so_the_merge_runs_no_model_call(model):

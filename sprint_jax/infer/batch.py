@@ -209,65 +209,61 @@ def _prefill(params, config: Qwen2Config, cache: SlotCache, tokens, slot, parent
     return out, unembed(params, config, last)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("kv",), donate_argnames=("cache",))
-@sh.slot_local(rows=("pslot", "crow", "cidx", "dst"), out="cache", cache_kv=(0, 0, 1, 1))
-def _place_child_rows(cache: SlotCache, pslot, crow, cidx, dst, kv=None) -> SlotCache:
-    """A merge join's copy: parent slots pslot [M], slots dst [M] <- child rows crow at slots
-    cidx [M] (dst out of range: dropped). Slot ids are global, taken modulo this call's slots
-    (under slot shards each shard copies its own block of rows: `BatchEngine.merge` places them)."""
-    pslot = pslot % cache.pk.shape[1]
-    crow = crow % cache.ck.shape[1]
-    pk = _put(cache.pk, (slice(None), pslot, dst), _take(cache.ck, (slice(None), crow, cidx)))
-    pv = _put(cache.pv, (slice(None), pslot, dst), _take(cache.cv, (slice(None), crow, cidx)))
+@functools.partial(jax.jit, static_argnames=("w", "kv"), donate_argnames=("cache",))
+@sh.slot_local(rows=("meta",), out="cache", cache_kv=(0, 0, 1, 1))
+def _copy_join(cache: SlotCache, meta, w: int, kv=None) -> SlotCache:
+    """A merge join's copy: each child's slot rows into its parent's slot after the prefix, in
+    child order, without running the model. meta [1, 2 + 2G] per slot shard (`BatchEngine._join_meta`;
+    one row without shards): (parent slot, fork slot p0, then per child j (off_j, len_j)), off_j =
+    len_0 + .. + len_{j-1}; len_j = 0: no child j (a shard that does not hold the sequence has
+    none). Child j's slot t goes to parent slot p0 + off_j + t: slots 0..len_0 of child 0 (slot 0:
+    the parent's pending token, run in every child) and 1..len_j of the others. One window of
+    w >= max(len_j) + 1 slots per child, read and written whole (dynamic_slice / update_slice: XLA
+    CPU runs the equivalent gather/scatter of single rows about 3x slower), its rows outside the
+    child's kept as they were, so no slot outside the join is written. A window that would pass
+    the parent's capacity is placed earlier, the child's rows shifted in it."""
+    m = meta[0]
+    slot, p0 = m[0], m[1]
+    n_par, n_ch, cap = cache.pk.shape[1], cache.ck.shape[1], cache.pk.shape[2]
+    layers, _, _, heads, dim = cache.pk.shape
+    size = (layers, 1, w, heads, dim)
+    ps = slot % n_par                                  # slot ids are global (see sh.slot_local)
+    i = jnp.arange(w, dtype=jnp.int32)
+    pk, pv = cache.pk, cache.pv
+    for j in range((m.shape[0] - 2) // 2):
+        off, n = m[2 + 2 * j], m[3 + 2 * j]
+        at = jnp.clip(p0 + off, 0, cap - w)            # the window's first parent slot
+        d = p0 + off - at                              # > 0 only at the end of the parent's capacity
+        t = i - d                                      # the child slot each window row takes
+        keep = ((t >= (0 if j == 0 else 1)) & (t <= n) & (n > 0))[None, None, :, None, None]
+        crow = (slot * (n_ch // n_par) + j) % n_ch
+        new = []
+        for par, child in ((pk, cache.ck), (pv, cache.cv)):
+            rows = jax.lax.dynamic_slice(child, (0, crow, 0, 0, 0), size)
+            rows = jax.lax.dynamic_slice(jnp.concatenate([jnp.zeros_like(rows), rows], axis=2), (0, 0, w - d, 0, 0),
+                                         size)         # row r: child slot r - d
+            old = jax.lax.dynamic_slice(par, (0, ps, at, 0, 0), size)
+            new.append(jax.lax.dynamic_update_slice(par, jnp.where(keep, rows, old), (0, ps, at, 0, 0)))
+        pk, pv = new
     return _constrain(SlotCache(pk, pv, cache.ck, cache.cv), kv)
 
 
 _PREFILL_ROWS = inspect.unwrap(_prefill)            # the bodies, for steps fused into one call
-_PLACE_ROWS = inspect.unwrap(_place_child_rows)
+_COPY_JOIN = inspect.unwrap(_copy_join)
 
 
-@functools.partial(jax.jit, static_argnames=("kv",), donate_argnames=("cache",))
-@sh.slot_local(rows=("idx",), out="cache", cache_kv=(0, 0, 1, 1))
-def _copy_rows(cache: SlotCache, idx, kv=None) -> SlotCache:
-    """`_place_child_rows` with its four index rows packed in one array idx [M, 4] (pslot, crow,
-    cidx, dst): a merge join with nothing left to run is this call alone, one host transfer."""
-    return _PLACE_ROWS(cache, idx[:, 0], idx[:, 1], idx[:, 2], idx[:, 3], kv=kv)
-
-
-_COPY_ROWS = _copy_rows.__wrapped__                  # its body per slot shard (sh.slot_local), not jitted
-
-
-@functools.partial(jax.jit, static_argnames=("rows", "kv"), donate_argnames=("cache",))
-def _copy_join(cache: SlotCache, meta, rows: int, kv=None) -> SlotCache:
-    """A merge join with nothing left to run: `_copy_rows` with its index rows built on device from
-    meta [3 + G] = (parent slot, first row of the sequence's block, fork slot p0, each child's
-    branch length (0: no child)), so the host builds one small array. Row base: child 0's slot 0
-    (the parent's pending token) to p0; rows base+1..: child j's slots 1..len_j, in child order, to
-    p0+1.. ; the other of the `rows` rows are padding (dropped)."""
-    slot, base, p0, lens = meta[0], meta[1], meta[2], meta[3:]
-    g = cache.ck.shape[1] // cache.pk.shape[1]
-    ends = jnp.cumsum(lens)                                                     # [G]
-    r = jnp.arange(rows, dtype=jnp.int32) - base                                # row in the block
-    j = jnp.clip(jnp.searchsorted(ends, r - 1, side="right"), 0, lens.shape[0] - 1)   # its child
-    head = r <= 0
-    crow = slot * g + jnp.where(head, 0, j)
-    cidx = jnp.where(head, 0, r - (ends - lens)[j])
-    dst = jnp.where((r >= 0) & (r <= ends[-1]), p0 + r, 1 << 30)
-    idx = jnp.stack([jnp.full((rows,), slot), crow, cidx, dst], axis=1).astype(jnp.int32)
-    return _COPY_ROWS(cache, idx, kv=kv)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "s_b", "c_b", "kv"), donate_argnames=("cache",))
-@sh.slot_local(rows=("tokens", "slot", "parent", "fork_len", "start", "n_valid", "pos_off", "pslot", "crow", "cidx",
-                     "dst"), out=("cache", "rows"), cache_kv=(0, 0, 1, 1))
+@functools.partial(jax.jit, static_argnames=("config", "s_b", "c_b", "w", "kv"), donate_argnames=("cache",))
+@sh.slot_local(rows=("tokens", "slot", "parent", "fork_len", "start", "n_valid", "pos_off", "meta"),
+               out=("cache", "rows"), cache_kv=(0, 0, 1, 1))
 def _merge(params, config: Qwen2Config, cache: SlotCache, tokens, slot, parent, fork_len, start, n_valid, pos_off,
-           pslot, crow, cidx, dst, s_b: int, c_b: int, kv=None):
+           meta, s_b: int, c_b: int, w: int, kv=None):
     """A merge join in one call: the children's never-computed tail tokens (a child `_prefill`
     with logits, rows [R]) then the copy of the children's rows into the parent slot
-    (`_place_child_rows`, rows [M]). Returns (cache, logits [R, V] at each row's last tail token)."""
+    (`_copy_join`'s body, meta [1, 2 + 2G] per slot shard). Returns (cache, logits [R, V] at each
+    row's last tail token)."""
     cache, logits = _PREFILL_ROWS(params, config, cache, tokens, slot, parent, fork_len, start, n_valid,
                                   kind="child", s_b=s_b, c_b=c_b, kv=kv, pos_off=pos_off, return_logits=True)
-    return _PLACE_ROWS(cache, pslot, crow, cidx, dst, kv=kv), logits
+    return _COPY_JOIN(cache, meta, w=w, kv=kv), logits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -571,7 +567,6 @@ class BatchEngine:
         self._texts: list[str] | None = None
         self.stats = dict(steps=0, decode_calls=0, prefill_calls=0, tokens=0)
         self.last_join_tokens = 0           # tokens the last merge ran (in the children's slots)
-        self._merge_rows: dict[int, int] = {}   # children -> rows of a merge's child prefill (its bucket)
 
     # ---- tokens <-> text ------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -753,7 +748,7 @@ class BatchEngine:
         """Join the children of the fork just finished on `seq` into its slot without re-running
         them (issue 17; `Engine.merge` is the single-run twin): branches[j] is child j's final
         tokens after the fork (opening, body, repair as the layout tokenizes them). Their slot
-        rows are copied after the parent's prefix in child order (one gather/scatter, `_copy_join`).
+        rows are copied after the parent's prefix in child order (one call, `_copy_join`).
         After a join fork (`fork(join=True)`) whose children's tokens are the branches, that copy is
         all: each child ran its last token in its decode and the last child kept its logits. Else the
         children first run, in their own slots, only the tokens they never computed (a repair, a
@@ -780,35 +775,18 @@ class BatchEngine:
         if keep[-1] == len(branches[-1]) and not (rows[-1][2] is not None and rows[-1][1] - 1 == keep[-1]):
             keep[-1] -= 1
         tails = [b[k:] for b, k in zip(branches, keep)]
-        # the copy: child 0's slot 0 (the parent's pending token, run in every child), then each
-        # child's slots 1..len(branch), to parent slots p0.. ; r_b * c_copy rows (a length bucket
-        # per children bucket, so the copy adds few shapes; `warm_merge` compiles them ahead), the
-        # sequence's rows in its slot shard's block (sh.slot_blocks; one block without shards)
-        r_b = self._merge_rows.get(n)
-        if r_b is None:
-            r_b = self._merge_rows[n] = self._child_rows(seq, n, p0)[1]
+        # the copy (`_copy_join`): child 0's slots 0..len (slot 0: the parent's pending token, run
+        # in every child), then each other child's slots 1..len, to parent slots p0.. in child
+        # order; one window per child of a length bucket (few shapes; `warm_merge` compiles them)
         lens = [len(b) for b in branches]
-        c_copy = self._merge_bucket(max(lens) + 1, self.child_capacity)
-        w_b = r_b // self._parts * c_copy                  # >= 1 + sum(len(b)): n <= r_b / parts
-        base = seq.slot // (self.max_seqs // self._parts) * w_b                # the sequence's shard block
+        meta = self._join_meta(seq, p0, lens)
+        w = self._join_window(max(lens))
         if not any(tails):
             # every token was computed in its branch (the children fed their last token): no
-            # model call, only the copy (`_copy_join`: no parameters, its index rows built on
-            # device from one small array)
-            meta = np.zeros(3 + self.max_children, np.int32)
-            meta[:3 + n] = [seq.slot, base, p0] + lens
-            self.cache = _copy_join(self.cache, meta, rows=w_b * self._parts, kv=self._kv)
+            # model call, only the copy
+            self.cache = _copy_join(self.cache, meta, w=w, kv=self._kv)
             return self._joined(seq, branches, rows[-1][2], 0)
-        m = 1 + sum(lens)
-        g0 = seq.slot * self.max_children
-        idx = np.empty((w_b * self._parts, 4), np.int32)     # pslot, child row, child slot, parent slot
-        idx[:] = (seq.slot, g0, 0, 1 << 30)                  # padding: dropped
-        blk = idx[base: base + m]
-        blk[1:, 1] = g0 + np.repeat(np.arange(n, dtype=np.int32), lens)
-        blk[1:, 2] = np.arange(1, m, dtype=np.int32) - np.repeat(np.cumsum([0] + lens[:-1]), lens)
-        blk[:, 3] = np.arange(p0, p0 + m, dtype=np.int32)
         at, r_b, cslot, parent, fork_len, pos_off = self._child_rows(seq, n, p0)
-        ps, cr, ci, dst = (np.ascontiguousarray(idx[:, k]) for k in range(4))
         # else one call (`_merge`): the tails (one child prefill row per child, its shard's block;
         # tail bucket 1, 2, 4, ...), then the copy. A tail longer than prefill_chunk (rare) runs
         # its leading chunks as child prefill calls first.
@@ -832,12 +810,28 @@ class BatchEngine:
                     s_b=s_b, c_b=c_b, kv=self._kv, pos_off=pos_off, return_logits=True)
             else:
                 self.cache, logits = _merge(self.params, self.config, self.cache, toks, cslot, parent, fork_len,
-                                            start, nval, pos_off, ps, cr, ci, dst, s_b=s_b, c_b=c_b, kv=self._kv)
+                                            start, nval, pos_off, meta, s_b=s_b, c_b=c_b, w=w, kv=self._kv)
             self.stats["prefill_calls"] += 1
             if pieces[-1]:
                 last = logits[at[n - 1]]
             pos += self.prefill_chunk
         return self._joined(seq, branches, last if tails[-1] else rows[-1][2], sum(len(t) for t in tails))
+
+    def _join_meta(self, seq: Seq, p0: int, lens: list[int]) -> np.ndarray:
+        """`_copy_join`'s meta: one row per slot shard, the sequence's shard's (parent slot, p0, per
+        child (offset, length)); the other rows copy nothing (no child)."""
+        meta = np.zeros((self._parts, 2 + 2 * self.max_children), np.int32)
+        row = meta[seq.slot // (self.max_seqs // self._parts)]
+        row[0], row[1] = seq.slot, p0
+        off = 0
+        for j, n in enumerate(lens):
+            row[2 + 2 * j], row[3 + 2 * j] = off, n
+            off += n
+        return meta
+
+    def _join_window(self, longest: int) -> int:
+        """`_copy_join`'s window: a length bucket holding a child's slots 0..longest."""
+        return min(self._merge_bucket(longest + 1, self.child_capacity), self.parent_capacity)
 
     def _joined(self, seq: Seq, branches: list[list[int]], join_logits, ran: int) -> Seq:
         """The sequence after a merge join (see `Seq`)."""
@@ -956,9 +950,9 @@ class BatchEngine:
         one call per (parent length bucket up to max_parent_len (default max_seq_len), child length
         bucket, tail bucket in `tails`) for `children` children (default max_children); tails of 1
         and 2 tokens are the usual (each child's close tag, a repair); and the copy alone (a join
-        with nothing left to run, the usual join) per child length bucket for every children
-        bucket up to `children` (1, 2, 4, ...: a stage of fewer executors compiles nothing either).
-        The calls hold only padding rows (they write nothing). Returns the number of shapes."""
+        with nothing left to run, the usual join) per child length bucket (one shape serves every
+        number of children). The calls copy no child (they write nothing). Returns the number of
+        shapes."""
         children = self.max_children if children is None else children
         if not 1 <= children <= self.max_children:
             raise EngineError(f"warm_merge: children must be in 1..{self.max_children}, got {children}")
@@ -978,22 +972,17 @@ class BatchEngine:
         pad = np.full(r_b, self.max_seqs * self.max_children, np.int32)
         zeros = np.zeros(r_b, np.int32)
         shapes = 0
-        rows = sorted({sh.slot_blocks([0] * k, self.max_seqs, self._parts,
-                                      cap=self.max_seqs // self._parts * self.max_children)[1]
-                       for k in range(1, children + 1)})
-        meta = np.zeros(3 + self.max_children, np.int32)
-        meta[1] = 1 << 30                                                         # every row padding
-        for r, c_b in itertools.product(rows, buckets(self.child_capacity, self.child_capacity)):
-            self.cache = _copy_join(self.cache, meta, rows=r * c_b, kv=self._kv)    # the copy alone
+        meta = np.zeros((self._parts, 2 + 2 * self.max_children), np.int32)     # no child: writes nothing
+        windows = sorted({min(c, self.parent_capacity) for c in buckets(self.child_capacity, self.child_capacity)})
+        for w in windows:
+            self.cache = _copy_join(self.cache, meta, w=w, kv=self._kv)            # the copy alone
             shapes += 1
         for s_b, c_b, t_b in itertools.product(buckets(self.parent_capacity, top),
                                                buckets(self.child_capacity, self.child_capacity),
                                                sorted({_bucket(t, 1) for t in tails})):
-            m = r_b * c_b
             self.cache, _ = _merge(self.params, self.config, self.cache, np.zeros((r_b, t_b), np.int32), pad,
-                                   zeros, zeros, zeros, zeros, zeros, np.zeros(m, np.int32),
-                                   np.zeros(m, np.int32), np.zeros(m, np.int32), np.full(m, 1 << 30, np.int32),
-                                   s_b=s_b, c_b=c_b, kv=self._kv)
+                                   zeros, zeros, zeros, zeros, zeros, meta, s_b=s_b, c_b=c_b,
+                                   w=min(c_b, self.parent_capacity), kv=self._kv)
             shapes += 1
         jax.block_until_ready(self.cache)
         return shapes
