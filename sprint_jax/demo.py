@@ -6,13 +6,14 @@
 2. The real curation pipeline and SQLite store with the offline curator: steps, DAG, σ packing,
    ρ filter -> SPRINT examples; the same traces -> RFT examples.
 3. A tokenizer with one token per SPRINT tag and word (VocabTokenizer), and a tiny Qwen2 trained
-   from scratch with the real trainer, same data and budget: SPRINT (trie layout, by default)
-   and RFT; `--layouts trie,flat` also trains the paper's flat layout, `--layouts trie,merge` the
-   merge layout (issue 17: every token once, executors side by side from the fork), all with the
-   same budget.
+   from scratch with the real trainer, same data and budget: SPRINT (merge layout by default,
+   issue 17: every token trained once, executors side by side from the fork) and RFT;
+   `--layouts trie`, `--layouts trie,merge`, `--layouts trie,flat` train the trie layout (the
+   planner's context holds the executions, as the re-prefill join computes them) and the paper's
+   flat layout instead or beside it, all with the same budget.
 4. Evaluation with the real orchestrator and engine on held-out problems: SPRINT in `parallel`
-   and `serial` mode, RFT in `sequential` mode (and flat SPRINT in `parallel`; merge SPRINT in
-   `parallel` with the merge join, the join its export selects).
+   mode with the join its layout selects (merge: the merge join; trie: the re-prefill join, and
+   `serial` mode too), RFT in `sequential` mode (and flat SPRINT in `parallel`).
 5. A summary table (with training tokens per example and sync time per stage), report.json and
    plots (loss curves, sequential vs total tokens, wall clock).
 
@@ -55,7 +56,7 @@ class DemoConfig:
     seq_len: int = 256               # tokens per packed row
     lr: float = 4e-3
     warmup_steps: int = 30
-    layouts: list[str] = dataclasses.field(default_factory=lambda: ["trie"])  # SPRINT layouts to train
+    layouts: list[str] = dataclasses.field(default_factory=lambda: ["merge"])  # SPRINT layouts to train
     max_branch_tokens: int = 24      # per executor (a chain is 13 digits + its closing tag)
     max_planner_tokens: int = 48     # per planner call
     concurrency: int = 1             # test problems run at once on the batched engine (1: latency)
@@ -229,7 +230,7 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
     report["sequential_tokens_vs_rft"] = {k: (v["mean_sequential_tokens"] / rft_tokens if rft_tokens else None)
                                           for k, v in results.items()}
     (out / "report.json").write_text(json.dumps(report, indent=2))
-    _plots(out, trained, results)
+    _plots(out, trained, results, {name: layout for name, (_, layout) in runs.items()})
     _say("[5/5] summary\n" + _table(results, rft_tokens))
     _say("training tokens per SPRINT example by layout (same data): "
          + ", ".join(f"{k} {v:.1f}" for k, v in report["train_tokens_per_example"].items()))
@@ -303,8 +304,8 @@ def _warm(engine, tasks, orch, mode) -> None:
 
 
 def _table(results: dict, rft_tokens: float) -> str:
-    head = (f"{'run':<22}{'accuracy':>9}{'format':>8}{'exec ok':>8}{'seq tok':>9}{'vs RFT':>8}{'total tok':>10}"
-            f"{'wall s':>8}{'train tok/ex':>13}{'join':>10}{'sync ms':>8}")
+    head = (f"{'run':<22}{'layout':>7}{'accuracy':>9}{'format':>8}{'exec ok':>8}{'seq tok':>9}{'vs RFT':>8}"
+            f"{'total tok':>10}{'wall s':>8}{'train tok/ex':>13}{'join':>10}{'sync ms':>8}")
     lines = [head, "-" * len(head)]
     for k, v in results.items():
         fv = f"{v['format_valid']:.2f}" if "format_valid" in v else "-"
@@ -312,8 +313,8 @@ def _table(results: dict, rft_tokens: float) -> str:
         rel = v["mean_sequential_tokens"] / rft_tokens if rft_tokens else float("nan")
         tpe = v.get("train_tokens_per_example")
         sync = v.get("sync_ms_per_stage")
-        lines.append(f"{k:<22}{v['accuracy']:>9.2f}{fv:>8}{ex:>8}{v['mean_sequential_tokens']:>9.1f}{rel:>8.2f}"
-                     f"{v['mean_total_tokens']:>10.1f}{v['wall_s']:>8.1f}{_num(tpe, '.1f'):>13}"
+        lines.append(f"{k:<22}{v['layout']:>7}{v['accuracy']:>9.2f}{fv:>8}{ex:>8}"
+                     f"{v['mean_sequential_tokens']:>9.1f}{rel:>8.2f}{v['mean_total_tokens']:>10.1f}{v['wall_s']:>8.1f}{_num(tpe, '.1f'):>13}"
                      f"{v.get('join') or '-':>10}{_num(sync, '.2f'):>8}")
     return "\n".join(lines)
 
@@ -322,7 +323,10 @@ def _num(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def _plots(out: Path, trained: dict, results: dict) -> None:
+def _plots(out: Path, trained: dict, results: dict, layouts: dict[str, str]) -> None:
+    """Loss curves, tokens and wall clock; every model and run is labelled with its layout (and a
+    SPRINT run with its join), so `sprint_parallel` of a merge-default demo and of `--layouts
+    trie,merge` are told apart."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -333,23 +337,26 @@ def _plots(out: Path, trained: dict, results: dict) -> None:
     for name in trained:
         path = out / "train" / name / "metrics.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=name)
+        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=f"{name} ({layouts.get(name, '?')})")
     ax.set_xlabel("step"), ax.set_ylabel("loss (masked spans)"), ax.set_yscale("log"), ax.legend()
     ax.set_title("training loss")
     fig.tight_layout(), fig.savefig(d / "loss_curves.png", dpi=120), plt.close(fig)
 
     names = list(results)
+    labels = [f"{n}\n({results[n]['layout']}" + (f", {results[n]['join']} join)" if results[n].get("join") else ")")
+              for n in names]
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = range(len(names))
     ax.bar([x - 0.2 for x in xs], [results[n]["mean_sequential_tokens"] for n in names], 0.4, label="sequential")
     ax.bar([x + 0.2 for x in xs], [results[n]["mean_total_tokens"] for n in names], 0.4, label="total")
-    ax.set_xticks(list(xs), names, rotation=15), ax.set_ylabel("tokens per problem"), ax.legend()
+    ax.set_xticks(list(xs), labels, fontsize=8), ax.set_ylabel("tokens per problem"), ax.legend()
     ax.set_title("sequential vs total tokens")
     fig.tight_layout(), fig.savefig(d / "tokens.png", dpi=120), plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar(names, [results[n]["wall_s"] for n in names])
-    ax.set_ylabel("seconds for the test set"), ax.set_title("wall clock"), ax.tick_params(axis="x", rotation=15)
+    ax.bar(list(xs), [results[n]["wall_s"] for n in names])
+    ax.set_xticks(list(xs), labels, fontsize=8)
+    ax.set_ylabel("seconds for the test set"), ax.set_title("wall clock")
     fig.tight_layout(), fig.savefig(d / "wall_clock.png", dpi=120), plt.close(fig)
 
 
@@ -357,8 +364,9 @@ def add_arguments(p) -> None:
     from sprint_jax.config import add_config_flags
 
     p.add_argument("--layouts", default=None,
-                   help="SPRINT training layouts, comma-separated: trie (default), flat, merge, e.g. trie,merge "
-                        "(every layout trains with the same budget; a merge model runs the merge join)")
+                   help="SPRINT training layouts, comma-separated: merge (default), trie, flat, e.g. trie,merge "
+                        "(every layout trains with the same budget; a merge model runs the merge join, a trie "
+                        "model the re-prefill join)")
     p.add_argument("--config", default=None,
                    help="demo config (YAML); default: the embedded defaults (the same as configs/demo.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

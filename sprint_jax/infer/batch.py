@@ -317,7 +317,9 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
     forced [B, F], n_forced [B]: tokens a row takes before it samples (a child's forced prefix, a
     sequence's short extend): step k < n_forced writes the pending token's KV and makes forced[k]
     pending; it emits nothing and is not one of the row's generated steps (its sampling key,
-    budget and stops start after them), as if the tokens had been prefilled.
+    budget and stops start after them), as if the tokens had been prefilled; nor does it count
+    against `chunk` (a row runs up to n_forced + chunk steps per call), so a prompt or an
+    opening that rides a decode chunk costs no extra host round trip.
     Under slot shards (data > 1, `sh.slot_local`) every row argument is `parts` equal blocks and
     this body sees one block: its A/parts generate rows, then its F/parts fork groups
     (`BatchEngine._decode` lays them out so); slot ids are global, taken modulo this call's slots.
@@ -327,8 +329,8 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
     more step that only feeds its last token: its KV is written and its logits (before the padded
     ids are masked) are kept; the token that step samples is dropped. A merge join's children
     (issue 17) so hold their close tag's KV, and the last one its join logits, with nothing left
-    to run at the join. The feed step may run past `chunk` (one step, nothing emitted).
-    Returns the cache, the emitted tokens [B, chunk] (-1 = none), per-row reason codes
+    to run at the join. The feed step may run past the row's steps (one step, nothing emitted).
+    Returns the cache, the emitted tokens [B, chunk + F] (-1 = none), per-row reason codes
     (1 stop id / EOS, 2 length), the steps run, and with feed_last the kept logits [B, V] (a row's
     logits after its fed last token; zeros where no row was fed)."""
     na, nf = a_slot.shape[0], b_pslot.shape[0]
@@ -383,21 +385,22 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
         tok = _sample_rows(logits, base, steps, temperature, top_k, top_p)
         return _constrain(SlotCache(pk, pv, ck, cv), kv), tok, raw
 
-    out = jnp.full((b, chunk), -1, jnp.int32)
+    out = jnp.full((b, chunk + forced.shape[1]), -1, jnp.int32)     # step i's token in column i
     reason = jnp.zeros((b,), jnp.int32)
+    steps_cap = chunk + n_forced                      # a row's forced steps do not count against the chunk
     feeding = feed_last is not None
     fed0 = jnp.zeros((b,), bool)
     kept0 = jnp.zeros((b, config.vocab_size), jnp.float32) if feeding else jnp.zeros((b, 0), jnp.float32)
 
     def cond(c):
-        return ((c[0] < chunk) & jnp.any(c[4])) | jnp.any(c[9])
+        return jnp.any(c[4] & (c[0] < steps_cap)) | jnp.any(c[9])
 
     def body(c):
         i, cache, lengths, pending, active, remaining, steps, out, reason, fed, kept = c
         cache, tok, raw = one_step(cache, lengths, pending, active, steps, fed)
         if feeding:                   # the rows fed their last token this step: its logits kept
             kept = jnp.where(fed[:, None], raw.astype(jnp.float32), kept)
-        active = active & (i < chunk)                 # a step past the chunk only feeds
+        active = active & (i < steps_cap)             # a step past the chunk only feeds
         forcing = active & (i < n_forced)
         sampling = active & ~forcing
         tok, finished, remaining, reason, lengths, pending = advance_rows(
@@ -416,6 +419,12 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
     if feeding:
         return cache, out, reason, i, kept
     return cache, out, reason, i
+
+
+@jax.jit
+def _row_of(x: jax.Array, i) -> jax.Array:
+    """x[i] as one jitted call (eager indexing dispatches several ops: ~0.2 ms on the latency path)."""
+    return x[i]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -651,7 +660,7 @@ class BatchEngine:
             # step 0 samples from the join logits (the key that step would use); the row then
             # decodes from that token, whose slot is the one after the join
             from sprint_jax.infer.engine import _sample_first
-            first = _sample_first(mask_padded(seq.join_logits, self.n_valid), op.sampling)   # no padded ids
+            first = _sample_first(seq.join_logits, op.sampling, self.n_valid)   # no padded ids
             row.gen.append(first)
             if row.scanner.feed([first]) is not None:
                 row.reason = "stop"
@@ -1257,11 +1266,12 @@ class BatchEngine:
             forced[i, : len(feed) - 1] = feed[1:]
             n_forced[i] = len(feed) - 1
             pos_off[i] = row.op.seq.pos_offset
+            # the row writes n_forced + decode_chunk slots at most (+ a feed step)
             if child:
-                need_c = max(need_c, lengths[i] + self.decode_chunk + row.op.join)   # + a feed step
+                need_c = max(need_c, lengths[i] + n_forced[i] + self.decode_chunk + row.op.join)
                 fed_rows[i] = row.op.join
             else:
-                need_p = max(need_p, lengths[i] + self.decode_chunk)
+                need_p = max(need_p, lengths[i] + n_forced[i] + self.decode_chunk)
             active[i] = True
             remaining[i] = row.limit - len(row.gen)
             stop_ids[i] = self._stop_ids(row.stops)
@@ -1305,7 +1315,7 @@ class BatchEngine:
                 # stop, overshoot), or the device ended the row and fed it (feed_last)
                 row.fed = row.overshoot > 0 or bool(fed_rows[i] and reason[i])
                 if fed_rows[i] and reason[i] and not row.overshoot and row.j == len(row.op.prefixes) - 1:
-                    row.last_logits = kept[i]          # the join logits of a merge (device)
+                    row.last_logits = _row_of(kept, np.int32(i))   # the join logits of a merge (device)
                 self._row_done(row, child)
 
     def _row_done(self, row: _Row, child: bool) -> None:

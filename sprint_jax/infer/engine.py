@@ -31,11 +31,10 @@ import time
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from sprint_jax.infer.copy_fork import KVCache
-from sprint_jax.infer.sampling import GREEDY, Sampling, sample_tokens, valid_vocab
+from sprint_jax.infer.sampling import GREEDY, Sampling, mask_padded, sample_tokens, valid_vocab
 
 
 class EngineError(ValueError):
@@ -124,16 +123,22 @@ def check_merge_branches(branches: Sequence[Sequence[int]], n: int, n_tokens: in
     return branches
 
 
-@functools.partial(jax.jit, static_argnames=("greedy",))
-def _sample_first_fn(logits, seed, temperature, top_k, top_p, greedy: bool):
+@functools.partial(jax.jit, static_argnames=("n_valid",))
+def _sample_first_fn(logits, seed, temperature, top_k, top_p, n_valid: int | None):
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 0), 0)   # row 0, step 0
-    return sample_tokens(logits[None], key[None], temperature, top_k, top_p, greedy)[0]
+    return sample_tokens(mask_padded(logits, n_valid)[None], key[None], temperature, top_k, top_p, False)[0]
 
 
-def _sample_first(logits, sampling: Sampling) -> int:
-    """The token a one-row decode would sample at step 0 from `logits` (same key stream)."""
-    return int(_sample_first_fn(logits, jnp.int32(sampling.seed), jnp.float32(sampling.temperature),
-                                jnp.int32(sampling.top_k), jnp.float32(sampling.top_p), sampling.greedy))
+def _sample_first(logits, sampling: Sampling, n_valid: int | None = None) -> int:
+    """The token a one-row decode would sample at step 0 from `logits` [V] (same key stream), never
+    a padded id (>= n_valid). Greedy: the argmax of the logits brought to the host (one small
+    transfer, no device op: this runs on the latency path, once per merge join); else one jitted
+    call with host scalars."""
+    if sampling.greedy:
+        host = np.asarray(logits, np.float32)
+        return int(np.argmax(host[:n_valid] if n_valid is not None else host))
+    return int(_sample_first_fn(logits, np.int32(sampling.seed), np.float32(sampling.temperature),
+                                np.int32(sampling.top_k), np.float32(sampling.top_p), n_valid=n_valid))
 
 
 def _bucket(n: int, lo: int = 16) -> int:
