@@ -590,6 +590,7 @@ class BatchEngine:
         self._pending_join: tuple[np.ndarray, int, int] | None = None
         self._fused_join_w = self._join_window(self.child_capacity - 1)
         self._no_join = np.zeros((self._parts, 2 + 2 * max_children), np.int32)
+        self._join_call = False             # the last merge dispatched a call (`flush_sync` waits for it)
 
     @property
     def cache(self) -> SlotCache:
@@ -830,7 +831,9 @@ class BatchEngine:
             # join_meta; a different next call runs it first, on its own: `cache`)
             self._flush_join()
             self._pending_join = (meta, w, seq.slot)
+            self._join_call = False
             return self._joined(seq, branches, rows[-1][2], 0)
+        self._join_call = True
         at, r_b, cslot, parent, fork_len, pos_off = self._child_rows(seq, n, p0)
         # else one call (`_merge`): the tails (one child prefill row per child, its shard's block;
         # tail bucket 1, 2, 4, ...), then the copy. A tail longer than prefill_chunk (rare) runs
@@ -969,7 +972,8 @@ class BatchEngine:
     def flush_sync(self, seq: Seq) -> bool:
         """Write the sequence's queued tokens now and wait until its slot holds them: the end of
         the orchestrator's sync, so that a stage's `sync_s` is the join's real cost (an extend
-        only queues its tokens for the next step; a merge's call runs asynchronously). Only when
+        only queues its tokens for the next step; a merge's tails call runs asynchronously; a
+        merge's copy alone has no call: it rides the next decode call, nothing to wait for). Only when
         nothing else is in flight and the tokens would take a prefill call anyway (more than a
         decode chunk; fewer ride the sequence's next decode chunk), so no batching or step is
         given up: the same prefill calls, run before the next step instead of in it. Returns
@@ -982,7 +986,9 @@ class BatchEngine:
         wrote = work is not None
         while seq.id in self._prefill_work:
             self._prefill_parents()
-        jax.block_until_ready(self._cache)        # a merge's copy (pending) rides the next decode call
+        if wrote or self._join_call:              # a merge's copy alone (pending) rides the next decode
+            jax.block_until_ready(self._cache)    # call: nothing of the join is in flight to wait for
+        self._join_call = False
         return wrote
 
     def _merge_bucket(self, n: int, cap: int) -> int:
