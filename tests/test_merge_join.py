@@ -390,6 +390,47 @@ def test_batched_generate_right_after_a_join_samples_from_the_join_logits(model,
     assert op.result.tokens == engine.generate(single, 5, sampling=s).tokens
 
 
+def test_a_joins_copy_rides_the_next_decode_call_and_equals_the_copy_run_alone(model):
+    """After a merge whose tokens all ran in their branches, the copy is left pending and runs
+    inside the planner's next decode call (a cond at its start); the same join with the copy run
+    first on its own (reading `cache` runs it) gives the same tokens and the same K/V. A join
+    pending when its sequence closes is dropped (nothing reads that slot)."""
+    from sprint_jax.infer.batch import BatchEngine
+
+    def joined():
+        e = BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=1, max_children=3, max_seq_len=48,
+                        max_branch_tokens=12, decode_chunk=4, prefill_chunk=8, eos_token_ids=[], min_bucket=16)
+        op = e.open(_ids(70, 9))
+        e.run([op])
+        seq = op.result
+        prefixes = [_ids(71, 1), _ids(72, 2), _ids(73, 1)]
+        op = e.fork(seq, prefixes, [3, 2, 4], join=True)
+        e.run([op])
+        e.merge(seq, [p + g.tokens for p, g in zip(prefixes, op.result)])
+        assert e.last_join_tokens == 0 and e._pending_join is not None
+        return e, seq
+
+    fused, f_seq = joined()
+    alone, a_seq = joined()
+    alone.cache                                                     # runs the pending copy now
+    assert alone.stats["join_copies_alone"] == 1 and alone._pending_join is None
+    results = []
+    for e, seq in ((fused, f_seq), (alone, a_seq)):
+        op = e.generate(seq, 6)
+        e.run([op])
+        results.append(op.result.tokens)
+    assert fused.stats["join_copies_fused"] == 1 and fused.stats["join_copies_alone"] == 0
+    assert results[0] == results[1] and len(results[0]) == 6
+    n = f_seq.length
+    for x, y in ((fused.cache.pk, alone.cache.pk), (fused.cache.pv, alone.cache.pv)):
+        np.testing.assert_array_equal(np.asarray(x)[:, f_seq.slot, :n], np.asarray(y)[:, a_seq.slot, :n])
+    dropped, seq = joined()
+    dropped.close(seq)
+    assert dropped._pending_join is None
+    dropped.cache
+    assert dropped.stats["join_copies_alone"] == dropped.stats["join_copies_fused"] == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Exactness against the merge training layout (train/data.py layout_merge, the training forward)
 # ---------------------------------------------------------------------------------------------

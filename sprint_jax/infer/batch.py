@@ -298,17 +298,17 @@ def parent_prefix_attention(pk: jax.Array, pv: jax.Array, layer, pslot: jax.Arra
 
 
 @functools.partial(jax.jit, static_argnames=("config", "w", "chunk", "s_b", "c_b", "kv", "attention_impl",
-                                    "n_valid"),
+                                    "n_valid", "join_w"),
                    donate_argnames=("cache",))
 @sh.slot_local(rows=("a_slot", "b_pslot", "b_fork", "b_cslot", "lengths", "pending", "active", "remaining",
                      "stop_ids", "seeds", "branch", "steps", "temperature", "top_k", "top_p", "forced", "n_forced",
-                     "pos_off", "feed_last"),
+                     "pos_off", "feed_last", "join_meta"),
                out=lambda a: ("cache", "rows", "rows", "max") + ("rows",) * (a["feed_last"] is not None),
                cache_kv=(0, 0, 1, 1))
 def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending,
             active, remaining, stop_ids, seeds, branch, steps, temperature, top_k, top_p, forced, n_forced,
             w: int, chunk: int, s_b: int, c_b: int, kv=None, attention_impl: str = "xla",
-            n_valid: int | None = None, pos_off=None, feed_last=None):
+            n_valid: int | None = None, pos_off=None, feed_last=None, join_meta=None, join_w: int = 1):
     """The active rows, packed: rows [0, A) decode on parent slots a_slot (a generate op: the row
     attends to its own parent slot); rows [A, A + F*w) are fork children, F groups of w rows,
     group i's children of parent slot b_pslot[i] (read-only, fork point b_fork[i]) in child
@@ -330,9 +330,15 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
     ids are masked) are kept; the token that step samples is dropped. A merge join's children
     (issue 17) so hold their close tag's KV, and the last one its join logits, with nothing left
     to run at the join. The feed step may run past the row's steps (one step, nothing emitted).
+    join_meta [1, 2 + 2G] per slot shard (None: off), join_w: a merge join's copy (`_copy_join`'s
+    meta and window) run before the first step, under a cond (no child length: nothing runs, and
+    the cache is not copied): the join costs no call of its own.
     Returns the cache, the emitted tokens [B, chunk + F] (-1 = none), per-row reason codes
     (1 stop id / EOS, 2 length), the steps run, and with feed_last the kept logits [B, V] (a row's
     logits after its fed last token; zeros where no row was fed)."""
+    if join_meta is not None:
+        cache = jax.lax.cond(jnp.any(join_meta[0, 3::2] > 0), lambda c: _COPY_JOIN(c, join_meta, w=join_w),
+                             lambda c: c, cache)
     na, nf = a_slot.shape[0], b_pslot.shape[0]
     b = na + nf * w
     a_slot = a_slot % cache.pk.shape[1]            # global slot ids -> this call's (see _prefill)
@@ -574,8 +580,35 @@ class BatchEngine:
         self._groups: dict[int, list[_Row | None]] = {}                  # slot -> [parent row, children...]
         self._single_token: dict[str, list[int]] = {}     # stop string -> tokens whose text holds it
         self._texts: list[str] | None = None
-        self.stats = dict(steps=0, decode_calls=0, prefill_calls=0, tokens=0)
+        # join_copies: merge copies run inside a decode call (fused) or as a call of their own (alone)
+        self.stats = dict(steps=0, decode_calls=0, prefill_calls=0, tokens=0, join_copies_fused=0,
+                          join_copies_alone=0)
         self.last_join_tokens = 0           # tokens the last merge ran (in the children's slots)
+        # a merge join's copy not yet run: (meta, window, slot). It rides the next `_decode` call
+        # (a cond at its start: no call of its own); any other reader of the cache runs it first
+        # (`cache`), so every later call sees the joined slot exactly as if it had run at the join.
+        self._pending_join: tuple[np.ndarray, int, int] | None = None
+        self._fused_join_w = self._join_window(self.child_capacity - 1)
+        self._no_join = np.zeros((self._parts, 2 + 2 * max_children), np.int32)
+        self._join_call = False             # the last merge dispatched a call (`flush_sync` waits for it)
+
+    @property
+    def cache(self) -> SlotCache:
+        """The KV cache as every call so far left it (a pending merge copy run first)."""
+        self._flush_join()
+        return self._cache
+
+    @cache.setter
+    def cache(self, value: SlotCache) -> None:
+        self._cache = value
+
+    def _flush_join(self) -> None:
+        """Run a pending merge copy now, as its own call (`_copy_join`)."""
+        if self._pending_join is not None:
+            meta, w, _ = self._pending_join
+            self._pending_join = None
+            self._cache = _copy_join(self._cache, meta, w=w, kv=self._kv)
+            self.stats["join_copies_alone"] += 1
 
     # ---- tokens <-> text ------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -764,7 +797,9 @@ class BatchEngine:
         re-tokenized end; a last token not run, or the last child's when its logits were not kept),
         fused with the copy in one call (`_merge`). The sequence continues at fork + the longest
         child (`pos_offset`); its next token is sampled from the last child's last logits
-        (`join_logits`). Runs at once (no step needed)."""
+        (`join_logits`). Runs at once (no step needed): a model call (tails) is dispatched now; the
+        copy alone is left pending and rides the sequence's next decode call (`_decode`'s
+        join_meta), or runs on its own before any other call that reads the cache (`cache`)."""
         self._check_idle(seq, "merge")
         fork = seq.last_fork
         if fork is None or fork[0] != len(seq.tokens) or any(r is None for r in fork[1]):
@@ -792,9 +827,13 @@ class BatchEngine:
         w = self._join_window(max(lens))
         if not any(tails):
             # every token was computed in its branch (the children fed their last token): no
-            # model call, only the copy
-            self.cache = _copy_join(self.cache, meta, w=w, kv=self._kv)
+            # model call, only the copy, which rides the sequence's next decode call (`_decode`'s
+            # join_meta; a different next call runs it first, on its own: `cache`)
+            self._flush_join()
+            self._pending_join = (meta, w, seq.slot)
+            self._join_call = False
             return self._joined(seq, branches, rows[-1][2], 0)
+        self._join_call = True
         at, r_b, cslot, parent, fork_len, pos_off = self._child_rows(seq, n, p0)
         # else one call (`_merge`): the tails (one child prefill row per child, its shard's block;
         # tail bucket 1, 2, 4, ...), then the copy. A tail longer than prefill_chunk (rare) runs
@@ -933,7 +972,8 @@ class BatchEngine:
     def flush_sync(self, seq: Seq) -> bool:
         """Write the sequence's queued tokens now and wait until its slot holds them: the end of
         the orchestrator's sync, so that a stage's `sync_s` is the join's real cost (an extend
-        only queues its tokens for the next step; a merge's call runs asynchronously). Only when
+        only queues its tokens for the next step; a merge's tails call runs asynchronously; a
+        merge's copy alone has no call: it rides the next decode call, nothing to wait for). Only when
         nothing else is in flight and the tokens would take a prefill call anyway (more than a
         decode chunk; fewer ride the sequence's next decode chunk), so no batching or step is
         given up: the same prefill calls, run before the next step instead of in it. Returns
@@ -946,7 +986,9 @@ class BatchEngine:
         wrote = work is not None
         while seq.id in self._prefill_work:
             self._prefill_parents()
-        jax.block_until_ready(self.cache)
+        if wrote or self._join_call:              # a merge's copy alone (pending) rides the next decode
+            jax.block_until_ready(self._cache)    # call: nothing of the join is in flight to wait for
+        self._join_call = False
         return wrote
 
     def _merge_bucket(self, n: int, cap: int) -> int:
@@ -1005,6 +1047,8 @@ class BatchEngine:
         self._check_idle(seq, "close")
         seq.closed = True
         self._prefill_work.pop(seq.id, None)
+        if self._pending_join is not None and self._pending_join[2] == seq.slot:
+            self._pending_join = None             # a join copy into a slot now free: nothing reads it
         if seq.slot is not None:
             self._groups.pop(seq.slot, None)
             self._free.append(seq.slot)
@@ -1282,12 +1326,13 @@ class BatchEngine:
         # two) cut the over-read (80 used -> 96, not 128), the per-row cost of a many-row step
         s_b = min(_bucket_fine(need_p, self.min_bucket), self.parent_capacity)
         c_b = min(_bucket_fine(need_c, self.min_bucket), self.child_capacity) if forks else 1
+        join_meta, join_w = self._join_for_decode()
         res = _decode(
-            self.params, self.config, self.cache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending, active,
+            self.params, self.config, self._cache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending, active,
             remaining, stop_ids, seeds, branch, steps, temp, top_k, top_p, forced, n_forced,
             w=w, chunk=self.decode_chunk, s_b=s_b, c_b=c_b, kv=self._kv,
             attention_impl=self.attention_impl, n_valid=self.n_valid, pos_off=pos_off,
-            feed_last=fed_rows if fed_rows.any() else None)
+            feed_last=fed_rows if fed_rows.any() else None, join_meta=join_meta, join_w=join_w)
         self.cache, out, reason = res[:3]
         kept = res[4] if len(res) > 4 else None
         out, reason = jax.device_get((out, reason))
@@ -1317,6 +1362,18 @@ class BatchEngine:
                 if fed_rows[i] and reason[i] and not row.overshoot and row.j == len(row.op.prefixes) - 1:
                     row.last_logits = _row_of(kept, np.int32(i))   # the join logits of a merge (device)
                 self._row_done(row, child)
+
+    def _join_for_decode(self) -> tuple[np.ndarray, int]:
+        """The pending merge copy for `_decode` to run first (meta, window; zero lengths: none).
+        One window for every join (`_fused_join_w`, the largest), so a pending copy adds no
+        compiled shape; a join copied in a smaller window runs on its own first."""
+        if self._pending_join is not None and self._pending_join[1] <= self._fused_join_w:
+            meta = self._pending_join[0]
+            self._pending_join = None
+            self.stats["join_copies_fused"] += 1
+            return meta, self._fused_join_w
+        self._flush_join()
+        return self._no_join, self._fused_join_w
 
     def _row_done(self, row: _Row, child: bool) -> None:
         op, seq = row.op, row.op.seq
