@@ -66,6 +66,9 @@ def test_join_rows(report):
     assert row["merge_over_reprefill"] == row["merge_ms"] / row["reprefill_ms"]
     # the copy's cost inside the decode call it rides (the bench checks the call carried the join)
     assert row["decode_call_ms"] > 0 and math.isfinite(row["copy_in_decode_ms"])
+    assert row["merge_host_ms"] == min(row["samples_merge_host_ms"]) > 0
+    assert row["merge_fused_ms"] == row["merge_host_ms"] + row["copy_in_decode_ms"]
+    assert row["merge_fused_over_reprefill"] == row["merge_fused_ms"] / row["reprefill_ms"]
 
 
 def test_cache_bytes_match_allocated_capacities(report):

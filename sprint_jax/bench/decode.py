@@ -506,7 +506,14 @@ def bench_join(model, tokenizer, s: dict[str, Any], rng) -> list[dict[str, Any]]
 
         def merge() -> tuple[tuple[float, float], tuple[float, float]]:
             seq, branches, fork_dt = planner_and_fork(True)
-            dt = timed(lambda: engine.merge(seq, branches))
+            host = []
+
+            def join():
+                t0 = time.perf_counter()
+                engine.merge(seq, branches)         # the orchestrator's sync: the copy left pending
+                host.append(time.perf_counter() - t0)
+            dt = timed(join)                        # reading engine.cache runs the copy as a call of its own
+            hosts.append(host[0])
             ran["merge"] = engine.last_join_tokens
             engine.close(seq)
             return dt, fork_dt
@@ -554,7 +561,9 @@ def bench_join(model, tokenizer, s: dict[str, Any], rng) -> list[dict[str, Any]]
             med = {n: float(np.median(v)) for n, v in times.items()}
             return med["with"] - med["without"], med["without"]
 
+        hosts: list[float] = []
         first = {"reprefill": reprefill()[0][0], "merge": merge()[0][0]}
+        hosts.clear()
         samples: dict[str, list[tuple[float, float]]] = {"reprefill": [], "merge": []}
         forks: dict[str, list[float]] = {"reprefill": [], "merge": []}
         for _ in range(s["repeats"]):
@@ -578,22 +587,33 @@ def bench_join(model, tokenizer, s: dict[str, Any], rng) -> list[dict[str, Any]]
                    # the orchestrator's merge leaves its copy to the planner's next decode call:
                    # merge_ms above runs it on its own (a call of its own: an upper bound); this is
                    # its cost inside that decode call (median difference, 200 alternated pairs)
-                   copy_in_decode_ms=in_call * 1e3, decode_call_ms=decode_call * 1e3)
+                   copy_in_decode_ms=in_call * 1e3, decode_call_ms=decode_call * 1e3,
+                   # the join as the orchestrator runs it: merge's host side + the copy in that call
+                   merge_host_ms=_best(hosts) * 1e3, samples_merge_host_ms=[h * 1e3 for h in hosts],
+                   merge_fused_ms=(_best(hosts) + in_call) * 1e3,
+                   merge_fused_over_reprefill=(_best(hosts) + in_call) / best["reprefill"])
         rows.append(row)
         _print_join(row)
         del engine
     return rows
 
 
+def _as_run(r: dict) -> float:
+    """A join row's merge / re-prefill ratio as the orchestrator runs the merge (older rows: merge_ms's)."""
+    return r.get("merge_fused_over_reprefill", r["merge_over_reprefill"])
+
+
 JOIN_HEADER = (f"{'exec':>4} {'N':>5} {'reprefill_ms':>12} {'merge_ms':>9} {'merge/reprefill':>15} "
-               f"{'cpu ratio':>9} {'tokens run (re/merge)':>21} {'copy in decode ms':>17}")
+               f"{'cpu ratio':>9} {'tokens run (re/merge)':>21} {'copy in decode ms':>17} {'as run ms':>9} "
+               f"{'as run/reprefill':>16}")
 
 
 def _print_join(r: dict) -> None:
     print(f"{r['executors']:>4} {r['tokens_per_executor']:>5} {r['reprefill_ms']:>12.1f} {r['merge_ms']:>9.2f} "
           f"{r['merge_over_reprefill']:>15.3f} {r['merge_over_reprefill_cpu']:>9.3f} "
           f"{str(r['reprefill_tokens']) + ' / ' + str(r['merge_tokens_run']):>21} "
-          f"{r['copy_in_decode_ms']:>17.3f}", flush=True)
+          f"{r['copy_in_decode_ms']:>17.3f} {r['merge_fused_ms']:>9.3f} {r['merge_fused_over_reprefill']:>16.3f}",
+          flush=True)
 
 
 def _fmt(x: float | None, spec: str = ".2f") -> str:
@@ -651,9 +671,11 @@ def evaluate_targets(ratios: list[dict], hf_rows: list[dict], join_rows: list[di
         else "HF row not run (--hf off, or auto on an accelerator)"))
     targets.append(dict(
         name="merge join <= 0.1x re-prefill time per stage (each join row)",
-        met=(all(r["merge_over_reprefill"] <= 0.1 for r in join_rows) if join_rows else None),
-        figures={f"N={r['tokens_per_executor']}": round(r["merge_over_reprefill"], 4) for r in join_rows},
-        detail="merge_ms / reprefill_ms per tokens-per-executor" if join_rows else "join rows off"))
+        met=(all(_as_run(r) <= 0.1 for r in join_rows) if join_rows else None),
+        figures={f"N={r['tokens_per_executor']}": round(_as_run(r), 4) for r in join_rows},
+        detail=("the merge as the orchestrator runs it (host side + its copy inside the next decode call) / "
+                "reprefill_ms per tokens-per-executor; merge_ms (the copy as a call of its own) in the table"
+                if join_rows else "join rows off")))
     return targets
 
 
@@ -760,7 +782,9 @@ def run_decode_bench(args: argparse.Namespace) -> int:
             print()
             print(f"join per stage: {s['join_executors']} executors x N tokens after a "
                   f"{s['join_context']}-token planner; "
-                  f"reprefill = extend of all executor tokens + the steps writing them, merge = BatchEngine.merge (best of {s['repeats']})")
+                  f"reprefill = extend of all executor tokens + the steps writing them, merge = BatchEngine.merge with "
+                  f"its copy as a call of its own; as run = merge's host side + its copy inside the planner's next "
+                  f"decode call, where the orchestrator's merge leaves it (best of {s['repeats']})")
             print(JOIN_HEADER)
             print("-" * len(JOIN_HEADER))
             join_rows = bench_join(model, tokenizer, s, rng)
