@@ -1365,15 +1365,14 @@ class BatchEngine:
 
     def _join_for_decode(self) -> tuple[np.ndarray, int]:
         """The pending merge copy for `_decode` to run first (meta, window; zero lengths: none).
-        One window for every join (`_fused_join_w`, the largest), so a pending copy adds no
-        compiled shape; a join copied in a smaller window runs on its own first."""
-        if self._pending_join is not None and self._pending_join[1] <= self._fused_join_w:
-            meta = self._pending_join[0]
-            self._pending_join = None
-            self.stats["join_copies_fused"] += 1
-            return meta, self._fused_join_w
-        self._flush_join()
-        return self._no_join, self._fused_join_w
+        One window for every join (`_fused_join_w`: a child's whole capacity, so it holds any
+        join's), so a pending copy adds no compiled shape."""
+        if self._pending_join is None:
+            return self._no_join, self._fused_join_w
+        meta = self._pending_join[0]
+        self._pending_join = None
+        self.stats["join_copies_fused"] += 1
+        return meta, self._fused_join_w
 
     def _row_done(self, row: _Row, child: bool) -> None:
         op, seq = row.op, row.op.seq
