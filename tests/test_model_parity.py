@@ -149,3 +149,54 @@ def test_sharded_export_with_index(hf_tied, tmp_path):
     with torch.no_grad():
         ref = hf2(torch.tensor(toks)).logits.numpy()
     assert np.abs(np.asarray(back(toks)) - ref).max() <= 1e-4
+
+
+@pytest.mark.parametrize("fixture", ["hf_untied", "hf_qwen3_tied"])
+def test_gradients_match_hf_backward(fixture, request, tmp_path):
+    """The training gradient (flash attention under the span rule, the SwiGLU's own backward,
+    everything else autodiff) == HF torch's autograd through its eager model, for every
+    parameter: the mean next-token cross-entropy of a batch, both sides in fp32."""
+    from safetensors.numpy import load_file
+
+    from sprint_jax.model import save_params
+    from sprint_jax.model.qwen2 import swiglu
+
+    path = request.getfixturevalue(fixture)
+    hf = load_hf(path)
+    ours = from_pretrained(path, param_dtype=jnp.float32, compute_dtype=jnp.float32)
+    toks = _tokens(seed=5, t=21)
+    span_end = np.full(toks.shape, toks.shape[1], np.int32)
+
+    def loss(params):
+        logits = forward(params, ours.config, jnp.asarray(toks), span_end=jnp.asarray(span_end))
+        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, jnp.asarray(toks)[:, 1:, None], axis=-1))
+
+    value, grads = jax.value_and_grad(loss)(ours.params)
+    save_params(ours.config, jax.device_get(grads), tmp_path / "grads")
+    got = {}
+    for f in (tmp_path / "grads").glob("*.safetensors"):
+        got.update(load_file(f))
+    hf.train()
+    ref_loss = hf(torch.tensor(toks), labels=torch.tensor(toks)).loss
+    ref_loss.backward()
+    assert abs(float(value) - float(ref_loss)) <= 1e-5
+    named = dict(hf.named_parameters())
+    assert set(got) == set(named), set(got) ^ set(named)
+    for name, p in named.items():
+        ref = p.grad.numpy()
+        err = np.abs(got[name] - ref).max() / max(np.abs(ref).max(), 1e-12)
+        assert err <= 1e-4, (name, err)
+    # the SwiGLU backward against torch's autograd of the plain formula, bf16 inputs included
+    # (its backward computes in fp32 and rounds once; torch's bf16 autograd rounds each step)
+    rng = np.random.default_rng(0)
+    g, u, dy = (rng.standard_normal((7, 33)).astype(np.float32) * 3 for _ in range(3))
+    for dt, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)):
+        out, vjp = jax.vjp(swiglu, jnp.asarray(g, dt), jnp.asarray(u, dt))
+        dg, du = vjp(jnp.asarray(dy, dt))
+        tg, tu = (torch.tensor(np.asarray(jnp.asarray(x, dt).astype(jnp.float32))).requires_grad_() for x in (g, u))
+        tout = torch.nn.functional.silu(tg) * tu
+        tout.backward(torch.tensor(np.asarray(jnp.asarray(dy, dt).astype(jnp.float32))))
+        for a, b in ((out, tout.detach()), (dg, tg.grad), (du, tu.grad)):
+            b = b.numpy()
+            assert np.abs(np.asarray(a.astype(jnp.float32)) - b).max() <= tol * max(np.abs(b).max(), 1.0)

@@ -195,6 +195,36 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1) -> jax.Array:
     return y.reshape(*lead, *outer)
 
 
+@jax.custom_vjp
+def swiglu(g: jax.Array, u: jax.Array) -> jax.Array:
+    """The MLP's gate: silu(g) * u, with a hand-written backward.
+
+    Autodiff of `jax.nn.silu(g) * u` makes the forward pass write sigmoid(g), silu(g) and silu's
+    derivative as separate [tokens, intermediate] arrays for the backward (memory-bound passes,
+    the largest activations of the layer). This backward keeps only g and u (the two matmul
+    outputs, live anyway) and recomputes sigmoid(g) in the one fused pass that forms both
+    cotangents, in fp32: dg = dy * u * s * (1 + g * (1 - s)), du = dy * g * s with s = sigmoid(g).
+    Measured on the 10M CPU train step (`sprint-jax bench train --hidden 384 --layers 6 --heads 6`):
+    ~3% faster. tests/test_model.py checks it against autodiff of the plain formula."""
+    return jax.nn.silu(g) * u
+
+
+def _swiglu_fwd(g, u):
+    return swiglu(g, u), (g, u)
+
+
+def _swiglu_bwd(res, dy):
+    g, u = res
+    gf, dyf = g.astype(jnp.float32), dy.astype(jnp.float32)
+    s = jax.nn.sigmoid(gf)
+    du = dyf * gf * s
+    dg = dyf * u.astype(jnp.float32) * s * (1.0 + gf * (1.0 - s))
+    return dg.astype(g.dtype), du.astype(u.dtype)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 def _layer(config: Qwen2Config, x, lp, positions, attend: AttendFn, layer_cache):
     """One decoder layer. x [B, T, E]; lp: this layer's params (no leading layers axis)."""
     cdt = dtype_of(config.dtype)
@@ -215,7 +245,7 @@ def _layer(config: Qwen2Config, x, lp, positions, attend: AttendFn, layer_cache)
     h = rms_norm(x, lp["post_attention_layernorm"]["scale"], config.rms_norm_eps)
     g = dense(h, c(lp["gate_proj"]["kernel"]))                                # [B, T, M]
     u = dense(h, c(lp["up_proj"]["kernel"]))                                  # [B, T, M]
-    x = x + dense(jax.nn.silu(g) * u, c(lp["down_proj"]["kernel"]))           # [B, T, E]
+    x = x + dense(swiglu(g, u), c(lp["down_proj"]["kernel"]))                # [B, T, E]
     return x, new_cache
 
 
