@@ -31,6 +31,11 @@ Key blocks past a group's used length (the max of its lens) are never read:
     (the layout the single-parent kernel uses for its statistics).
 On CPU either body runs with interpret=True (tests); `jax.export` lowers both at 7B sizes.
 
+heads_first=True takes the cache as [N, Hkv, S, D] (the batched engine's slot cache layout since
+the decode step reads whole [Hkv, S, D] slices: `sprint_jax.infer.batch.SlotCache`): the GPU body
+addresses (row, head, keys) instead of (row, keys, head); the TPU body takes (bk, D) blocks of
+(row, head) directly, so it needs no [S, Hkv*D] view and no D % 128 == 0.
+
 Layout. Queries of a group are laid out per KV head as W x (H/Hkv) rows (member-major), padded to
 the query block. On TPU the cache is viewed [N, S, Hkv*D] (a (rows, D) block at column block h),
 which needs D % 128 == 0 when Hkv > 1 (Qwen2: 128); on GPU D must be a power of two >= 16.
@@ -48,7 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from sprint_jax.model.attention import attend_partial, merge_partials
+from sprint_jax.model.attention import attend_partial, attend_partial_heads, merge_partials
 
 from .shared_prefix import (_GPU_MIN_DIM, _LOG2E, _M_INIT, _TPU_LANES, _TPU_MAX_BLOCK_Q, BlockSizes,
                             Platform, _auto_splits, _finish, _next_pow2, _resolve_platform,
@@ -76,10 +81,10 @@ def default_group_block_sizes(platform: Platform, groups: int, width: int, num_h
                       num_warps=8 if block_q >= 128 else 4, num_stages=2)
 
 
-def lowers_for(platform: Platform, head_dim: int, num_kv_heads: int) -> bool:
+def lowers_for(platform: Platform, head_dim: int, num_kv_heads: int, heads_first: bool = False) -> bool:
     """Whether the real (non-interpret) body of `platform` takes this head layout."""
     if platform == "tpu":
-        return head_dim % 128 == 0 or num_kv_heads == 1
+        return heads_first or head_dim % 128 == 0 or num_kv_heads == 1
     return head_dim >= _GPU_MIN_DIM and not head_dim & (head_dim - 1)
 
 
@@ -103,7 +108,7 @@ def _step(q, k, v, row0, row_end, end, m, l, acc, *, scale_log2: float, precisio
 
 
 def _gpu_kernel(row_ref, glen_ref, rlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_k: int,
-                split_len: int, scale_log2: float, precision):
+                split_len: int, scale_log2: float, precision, heads_first: bool = False):
     """Program (group, KV head, query block, split): keys [split*split_len, ..) of the group's slot."""
     head = pl.program_id(1)
     slot = row_ref[()]
@@ -116,8 +121,9 @@ def _gpu_kernel(row_ref, glen_ref, rlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref
     def body(i, carry):
         row0 = pl.multiple_of(start + i * block_k, block_k)
         ok = row0 + lax.broadcasted_iota(jnp.int32, (block_k, d), 0) < end
-        k = plgpu.load(k_ref.at[slot, pl.ds(row0, block_k), head, :], mask=ok, other=0)
-        v = plgpu.load(v_ref.at[slot, pl.ds(row0, block_k), head, :], mask=ok, other=0)
+        at = (slot, head, pl.ds(row0, block_k)) if heads_first else (slot, pl.ds(row0, block_k), head)
+        k = plgpu.load(k_ref.at[at + (slice(None),)], mask=ok, other=0)
+        v = plgpu.load(v_ref.at[at + (slice(None),)], mask=ok, other=0)
         return _step(q, k, v, row0, row_end, end, *carry, scale_log2=scale_log2,
                      precision=precision)
 
@@ -163,14 +169,15 @@ def _tpu_kernel(rows_ref, glens_ref, rlen_ref, q_ref, k_ref, v_ref, o_ref, lse_r
         lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
 
 
-def _check_inputs(q, k_cache, v_cache, kv_rows, lens):
+def _check_inputs(q, k_cache, v_cache, kv_rows, lens, heads_first: bool = False):
     if q.ndim != 4:
         raise ValueError(f"q must be [groups, W, H, D], got shape {q.shape}")
     gr, w, h, d = q.shape
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must both be [N, S, Hkv, D], got {k_cache.shape} "
+        layout = "[N, Hkv, S, D]" if heads_first else "[N, S, Hkv, D]"
+        raise ValueError(f"k_cache and v_cache must both be {layout}, got {k_cache.shape} "
                          f"and {v_cache.shape}")
-    hkv = k_cache.shape[2]
+    hkv = k_cache.shape[1 if heads_first else 2]
     if k_cache.shape[3] != d:
         raise ValueError(f"head dim mismatch: q has D={d}, k_cache has D={k_cache.shape[3]}")
     if hkv < 1 or h % hkv:
@@ -182,14 +189,14 @@ def _check_inputs(q, k_cache, v_cache, kv_rows, lens):
         raise ValueError(f"kv_rows must be [groups={gr}], got shape {jnp.shape(kv_rows)}")
     if jnp.shape(lens) != (gr, w):
         raise ValueError(f"lens must be [groups={gr}, W={w}], got shape {jnp.shape(lens)}")
-    return gr, w, h, hkv, d, k_cache.shape[0], k_cache.shape[1]
+    return gr, w, h, hkv, d, k_cache.shape[0], k_cache.shape[2 if heads_first else 1]
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_sizes", "platform"))
+@functools.partial(jax.jit, static_argnames=("interpret", "block_sizes", "platform", "heads_first"))
 def grouped_prefix_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                              kv_rows: jax.Array, lens: jax.Array, *, interpret: bool = False,
                              block_sizes: BlockSizes | None = None,
-                             platform: Platform | None = None):
+                             platform: Platform | None = None, heads_first: bool = False):
     """Attention of every group's rows over its own cache row, each prefix read once (Pallas).
 
     q [Gr, W, H, D]; k_cache, v_cache [N, S, Hkv, D]; kv_rows [Gr] int (clipped to [0, N)); lens
@@ -200,13 +207,14 @@ def grouped_prefix_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
 
     platform "gpu" (Triton) / "tpu" (Mosaic), default from jax.default_backend() (the GPU body on
     CPU); interpret=True runs the body in the Pallas interpreter (required on CPU).
+    heads_first: k_cache, v_cache are [N, Hkv, S, D] instead.
     """
-    gr, w, h, hkv, d, n, s = _check_inputs(q, k_cache, v_cache, kv_rows, lens)
+    gr, w, h, hkv, d, n, s = _check_inputs(q, k_cache, v_cache, kv_rows, lens, heads_first)
     if not interpret and platform is None and jax.default_backend() == "cpu":
         raise ValueError("Pallas has no CPU lowering: call grouped_prefix_attention with "
                          "interpret=True on CPU")
     plat = _resolve_platform(platform)
-    if not interpret and not lowers_for(plat, d, hkv):
+    if not interpret and not lowers_for(plat, d, hkv, heads_first):
         raise ValueError(
             f"the TPU kernel needs head_dim a multiple of 128 (got {d}) when Hkv > 1: a (rows, D) "
             f"block of the [S, Hkv*D] cache view is lane-tiled" if plat == "tpu" else
@@ -242,15 +250,19 @@ def grouped_prefix_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
 
         def kv_map(gi, hi, qi, kb, rows_ref, glens_ref):
             last = jnp.maximum(pl.cdiv(glens_ref[gi], bk) - 1, 0)
+            if heads_first:                        # block (bk, D) of (row, head): [N, Hkv, S, D]
+                return rows_ref[gi], hi, jnp.minimum(kb, last), 0
             return rows_ref[gi], jnp.minimum(kb, last), hi
+
+        kv_block = (None, None, bk, d) if heads_first else (None, bk, d)
 
         q_map = lambda gi, hi, qi, kb, *_: (gi, hi, qi, 0)  # noqa: E731
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(gr, hkv, m_pad // bq, key_blocks),
             in_specs=[pl.BlockSpec((None, bq, _TPU_LANES), lambda gi, hi, qi, kb, *_: (gi, qi, 0)),
                       pl.BlockSpec(q_shape, q_map),
-                      pl.BlockSpec((None, bk, d), kv_map),
-                      pl.BlockSpec((None, bk, d), kv_map)],
+                      pl.BlockSpec(kv_block, kv_map),
+                      pl.BlockSpec(kv_block, kv_map)],
             out_specs=[pl.BlockSpec(q_shape, q_map),
                        pl.BlockSpec((None, None, bq, _TPU_LANES), q_map)],
             scratch_shapes=[pltpu.VMEM((bq, _TPU_LANES), jnp.float32),
@@ -265,7 +277,8 @@ def grouped_prefix_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
             compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
             interpret=interpret, name="grouped_prefix_attention",
-        )(kv_rows, glen, rlen, qk, k_cache.reshape(n, s, hkv * d), v_cache.reshape(n, s, hkv * d))
+        )(kv_rows, glen, rlen, qk, *((k_cache, v_cache) if heads_first else
+                                      (k_cache.reshape(n, s, hkv * d), v_cache.reshape(n, s, hkv * d))))
         parts = [(o, lse[..., 0])]
     else:
         key_blocks = pl.cdiv(s, bk)
@@ -274,7 +287,7 @@ def grouped_prefix_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
         whole = pl.BlockSpec(k_cache.shape, lambda gi, hi, qi, si: (0, 0, 0, 0))
         o, lse = pl.pallas_call(
             functools.partial(_gpu_kernel, block_k=bk, split_len=per_split * bk,
-                              scale_log2=scale_log2, precision=precision),
+                              scale_log2=scale_log2, precision=precision, heads_first=heads_first),
             grid=(gr, hkv, m_pad // bq, splits),
             in_specs=[pl.BlockSpec((None,), lambda gi, hi, qi, si: (gi,)),
                       pl.BlockSpec((None,), lambda gi, hi, qi, si: (gi,)),
@@ -297,15 +310,17 @@ def grouped_prefix_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
     return out.astype(q.dtype), lse
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("heads_first",))
 def grouped_prefix_attention_reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                                       kv_rows: jax.Array, lens: jax.Array):
+                                       kv_rows: jax.Array, lens: jax.Array, heads_first: bool = False):
     """`grouped_prefix_attention` in plain jnp: the batched engine's XLA path (gather each group's
-    cache row, `attend_partial` with the group's queries on the query axis under a length mask)."""
-    gr, w, h, hkv, d, n, s = _check_inputs(q, k_cache, v_cache, kv_rows, lens)
+    cache row, `attend_partial` with the group's queries on the query axis under a length mask;
+    heads_first: the [N, Hkv, S, D] cache and `attend_partial_heads`)."""
+    gr, w, h, hkv, d, n, s = _check_inputs(q, k_cache, v_cache, kv_rows, lens, heads_first)
     rows = jnp.clip(jnp.asarray(kv_rows, jnp.int32), 0, n - 1)
     mask = jnp.arange(s)[None, None, :] < jnp.asarray(lens)[:, :, None]                # [Gr, W, S]
-    return attend_partial(q, k_cache[rows], v_cache[rows], mask)
+    attend = attend_partial_heads if heads_first else attend_partial
+    return attend(q, k_cache[rows], v_cache[rows], mask)
 
 
 def group_bytes_read(group_lens, width: int, num_heads: int, num_kv_heads: int, head_dim: int,

@@ -133,7 +133,7 @@ def test_fork_children_equal_each_branch_decoded_alone_from_a_fresh_prefill(setu
     # What the fork holds, read off the arrays (slots written = any non-zero K): the parent slot
     # still holds exactly the context (read-only while its children ran, nothing copied out of it)
     # and child j exactly its suffix: forced prefix + one entry per decode step.
-    written = lambda a: np.asarray(jnp.any(a != 0, axis=(0, 3, 4)))  # noqa: E731  [slots, positions]
+    written = lambda a: np.asarray(jnp.any(a != 0, axis=(0, 2, 4)))  # noqa: E731  [slots, positions]
     slot = op.result.slot
     parent = written(engine.cache.pk)
     assert parent[slot].sum() == len(context) - 1 and parent.sum() == len(context) - 1

@@ -115,14 +115,14 @@ def test_shardings_follow_the_rules_table(sharded):
     # [L, embed, heads, D]: heads over tensor (6 heads / 2)
     assert r["q_spec"] == [None, None, "tensor", None]
     # KV slots: slots over data, KV heads over tensor; each device holds 2 of 4 slots, 1 of 2 heads
-    assert r["pk_spec"] == r["ck_spec"] == [None, "data", None, "tensor", None]
-    assert r["pk_shard"][1] == 2 and r["pk_shard"][3] == 1
+    assert r["pk_spec"] == r["ck_spec"] == [None, "data", "tensor", None, None]     # [L, N, Hkv, S, D]
+    assert r["pk_shard"][1] == 2 and r["pk_shard"][2] == 1
     # tensor=4 and 8 exceed the tiny model's 2 KV heads and do not divide its 6 query heads: the
     # engine copies KV heads and pads query heads (an equivalent model; the tokens above are the
     # same), so the cache still splits over tensor; a note says so
     r4, r8 = sharded["tensor=4,data=2"], sharded["tensor=8"]
-    assert r4["pk_spec"] == [None, "data", None, "tensor", None]
-    assert r8["pk_spec"] == [None, None, None, "tensor", None]
+    assert r4["pk_spec"] == [None, "data", "tensor", None, None]
+    assert r8["pk_spec"] == [None, None, "tensor", None, None]
     assert any("KV heads copied -> 4" in n and "-> 8" in n for n in r4["notes"]), r4["notes"]
     assert any("KV heads copied -> 8" in n and "-> 8" in n for n in r8["notes"]), r8["notes"]
 
@@ -135,7 +135,7 @@ def test_single_run_engine_takes_the_slot_cores_mesh_path(sharded):
     stay whole on each data shard, noted, with the one-device tokens (test above)."""
     r8, r2 = sharded["tensor=8"], sharded["data=2"]
     assert any("KV heads copied -> 8" in n for n in r8["single_notes"]), r8["single_notes"]
-    assert r8["single_pk_spec"] == r8["single_ck_spec"] == [None, None, None, "tensor", None]
+    assert r8["single_pk_spec"] == r8["single_ck_spec"] == [None, None, "tensor", None, None]
     assert r8["pallas_single"] is True
     assert r2["single_pk_spec"][1] is None and r2["single_ck_spec"][1] is None     # slots whole
     assert any("child slots: replicated like the parent slots" in n for n in r2["single_notes"]), r2["single_notes"]
@@ -309,19 +309,23 @@ def test_bf16_cache_moves_as_bits_on_cpu_exactly():
     from sprint_jax.infer import batch
 
     rng = np.random.default_rng(0)
-    cache = jnp.asarray(rng.standard_normal((3, 5, 7, 2, 4)), jnp.bfloat16)     # [L, N, C, Hkv, D]
+    cache = jnp.asarray(rng.standard_normal((3, 5, 2, 7, 4)), jnp.bfloat16)     # [L, N, Hkv, C, D]
     assert batch._on_bits(cache) == (jax.default_backend() == "cpu")
     rows = jnp.asarray([4, 0, 4], jnp.int32)
-    got = jax.jit(batch._gather_rows, static_argnums=3)(cache, 1, rows, 6)
-    ref = np.asarray(cache)[1][np.asarray(rows)][:, :6]
+    got = jax.jit(batch._gather_rows, static_argnums=3)(cache, 1, rows, 6)      # [R, Hkv, 6, D]
+    ref = np.asarray(cache)[1][np.asarray(rows)][:, :, :6]
     assert np.array_equal(np.asarray(got), ref)
-    new = jnp.asarray(rng.standard_normal((3, 2, 2, 2, 4)), jnp.float32)
+    new = jnp.asarray(rng.standard_normal((3, 2, 2, 2, 4)), jnp.float32)       # prefill: [L, R, T, Hkv, D]
     slot, pos = jnp.asarray([2, 0]), jnp.asarray([[1, 6], [3, 1 << 30]])        # the last write drops
-    out = jax.jit(lambda c, s, p, n: batch._put(c, (slice(None), s[:, None], p), n))(cache, slot, pos, new)
+    out = jax.jit(batch._put_slots)(cache, slot, pos, new)
     want = np.asarray(cache).copy()
     nb = np.asarray(new.astype(jnp.bfloat16))
-    want[:, 2, 1], want[:, 2, 6], want[:, 0, 3] = nb[:, 0, 0], nb[:, 0, 1], nb[:, 1, 0]
+    want[:, 2, :, 1], want[:, 2, :, 6], want[:, 0, :, 3] = nb[:, 0, 0], nb[:, 0, 1], nb[:, 1, 0]
     assert out.dtype == jnp.bfloat16 and np.array_equal(np.asarray(out), want)
+    step = jax.jit(batch._put_slots)(cache, slot, pos[:, 0], new[:, :, 0])    # a decode step: [L, R, Hkv, D]
+    want = np.asarray(cache).copy()
+    want[:, 2, :, 1], want[:, 0, :, 3] = nb[:, 0, 0], nb[:, 1, 0]
+    assert np.array_equal(np.asarray(step), want)
 
 
 MERGE_SCRIPT = r"""
@@ -364,7 +368,7 @@ def drive(engine):
     engine.run(gens)
     for s, g in zip(seqs, gens):
         out["tokens"].append(s.tokens)
-        out["kv"].append(np.asarray(engine.cache.pk)[:, s.slot, : s.length].tolist())
+        out["kv"].append(np.asarray(engine.cache.pk)[:, s.slot, :, : s.length].tolist())
     return out
 
 model = from_pretrained(sys.argv[1])

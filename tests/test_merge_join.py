@@ -179,8 +179,8 @@ def test_batched_engine_merge_equals_the_reference_and_the_single_run_engine(mod
     toks, pos, mask = merged_layout(segments)
     _, ref_k, ref_v = reference(model, toks, pos, mask)
     n = seq.length
-    np.testing.assert_allclose(np.asarray(batch.cache.pk)[:, seq.slot, :n], ref_k[:, :n], atol=TOL, rtol=0)
-    np.testing.assert_allclose(np.asarray(batch.cache.pv)[:, seq.slot, :n], ref_v[:, :n], atol=TOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(batch.cache.pk)[:, seq.slot, :, :n].swapaxes(1, 2), ref_k[:, :n], atol=TOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(batch.cache.pv)[:, seq.slot, :, :n].swapaxes(1, 2), ref_v[:, :n], atol=TOL, rtol=0)
     op = batch.generate(seq, 6)
     batch.run([op])
     assert op.result.tokens == engine.generate(single, 6).tokens
@@ -225,8 +225,8 @@ def test_batched_merge_is_one_call_compiled_ahead_and_long_tails_run_in_chunks(m
     logits, ref_k, ref_v = reference(model, toks, pos, mask)
     n = len(toks)
     assert seq.tokens == toks and seq.after_join and seq.length == n - 1     # every slot written
-    np.testing.assert_allclose(np.asarray(batch.cache.pk)[:, seq.slot, :n], ref_k, atol=TOL, rtol=0)
-    np.testing.assert_allclose(np.asarray(batch.cache.pv)[:, seq.slot, :n], ref_v, atol=TOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(batch.cache.pk)[:, seq.slot, :, :n].swapaxes(1, 2), ref_k, atol=TOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(batch.cache.pv)[:, seq.slot, :, :n].swapaxes(1, 2), ref_v, atol=TOL, rtol=0)
     np.testing.assert_allclose(np.asarray(seq.join_logits), logits[-1], atol=TOL, rtol=0)
     assert np.abs(logits[-1]).max() > 1e-2
     with pytest.raises(EngineError, match="children must be in"):
@@ -244,8 +244,8 @@ def test_join_copy_places_each_childs_rows_and_writes_nothing_else(dtype):
 
     rng = np.random.default_rng(0)
     n_layers, slots, g, cap, ccap = 2, 3, 3, 24, 16
-    arrays = [rng.standard_normal(s).astype(np.float32) for s in [(n_layers, slots, cap, 2, 4)] * 2
-              + [(n_layers, slots * g, ccap, 2, 4)] * 2]
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in [(n_layers, slots, 2, cap, 4)] * 2
+              + [(n_layers, slots * g, 2, ccap, 4)] * 2]             # [L, N, Hkv, C, D]
     cache0 = [np.asarray(jnp.asarray(a, dtype)) for a in arrays]
     slot, p0, lens = 1, 9, [3, 2, 4]
     offs = np.cumsum([0] + lens[:-1])
@@ -254,7 +254,7 @@ def test_join_copy_places_each_childs_rows_and_writes_nothing_else(dtype):
     for j, (o, n) in enumerate(zip(offs, lens)):
         for t in range(0 if j == 0 else 1, n + 1):
             for par, child in ((0, 2), (1, 3)):
-                want[par][:, slot, p0 + o + t] = cache0[child][:, slot * g + j, t]
+                want[par][:, slot, :, p0 + o + t] = cache0[child][:, slot * g + j, :, t]
     assert p0 + sum(lens) < cap and p0 + 16 > cap          # w=16: every child's window is shifted
     for w in (8, 16):
         got = _copy_join(SlotCache(*(jnp.array(a, copy=True) for a in cache0)), meta, w=w)
@@ -315,8 +315,8 @@ def test_a_join_fork_runs_its_last_tokens_so_the_merge_runs_no_model_call(model)
     logits, ref_k, ref_v = reference(model, toks, pos, mask)
     n = len(toks)
     assert seq.tokens == toks and seq.after_join and seq.length == n - 1
-    np.testing.assert_allclose(np.asarray(batch.cache.pk)[:, seq.slot, :n], ref_k, atol=TOL, rtol=0)
-    np.testing.assert_allclose(np.asarray(batch.cache.pv)[:, seq.slot, :n], ref_v, atol=TOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(batch.cache.pk)[:, seq.slot, :, :n].swapaxes(1, 2), ref_k, atol=TOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(batch.cache.pv)[:, seq.slot, :, :n].swapaxes(1, 2), ref_v, atol=TOL, rtol=0)
     for row, got in joins:
         np.testing.assert_allclose(got, logits[row], atol=TOL, rtol=0)
     assert np.abs(logits[-1]).max() > 1e-2
@@ -361,7 +361,7 @@ def test_flush_writes_a_sync_now_only_when_nothing_else_is_in_flight(model):
     n = seqs[0].length
     assert n == seqs[1].length == 9 + 3 + 13 + 6 - 1
     for x, y in ((a.cache.pk, b.cache.pk), (a.cache.pv, b.cache.pv)):
-        np.testing.assert_allclose(np.asarray(x)[:, seqs[0].slot, :n], np.asarray(y)[:, seqs[1].slot, :n],
+        np.testing.assert_allclose(np.asarray(x)[:, seqs[0].slot, :, :n].swapaxes(1, 2), np.asarray(y)[:, seqs[1].slot, :, :n].swapaxes(1, 2),
                                    atol=TOL, rtol=0)
 
 

@@ -73,17 +73,25 @@ CASES = {"gqa4": (4, 3, 8, 2, 16, 6, 37), "gqa7": (3, 4, 7, 1, 16, 5, 29),
          "gqa1": (3, 2, 3, 3, 8, 4, 21)}
 
 
+def heads_first_cache(c):
+    """[N, S, Hkv, D] -> [N, Hkv, S, D] (the batched engine's slot cache layout)."""
+    return jnp.swapaxes(c, 1, 2)
+
+
+@pytest.mark.parametrize("heads_first", [False, True])
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_kernel_equals_engine_xla_path_and_naive_attention(platform, case):
+def test_kernel_equals_engine_xla_path_and_naive_attention(platform, case, heads_first):
     gr, w, h, hkv, d, n, s = CASES[case]
     q, kc, vc, rows, lens = make_case(len(case), gr, w, h, hkv, d, n, s, jnp.float32)
     want_o, want_l = naive(q, kc, vc, rows, lens)
-    ref_o, ref_l = grouped_prefix_attention_reference(q, kc, vc, rows, lens)
+    if heads_first:
+        kc, vc = heads_first_cache(kc), heads_first_cache(vc)
+    ref_o, ref_l = grouped_prefix_attention_reference(q, kc, vc, rows, lens, heads_first=heads_first)
     np.testing.assert_allclose(ref_o, want_o, atol=TOL["float32"])
     for sizes in (SMALL, None):               # tiny tiles, then the platform defaults
         o, lse = grouped_prefix_attention(q, kc, vc, rows, lens, interpret=True, platform=platform,
-                                          block_sizes=sizes)
+                                          block_sizes=sizes, heads_first=heads_first)
         assert o.dtype == q.dtype and o.shape == q.shape and lse.shape == (gr, w, h)
         np.testing.assert_allclose(o, want_o, atol=TOL["float32"])
         np.testing.assert_allclose(o, ref_o, atol=TOL["float32"])
@@ -93,8 +101,9 @@ def test_kernel_equals_engine_xla_path_and_naive_attention(platform, case):
         assert (np.asarray(lse)[~seen] == NEG_INF).all() and (np.asarray(o)[~seen] == 0).all()
 
 
+@pytest.mark.parametrize("heads_first", [False, True])
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])
-def test_bf16_and_garbage_past_the_used_length(platform):
+def test_bf16_and_garbage_past_the_used_length(platform, heads_first):
     """bf16; every cache entry no row may see is NaN (stale or never written slots, the rest of
     the capacity, other cache rows), and a padding group points past the cache: still exact."""
     gr, w, h, hkv, d, n, s = 3, 5, 8, 2, 16, 4, 45
@@ -107,8 +116,9 @@ def test_bf16_and_garbage_past_the_used_length(platform):
             used[rows[g], : lens[g].max()] = True
     kc = jnp.where(jnp.asarray(used)[:, :, None, None], kc, jnp.nan).astype(jnp.bfloat16)
     vc = jnp.where(jnp.asarray(used)[:, :, None, None], vc, jnp.nan).astype(jnp.bfloat16)
-    o, lse = grouped_prefix_attention(q, kc, vc, rows, lens, interpret=True, platform=platform,
-                                      block_sizes=SMALL)
+    o, lse = grouped_prefix_attention(*((q, heads_first_cache(kc), heads_first_cache(vc)) if heads_first else
+                                        (q, kc, vc)), rows, lens, interpret=True, platform=platform,
+                                      block_sizes=SMALL, heads_first=heads_first)
     want_o, want_l = naive(q, kc, vc, np.minimum(rows, n - 1), lens)
     assert np.isfinite(np.asarray(o, np.float32)).all()
     np.testing.assert_allclose(np.asarray(o, np.float32), want_o, atol=TOL["bfloat16"])
@@ -172,10 +182,10 @@ def _decode_7b_text(target: str, attention_impl: str) -> str:
 def test_batched_decode_step_lowers_with_the_kernel_at_7b_sizes():
     """BatchEngine(attention_impl="pallas")'s decode step at 7B sizes lowers for GPU and TPU with
     the kernel (two calls in the layer scan: the generate rows' groups of one, the fork children's
-    groups of w, as the engine packs them), and the parent cache [28, 16, 8208, 4, 128] reaches it
+    groups of w, as the engine packs them), and the parent cache [28, 16, 4, 8208, 128] reaches it
     only through a view: never gathered, sliced or copied. The same detector finds the XLA path's
     gather of the used slots (so it can fail)."""
-    pk = "28x16x8208x4x128"
+    pk = "28x16x4x8208x128"
 
     def touches(text, ops):
         return [ln.strip()[:160] for ln in text.splitlines() if pk in ln and any(o in ln for o in ops)]
@@ -324,6 +334,6 @@ def test_kernel_per_shard_on_a_mesh_gives_the_tokens_of_one_device(hf_untied):
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))[7:])
     for spec, r in res.items():
-        assert r["pk_spec"][1] == "data" and r["pk_spec"][3] == "tensor", (spec, r)
+        assert r["pk_spec"][1] == "data" and r["pk_spec"][2] == "tensor", (spec, r)
         assert r["shard_map"], spec               # the kernel runs per shard
         assert r["same"], spec

@@ -201,9 +201,9 @@ def fork_bytes(model, tok, prompt: list[int], s: dict, common: dict) -> dict[str
     e.run([fork])
     pk, pv, ck, cv = jax.device_get((e.cache.pk, e.cache.pv, e.cache.ck, e.cache.cv))
 
-    def written(k, v):                      # [L, N, C, H, D] -> slots written, per row
-        return ((k != 0).any(axis=(0, 3, 4)) | (v != 0).any(axis=(0, 3, 4))).sum(axis=1)
-    per_slot = 2 * pk.shape[0] * pk.shape[3] * pk.shape[4] * pk.dtype.itemsize   # K and V, all layers
+    def written(k, v):                      # [L, N, H, C, D] -> slots written, per row
+        return ((k != 0).any(axis=(0, 2, 4)) | (v != 0).any(axis=(0, 2, 4))).sum(axis=1)
+    per_slot = 2 * pk.shape[0] * pk.shape[2] * pk.shape[4] * pk.dtype.itemsize   # K and V, all layers
     parent_slots = int(written(pk, pv).sum())
     child_slots = [int(x) for x in written(ck, cv)[: len(fork.result)]]
     prefix = seq.length                                   # the context's KV entries

@@ -75,9 +75,9 @@ def compile_decode_step(preset: str, mesh_spec: str, max_seqs: int, max_children
     kvp = sh.kv_sharding(cfg, mesh, max_seqs, notes, "parent slots")
     kvc = sh.kv_sharding(cfg, mesh, max_seqs * max_children, notes, "child slots")
     kv_dt = jnp.dtype(cfg.dtype)
-    tail = (cfg.num_key_value_heads, cfg.head_dim)
-    p_shape = (cfg.num_hidden_layers, max_seqs, pc) + tail
-    c_shape = (cfg.num_hidden_layers, max_seqs * max_children, cc) + tail
+    hkv, d = cfg.num_key_value_heads, cfg.head_dim          # the SlotCache layout [L, N, Hkv, S, D]
+    p_shape = (cfg.num_hidden_layers, max_seqs, hkv, pc, d)
+    c_shape = (cfg.num_hidden_layers, max_seqs * max_children, hkv, cc, d)
     cache = SlotCache(SDS(p_shape, kv_dt, sharding=kvp), SDS(p_shape, kv_dt, sharding=kvp),
                       SDS(c_shape, kv_dt, sharding=kvc), SDS(c_shape, kv_dt, sharding=kvc))
     # the largest row set the scheduler can build: every bucket full (generate rows and fork groups)

@@ -45,7 +45,7 @@ from sprint_jax.infer.engine import EngineError, Generation, check_merge_branche
 from sprint_jax.infer.prefix_attention import pallas_parent_prefix_attention
 from sprint_jax.infer.sampling import GREEDY, Sampling, advance_rows, mask_padded, sample_tokens, valid_vocab
 from sprint_jax.infer.stops import StopScanner
-from sprint_jax.model.attention import flash_attention
+from sprint_jax.model.attention import attend_partial_heads, flash_attention
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.model.qwen2 import attend_partial, decoder, dtype_of, embed, merge_partials, unembed
 
@@ -73,7 +73,13 @@ def _bucket_fine(n: int, lo: int) -> int:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SlotCache:
-    """Parent slots pk, pv [L, P, Sp, Hkv, D]; child slots ck, cv [L, P*G, Sc, Hkv, D]."""
+    """Parent slots pk, pv [L, P, Hkv, Sp, D]; child slots ck, cv [L, P*G, Hkv, Sc, D].
+
+    Heads before positions: a slot's keys of one KV head are one contiguous [S, D] block, so the
+    decode step gathers a row's used slots as a whole [Hkv, S_b, D] slice (`_gather_rows`) and its
+    attention (`attend_partial_heads`) multiplies them as they are: no transposed copy of the
+    gathered K / V per step (the [.., S, Hkv, D] layout needed one: ~190 us of a 16-row step of the
+    demo model on CPU)."""
     pk: jax.Array
     pv: jax.Array
     ck: jax.Array
@@ -82,9 +88,9 @@ class SlotCache:
     @staticmethod
     def zeros(config: Qwen2Config, parents: int, children: int, parent_cap: int, child_cap: int) -> "SlotCache":
         dt = dtype_of(config.dtype)
-        tail = (config.num_key_value_heads, config.head_dim)
-        p = (config.num_hidden_layers, parents, parent_cap) + tail
-        c = (config.num_hidden_layers, parents * children, child_cap) + tail
+        hkv, d = config.num_key_value_heads, config.head_dim
+        p = (config.num_hidden_layers, parents, hkv, parent_cap, d)
+        c = (config.num_hidden_layers, parents * children, hkv, child_cap, d)
         return SlotCache(jnp.zeros(p, dt), jnp.zeros(p, dt), jnp.zeros(c, dt), jnp.zeros(c, dt))
 
     @property
@@ -102,16 +108,28 @@ def _constrain(cache: SlotCache, kv) -> SlotCache:
 
 
 def _gather_rows(cache: jax.Array, layer, rows: jax.Array, size: int) -> jax.Array:
-    """cache [L, N, C, Hkv, D] -> the first `size` slots of `rows` at `layer`: [R, size, Hkv, D]."""
-    return _take(cache, (layer, rows[:, None], jnp.arange(size)[None, :]))
+    """cache [L, N, Hkv, C, D] -> the first `size` slots of `rows` at `layer`: [R, Hkv, size, D].
+    Each row is one whole [1, 1, Hkv, size, D] slice (a vmapped dynamic_slice: one gather whose
+    slices keep the cache's layout; nothing is transposed)."""
+    def take(c):
+        shape = (1, 1, c.shape[2], size, c.shape[4])
+        zero = jnp.zeros((), jnp.int32)
+        return jax.vmap(lambda r: jax.lax.dynamic_slice(
+            c, (jnp.asarray(layer, jnp.int32), r.astype(jnp.int32), zero, zero, zero), shape)[0, 0])(rows)
+    return _as_bits(cache, take)
+
+
+def _as_bits(cache: jax.Array, fn) -> jax.Array:
+    """fn(cache), run on the cache's uint16 bits on CPU (`_on_bits`); fn only moves elements."""
+    if not _on_bits(cache):
+        return fn(cache)
+    bits = jax.lax.bitcast_convert_type
+    return bits(fn(bits(cache, jnp.uint16)), cache.dtype)
 
 
 def _take(cache: jax.Array, index) -> jax.Array:
     """cache[index] (as bits on CPU: `_on_bits`)."""
-    if not _on_bits(cache):
-        return cache[index]
-    bits = jax.lax.bitcast_convert_type
-    return bits(bits(cache, jnp.uint16)[index], cache.dtype)
+    return _as_bits(cache, lambda c: c[index])
 
 
 def _on_bits(cache: jax.Array) -> bool:
@@ -131,6 +149,15 @@ def _put(cache: jax.Array, index, new: jax.Array) -> jax.Array:
     return bits(bits(cache, jnp.uint16).at[index].set(bits(new, jnp.uint16), mode="drop"), cache.dtype)
 
 
+def _put_slots(cache: jax.Array, slot: jax.Array, pos: jax.Array, new: jax.Array) -> jax.Array:
+    """Write new K or V into the cache [L, N, Hkv, C, D] in place (`_put`): new [L, R, T, Hkv, D] at
+    slot[r], positions pos[r, t] (prefill), or new [L, R, Hkv, D] at slot[r], position pos[r]
+    (a decode step); out-of-range positions are dropped (padding)."""
+    if new.ndim == 5:             # index (:, slot[R, 1], :, pos[R, T]): the update is [R, T, L, Hkv, D]
+        return _put(cache, (slice(None), slot[:, None], slice(None), pos), jnp.transpose(new, (1, 2, 0, 3, 4)))
+    return _put(cache, (slice(None), slot, slice(None), pos), jnp.swapaxes(new, 0, 1))    # [R, L, Hkv, D]
+
+
 def _self_partial(q, k, v):
     """Each decode row's attention to its own new token (one query, one key: no mask)."""
     return attend_partial(q, k, v, jnp.ones(q.shape[:2] + k.shape[1:2], bool))
@@ -144,9 +171,11 @@ def _self_flash(q, k, v, n_valid):
 
 
 def _prefix_partial(q, k, v, n):
-    """Each row's attention to the first n[r] of keys k, v [R, S, Hkv, D] that all precede its
-    queries (a parent prefix, a child's own past): flash attention with the queries placed
-    after the keys (q_offset = n), keys from n on never visible."""
+    """Each row's attention to the first n[r] of keys k, v [R, Hkv, S, D] (`_gather_rows`) that all
+    precede its queries (a parent prefix, a child's own past): flash attention with the queries
+    placed after the keys (q_offset = n), keys from n on never visible. (flash_attention takes
+    [R, S, Hkv, D]: a prefill chunk transposes the rows it gathered; prefill calls are few.)"""
+    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
     span_end = jnp.where(jnp.arange(k.shape[1])[None] < n[:, None], jnp.int32(_NEVER), 0)
     return flash_attention(q, k, v, span_end, q_offset=n, return_lse=True)
 
@@ -194,12 +223,12 @@ def _prefill(params, config: Qwen2Config, cache: SlotCache, tokens, slot, parent
     hidden, (nk, nv) = decoder(params, config, x, positions, attend, jnp.arange(config.num_hidden_layers))
     pos = jnp.where(jnp.arange(t)[None] < n_valid[:, None], offs, 1 << 30)       # padding: dropped
     if kind == "parent":
-        pk = _put(cache.pk, (slice(None), slot[:, None], pos), nk)
-        pv = _put(cache.pv, (slice(None), slot[:, None], pos), nv)
+        pk = _put_slots(cache.pk, slot, pos, nk)
+        pv = _put_slots(cache.pv, slot, pos, nv)
         out = _constrain(SlotCache(pk, pv, cache.ck, cache.cv), kv)
     else:
-        ck = _put(cache.ck, (slice(None), slot[:, None], pos), nk)
-        cv = _put(cache.cv, (slice(None), slot[:, None], pos), nv)
+        ck = _put_slots(cache.ck, slot, pos, nk)
+        cv = _put_slots(cache.cv, slot, pos, nv)
         out = _constrain(SlotCache(cache.pk, cache.pv, ck, cv), kv)
     if not return_logits:
         return out
@@ -224,9 +253,9 @@ def _copy_join(cache: SlotCache, meta, w: int, kv=None) -> SlotCache:
     the parent's capacity is placed earlier, the child's rows shifted in it."""
     m = meta[0]
     slot, p0 = m[0], m[1]
-    n_par, n_ch, cap = cache.pk.shape[1], cache.ck.shape[1], cache.pk.shape[2]
-    layers, _, _, heads, dim = cache.pk.shape
-    size = (layers, 1, w, heads, dim)
+    n_par, n_ch, cap = cache.pk.shape[1], cache.ck.shape[1], cache.pk.shape[3]
+    layers, _, heads, _, dim = cache.pk.shape
+    size = (layers, 1, heads, w, dim)
     ps = slot % n_par                                  # slot ids are global (see sh.slot_local)
     i = jnp.arange(w, dtype=jnp.int32)
     pk, pv = cache.pk, cache.pv
@@ -235,15 +264,15 @@ def _copy_join(cache: SlotCache, meta, w: int, kv=None) -> SlotCache:
         at = jnp.clip(p0 + off, 0, cap - w)            # the window's first parent slot
         d = p0 + off - at                              # > 0 only at the end of the parent's capacity
         t = i - d                                      # the child slot each window row takes
-        keep = ((t >= (0 if j == 0 else 1)) & (t <= n) & (n > 0))[None, None, :, None, None]
+        keep = ((t >= (0 if j == 0 else 1)) & (t <= n) & (n > 0))[None, None, None, :, None]
         crow = (slot * (n_ch // n_par) + j) % n_ch
         new = []
         for par, child in ((pk, cache.ck), (pv, cache.cv)):
             rows = jax.lax.dynamic_slice(child, (0, crow, 0, 0, 0), size)
-            rows = jax.lax.dynamic_slice(jnp.concatenate([jnp.zeros_like(rows), rows], axis=2), (0, 0, w - d, 0, 0),
+            rows = jax.lax.dynamic_slice(jnp.concatenate([jnp.zeros_like(rows), rows], axis=3), (0, 0, 0, w - d, 0),
                                          size)         # row r: child slot r - d
-            old = jax.lax.dynamic_slice(par, (0, ps, at, 0, 0), size)
-            new.append(jax.lax.dynamic_update_slice(par, jnp.where(keep, rows, old), (0, ps, at, 0, 0)))
+            old = jax.lax.dynamic_slice(par, (0, ps, 0, at, 0), size)
+            new.append(jax.lax.dynamic_update_slice(par, jnp.where(keep, rows, old), (0, ps, 0, at, 0)))
         pk, pv = new
     return _constrain(SlotCache(pk, pv, cache.ck, cache.cv), kv)
 
@@ -285,7 +314,7 @@ def _sample_rows(logits, base, steps, temperature, top_k, top_p):
 def parent_prefix_attention(pk: jax.Array, pv: jax.Array, layer, pslot: jax.Array, q: jax.Array,
                             plen: jax.Array, s_b: int, attention_impl: str = "xla", kv=None):
     """The shared-prefix attention of a step: group i's W queries q[i] [G, W, H, D] attend to the
-    first plen[i, w] slots of parent slot pslot[i] (pk, pv [L, P, Sp, Hkv, D]). Each parent's
+    first plen[i, w] slots of parent slot pslot[i] (pk, pv [L, P, Hkv, Sp, D]). Each parent's
     prefix is read once for all W queries of its group (they ride on the query axis), never
     once per query. Returns (out [G, W, H, D], lse [G, W, H]) for `merge_partials`.
     This is the one place the many-parents Pallas kernel replaces (kernels/): attention_impl
@@ -294,7 +323,7 @@ def parent_prefix_attention(pk: jax.Array, pv: jax.Array, layer, pslot: jax.Arra
     if attention_impl == "pallas":
         return pallas_parent_prefix_attention(q, pk, pv, layer, pslot, plen, kv)
     mask = jnp.arange(s_b)[None, None, :] < plen[:, :, None]                        # [G, W, S_b]
-    return attend_partial(q, _gather_rows(pk, layer, pslot, s_b), _gather_rows(pv, layer, pslot, s_b), mask)
+    return attend_partial_heads(q, _gather_rows(pk, layer, pslot, s_b), _gather_rows(pv, layer, pslot, s_b), mask)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "w", "chunk", "s_b", "c_b", "kv", "attention_impl",
@@ -369,7 +398,7 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
                                                    jnp.broadcast_to(b_fork[:, None], (nf, w)), s_b,
                                                    attention_impl, kv)
                 c_mask = jnp.arange(c_b)[None, None, :] < lb[:, None, None]            # [F*w, 1, C_b]
-                suffix = attend_partial(q[na:], _gather_rows(cache.ck, layer, b_cslot, c_b),
+                suffix = attend_partial_heads(q[na:], _gather_rows(cache.ck, layer, b_cslot, c_b),
                                         _gather_rows(cache.cv, layer, b_cslot, c_b), c_mask)
                 prefix = (o_p.reshape(nf * w, 1, h, d), l_p.reshape(nf * w, 1, h))
                 outs.append(merge_partials([prefix, suffix, (o_s[na:], l_s[na:])])[0])
@@ -381,11 +410,11 @@ def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fo
         pos = jnp.where(active | fed, lengths, drop)
         pk, pv, ck, cv = cache.pk, cache.pv, cache.ck, cache.cv
         if na:
-            pk = _put(pk, (slice(None), a_slot, pos[:na]), nk[:, :na])
-            pv = _put(pv, (slice(None), a_slot, pos[:na]), nv[:, :na])
+            pk = _put_slots(pk, a_slot, pos[:na], nk[:, :na])
+            pv = _put_slots(pv, a_slot, pos[:na], nv[:, :na])
         if nf:
-            ck = _put(ck, (slice(None), b_cslot, pos[na:]), nk[:, na:])
-            cv = _put(cv, (slice(None), b_cslot, pos[na:]), nv[:, na:])
+            ck = _put_slots(ck, b_cslot, pos[na:], nk[:, na:])
+            cv = _put_slots(cv, b_cslot, pos[na:], nv[:, na:])
         raw = unembed(params, config, hidden)[:, 0]
         logits = mask_padded(raw, n_valid)                                        # no padded ids
         tok = _sample_rows(logits, base, steps, temperature, top_k, top_p)

@@ -31,6 +31,7 @@ import time
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sprint_jax.infer.copy_fork import KVCache
@@ -288,7 +289,8 @@ class Engine:
         seq = self._bind(state)
         self.core.flush(seq)
         c, s = self.core.cache, seq.slot
-        return KVCache(c.pk[:, s: s + 1], c.pv[:, s: s + 1])
+        # KVCache is [L, B, C, Hkv, D]; the slot cache [L, N, Hkv, C, D] (a copy of the one slot)
+        return KVCache(jnp.swapaxes(c.pk[:, s: s + 1], 2, 3), jnp.swapaxes(c.pv[:, s: s + 1], 2, 3))
 
     # ---- prefill / extend -----------------------------------------------------------------
     def prefill(self, token_ids: Sequence[int]) -> DecodeState:
@@ -437,9 +439,9 @@ class Engine:
         a step reads it (its p0 used slots, bucketed) + each branch's child slot (the prefix is never
         copied)."""
         c = self.core.cache
-        per_slot = 2 * c.pk.shape[0] * c.pk.shape[3] * c.pk.shape[4] * c.pk.dtype.itemsize   # K + V, every layer
-        prefix = min(_bucket(max(p0, 1), self.core.min_bucket), c.pk.shape[2])
-        return (prefix + n * c.ck.shape[2]) * per_slot
+        per_slot = 2 * c.pk.shape[0] * c.pk.shape[2] * c.pk.shape[4] * c.pk.dtype.itemsize   # K + V, every layer
+        prefix = min(_bucket(max(p0, 1), self.core.min_bucket), c.pk.shape[3])
+        return (prefix + n * c.ck.shape[3]) * per_slot
 
     def _branches_copy(self, seq, prefixes, limits, stops, sampling):
         """The copy-fork baseline (`copy_fork`): the planner's used slots copied into every branch."""
@@ -448,7 +450,9 @@ class Engine:
         self.core.flush(seq)
         p0 = seq.length
         pb = min(_bucket(max(p0, 1), self.core.min_bucket), self.core.parent_capacity)   # as a shared fork reads it
-        pk, pv = self.core.cache.pk[:, seq.slot, :pb], self.core.cache.pv[:, seq.slot, :pb]
+        # [L, Hkv, pb, D] slices of the slot cache, as the baseline's [L, pb, Hkv, D]
+        pk = jnp.swapaxes(self.core.cache.pk[:, seq.slot, :, :pb], 1, 2)
+        pv = jnp.swapaxes(self.core.cache.pv[:, seq.slot, :, :pb], 1, 2)
         return copy_fork_branches(self, pk, pv, p0, seq.tokens[-1], prefixes, limits, stops, sampling,
                                   seq.pos_offset, self.core.child_capacity, self.prefill_chunk)
 

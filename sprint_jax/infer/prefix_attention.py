@@ -34,7 +34,7 @@ def _axes(entry) -> tuple[str, ...]:
 
 
 def _kernel(q, pk, pv, layer, pslot, plen, slot_axes: tuple[str, ...] = ()):
-    """The kernel on (a shard of) the parent cache pk, pv [L, P, S, Hkv, D]."""
+    """The kernel on (a shard of) the parent cache pk, pv [L, P, Hkv, S, D]."""
     from sprint_jax.kernels.parent_prefix import grouped_prefix_attention, lowers_for
 
     n_layers, slots = pk.shape[:2]
@@ -44,18 +44,18 @@ def _kernel(q, pk, pv, layer, pslot, plen, slot_axes: tuple[str, ...] = ()):
         plen = jnp.where(here[:, None], plen, 0)
         pslot = jnp.clip(local, 0, slots - 1)
     rows = layer * slots + jnp.clip(pslot, 0, slots - 1)
-    flat = (n_layers * slots,) + pk.shape[2:]                      # a view: [L*P, S, Hkv, D]
+    flat = (n_layers * slots,) + pk.shape[2:]                      # a view: [L*P, Hkv, S, D]
     body = lambda platform, interpret: lambda *a: grouped_prefix_attention(  # noqa: E731
-        *a, platform=platform, interpret=interpret)
+        *a, platform=platform, interpret=interpret, heads_first=True)
     # Chosen when the step is lowered: Triton on GPUs, Mosaic on TPUs, the interpreter elsewhere,
     # so one jitted step also lowers (e.g. under jax.export) for a platform it does not run on.
     # A platform whose kernel does not take this head layout is left out unless it is the one we
     # run on (there the kernel's own error names the problem; no silent interpreter on a GPU).
     backend = jax.default_backend()
     runs_on = {"gpu": backend in ("gpu", "cuda", "rocm"), "tpu": backend == "tpu"}
-    d, hkv = q.shape[-1], pk.shape[3]
+    d, hkv = q.shape[-1], pk.shape[2]
     branches = {name: body(plat, False) for name, plat in (("cuda", "gpu"), ("rocm", "gpu"), ("tpu", "tpu"))
-                if lowers_for(plat, d, hkv) or runs_on[plat]}
+                if lowers_for(plat, d, hkv, heads_first=True) or runs_on[plat]}
     o, lse = jax.lax.platform_dependent(q, pk.reshape(flat), pv.reshape(flat), rows, plen,
                                         default=body("gpu", True), **branches)
     if slot_axes:
@@ -65,7 +65,7 @@ def _kernel(q, pk, pv, layer, pslot, plen, slot_axes: tuple[str, ...] = ()):
 
 
 def pallas_parent_prefix_attention(q, pk, pv, layer, pslot, plen, kv=None):
-    """q [Rg, W, H, D] (the rows of each group); pk, pv [L, P, S, Hkv, D] (the parent cache);
+    """q [Rg, W, H, D] (the rows of each group); pk, pv [L, P, Hkv, S, D] (the parent cache);
     layer: the layer index; pslot [Rg]: each group's parent slot (out of range = a padding group,
     with plen 0); plen [Rg, W]: keys each row sees. kv: the engine's (parent, child)
     NamedShardings on a mesh (None: one device). Returns (out [Rg, W, H, D], lse [Rg, W, H])."""
@@ -84,14 +84,14 @@ def pallas_parent_prefix_attention(q, pk, pv, layer, pslot, plen, kv=None):
         run = jax.shard_map(
             lambda q, pk, pv, layer, pslot, plen: _kernel(q, pk, pv, layer, pslot, plen),
             mesh=mesh, axis_names=frozenset(axes),
-            in_specs=(P(None, None, head, None), P(None, None, None, head, None), P(None, None, None, head, None),
+            in_specs=(P(None, None, head, None), P(None, None, head, None, None), P(None, None, head, None, None),
                       P(), P(None), P(None, None)),
             out_specs=(P(None, None, head, None), P(None, None, head)), check_vma=False)
         return run(q, pk, pv, jnp.asarray(layer, jnp.int32), pslot, plen)
     sharding = kv[0]
     mesh, spec = sharding.mesh, tuple(sharding.spec) + (None,) * (5 - len(sharding.spec))
     slot_axes = _axes(spec[1])
-    head_axes = _axes(spec[3])
+    head_axes = _axes(spec[2])
     heads = math.prod(mesh.shape[a] for a in head_axes)
     hq = head_axes if head_axes and q.shape[2] % heads == 0 else ()
     if head_axes and not hq:

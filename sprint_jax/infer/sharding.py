@@ -3,8 +3,8 @@ KV slots live, and a memory planner.
 
 Parameters are placed by the trainer's one rules table (`sprint_jax.train.mesh.RULES`): heads,
 kv_heads and mlp (and vocab) over `tensor`, the model width over `fsdp`. The KV caches of the
-engines, [L, slots, tokens, Hkv, D], carry the logical axes ("layers", "batch", "kv_seq",
-"kv_heads", "head_dim"): slots over `data` (x `fsdp`), KV heads over `tensor`. Where a size does
+engines, [L, slots, Hkv, tokens, D], carry the logical axes ("layers", "batch", "kv_heads",
+"kv_seq", "head_dim"): slots over `data` (x `fsdp`), KV heads over `tensor`. Where a size does
 not divide its mesh axis the table replicates that dimension, and `sharding_notes` says so; the
 engines log the notes. The batched engine first makes the heads fit where it can (`head_layout`):
 when `tensor` is a multiple of the KV heads it copies each KV head and pads the query heads with
@@ -37,7 +37,8 @@ from sprint_jax.train import mesh as mesh_lib
 
 log = logging.getLogger(__name__)
 
-KV_AXES = ("layers", "batch", "kv_seq", "kv_heads", "head_dim")   # [L, slots, tokens, Hkv, D]
+KV_AXES = ("layers", "batch", "kv_heads", "kv_seq", "head_dim")   # [L, slots, Hkv, tokens, D]
+KV_HEAD_AXIS = 2                                                    # where KV_AXES has "kv_heads"
 
 MESH_HELP = ("device mesh as AXIS=SIZE pairs over data, fsdp, tensor, e.g. tensor=4,data=2 (unnamed axes are "
              "1; one size may be -1 = the rest of the devices; default: one device)")
@@ -94,8 +95,8 @@ def param_shardings(config: Qwen2Config, mesh: Mesh, notes: list[str] | None = N
 
 def kv_sharding(config: Qwen2Config, mesh: Mesh, slots: int, notes: list[str] | None = None,
                 name: str = "kv cache") -> NamedSharding:
-    """The NamedSharding of a KV cache [L, slots, tokens, Hkv, D]."""
-    shape = (config.num_hidden_layers, slots, 1, config.num_key_value_heads, config.head_dim)
+    """The NamedSharding of a KV cache [L, slots, Hkv, tokens, D]."""
+    shape = (config.num_hidden_layers, slots, config.num_key_value_heads, 1, config.head_dim)
     return NamedSharding(mesh, mesh_lib.logical_to_spec(KV_AXES, shape, mesh, notes=notes, name=name))
 
 
@@ -147,10 +148,10 @@ def cache_bytes_per_device(config: Qwen2Config, mesh: Mesh, max_seqs: int, max_c
                            parent_capacity: int, child_capacity: int, notes: list[str] | None = None) -> int:
     """Bytes of a BatchEngine SlotCache (K and V, parents and children) on the fullest device."""
     item = np.dtype(dtype_of(config.dtype)).itemsize
-    tail = (config.num_key_value_heads, config.head_dim)
+    hkv, d = config.num_key_value_heads, config.head_dim
     L = config.num_hidden_layers
-    p = (L, max_seqs, parent_capacity) + tail
-    c = (L, max_seqs * max_children, child_capacity) + tail
+    p = (L, max_seqs, hkv, parent_capacity, d)
+    c = (L, max_seqs * max_children, hkv, child_capacity, d)
     return 2 * (_per_device_bytes(p, item, kv_sharding(config, mesh, max_seqs, notes, "parent slots"))
                 + _per_device_bytes(c, item, kv_sharding(config, mesh, max_seqs * max_children, notes,
                                                          "child slots")))
@@ -351,7 +352,7 @@ def slot_local(rows: Sequence[str], out: Sequence[str] | str, cache_kv: Sequence
 
             def local(*xs):
                 spec = tuple(kv[0].spec) + (None,) * 5
-                _LOCAL.heads = spec[3]          # see local_head_axes (read while fn is traced)
+                _LOCAL.heads = spec[KV_HEAD_AXIS]   # see local_head_axes (read while fn is traced)
                 try:
                     res = fn(**a, **dict(zip(names, xs)))
                 finally:

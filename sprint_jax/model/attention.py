@@ -100,6 +100,29 @@ def attend_partial(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):
     return o.reshape(b, t, h, d).astype(q.dtype), lse
 
 
+def attend_partial_heads(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):
+    """`attend_partial` with keys and values heads-first: k, v [B, Hkv, S, D] (the batched engine's
+    slot cache layout, sprint_jax/infer/batch.py), so that neither einsum needs K or V transposed
+    (each (b, kv head) is one [S, D] matrix). q [B, T, H, D]; mask [B, T, S]; returns the same
+    (out [B, T, H, D], lse [B, T, H])."""
+    b, t, h, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, t, hkv, h // hkv, d)
+    s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    s = s / jnp.sqrt(jnp.float32(d))
+    s = jnp.where(mask[:, None, None, :, :], s, NEG_INF)
+    m = jnp.max(s, axis=-1, keepdims=True)                                   # [B, K, G, T, 1]
+    p = jnp.exp(s - m)
+    p = jnp.where(mask[:, None, None, :, :], p, 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    safe = jnp.where(denom > 0, denom, 1.0)
+    o = jnp.einsum("bkgts,bksd->btkgd", (p / safe).astype(v.dtype), v,
+                   preferred_element_type=jnp.float32)
+    lse = jnp.where(denom[..., 0] > 0, m[..., 0] + jnp.log(safe[..., 0]), NEG_INF)  # [B, K, G, T]
+    lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, h)
+    return o.reshape(b, t, h, d).astype(q.dtype), lse
+
+
 def merge_partials(parts: Sequence[tuple[jax.Array, jax.Array]]):
     """Merge attention outputs over disjoint key blocks by their log-sum-exps (exact)."""
     lses = jnp.stack([l for _, l in parts])                                   # [P, B, T, H]
