@@ -116,8 +116,11 @@ def attend_partial_heads(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     p = jnp.where(mask[:, None, None, :, :], p, 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     safe = jnp.where(denom > 0, denom, 1.0)
-    o = jnp.einsum("bkgts,bksd->btkgd", (p / safe).astype(v.dtype), v,
-                   preferred_element_type=jnp.float32)
+    # P [.., T, S] x V [.., S, D] in the dot's own output order [B, K, G, T, D], then the (small)
+    # output moved to [B, T, K, G, D]: asking the einsum for "btkgd" directly let XLA CPU compute
+    # V^T P^T with V's contracting axis major, a plain dot instead of its YNNPACK matmul
+    o = jnp.einsum("bkgts,bksd->bkgtd", (p / safe).astype(v.dtype), v, preferred_element_type=jnp.float32)
+    o = jnp.transpose(o, (0, 3, 1, 2, 4))
     lse = jnp.where(denom[..., 0] > 0, m[..., 0] + jnp.log(safe[..., 0]), NEG_INF)  # [B, K, G, T]
     lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, h)
     return o.reshape(b, t, h, d).astype(q.dtype), lse
