@@ -10,9 +10,9 @@ the W x H/Hkv queries of a group meet each key block of its parent's prefix once
 read from HBM once per step (per query block) whatever the number of children.
 
 What. `grouped_prefix_attention(q [Gr, W, H, D], k_cache, v_cache [N, S, Hkv, D], kv_rows [Gr],
-lens [Gr, W])`: group g reads cache row kv_rows[g] (the engine passes the layer's parent cache
-as rows layer*P + slot of a free [L*P, S, Hkv, D] view, so neither the layer nor the slot is ever
-gathered or copied); member w sees its first lens[g, w] keys. Returns (out [Gr, W, H, D] in q's
+lens [Gr, W])` (or [N, Hkv, S, D] with heads_first=True, the engine's layout: below): group g reads
+cache row kv_rows[g] (the engine passes the layer's parent cache as rows layer*P + slot of a free
+[L*P, Hkv, S, D] view, so neither the layer nor the slot is ever gathered or copied); member w sees its first lens[g, w] keys. Returns (out [Gr, W, H, D] in q's
 dtype, lse [Gr, W, H] natural log fp32): the same pair as the engine's XLA path
 (`grouped_prefix_attention_reference`: gather the slot, `attend_partial` under the length mask),
 so the child-suffix and self parts merge with it exactly as before. A row that sees no key gives
@@ -37,8 +37,10 @@ addresses (row, head, keys) instead of (row, keys, head); the TPU body takes (bk
 (row, head) directly, so it needs no [S, Hkv*D] view and no D % 128 == 0.
 
 Layout. Queries of a group are laid out per KV head as W x (H/Hkv) rows (member-major), padded to
-the query block. On TPU the cache is viewed [N, S, Hkv*D] (a (rows, D) block at column block h),
-which needs D % 128 == 0 when Hkv > 1 (Qwen2: 128); on GPU D must be a power of two >= 16.
+the query block. With the default [N, S, Hkv, D] cache (heads_first=False: `bench kernels`' single
+cache, the tests) the TPU body views it [N, S, Hkv*D] (a (rows, D) block at column block h), which
+needs D % 128 == 0 when Hkv > 1 (Qwen2: 128); heads_first=True needs neither. On GPU D must be a
+power of two >= 16 in both layouts.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import greedy_by_full_forward, tiny_vocab_tokenizer
 from sprint_jax.infer import Engine, EngineError, Sampling
 from sprint_jax.infer import copy_fork
-from sprint_jax.infer.batch import STOP_WIDTH, BatchEngine, _decode
+from sprint_jax.infer.batch import STOP_WIDTH, BatchEngine, _copy_join, _decode
 from sprint_jax.model import from_pretrained
 
 CAPS = dict(max_seq_len=96, max_branch_tokens=48, decode_chunk=8, prefill_chunk=32, eos_token_ids=[])
@@ -295,6 +295,16 @@ def test_decode_step_hlo_has_no_full_cache_copy(setup):
     assert caps == {104, 56}
     assert _copies_of_the_cache(hlo, caps) == []
     assert "scatter" in hlo
+    # with a merge join's copy riding the call (a cond before the first step) and that copy run
+    # alone: still in place
+    joins = jnp.asarray(engine._no_join)
+    hlo_j = _decode.lower(engine.params, engine.config, engine.cache, z(na), z(nf), z(nf), z(nf * w), z(), z(),
+                          z(b, bool), z(), jnp.zeros((b, STOP_WIDTH), jnp.int32), z(), z(), z(), z(b, jnp.float32),
+                          z(), z(b, jnp.float32), jnp.zeros((b, 8), jnp.int32), z(), w=w, chunk=8, s_b=64, c_b=32,
+                          pos_off=z(), join_meta=joins, join_w=engine._fused_join_w).compile().as_text()
+    assert _copies_of_the_cache(hlo_j, caps) == []
+    alone_hlo = _copy_join.lower(engine.cache, joins, w=engine._fused_join_w).compile().as_text()
+    assert _copies_of_the_cache(alone_hlo, caps) == []
     # the counterexample: the copy-fork baseline's decode (sprint_jax.infer.copy_fork) carries its
     # plain cache through the layer scan, so the detector must find the capacity copy there
     old_cache = copy_fork.KVCache.zeros(model.config, 1, alone.seq_capacity)

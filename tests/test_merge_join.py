@@ -423,7 +423,7 @@ def test_a_joins_copy_rides_the_next_decode_call_and_equals_the_copy_run_alone(m
     assert results[0] == results[1] and len(results[0]) == 6
     n = f_seq.length
     for x, y in ((fused.cache.pk, alone.cache.pk), (fused.cache.pv, alone.cache.pv)):
-        np.testing.assert_array_equal(np.asarray(x)[:, f_seq.slot, :n], np.asarray(y)[:, a_seq.slot, :n])
+        np.testing.assert_array_equal(np.asarray(x)[:, f_seq.slot, :, :n], np.asarray(y)[:, a_seq.slot, :, :n])
     dropped, seq = joined()
     dropped.close(seq)
     assert dropped._pending_join is None

@@ -13,8 +13,10 @@ G groups of 1 parent + C children, each group over its own slot of a parent cach
 max prefix + 16, used lengths from P down to ~P/2 across the groups):
   grouped_pallas  `sprint_jax.kernels.grouped_prefix_attention` (all groups in one call, each
                   prefix read in place once, key blocks past a group's length skipped),
-  grouped_xla     the engine's XLA path: gather each group's first S_b slots (S_b = the
-                  power-of-two bucket of the longest length) + `attend_partial` under a mask.
+  grouped_xla     the engine's XLA path, its own code (`batch.parent_prefix_attention`): gather
+                  each group's first S_b slots (S_b = the power-of-two bucket of the longest
+                  length) + `attend_partial_heads` under a mask.
+Both on the engine's heads-first cache [N, Hkv, S, D] (`batch.SlotCache`).
 Each point reports the median time per call after warm-up (block_until_ready, time.perf_counter;
 compile time excluded and reported separately), the bytes the method must read (`bytes_read` /
 `copy_fork_bytes_read`) divided by that time, and the fraction of the device's HBM bandwidth
@@ -228,11 +230,11 @@ def _bucket(n: int, lo: int = 64) -> int:
 
 
 def _engine_xla_prefix(q, kc, vc, rows, lens, s_b: int):
-    """The batched engine's XLA parent-prefix attention: gather each group's first s_b slots."""
-    from sprint_jax.model.attention import attend_partial
-    take = lambda c: c[rows[:, None], jnp.arange(s_b)[None, :]]  # noqa: E731   [G, s_b, Hkv, D]
-    mask = jnp.arange(s_b)[None, None, :] < lens[:, :, None]
-    return attend_partial(q, take(kc), take(vc), mask)
+    """The batched engine's XLA parent-prefix attention, its own code (`batch.parent_prefix_attention`:
+    gather each group's first s_b slots of the heads-first cache kc, vc [N, Hkv, S, D], seen as
+    one layer)."""
+    from sprint_jax.infer.batch import parent_prefix_attention
+    return parent_prefix_attention(kc[None], vc[None], 0, rows, q, lens, s_b)
 
 
 def _bench_grouped_point(groups: int, p: int, s: dict[str, Any], interpret: bool,
@@ -243,8 +245,9 @@ def _bench_grouped_point(groups: int, p: int, s: dict[str, Any], interpret: bool
     cap = p + 16
     keys = jax.random.split(jax.random.PRNGKey(seed), 3)
     q = jax.random.normal(keys[0], (groups, w, h, d), dtype)
-    kc = jax.random.normal(keys[1], (groups, cap, hkv, d), dtype)
-    vc = jax.random.normal(keys[2], (groups, cap, hkv, d), dtype)
+    # the batched engine's slot layout, heads first: [N, Hkv, S, D] (sprint_jax.infer.batch.SlotCache)
+    kc = jax.random.normal(keys[1], (groups, hkv, cap, d), dtype)
+    vc = jax.random.normal(keys[2], (groups, hkv, cap, d), dtype)
     glens = [max(1, p - g * p // (2 * groups)) for g in range(groups)]
     lens = jnp.asarray([[n] * w for n in glens], jnp.int32)   # children at the fork point
     rows = jnp.arange(groups, dtype=jnp.int32)[::-1]
@@ -253,7 +256,7 @@ def _bench_grouped_point(groups: int, p: int, s: dict[str, Any], interpret: bool
     out, results = {}, []
     for method in GROUPED_METHODS:
         if method == "grouped_pallas":
-            fn = lambda *a: grouped_prefix_attention(*a, interpret=interpret)  # noqa: E731
+            fn = lambda *a: grouped_prefix_attention(*a, interpret=interpret, heads_first=True)  # noqa: E731
         else:
             fn = functools.partial(_engine_xla_prefix, s_b=s_b)
         compile_s, sec, o = _time(fn, (q, kc, vc, rows, lens), s["warmup"], s["repeats"])

@@ -78,8 +78,9 @@ class SlotCache:
     Heads before positions: a slot's keys of one KV head are one contiguous [S, D] block, so the
     decode step gathers a row's used slots as a whole [Hkv, S_b, D] slice (`_gather_rows`) and its
     attention (`attend_partial_heads`) multiplies them as they are: no transposed copy of the
-    gathered K / V per step (the [.., S, Hkv, D] layout needed one: ~190 us of a 16-row step of the
-    demo model on CPU)."""
+    gathered K / V per step (the [.., S, Hkv, D] layout needed one, fused with the gather: a large
+    part of a many-row step of the demo model on CPU; README, "The batched engine"). Prefill still
+    transposes the rows it gathers for `flash_attention` (`_prefix_partial`); prefill calls are few."""
     pk: jax.Array
     pv: jax.Array
     ck: jax.Array
