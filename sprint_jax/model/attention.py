@@ -86,6 +86,16 @@ def attend_partial(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):
     hkv = k.shape[2]
     qg = q.reshape(b, t, hkv, h // hkv, d)
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    p, lse = _block_softmax(s, mask, d)
+    o = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o.reshape(b, t, h, d).astype(q.dtype), lse
+
+
+def _block_softmax(s: jax.Array, mask: jax.Array, d: int):
+    """Scores s [B, K, G, T, S] (fp32, unscaled) of one key block under mask [B, T, S] -> (the
+    probabilities normalised within the block, masked keys 0, and lse [B, T, K*G]; a row with no
+    visible key: probabilities 0, lse NEG_INF)."""
+    b, k, g, t, _ = s.shape
     s = s / jnp.sqrt(jnp.float32(d))
     s = jnp.where(mask[:, None, None, :, :], s, NEG_INF)
     m = jnp.max(s, axis=-1, keepdims=True)                                   # [B, K, G, T, 1]
@@ -93,11 +103,8 @@ def attend_partial(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):
     p = jnp.where(mask[:, None, None, :, :], p, 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     safe = jnp.where(denom > 0, denom, 1.0)
-    o = jnp.einsum("bkgts,bskd->btkgd", (p / safe).astype(v.dtype), v,
-                   preferred_element_type=jnp.float32)
     lse = jnp.where(denom[..., 0] > 0, m[..., 0] + jnp.log(safe[..., 0]), NEG_INF)  # [B, K, G, T]
-    lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, h)
-    return o.reshape(b, t, h, d).astype(q.dtype), lse
+    return p / safe, jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, k * g)
 
 
 def attend_partial_heads(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):
@@ -109,20 +116,12 @@ def attend_partial_heads(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arr
     hkv = k.shape[1]
     qg = q.reshape(b, t, hkv, h // hkv, d)
     s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    s = s / jnp.sqrt(jnp.float32(d))
-    s = jnp.where(mask[:, None, None, :, :], s, NEG_INF)
-    m = jnp.max(s, axis=-1, keepdims=True)                                   # [B, K, G, T, 1]
-    p = jnp.exp(s - m)
-    p = jnp.where(mask[:, None, None, :, :], p, 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    safe = jnp.where(denom > 0, denom, 1.0)
+    p, lse = _block_softmax(s, mask, d)
     # P [.., T, S] x V [.., S, D] in the dot's own output order [B, K, G, T, D], then the (small)
     # output moved to [B, T, K, G, D]: asking the einsum for "btkgd" directly let XLA CPU compute
     # V^T P^T with V's contracting axis major, a plain dot instead of its YNNPACK matmul
-    o = jnp.einsum("bkgts,bksd->bkgtd", (p / safe).astype(v.dtype), v, preferred_element_type=jnp.float32)
+    o = jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     o = jnp.transpose(o, (0, 3, 1, 2, 4))
-    lse = jnp.where(denom[..., 0] > 0, m[..., 0] + jnp.log(safe[..., 0]), NEG_INF)  # [B, K, G, T]
-    lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, h)
     return o.reshape(b, t, h, d).astype(q.dtype), lse
 
 
