@@ -12,8 +12,9 @@ read from HBM once per step (per query block) whatever the number of children.
 What. `grouped_prefix_attention(q [Gr, W, H, D], k_cache, v_cache [N, S, Hkv, D], kv_rows [Gr],
 lens [Gr, W])` (or [N, Hkv, S, D] with heads_first=True, the engine's layout: below): group g reads
 cache row kv_rows[g] (the engine passes the layer's parent cache as rows layer*P + slot of a free
-[L*P, Hkv, S, D] view, so neither the layer nor the slot is ever gathered or copied); member w sees its first lens[g, w] keys. Returns (out [Gr, W, H, D] in q's
-dtype, lse [Gr, W, H] natural log fp32): the same pair as the engine's XLA path
+[L*P, Hkv, S, D] view, so neither the layer nor the slot is ever gathered or copied); member w
+sees its first lens[g, w] keys. Returns (out [Gr, W, H, D] in q's dtype, lse [Gr, W, H] natural
+log fp32): the same pair as the engine's XLA path
 (`grouped_prefix_attention_reference`: gather the slot, `attend_partial` under the length mask),
 so the child-suffix and self parts merge with it exactly as before. A row that sees no key gives
 out 0 and lse NEG_INF (it vanishes in the merge).
