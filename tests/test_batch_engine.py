@@ -287,18 +287,22 @@ def test_decode_step_hlo_has_no_full_cache_copy(setup):
     na, nf, w = 2, 2, engine.max_children                 # generate rows + fork groups of w children
     b = na + nf * w
     z = lambda n=b, dt=jnp.int32: jnp.zeros(n, dt)  # noqa: E731
-    hlo = _decode.lower(engine.params, engine.config, engine.cache, z(na), z(nf), z(nf), z(nf * w), z(), z(),
-                        z(b, bool), z(), jnp.zeros((b, STOP_WIDTH), jnp.int32), z(), z(), z(), z(b, jnp.float32),
-                        z(), z(b, jnp.float32), jnp.zeros((b, 8), jnp.int32), z(), w=w, chunk=8,
-                        s_b=64, c_b=32).compile().as_text()   # used-length buckets below capacity
     caps = {engine.parent_capacity, engine.child_capacity}
     assert caps == {104, 56}
-    assert _copies_of_the_cache(hlo, caps) == []
-    assert "scatter" in hlo
+    # both forms of the weights: the stacked scan (deep models, meshes) and the per-layer loop
+    # this small model runs (`qwen2.per_layer`: the cache's layer index stays a run-time value)
+    assert isinstance(engine._step_params["layers"], tuple)
+    for params in (engine.params, engine._step_params):
+        hlo = _decode.lower(params, engine.config, engine.cache, z(na), z(nf), z(nf), z(nf * w), z(), z(),
+                            z(b, bool), z(), jnp.zeros((b, STOP_WIDTH), jnp.int32), z(), z(), z(),
+                            z(b, jnp.float32), z(), z(b, jnp.float32), jnp.zeros((b, 8), jnp.int32), z(), w=w,
+                            chunk=8, s_b=64, c_b=32).compile().as_text()   # used-length buckets below capacity
+        assert _copies_of_the_cache(hlo, caps) == []
+        assert "scatter" in hlo
     # with a merge join's copy riding the call (a cond before the first step) and that copy run
     # alone: still in place
     joins = jnp.asarray(engine._no_join)
-    hlo_j = _decode.lower(engine.params, engine.config, engine.cache, z(na), z(nf), z(nf), z(nf * w), z(), z(),
+    hlo_j = _decode.lower(engine._step_params, engine.config, engine.cache, z(na), z(nf), z(nf), z(nf * w), z(), z(),
                           z(b, bool), z(), jnp.zeros((b, STOP_WIDTH), jnp.int32), z(), z(), z(), z(b, jnp.float32),
                           z(), z(b, jnp.float32), jnp.zeros((b, 8), jnp.int32), z(), w=w, chunk=8, s_b=64, c_b=32,
                           pos_off=z(), join_meta=joins, join_w=engine._fused_join_w).compile().as_text()
@@ -314,6 +318,48 @@ def test_decode_step_hlo_has_no_full_cache_copy(setup):
         jax.vmap(jax.random.key)(o()), jnp.int32(0), jnp.float32(0), jnp.int32(0), jnp.float32(1),
         chunk=8, greedy=True).compile().as_text()
     assert _copies_of_the_cache(old, {alone.seq_capacity}) != []
+
+
+def test_per_layer_weights_give_the_stacked_scans_results(setup, monkeypatch):
+    """A small model's engine runs its calls on per-layer weights (`qwen2.per_layer`; no copies out
+    of the stacked weights per step); deep models and meshes run the stacked layer scan. Both
+    are the same arithmetic: the same scripts (generate, fork, extend, sampling, stops) give the
+    same tokens and stop reasons, and the same logits to the bit. Setting `params` renews the
+    per-layer copy."""
+    from sprint_jax.infer import batch as batch_mod
+    from sprint_jax.model.qwen2 import per_layer
+
+    model, tok, _ = setup
+    s_hot = Sampling(temperature=1.0, seed=5)
+    scripts = [
+        (_ids(11, 13), [("generate", ((14,), {}))]),
+        (_ids(12, 40), [("fork", (([[7], [8, 9], []], [6, 9, 4]), dict(sampling=s_hot))),
+                        ("extend", (([50, 51],), {})), ("generate", ((7,), {}))]),
+        (_ids(13, 8), [("generate", ((9,), dict(sampling=s_hot)))]),
+    ]
+    runs = {}
+    for name, limit in (("per_layer", batch_mod.UNROLL_MAX_LAYERS), ("stacked", 0)):
+        monkeypatch.setattr(batch_mod, "UNROLL_MAX_LAYERS", limit)
+        engine = _batch(model, tok, slots=2)
+        assert isinstance(engine._step_params["layers"], tuple) == (name == "per_layer")
+        assert not isinstance(engine.params["layers"], tuple)          # `params` stays stacked
+        out = _drive(engine, scripts)
+        op = engine.open(_ids(14, 21))
+        engine.run([op])
+        logits = [engine.forced_logits(op.result, [5, 6]), *engine.fork_logits(op.result, [[9], [10, 11]])]
+        runs[name] = (_toks(sum(out, [])), _reasons(sum(out, [])), logits, engine)
+    a, b = runs["per_layer"], runs["stacked"]
+    assert a[0] == b[0] and a[1] == b[1]
+    for x, y in zip(a[2], b[2]):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    engine = a[3]
+    scaled = jax.tree.map(lambda x: x * 2, engine.params)
+    engine.params = scaled
+    lay = engine._step_params["layers"]
+    assert isinstance(lay, tuple) and len(lay) == model.config.num_hidden_layers
+    np.testing.assert_array_equal(np.asarray(lay[1]["q_proj"]["kernel"]),
+                                  np.asarray(scaled["layers"]["q_proj"]["kernel"][1]))
+    assert per_layer(engine._step_params) is engine._step_params     # already per layer: as is
 
 
 def test_errors_name_the_limit(setup):

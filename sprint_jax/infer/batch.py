@@ -47,7 +47,8 @@ from sprint_jax.infer.sampling import GREEDY, Sampling, advance_rows, mask_padde
 from sprint_jax.infer.stops import StopScanner
 from sprint_jax.model.attention import attend_partial_heads, flash_attention
 from sprint_jax.model.config import Qwen2Config
-from sprint_jax.model.qwen2 import attend_partial, decoder, dtype_of, embed, merge_partials, unembed
+from sprint_jax.model.qwen2 import (UNROLL_MAX_LAYERS, attend_partial, decoder, dtype_of, embed, merge_partials,
+                                    per_layer, unembed)
 
 STOP_WIDTH = 8    # device-checked stop ids per row (EOS ids first, then one-token stop strings)
 
@@ -549,6 +550,12 @@ class BatchEngine:
     attention_impl: "xla" or "pallas" for the parent-prefix attention of a decode step ("pallas":
     `sprint_jax.kernels.grouped_prefix_attention`, all groups in one call, per shard on a mesh;
     interpret mode on CPU, where it is slow and only a correctness check).
+
+    Small models (at most `UNROLL_MAX_LAYERS` layers) on one device run their steps on a second,
+    per-layer copy of the layer weights (`qwen2.per_layer`): the stacked form's layer scan copied
+    every weight out of the stack on every decode step (on the demo's model, about half of a
+    one-row step). `params` stays the stacked form; setting it (the RL trainer's update) renews
+    the copy. Deep models and meshes keep the stacked scan.
     """
 
     def __init__(self, model, tokenizer, *, max_seqs: int = 16, max_children: int = 8, max_seq_len: int = 2048,
@@ -564,6 +571,7 @@ class BatchEngine:
             if v <= 0:
                 raise EngineError(f"{name} must be positive, got {v}")
         self.config: Qwen2Config = model.config
+        self._per_layer = mesh is None and self.config.num_hidden_layers <= UNROLL_MAX_LAYERS
         self.params = model.params
         self.tokenizer = tokenizer
         self.n_valid = valid_vocab(tokenizer, self.config.vocab_size)   # padded ids are never sampled
@@ -621,6 +629,17 @@ class BatchEngine:
         self._fused_join_w = self._join_window(self.child_capacity - 1)
         self._no_join = np.zeros((self._parts, 2 + 2 * max_children), np.int32)
         self._join_call = False             # the last merge dispatched a call (`flush_sync` waits for it)
+
+    @property
+    def params(self):
+        """The weights, stacked on a leading layers axis (as the model and the trainer hold them)."""
+        return self._params
+
+    @params.setter
+    def params(self, value) -> None:
+        self._params = value
+        # what the engine's calls run (see the class docstring): small models per layer
+        self._step_params = per_layer(value) if self._per_layer else value
 
     @property
     def cache(self) -> SlotCache:
@@ -884,10 +903,10 @@ class BatchEngine:
             c_b = self._merge_bucket(int(start.max()) + 1, self.child_capacity)
             if pos + self.prefill_chunk < longest:
                 self.cache, logits = _prefill(
-                    self.params, self.config, self.cache, toks, cslot, parent, fork_len, start, nval, kind="child",
-                    s_b=s_b, c_b=c_b, kv=self._kv, pos_off=pos_off, return_logits=True)
+                    self._step_params, self.config, self.cache, toks, cslot, parent, fork_len, start, nval,
+                    kind="child", s_b=s_b, c_b=c_b, kv=self._kv, pos_off=pos_off, return_logits=True)
             else:
-                self.cache, logits = _merge(self.params, self.config, self.cache, toks, cslot, parent, fork_len,
+                self.cache, logits = _merge(self._step_params, self.config, self.cache, toks, cslot, parent, fork_len,
                                             start, nval, pos_off, meta, s_b=s_b, c_b=c_b, w=w, kv=self._kv)
             self.stats["prefill_calls"] += 1
             if pieces[-1]:
@@ -952,9 +971,9 @@ class BatchEngine:
             toks[i, : len(piece)] = piece
             slot[i], start[i], nval[i], pos_off[i] = seq.slot, seq.length + pos, len(piece), seq.pos_offset
             s_b = min(_bucket(int(start[i]) + 1, self.min_bucket), self.parent_capacity)
-            self.cache, logits = _prefill(self.params, self.config, self.cache, toks, slot, slot, np.zeros_like(slot),
-                                          start, nval, kind="parent", s_b=s_b, c_b=1, kv=self._kv, pos_off=pos_off,
-                                          return_logits=True, all_logits=True)
+            self.cache, logits = _prefill(self._step_params, self.config, self.cache, toks, slot, slot,
+                                          np.zeros_like(slot), start, nval, kind="parent", s_b=s_b, c_b=1,
+                                          kv=self._kv, pos_off=pos_off, return_logits=True, all_logits=True)
             self.stats["prefill_calls"] += 1
             rows.append(np.asarray(logits[i, : len(piece)]))
         seq.tokens = seq.tokens + tokens
@@ -989,8 +1008,8 @@ class BatchEngine:
                 nval[i] = len(p)
             s_b = min(_bucket(p0 + 1, self.min_bucket), self.parent_capacity)
             c_b = min(_bucket(pos + 1, self.min_bucket), self.child_capacity)
-            self.cache, logits = _prefill(self.params, self.config, self.cache, toks, cslot, parent, fork_len, start,
-                                          nval, kind="child", s_b=s_b, c_b=c_b, kv=self._kv, pos_off=pos_off,
+            self.cache, logits = _prefill(self._step_params, self.config, self.cache, toks, cslot, parent, fork_len,
+                                          start, nval, kind="child", s_b=s_b, c_b=c_b, kv=self._kv, pos_off=pos_off,
                                           return_logits=True, all_logits=True)
             self.stats["prefill_calls"] += 1
             logits = np.asarray(logits)
@@ -1061,7 +1080,7 @@ class BatchEngine:
         for s_b, c_b, t_b in itertools.product(buckets(self.parent_capacity, top),
                                                buckets(self.child_capacity, self.child_capacity),
                                                sorted({_bucket(t, 1) for t in tails})):
-            self.cache, _ = _merge(self.params, self.config, self.cache, np.zeros((r_b, t_b), np.int32), pad,
+            self.cache, _ = _merge(self._step_params, self.config, self.cache, np.zeros((r_b, t_b), np.int32), pad,
                                    zeros, zeros, zeros, zeros, zeros, meta, s_b=s_b, c_b=c_b,
                                    w=min(c_b, self.parent_capacity), kv=self._kv)
             shapes += 1
@@ -1211,8 +1230,8 @@ class BatchEngine:
         s_b = min(_bucket_fine(int(start.max()) + 1, self.min_bucket), self.parent_capacity)
         # host arrays go to the jitted call as they are (jnp.asarray / jnp.zeros would each be a
         # dispatched op: ~0.1-0.4 ms of host time per prefill call on a small model)
-        self.cache = _prefill(self.params, self.config, self.cache, toks, slot, slot, np.zeros(r_b, np.int32), start,
-                              nval, kind="parent", s_b=s_b, c_b=1, kv=self._kv, pos_off=pos_off)
+        self.cache = _prefill(self._step_params, self.config, self.cache, toks, slot, slot, np.zeros(r_b, np.int32),
+                              start, nval, kind="parent", s_b=s_b, c_b=1, kv=self._kv, pos_off=pos_off)
         self.stats["prefill_calls"] += 1
         for work, piece in rows:
             work[2] += len(piece)
@@ -1249,7 +1268,7 @@ class BatchEngine:
             fork[i] = row.op.seq.length
             start[i] = row.prefill_pos
             nval[i] = len(piece)
-        self.cache = _prefill(self.params, self.config, self.cache, toks, cslot, parent, fork, start, nval,
+        self.cache = _prefill(self._step_params, self.config, self.cache, toks, cslot, parent, fork, start, nval,
                               kind="child", s_b=s_b, c_b=c_b, kv=self._kv, pos_off=pos_off)
         self.stats["prefill_calls"] += 1
         for (_, _, row), piece in zip(work, pieces):
@@ -1358,7 +1377,7 @@ class BatchEngine:
         c_b = min(_bucket_fine(need_c, self.min_bucket), self.child_capacity) if forks else 1
         join_meta, join_w = self._join_for_decode()
         res = _decode(
-            self.params, self.config, self._cache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending, active,
+            self._step_params, self.config, self._cache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending, active,
             remaining, stop_ids, seeds, branch, steps, temp, top_k, top_p, forced, n_forced,
             w=w, chunk=self.decode_chunk, s_b=s_b, c_b=c_b, kv=self._kv,
             attention_impl=self.attention_impl, n_valid=self.n_valid, pos_off=pos_off,

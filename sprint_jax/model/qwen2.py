@@ -302,10 +302,31 @@ def scan_unroll(config: Qwen2Config) -> int:
     return n if n <= UNROLL_MAX_LAYERS else 1
 
 
+def per_layer(params: Params) -> Params:
+    """The same weights with `layers` as a tuple of per-layer trees (one copy of the layer
+    weights) instead of arrays stacked on a leading layers axis. `decoder` runs either form. The
+    stacked form's scan takes each layer's weights out of the stack with dynamic slices, which XLA
+    CPU materialises as copies every time the stack runs; the per-layer form's layers read their
+    own weights where they lie. The batched engine runs small models in this form (`BatchEngine`:
+    a decode step runs the stack once per token, and on the demo's model those copies were about
+    half of a one-row step)."""
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        return params
+    n = jax.tree.leaves(layers)[0].shape[0]
+    return {**params, "layers": tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n))}
+
+
 def decoder(params: Params, config: Qwen2Config, x: jax.Array, positions: jax.Array,
             attend: AttendFn, cache: Any = None, remat: str = "none", unroll: int = 1):
     """The layer stack under lax.scan (`unroll` layers per loop iteration; the same arithmetic).
-    `cache` is any pytree with a leading layers axis (or None)."""
+    `cache` is any pytree with a leading layers axis (or None). With `params["layers"]` in the
+    per-layer form (`per_layer`) the scan runs over the layer index and a `lax.switch` on it runs
+    the layer body with that layer's own weights (no slice of a stack). Still one scan, not a
+    Python loop over the layers: the engine's attend reads its KV cache at the scan's layer
+    index and the caller writes the new K/V after the stack; with the layers unrolled in the
+    caller's computation XLA could not order those writes after the last layer's reads and copied
+    the whole cache every step (`tests/test_batch_engine.py`'s HLO test checks both forms)."""
     def body(carry, xs):
         lp, lc = xs
         y, new_lc = _layer(config, constrain(carry, ("batch", None, None)), lp, positions, attend, lc)
@@ -317,6 +338,15 @@ def decoder(params: Params, config: Qwen2Config, x: jax.Array, positions: jax.Ar
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     elif remat != "none":
         raise ValueError(f"remat must be 'none', 'full' or 'dots', got {remat!r}")
+    if isinstance(params["layers"], (list, tuple)):
+        layers = params["layers"]
+
+        def run(carry, xs):
+            i, lc = xs
+            branches = [lambda c, layer_cache, lp=lp: body(c, (lp, layer_cache)) for lp in layers]
+            return jax.lax.switch(i, branches, carry, lc)
+
+        return jax.lax.scan(run, x, (jnp.arange(len(layers)), cache))
     x, new_cache = jax.lax.scan(body, x, (params["layers"], cache), unroll=unroll)
     return x, new_cache
 
