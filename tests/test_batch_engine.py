@@ -340,7 +340,7 @@ def test_per_layer_weights_give_the_stacked_scans_results(setup, monkeypatch):
     runs = {}
     for name, limit in (("per_layer", batch_mod.UNROLL_MAX_LAYERS), ("stacked", 0)):
         monkeypatch.setattr(batch_mod, "UNROLL_MAX_LAYERS", limit)
-        engine = _batch(model, tok, slots=2)
+        engine = _batch(model, tok)           # the other tests' shapes: the per-layer run reuses their compiles
         assert isinstance(engine._step_params["layers"], tuple) == (name == "per_layer")
         assert not isinstance(engine.params["layers"], tuple)          # `params` stays stacked
         out = _drive(engine, scripts)
