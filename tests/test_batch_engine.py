@@ -289,8 +289,8 @@ def test_decode_step_hlo_has_no_full_cache_copy(setup):
     z = lambda n=b, dt=jnp.int32: jnp.zeros(n, dt)  # noqa: E731
     caps = {engine.parent_capacity, engine.child_capacity}
     assert caps == {104, 56}
-    # both forms of the weights: the stacked scan (deep models, meshes) and the per-layer loop
-    # this small model runs (`qwen2.per_layer`: the cache's layer index stays a run-time value)
+    # both forms of the weights: the stacked scan (deep models, meshes) and the per-layer form this
+    # small model runs (`qwen2.per_layer`: a scan over the layer index, a switch picking its weights)
     assert isinstance(engine._step_params["layers"], tuple)
     for params in (engine.params, engine._step_params):
         hlo = _decode.lower(params, engine.config, engine.cache, z(na), z(nf), z(nf), z(nf * w), z(), z(),
