@@ -1,7 +1,8 @@
 """`sprint-jax bench serve`: many SPRINT-shaped runs at once on the batched engine (issue 13).
 
 Model: random weights in the demo's model shape (`demo-size`: sprint_jax.demo.DemoModel, vocabulary
-512) by default; --preset bench-tiny or any configs/model_NAME.json.
+512) by default; --preset bench-tiny or any configs/model_NAME.json. The latency model runs on the
+demo's model exactly (configs/demo.yaml, its tokenizer's vocabulary; random weights) unless --preset.
 
 Rows, all measured in one run:
   throughput   problems/s and generated tokens/s at each --concurrency on `BatchEngine`, and the
@@ -17,6 +18,20 @@ Rows, all measured in one run:
                single-run engine (the same core through the single-run API). The sequence is prefilled once;
                each timed call decodes N tokens and rolls back (truncate), and
                step_ms = (wall(8 chunks) - wall(1 chunk)) / (7 chunks) cancels per-call set-up.
+  latency      (the latency model) the decode step of one row vs of a fork of --executors children
+               (the same context, --model-context tokens), and an engine call's fixed cost: each
+               path decodes N = 8 and 64 tokens in ONE call (decode chunk 64), best of the
+               repeats; step = (wall(64) - wall(8)) / 56, per call = wall(8) - 8 x step. Beside
+               them the model's matmuls alone (every weight matrix of every layer and the
+               unembedding, chained in a loop) at 1 row and at the fork's rows: the least any
+               engine's extra rows can cost on this machine. From these, the scripted problem's
+               parallel / sequential latency ratio with no per-call cost at all: with this
+               engine's fork step, and at the compute floor (fork step = one-row step + the extra
+               rows' matmuls). Counts: parallel = planner + final one-row steps and 4 + executor
+               tokens steps of the fork (4: the forced opening); sequential = --sequential-tokens
+               one-row steps. A parallel stage pays off in wall clock only where extra rows are
+               cheap next to a step's fixed cost (accelerators); the ratio says where this
+               machine stands, e.g. against issue 13's demo target (<= 0.75).
   fork bytes   a fork of --executors children on a fresh engine: the KV bytes written, read off the
                cache arrays (slots whose K or V is non-zero), against prefix + n x suffix (the
                prefix stored once) and against what per-child prefix copies would hold.
@@ -78,6 +93,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed passes per point (best reported)")
     parser.add_argument("--decode-chunk", type=int, default=16, help="decode steps per host round trip")
     parser.add_argument("--no-single", action="store_true", help="skip the single-run Engine rows")
+    m = parser.add_argument_group("latency model: when can parallel executors cut wall clock on this machine?")
+    m.add_argument("--no-latency-model", action="store_true", help="skip the latency-model rows")
+    m.add_argument("--model-context", type=int, default=64,
+                   help="latency model: the context length its steps attend to (the demo's stage 1: ~40-70)")
+    m.add_argument("--sequential-tokens", type=int, default=None,
+                   help="latency model: tokens of the same problem solved sequentially (one row; default "
+                        "planner + executors x executor tokens + final tokens)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     h = parser.add_argument_group("--http: the same plain requests through `sprint-jax serve` vs in-process")
     h.add_argument("--http", action="store_true",
@@ -862,12 +884,135 @@ def serve_bench(args: argparse.Namespace) -> dict[str, Any]:
             row[f"{label}_samples_s"] = walls
         out["capacity"].append(row)
     out["fork_bytes"] = fork_bytes(model, tok, prompts[0], s, common)
+    if not args.no_latency_model:
+        # the demo's model exactly (its vocabulary too: the unembedding is part of a row's work)
+        # unless a preset is named
+        lm_model, lm_tok = (model, tok) if args.preset else _demo_model(args.seed, 1)[:2]
+        out["latency_model"] = latency_model(lm_model, lm_tok, s, args.model_context, args.repeats,
+                                             args.sequential_tokens)
+        out["latency_model"]["model"] = name if args.preset else "the demo's (configs/demo.yaml, its vocabulary)"
     _report(out, conc, caps)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2, default=str)
         print(f"written: {args.out}")
     return out
+
+
+MODEL_LO, MODEL_HI = 8, 64        # the latency model's two call lengths (one decode call each)
+
+
+def step_costs(model, tok, k: int, context: int, repeats: int) -> dict[str, Any]:
+    """One row's decode step, a fork of k children's decode step (the same context) and the
+    fixed cost of an engine call, on a one-sequence BatchEngine whose decode chunk holds a whole
+    call: each path decodes MODEL_LO and MODEL_HI tokens in one call, alternating, best of
+    repeats + 2; step = the difference per token, per call = the short call minus its steps."""
+    from sprint_jax.infer.batch import BatchEngine
+
+    kw = dict(max_seq_len=context + MODEL_HI + 8, max_branch_tokens=MODEL_HI + 8, decode_chunk=MODEL_HI,
+              prefill_chunk=128, eos_token_ids=[])
+    e = BatchEngine(model, tok, max_seqs=1, max_children=k, **kw)
+    prompt = [int(x) for x in np.random.default_rng(2).integers(2, model.config.vocab_size, context)]
+    op = e.open(prompt)
+    e.run([op])
+    seq = op.result
+
+    def one(n):
+        g = e.generate(seq, n)
+        e.run([g])
+        e.truncate(seq, context)                 # back to the same context for the next call
+
+    def fork(n):
+        f = e.fork(seq, [[]] * k, n)             # k children of the context, n tokens each
+        e.run([f])
+    out: dict[str, Any] = {"context": context, "children": k}
+    for label, fn in (("one_row", one), ("fork", fork)):
+        for n in (MODEL_LO, MODEL_HI):
+            fn(n)                                # compile
+        walls: dict[int, list[float]] = {MODEL_LO: [], MODEL_HI: []}
+        calls0 = e.stats["decode_calls"]
+        for _ in range(repeats + 2):
+            for n in (MODEL_LO, MODEL_HI):
+                t0 = time.perf_counter()
+                fn(n)
+                walls[n].append(time.perf_counter() - t0)
+        if e.stats["decode_calls"] - calls0 != 2 * (repeats + 2):
+            raise RuntimeError("latency model: a timed path took more than one decode call")
+        step = (min(walls[MODEL_HI]) - min(walls[MODEL_LO])) / (MODEL_HI - MODEL_LO)
+        out[f"{label}_step_ms"] = 1000 * step
+        out[f"{label}_call_ms"] = 1000 * (min(walls[MODEL_LO]) - MODEL_LO * step)
+        out[f"{label}_samples_s"] = {str(n): w for n, w in walls.items()}
+    return out
+
+
+def matmul_times(config, rows: list[int], repeats: int, iters: int = 50) -> dict[int, float]:
+    """ms per pass of the model's matmuls alone at each row count: every layer's q, k, v, o,
+    gate, up and down projections and the unembedding, chained so none is dead code, `iters`
+    passes in one compiled loop (best of repeats + 2)."""
+    import jax
+    import jax.numpy as jnp
+
+    h, d = config.hidden_size, config.head_dim
+    shapes = [(h, config.num_attention_heads * d), (h, config.num_key_value_heads * d),
+              (h, config.num_key_value_heads * d), (config.num_attention_heads * d, h),
+              (h, config.intermediate_size), (h, config.intermediate_size), (config.intermediate_size, h)]
+    keys = iter(jax.random.split(jax.random.key(0), 7 * config.num_hidden_layers + 1))
+    layers = [[jax.random.normal(next(keys), sh, jnp.float32) * 0.02 for sh in shapes]
+              for _ in range(config.num_hidden_layers)]
+    emb = jax.random.normal(next(keys), (h, config.vocab_size), jnp.float32) * 0.02
+
+    @jax.jit
+    def passes(x):
+        def body(_, x):
+            for wq, wk, wv, wo, wg, wu, wd in layers:
+                side = (x @ wk).sum(-1, keepdims=True) + (x @ wv).sum(-1, keepdims=True)
+                x = x + (x @ wq) @ wo + 1e-6 * side
+                x = x + ((x @ wg) * (x @ wu)) @ wd
+            return x + 1e-6 * (x @ emb).sum(-1, keepdims=True)
+        return jax.lax.fori_loop(0, iters, body, x)
+    out = {}
+    for m in rows:
+        x = jnp.ones((m, h), jnp.float32)
+        jax.block_until_ready(passes(x))
+        best = float("inf")
+        for _ in range(repeats + 2):
+            t0 = time.perf_counter()
+            jax.block_until_ready(passes(x))
+            best = min(best, time.perf_counter() - t0)
+        out[m] = 1000 * best / iters
+    return out
+
+
+def latency_ratio(one_row_steps: int, fork_steps: int, sequential_steps: int, c1: float, ck: float) -> float:
+    """Parallel / sequential latency of a problem when an engine call costs nothing but its steps:
+    (one-row steps x c1 + fork steps x ck) / (sequential one-row steps x c1)."""
+    return (one_row_steps * c1 + fork_steps * ck) / (sequential_steps * c1)
+
+
+def latency_model(model, tok, s: dict, context: int, repeats: int, sequential_tokens: int | None) -> dict[str, Any]:
+    """The latency-model rows (see the module docstring)."""
+    k = max(s["executors"], 1)
+    costs = step_costs(model, tok, k, context, repeats)
+    w = k                                              # rows the fork's step computes (max_children = k)
+    mm = matmul_times(model.config, sorted({1, w}), repeats)
+    c1, ck = costs["one_row_step_ms"], costs["fork_step_ms"]
+    one_row = s["planner_tokens"] + s["final_tokens"]
+    forked = 4 + s["executor_tokens"]                  # the forced 4-token opening, then the tokens
+    seq = sequential_tokens or (s["planner_tokens"] + k * s["executor_tokens"] + s["final_tokens"])
+    floor_ck = c1 + max(mm[w] - mm[1], 0.0)
+    return dict(costs, fork_rows=w, matmul_ms={str(m): t for m, t in mm.items()},
+                counts=dict(one_row_steps=one_row, fork_steps=forked, sequential_steps=seq),
+                ratio_engine=latency_ratio(one_row, forked, seq, c1, ck),
+                ratio_compute_floor=latency_ratio(one_row, forked, seq, c1, floor_ck),
+                ratio_no_fork_cost=latency_ratio(one_row, forked, seq, c1, c1),
+                one_row_step_for_target_ms=_c1_for(0.75, one_row, forked, seq, floor_ck - c1))
+
+
+def _c1_for(target: float, one_row: int, forked: int, seq: int, extra: float) -> float | None:
+    """The one-row step cost at which the compute-floor ratio reaches `target`:
+    (a c1 + b (c1 + extra)) / (n c1) <= target  <=>  c1 >= b extra / (target n - a - b)."""
+    room = target * seq - one_row - forked
+    return forked * extra / room if room > 0 else None
 
 
 def _loadavg() -> float | None:
@@ -916,6 +1061,22 @@ def _report(out: dict, conc: list[int], caps: list[int]) -> None:
               f"written ({fb['parent_slots']} parent + {sum(fb['child_slots'])} child slots); prefix + n x suffix = "
               f"{fb['prefix_plus_suffixes_bytes']} ({fb['prefix_slots']} + {fb['suffix_slots']} slots): "
               f"{'exact' if fb['exact'] else 'DIFFERENT'}; a per-child prefix copy would hold {fb['copied_prefix_bytes']}")
+    lm = out.get("latency_model")
+    if lm:
+        c = lm["counts"]
+        mm = lm["matmul_ms"]
+        print(f"\nlatency model ({lm['model']}; one sequence, context {lm['context']}, one decode call per path):")
+        print(f"  decode step: one row {lm['one_row_step_ms']:.3f} ms; a fork of {lm['children']} children "
+              f"({lm['fork_rows']} rows) {lm['fork_step_ms']:.3f} ms ({lm['fork_step_ms'] / lm['one_row_step_ms']:.2f}x); "
+              f"per engine call {lm['one_row_call_ms']:.3f} / {lm['fork_call_ms']:.3f} ms")
+        print(f"  the model's matmuls alone: 1 row {mm['1']:.3f} ms, {lm['fork_rows']} rows {mm[str(lm['fork_rows'])]:.3f} ms")
+        print(f"  problem: parallel {c['one_row_steps']} one-row + {c['fork_steps']} fork steps; sequential "
+              f"{c['sequential_steps']} one-row steps. Parallel / sequential latency with no per-call cost:")
+        print(f"    this engine's fork step {lm['ratio_engine']:.3f}; compute floor (fork = one row + the extra "
+              f"rows' matmuls) {lm['ratio_compute_floor']:.3f}; extra rows free {lm['ratio_no_fork_cost']:.3f}")
+        need = lm["one_row_step_for_target_ms"]
+        print(f"    the compute floor reaches 0.75 only if a one-row step costs >= "
+              f"{(f'{need:.3f} ms' if need is not None else 'never (the token counts alone exceed it)')}")
     print("\nratios (issue 13 targets: concurrency 16 / 1 >= 6; batched step 8192 / 512 <= 1.2):")
     for k, v in targets.items():
         print(f"  {k:<44}{v:>8.2f}")
