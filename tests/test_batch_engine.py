@@ -15,7 +15,7 @@ import pytest
 from conftest import greedy_by_full_forward, tiny_vocab_tokenizer
 from sprint_jax.infer import Engine, EngineError, Sampling
 from sprint_jax.infer import copy_fork
-from sprint_jax.infer.batch import STOP_WIDTH, BatchEngine, _copy_join, _decode
+from sprint_jax.infer.batch import BatchEngine, _copy_join, _decode, decode_rows
 from sprint_jax.model import from_pretrained
 
 CAPS = dict(max_seq_len=96, max_branch_tokens=48, decode_chunk=8, prefill_chunk=32, eos_token_ids=[])
@@ -287,25 +287,23 @@ def test_decode_step_hlo_has_no_full_cache_copy(setup):
     na, nf, w = 2, 2, engine.max_children                 # generate rows + fork groups of w children
     b = na + nf * w
     z = lambda n=b, dt=jnp.int32: jnp.zeros(n, dt)  # noqa: E731
+    ints, floats = (jnp.asarray(x) for x in decode_rows(b, 8)[:2])   # the packed per-row arrays
     caps = {engine.parent_capacity, engine.child_capacity}
     assert caps == {104, 56}
     # both forms of the weights: the stacked scan (deep models, meshes) and the per-layer form this
     # small model runs (`qwen2.per_layer`: a scan over the layer index, a switch picking its weights)
     assert isinstance(engine._step_params["layers"], tuple)
     for params in (engine.params, engine._step_params):
-        hlo = _decode.lower(params, engine.config, engine.cache, z(na), z(nf), z(nf), z(nf * w), z(), z(),
-                            z(b, bool), z(), jnp.zeros((b, STOP_WIDTH), jnp.int32), z(), z(), z(),
-                            z(b, jnp.float32), z(), z(b, jnp.float32), jnp.zeros((b, 8), jnp.int32), z(), w=w,
+        hlo = _decode.lower(params, engine.config, engine.cache, z(na), z(nf), z(nf), z(nf * w), ints, floats, w=w,
                             chunk=8, s_b=64, c_b=32).compile().as_text()   # used-length buckets below capacity
         assert _copies_of_the_cache(hlo, caps) == []
         assert "scatter" in hlo
     # with a merge join's copy riding the call (a cond before the first step) and that copy run
     # alone: still in place
     joins = jnp.asarray(engine._no_join)
-    hlo_j = _decode.lower(engine._step_params, engine.config, engine.cache, z(na), z(nf), z(nf), z(nf * w), z(), z(),
-                          z(b, bool), z(), jnp.zeros((b, STOP_WIDTH), jnp.int32), z(), z(), z(), z(b, jnp.float32),
-                          z(), z(b, jnp.float32), jnp.zeros((b, 8), jnp.int32), z(), w=w, chunk=8, s_b=64, c_b=32,
-                          pos_off=z(), join_meta=joins, join_w=engine._fused_join_w).compile().as_text()
+    hlo_j = _decode.lower(engine._step_params, engine.config, engine.cache, z(na), z(nf), z(nf), z(nf * w), ints,
+                          floats, w=w, chunk=8, s_b=64, c_b=32, join_meta=joins,
+                          join_w=engine._fused_join_w).compile().as_text()
     assert _copies_of_the_cache(hlo_j, caps) == []
     alone_hlo = _copy_join.lower(engine.cache, joins, w=engine._fused_join_w).compile().as_text()
     assert _copies_of_the_cache(alone_hlo, caps) == []

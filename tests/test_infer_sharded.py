@@ -232,7 +232,7 @@ import jax, jax.numpy as jnp, numpy as np
 from conftest import tiny_vocab_tokenizer
 from test_batch_engine import _copies_of_the_cache
 from sprint_jax.infer import sharding as sh
-from sprint_jax.infer.batch import STOP_WIDTH, BatchEngine, _decode, _prefill
+from sprint_jax.infer.batch import BatchEngine, _decode, _prefill, decode_rows
 from sprint_jax.model import from_pretrained
 
 assert jax.device_count() == 8, jax.devices()
@@ -243,9 +243,8 @@ eng = BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=4, max_children=4, max
 na, nf, w = 4, 4, eng.max_children       # generate rows, fork groups, rows per group (2 blocks of each)
 b = na + nf * w
 z = lambda n, dt=jnp.int32: jnp.zeros(n, dt)
-dec = (eng.params, eng.config, eng.cache, z(na), z(nf), z(nf), z(nf * w), z(b), z(b), z(b, bool), z(b),
-       jnp.zeros((b, STOP_WIDTH), jnp.int32), z(b), z(b), z(b), z(b, jnp.float32), z(b), z(b, jnp.float32),
-       jnp.zeros((b, 8), jnp.int32), z(b))
+ints, floats, _ = decode_rows(b, 8)
+dec = (eng.params, eng.config, eng.cache, z(na), z(nf), z(nf), z(nf * w), jnp.asarray(ints), jnp.asarray(floats))
 kw = dict(w=w, chunk=8, s_b=64, c_b=32, kv=eng._kv)
 pre = (eng.params, eng.config, eng.cache, jnp.zeros((4, 32), jnp.int32), z(4), z(4), z(4), z(4), z(4))
 pkw = dict(kind="child", s_b=64, c_b=32, kv=eng._kv)

@@ -160,7 +160,7 @@ def _decode_7b_text(target: str, attention_impl: str) -> str:
     parent slots of capacity 8192 + 16 and 8 children each, lowered (not run) for `target`."""
     from jax import export
 
-    from sprint_jax.infer.batch import STOP_WIDTH, SlotCache, _decode
+    from sprint_jax.infer.batch import SlotCache, _decode, decode_rows
     from sprint_jax.model.config import Qwen2Config
     from sprint_jax.model.qwen2 import abstract_params
     cfg = Qwen2Config.preset("r1-distill-qwen-7b", dtype="bfloat16")
@@ -169,10 +169,9 @@ def _decode_7b_text(target: str, attention_impl: str) -> str:
     b = na + nf * g
     cache = jax.eval_shape(lambda: SlotCache.zeros(cfg, slots, g, 8192 + 16, 1024 + 16))
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    f32 = jax.ShapeDtypeStruct((b,), jnp.float32)
-    args = (abstract_params(cfg), cache, i32(na), i32(nf), i32(nf), i32(nf * g), i32(b), i32(b),
-            jax.ShapeDtypeStruct((b,), bool), i32(b), i32(b, STOP_WIDTH), i32(b), i32(b), i32(b), f32,
-            i32(b), f32, i32(b, 16), i32(b))
+    ints, floats, _ = decode_rows(b, 16)
+    args = (abstract_params(cfg), cache, i32(na), i32(nf), i32(nf), i32(nf * g), i32(*ints.shape),
+            jax.ShapeDtypeStruct(floats.shape, jnp.float32))
     fn = jax.jit(lambda p, c, *a: _decode(p, cfg, c, *a, w=g, chunk=16, s_b=8192, c_b=1024,
                                           attention_impl=attention_impl))
     return export.export(fn, platforms=[target], disabled_checks=[

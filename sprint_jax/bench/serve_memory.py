@@ -55,7 +55,7 @@ def compile_decode_step(preset: str, mesh_spec: str, max_seqs: int, max_children
     from jax import ShapeDtypeStruct as SDS
 
     from sprint_jax.infer import sharding as sh
-    from sprint_jax.infer.batch import STOP_WIDTH, SlotCache, _decode
+    from sprint_jax.infer.batch import SlotCache, _decode, decode_rows
     from sprint_jax.model.config import resolve_model_config
     from sprint_jax.model.qwen2 import abstract_params, param_count
 
@@ -84,12 +84,9 @@ def compile_decode_step(preset: str, mesh_spec: str, max_seqs: int, max_children
     na, nf, w = max_seqs, max_seqs, max_children
     b = na + nf * w
     i32, f32 = jnp.int32, jnp.float32
+    ints, floats, _ = decode_rows(b, decode_chunk)       # the per-row arrays as the engine packs them
     rows = dict(a_slot=SDS((na,), i32), b_pslot=SDS((nf,), i32), b_fork=SDS((nf,), i32), b_cslot=SDS((nf * w,), i32),
-                lengths=SDS((b,), i32), pending=SDS((b,), i32),
-                active=SDS((b,), jnp.bool_), remaining=SDS((b,), i32), stop_ids=SDS((b, STOP_WIDTH), i32),
-                seeds=SDS((b,), i32), branch=SDS((b,), i32), steps=SDS((b,), i32), temperature=SDS((b,), f32),
-                top_k=SDS((b,), i32), top_p=SDS((b,), f32), forced=SDS((b, decode_chunk), i32),
-                n_forced=SDS((b,), i32))
+                ints=SDS(ints.shape, i32), floats=SDS(floats.shape, f32))
     t = time.perf_counter()
     lowered = _decode.lower(params, cfg, cache, **rows, w=w, chunk=decode_chunk, s_b=pc, c_b=cc,
                             kv=(kvp, kvc))

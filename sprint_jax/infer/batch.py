@@ -328,18 +328,58 @@ def parent_prefix_attention(pk: jax.Array, pv: jax.Array, layer, pslot: jax.Arra
     return attend_partial_heads(q, _gather_rows(pk, layer, pslot, s_b), _gather_rows(pv, layer, pslot, s_b), mask)
 
 
+# A decode call's per-row arguments travel as two host arrays, not fifteen: every numpy argument
+# of a jitted call is a host-to-device transfer of its own at dispatch (~5-10 us each on CPU, a
+# copy per array on an accelerator), paid once per decode call. `ints` [B, ROW_INT_COLS +
+# STOP_WIDTH + forced width]: the ROW_INTS columns, then the row's stop ids, then its forced tokens;
+# `floats` [B, 2]: ROW_FLOATS. `decode_rows` allocates them, `_decode` unpacks them on device.
+ROW_INTS = ("lengths", "pending", "active", "remaining", "seeds", "branch", "steps", "top_k", "n_forced",
+            "pos_off", "feed_last")
+ROW_FLOATS = ("temperature", "top_p")
+ROW_INT_COLS = len(ROW_INTS)
+
+
+def decode_rows(b: int, forced_width: int) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """(ints, floats, views): a decode call's packed row arrays for b rows, at their neutral values
+    (inactive, budget 1, no stop ids, greedy, top_p 1), and a writable numpy view per field name
+    (ROW_INTS, ROW_FLOATS, "stop_ids" [B, STOP_WIDTH], "forced" [B, forced_width])."""
+    ints = np.zeros((b, ROW_INT_COLS + STOP_WIDTH + forced_width), np.int32)
+    floats = np.zeros((b, len(ROW_FLOATS)), np.float32)
+    views = {name: ints[:, i] for i, name in enumerate(ROW_INTS)}
+    views.update({name: floats[:, i] for i, name in enumerate(ROW_FLOATS)})
+    views["stop_ids"] = ints[:, ROW_INT_COLS: ROW_INT_COLS + STOP_WIDTH]
+    views["forced"] = ints[:, ROW_INT_COLS + STOP_WIDTH:]
+    views["remaining"][:] = 1
+    views["stop_ids"][:] = -2
+    views["top_p"][:] = 1.0
+    return ints, floats, views
+
+
 @functools.partial(jax.jit, static_argnames=("config", "w", "chunk", "s_b", "c_b", "kv", "attention_impl",
-                                    "n_valid", "join_w"),
+                                    "n_valid", "feeding", "join_w"),
                    donate_argnames=("cache",))
-@sh.slot_local(rows=("a_slot", "b_pslot", "b_fork", "b_cslot", "lengths", "pending", "active", "remaining",
-                     "stop_ids", "seeds", "branch", "steps", "temperature", "top_k", "top_p", "forced", "n_forced",
-                     "pos_off", "feed_last", "join_meta"),
-               out=lambda a: ("cache", "rows", "rows", "max") + ("rows",) * (a["feed_last"] is not None),
+@sh.slot_local(rows=("a_slot", "b_pslot", "b_fork", "b_cslot", "ints", "floats", "join_meta"),
+               out=lambda a: ("cache", "rows", "rows", "max") + ("rows",) * bool(a["feeding"]),
                cache_kv=(0, 0, 1, 1))
-def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending,
-            active, remaining, stop_ids, seeds, branch, steps, temperature, top_k, top_p, forced, n_forced,
+def _decode(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fork, b_cslot, ints, floats,
             w: int, chunk: int, s_b: int, c_b: int, kv=None, attention_impl: str = "xla",
-            n_valid: int | None = None, pos_off=None, feed_last=None, join_meta=None, join_w: int = 1):
+            n_valid: int | None = None, feeding: bool = False, join_meta=None, join_w: int = 1):
+    """`decode_step` on the packed row arrays (`decode_rows`): the one jitted decode call.
+    feeding: the rows' feed_last column is on (a merge join follows; see decode_step)."""
+    col = {name: ints[:, i] for i, name in enumerate(ROW_INTS)}
+    return decode_step(
+        params, config, cache, a_slot, b_pslot, b_fork, b_cslot, col["lengths"], col["pending"],
+        col["active"] > 0, col["remaining"], ints[:, ROW_INT_COLS: ROW_INT_COLS + STOP_WIDTH], col["seeds"],
+        col["branch"], col["steps"], floats[:, 0], col["top_k"], floats[:, 1], ints[:, ROW_INT_COLS + STOP_WIDTH:],
+        col["n_forced"], w=w, chunk=chunk, s_b=s_b, c_b=c_b, kv=kv, attention_impl=attention_impl,
+        n_valid=n_valid, pos_off=col["pos_off"], feed_last=(col["feed_last"] > 0) if feeding else None,
+        join_meta=join_meta, join_w=join_w)
+
+
+def decode_step(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending,
+                active, remaining, stop_ids, seeds, branch, steps, temperature, top_k, top_p, forced, n_forced,
+                w: int, chunk: int, s_b: int, c_b: int, kv=None, attention_impl: str = "xla",
+                n_valid: int | None = None, pos_off=None, feed_last=None, join_meta=None, join_w: int = 1):
     """The active rows, packed: rows [0, A) decode on parent slots a_slot (a generate op: the row
     attends to its own parent slot); rows [A, A + F*w) are fork children, F groups of w rows,
     group i's children of parent slot b_pslot[i] (read-only, fork point b_fork[i]) in child
@@ -1325,23 +1365,14 @@ class BatchEngine:
         b_pslot = np.full(nf, self.max_seqs, np.int32)
         b_fork = np.zeros(nf, np.int32)
         b_cslot = np.full(nf * w, self.max_seqs * self.max_children, np.int32)
-        pos_off = np.zeros(b, np.int32)
-        lengths = np.zeros(b, np.int32)
-        pending = np.zeros(b, np.int32)
-        active = np.zeros(b, bool)
-        remaining = np.ones(b, np.int32)
-        stop_ids = np.full((b, STOP_WIDTH), -2, np.int32)
-        seeds = np.zeros(b, np.int32)
-        branch = np.zeros(b, np.int32)
-        steps = np.zeros(b, np.int32)
-        temp = np.zeros(b, np.float32)
-        top_k = np.zeros(b, np.int32)
-        top_p = np.ones(b, np.float32)
+        ints, floats, col = decode_rows(b, self.decode_chunk)         # the per-row arrays, packed
+        lengths, pending, active, remaining = col["lengths"], col["pending"], col["active"], col["remaining"]
+        stop_ids, seeds, branch, steps = col["stop_ids"], col["seeds"], col["branch"], col["steps"]
+        temp, top_k, top_p, pos_off = col["temperature"], col["top_k"], col["top_p"], col["pos_off"]
+        forced, n_forced = col["forced"], col["n_forced"]
+        fed_rows = col["feed_last"]                                   # rows that feed their last token
         need_p, need_c = 1, 1
         placed: list[tuple[int, _Row, bool]] = []
-        forced = np.zeros((b, self.decode_chunk), np.int32)
-        n_forced = np.zeros(b, np.int32)
-        fed_rows = np.zeros(b, bool)                                  # rows that feed their last token
         block = wa + wf * w                                           # rows per slot shard
         for p, (slot, row) in zip(at_a, gen_rows):
             a_slot[p] = slot
@@ -1377,11 +1408,9 @@ class BatchEngine:
         c_b = min(_bucket_fine(need_c, self.min_bucket), self.child_capacity) if forks else 1
         join_meta, join_w = self._join_for_decode()
         res = _decode(
-            self._step_params, self.config, self._cache, a_slot, b_pslot, b_fork, b_cslot, lengths, pending, active,
-            remaining, stop_ids, seeds, branch, steps, temp, top_k, top_p, forced, n_forced,
-            w=w, chunk=self.decode_chunk, s_b=s_b, c_b=c_b, kv=self._kv,
-            attention_impl=self.attention_impl, n_valid=self.n_valid, pos_off=pos_off,
-            feed_last=fed_rows if fed_rows.any() else None, join_meta=join_meta, join_w=join_w)
+            self._step_params, self.config, self._cache, a_slot, b_pslot, b_fork, b_cslot, ints, floats,
+            w=w, chunk=self.decode_chunk, s_b=s_b, c_b=c_b, kv=self._kv, attention_impl=self.attention_impl,
+            n_valid=self.n_valid, feeding=bool(fed_rows.any()), join_meta=join_meta, join_w=join_w)
         self.cache, out, reason = res[:3]
         kept = res[4] if len(res) > 4 else None
         out, reason = jax.device_get((out, reason))
