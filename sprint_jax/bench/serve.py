@@ -23,11 +23,11 @@ Rows, all measured in one run:
                path decodes N = 8 and 64 tokens in ONE call (decode chunk 64), best of the
                repeats; step = (wall(64) - wall(8)) / 56, per call = wall(8) - 8 x step. Beside
                them the model's matmuls alone (every weight matrix of every layer and the
-               unembedding, chained in a loop) at 1 row and at the fork's rows: the least any
-               engine's extra rows can cost on this machine. From these, the scripted problem's
-               parallel / sequential latency ratio with no per-call cost at all: with this
-               engine's fork step, and at the compute floor (fork step = one-row step + the extra
-               rows' matmuls). Counts: parallel = planner + final one-row steps and 4 + executor
+               unembedding, chained in a loop) at 1 row and at the fork's rows: what the extra
+               rows' matmuls cost at the rate XLA reaches here for these shapes. From these, the
+               scripted problem's parallel / sequential latency ratio with no per-call cost at
+               all: with this engine's fork step, and at the compute floor (fork step = one-row
+               step + the extra rows' matmuls). Counts: parallel = planner + final one-row steps and 4 + executor
                tokens steps of the fork (4: the forced opening); sequential = --sequential-tokens
                one-row steps. A parallel stage pays off in wall clock only where extra rows are
                cheap next to a step's fixed cost (accelerators); the ratio says where this
@@ -803,6 +803,8 @@ def serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     caps = [int(x) for x in args.capacities.split(",")]
     if min(conc) < 1 or n_problems < 1 or args.repeats < 1 or min(caps) <= args.used:
         raise UserError("--concurrency, --problems, --repeats must be >= 1 and every capacity > --used")
+    if args.model_context < 1 or (args.sequential_tokens is not None and args.sequential_tokens < 1):
+        raise UserError("--model-context and --sequential-tokens must be >= 1")
     s = dict(prompt_len=args.prompt_len, planner_tokens=args.planner_tokens, executors=args.executors,
              executor_tokens=args.executor_tokens, final_tokens=args.final_tokens)
     model, tok, name = _model(args.preset, args.seed)
@@ -996,6 +998,9 @@ def latency_model(model, tok, s: dict, context: int, repeats: int, sequential_to
     w = k                                              # rows the fork's step computes (max_children = k)
     mm = matmul_times(model.config, sorted({1, w}), repeats)
     c1, ck = costs["one_row_step_ms"], costs["fork_step_ms"]
+    if c1 <= 0 or ck <= 0:
+        raise RuntimeError(f"latency model: a step timed <= 0 ms (one row {c1:.4f}, fork {ck:.4f}): the machine "
+                           "was too noisy for the difference of two calls; rerun with more --repeats")
     one_row = s["planner_tokens"] + s["final_tokens"]
     forked = 4 + s["executor_tokens"]                  # the forced 4-token opening, then the tokens
     seq = sequential_tokens or (s["planner_tokens"] + k * s["executor_tokens"] + s["final_tokens"])
