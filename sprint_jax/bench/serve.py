@@ -871,17 +871,8 @@ def serve_bench(args: argparse.Namespace) -> dict[str, Any]:
                 se.generate(state, n)
                 se.truncate(state, len(used_prompt))
             paths.append(("single", one))
-        lo_n = args.decode_chunk
         for label, fn in paths:
-            for n in (lo_n, n_new):
-                fn(n)                                  # compile
-            walls = {lo_n: [], n_new: []}
-            for _ in range(args.repeats + 2):
-                for n in (lo_n, n_new):
-                    t0 = time.perf_counter()
-                    fn(n)
-                    walls[n].append(time.perf_counter() - t0)
-            step = (min(walls[n_new]) - min(walls[lo_n])) / (n_new - lo_n)
+            step, walls = _difference_timing(fn, args.decode_chunk, n_new, args.repeats)
             row[f"{label}_step_ms"] = 1000 * step if step > 0 else None
             row[f"{label}_samples_s"] = walls
         out["capacity"].append(row)
@@ -902,6 +893,21 @@ def serve_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 MODEL_LO, MODEL_HI = 8, 64        # the latency model's two call lengths (one decode call each)
+
+
+def _difference_timing(fn, lo: int, hi: int, repeats: int) -> tuple[float, dict[int, list[float]]]:
+    """fn(lo) and fn(hi) once each untimed (compiles), then repeats + 2 timed calls of each,
+    alternating. Returns (seconds per unit of n: (best(hi) - best(lo)) / (hi - lo), which cancels
+    what every call costs alike, and the samples {n: [s, ...]})."""
+    for n in (lo, hi):
+        fn(n)
+    walls: dict[int, list[float]] = {lo: [], hi: []}
+    for _ in range(repeats + 2):
+        for n in (lo, hi):
+            t0 = time.perf_counter()
+            fn(n)
+            walls[n].append(time.perf_counter() - t0)
+    return (min(walls[hi]) - min(walls[lo])) / (hi - lo), walls
 
 
 def step_costs(model, tok, k: int, context: int, repeats: int) -> dict[str, Any]:
@@ -929,18 +935,10 @@ def step_costs(model, tok, k: int, context: int, repeats: int) -> dict[str, Any]
         e.run([f])
     out: dict[str, Any] = {"context": context, "children": k}
     for label, fn in (("one_row", one), ("fork", fork)):
-        for n in (MODEL_LO, MODEL_HI):
-            fn(n)                                # compile
-        walls: dict[int, list[float]] = {MODEL_LO: [], MODEL_HI: []}
         calls0 = e.stats["decode_calls"]
-        for _ in range(repeats + 2):
-            for n in (MODEL_LO, MODEL_HI):
-                t0 = time.perf_counter()
-                fn(n)
-                walls[n].append(time.perf_counter() - t0)
-        if e.stats["decode_calls"] - calls0 != 2 * (repeats + 2):
+        step, walls = _difference_timing(fn, MODEL_LO, MODEL_HI, repeats)
+        if e.stats["decode_calls"] - calls0 != 2 * (repeats + 3):       # the untimed pair, then the timed ones
             raise RuntimeError("latency model: a timed path took more than one decode call")
-        step = (min(walls[MODEL_HI]) - min(walls[MODEL_LO])) / (MODEL_HI - MODEL_LO)
         out[f"{label}_step_ms"] = 1000 * step
         out[f"{label}_call_ms"] = 1000 * (min(walls[MODEL_LO]) - MODEL_LO * step)
         out[f"{label}_samples_s"] = {str(n): w for n, w in walls.items()}
