@@ -5,6 +5,7 @@ a plain full forward directly), each fork child decoded alone from a fresh prefi
 compiled HLO of the decode step."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -115,6 +116,47 @@ def test_mixed_batch_rows_equal_each_request_alone(setup):
     assert [g.tokens for g in got[2][0]] == [greedy_by_full_forward(model, ctx + p, m)
                                              for p, m in zip([[7], [8, 9], [10, 11, 12]], [5, 9, 7])]
     assert got[2][1].tokens == greedy_by_full_forward(model, ctx + [40, 41, 42], 6)
+
+
+def test_sampled_rows_follow_the_documented_key_stream_on_a_plain_forward(setup):
+    """Sampling rows against an engine-independent reference: each step's token is
+    sample_tokens(logits of a plain full forward, no cache, padded ids masked; key
+    fold_in(fold_in(key(seed), row), step)) as sprint_jax/infer/sampling.py documents it. Row = the
+    child index of a fork (0 for a generate). This checks every sampling value a decode call carries
+    (seed, row, step, temperature, top_k, top_p) reaches the device where it belongs; the
+    engine-vs-Engine tests cannot, both running this core."""
+    import jax
+
+    from sprint_jax.infer.sampling import mask_padded, sample_tokens
+    from sprint_jax.model.qwen2 import forward
+    model, tok, _ = setup
+    s = Sampling(temperature=0.9, top_k=7, top_p=0.85, seed=5)
+    context, prefixes, n = _ids(21, 11), [[40], [41, 42], []], 9
+    engine = _batch(model, tok)
+    op = engine.open(context)
+    engine.run([op])
+    fork = engine.fork(op.result, prefixes, n, sampling=s)
+    engine.run([fork])
+    gen = engine.generate(op.result, n, sampling=dataclasses.replace(s, seed=6))
+    engine.run([gen])
+    fwd = jax.jit(forward, static_argnums=1)
+
+    def reference(tokens, row, seed):
+        seq, out = list(tokens), []
+        for step in range(n):
+            x = np.zeros((1, 64), np.int32)
+            x[0, : len(seq)] = seq
+            logits = mask_padded(fwd(model.params, model.config, jnp.asarray(x))[0, len(seq) - 1], engine.n_valid)
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), row), step)
+            t = int(sample_tokens(logits[None].astype(jnp.float32), key[None], s.temperature, s.top_k, s.top_p,
+                                  False)[0])
+            seq.append(t)
+            out.append(t)
+        return out
+    for j, p in enumerate(prefixes):
+        assert fork.result[j].tokens == reference(context + p, j, s.seed), j
+    assert gen.result.tokens == reference(context, 0, 6)
+    assert len({tuple(g.tokens) for g in fork.result}) > 1       # the streams differ per child
 
 
 def test_fork_children_equal_each_branch_decoded_alone_from_a_fresh_prefill(setup):

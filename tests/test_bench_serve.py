@@ -1,6 +1,6 @@
 """`sprint-jax bench serve` at the smallest settings (one concurrency, one problem, one capacity),
-for the latency model it prints: its counts follow the flags, its costs are measured (positive,
-the fork's step at least the one-row step's matmuls), and its ratios are the arithmetic the module
+for the latency model it prints: its counts follow the flags, its costs are measured (positive;
+the samples it kept are the calls it timed), and its ratios are the arithmetic the module
 docstring states, recomputed here by hand from the reported costs. No timing assertion
 (benchmarks, never timed tests)."""
 from __future__ import annotations
