@@ -158,7 +158,8 @@ def test_checkpoint_directory_model(tmp_path, hf_untied):
     """--model DIR: a real HF checkpoint written by transformers, loaded by the engine."""
     out = tmp_path / "ckpt.json"
     args = _args("--model", str(hf_untied), "--branches", "2", "--prefix-lens", "8", "--new-tokens", "3",
-                 "--repeats", "1", "--decode-chunk", "4", "--hf", "off", "--out", str(out))
+                 "--repeats", "1", "--decode-chunk", "4", "--hf", "off", "--join-tokens", "off",
+                 "--out", str(out))
     assert run_decode_bench(args) == 0
     rep = json.loads(out.read_text())
     assert rep["model"]["kind"] == "checkpoint" and rep["model"]["config"]["hidden_size"] == 72
@@ -169,7 +170,8 @@ def test_qwen3_checkpoint_hf_peer_is_qwen3(tmp_path, hf_qwen3_tied):
     """A Qwen3 checkpoint: the HF row loads Qwen3ForCausalLM and greedy agrees with the engine."""
     out = tmp_path / "q3.json"
     args = _args("--model", str(hf_qwen3_tied), "--branches", "1", "--prefix-lens", "8", "--new-tokens", "3",
-                 "--repeats", "1", "--hf-repeats", "1", "--decode-chunk", "4", "--hf", "on", "--out", str(out))
+                 "--repeats", "1", "--hf-repeats", "1", "--decode-chunk", "4", "--hf", "on",
+                 "--join-tokens", "off", "--out", str(out))
     assert run_decode_bench(args) == 0
     rep = json.loads(out.read_text())
     assert rep["model"]["config"]["model_type"] == "qwen3"
