@@ -791,3 +791,49 @@ def test_bench_serve_http_runs_the_same_work_on_both_paths(tmp_path):
             client = np.array(r[p]["samples_ms"]) - np.array(r["lean"]["samples_ms"])
             assert r[p]["client_ms"] == pytest.approx(float(np.median(client)))
         assert r["target_met"] == (r["lean"]["overhead_pct"] < 10)
+        assert r["lean"]["reply_bytes_p50"] > 100        # a completion's JSON, sized from the lean replies
+    # the bare stack at the concurrency-1 row's length: every request answered, the overhead is the
+    # median of latency - the wait, the wait being the row's in-process p50
+    f = rows[0]["stack_floor"]
+    assert "stack_floor" not in rows[1]
+    assert f["work_ms"] == rows[0]["inproc"]["p50_ms"] and f["reply_bytes"] == rows[0]["lean"]["reply_bytes_p50"]
+    for k in ("uvicorn", "raw"):
+        assert len(f[k]["samples_ms"]) == 4
+        assert f[k]["overhead_ms"] == pytest.approx(float(np.median(f[k]["samples_ms"])))
+        assert f[k]["overhead_pct"] == pytest.approx(100 * f[k]["overhead_ms"] / f["work_ms"])
+        assert all(x > 0 for x in f[k]["samples_ms"])     # nothing answers before its wait ends
+
+@pytest.mark.parametrize("kind", ["uvicorn", "raw"])
+def test_stack_floor_servers_answer_after_the_wait_with_the_reply_size(kind):
+    """`bench serve --http`'s stack-floor servers (no engine): each request is answered no sooner
+    than its work_ms, with a JSON body of exactly reply_bytes, on one keep-alive connection; the raw
+    server also when the request arrives in pieces (the head and the body in separate sends), as
+    http.client parses it."""
+    import http.client
+
+    from sprint_jax.bench.serve import LeanHTTP, _BareUvicorn, _RawServer
+
+    srv = _BareUvicorn("httptools", "uvloop") if kind == "uvicorn" else _RawServer()
+    try:
+        port = int(srv.url.rsplit(":", 1)[1])
+        c = LeanHTTP("127.0.0.1", port)
+        for work_ms, size in ((0.0, 40), (20.0, 300), (5.0, 1000)):
+            body = json.dumps({"work_ms": work_ms, "reply_bytes": size}).encode()
+            t = time.perf_counter()
+            status, _, data = c.request("POST", "/work", body)
+            assert time.perf_counter() - t >= work_ms / 1000
+            assert status == 200 and len(data) == size and set(json.loads(data)) == {"text"}
+        if kind == "raw":
+            s = socket.create_connection(("127.0.0.1", port))
+            body = json.dumps({"work_ms": 1.0, "reply_bytes": 64}).encode()
+            s.sendall(b"POST /work HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n" % len(body))
+            time.sleep(0.05)
+            s.sendall(b"\r\n" + body[:10])
+            time.sleep(0.05)
+            s.sendall(body[10:])
+            r = http.client.HTTPResponse(s)
+            r.begin()
+            assert r.status == 200 and len(r.read()) == 64
+            s.close()
+    finally:
+        srv.close()

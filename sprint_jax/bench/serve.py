@@ -48,7 +48,12 @@ Rows, all measured in one run:
                through the server minus the same request's in-process latency in the same wave
                (median over requests); target: < 10% of the in-process p50 latency. A floor row
                times requests that reach no engine (GET /health, a POST answered 400). Every path
-               must return the same texts. --engine-on picks where the server's engine steps;
+               must return the same texts. Beside each concurrency-1 row, the stack floor: the
+               same lean requests to two servers that run none of our code and no engine, each
+               answering after a busy wait of the row's in-process p50 with a reply of the row's
+               size: a bare ASGI app on uvicorn as `sprint-jax serve` configures it (what the
+               issue's stack costs by itself) and a blocking-socket server with no framework
+               (Python and the loopback alone). --engine-on picks where the server's engine steps;
                --compare-engine-on adds a second server with it on the other place (lean client,
                same waves): the two side by side in one run.
 Every point runs once untimed first (compiles every shape it meets; checks that every concurrency
@@ -418,9 +423,10 @@ class _ClientPool:
     (`LeanHTTP`), httpclient (http.client) and openai. `wave` hands request j of a wave to process
     j with one start instant for all; each sends at that instant (or as soon as it is scheduled:
     the send times come back and the in-process replay uses them) and returns its latency and
-    text."""
+    text. `work_urls`: stack-floor servers (`_BareUvicorn`, `_RawServer`), reached by `work`
+    with the lean client alone."""
 
-    def __init__(self, urls: list[str], model: str, width: int):
+    def __init__(self, urls: list[str], model: str, width: int, work_urls: tuple[str, ...] = ()):
         import subprocess
         import sys
 
@@ -429,7 +435,8 @@ class _ClientPool:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for _ in range(width)]
         for p in self.procs:
-            self._write(p, dict(urls=urls, model=model))
+            self._write(p, dict(urls=urls, model=model, work_urls=list(work_urls)))
+        self.last_bytes: list[int | None] = []       # the last wave's reply sizes (lean, http.client)
         for p in self.procs:
             self._read(p)
 
@@ -455,8 +462,15 @@ class _ClientPool:
         for p, prompt in zip(self.procs, prompts):
             self._write(p, dict(kind=kind, server=server, prompt=prompt, max_new=max_new, at=at))
         rs = [self._read(p) for p in self.procs[:len(prompts)]]
+        self.last_bytes = [r["bytes"] for r in rs]
         sent = [r["sent"] for r in rs]
         return [r["lat"] for r in rs], [r["text"] for r in rs], [t - min(sent) for t in sent]
+
+    def work(self, server: int, work_ms: float, reply_bytes: int, at: float) -> float:
+        """One request to stack-floor server `work_urls[server]` (process 0, lean client), sent
+        at perf_counter() == at: its latency (s)."""
+        self._write(self.procs[0], dict(kind="work", server=server, work_ms=work_ms, reply_bytes=reply_bytes, at=at))
+        return self._read(self.procs[0])["lat"]
 
     def floor(self, server: int, n: int) -> dict:
         """Round trips of requests that reach no engine (process 0, one at a time)."""
@@ -487,6 +501,7 @@ def _client_main() -> None:
     lean = [LeanHTTP(w.hostname, w.port) for w in where]
     hc = [http.client.HTTPConnection(w.hostname, w.port, timeout=600) for w in where]
     oa = [openai.OpenAI(base_url=u + "/v1", api_key="none", max_retries=0, timeout=600) for u in setup["urls"]]
+    work = [LeanHTTP(w.hostname, w.port) for w in map(urlsplit, setup["work_urls"])]
 
     def get_hc(s: int, path: str, body: bytes | None = None) -> tuple[int, bytes]:
         hc[s].request("POST" if body is not None else "GET", path, body, {"Content-Type": "application/json"})
@@ -501,15 +516,16 @@ def _client_main() -> None:
         if kind == "openai":
             oa[s].models.list()
             return
-        c = lean[s] if kind == "lean" else hc[s]
+        c = {"lean": lean, "httpclient": hc, "work": work}[kind][s]
         if c.sock is None or _closed_by_peer(c.sock):
             c.close()
             c.connect()
 
-    def ask(kind: str, s: int, prompt: list[int], max_new: int) -> str:
+    def ask(kind: str, s: int, prompt: list[int], max_new: int) -> tuple[str, int | None]:
+        """The reply's text and its body's size in bytes (None from the openai client)."""
         if kind == "openai":
             return oa[s].completions.create(model=model, prompt=prompt, max_tokens=max_new,
-                                            temperature=0).choices[0].text
+                                            temperature=0).choices[0].text, None
         body = json.dumps(dict(model=model, prompt=prompt, max_tokens=max_new, temperature=0)).encode()
         if kind == "lean":
             status, _, data = lean[s].request("POST", "/v1/completions", body)
@@ -518,11 +534,13 @@ def _client_main() -> None:
         reply = json.loads(data)
         if status != 200:
             raise RuntimeError(f"HTTP {status}: {reply}")
-        return reply["choices"][0]["text"]
+        return reply["choices"][0]["text"], len(data)
 
     for s in range(len(where)):
         for kind in ("lean", "httpclient", "openai"):
             touch(kind, s)
+    for s in range(len(work)):
+        touch("work", s)
     print(json.dumps({}), flush=True)
     for line in sys.stdin:
         job = json.loads(line)
@@ -531,11 +549,23 @@ def _client_main() -> None:
             if job["kind"] == "floor":
                 print(json.dumps(_floor(lean[s], get_hc, s, job["n"])), flush=True)
                 continue
+            if job["kind"] == "work":
+                touch("work", s)
+                body = json.dumps(dict(work_ms=job["work_ms"], reply_bytes=job["reply_bytes"])).encode()
+                _until(job["at"])
+                t = time.perf_counter()
+                status, _, data = work[s].request("POST", "/work", body)
+                json.loads(data)
+                lat = time.perf_counter() - t
+                if status != 200:
+                    raise RuntimeError(f"stack floor: HTTP {status}")
+                print(json.dumps(dict(lat=lat)), flush=True)
+                continue
             touch(job["kind"], s)
             _until(job["at"])
             t = time.perf_counter()
-            text = ask(job["kind"], s, job["prompt"], job["max_new"])
-            out = dict(lat=time.perf_counter() - t, text=text, sent=t)
+            text, nbytes = ask(job["kind"], s, job["prompt"], job["max_new"])
+            out = dict(lat=time.perf_counter() - t, text=text, sent=t, bytes=nbytes)
         except Exception as e:                   # noqa: BLE001  (reported to the bench)
             out = dict(error=f"{type(e).__name__}: {e}")
         print(json.dumps(out), flush=True)
@@ -593,6 +623,122 @@ def _floor(lean: LeanHTTP, get_hc, s: int, n: int) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# --http: what the HTTP stack alone costs at a request's length (no engine, no sprint-jax code)
+# ---------------------------------------------------------------------------------------------
+def _work_reply(body: bytes) -> bytes:
+    """A stack-floor request: body {"work_ms": W, "reply_bytes": N}. Busy until W ms after this
+    call (the engine's time on a request, the thread awake as the in-process caller is), then a
+    JSON reply of N bytes (the size of the real completion it stands for)."""
+    t_in = time.perf_counter()
+    job = json.loads(body)
+    end = t_in + job["work_ms"] / 1000
+    while time.perf_counter() < end:
+        pass
+    return b'{"text":"' + b"x" * max(0, int(job["reply_bytes"]) - 11) + b'"}'
+
+
+async def _stack_floor_app(scope, receive, send) -> None:
+    """The smallest ASGI app: the whole body read, `_work_reply`, one response (as the server's
+    completion route answers: start, then the body)."""
+    if scope["type"] != "http":
+        return
+    body, more = b"", True
+    while more:
+        m = await receive()
+        body += m.get("body", b"")
+        more = m.get("more_body", False)
+    reply = _work_reply(body)
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(reply)).encode())]})
+    await send({"type": "http.response.body", "body": reply})
+
+
+class _BareUvicorn:
+    """`_stack_floor_app` on uvicorn configured as `sprint-jax serve` configures it (the same HTTP
+    parser and event loop, no access log, no proxy headers), on a thread: what the issue's ASGI
+    stack costs a request before any of our code runs."""
+
+    def __init__(self, http_impl: str, loop_impl: str):
+        import threading
+
+        import uvicorn
+
+        self._uv = uvicorn.Server(uvicorn.Config(_stack_floor_app, host="127.0.0.1", port=0, http=http_impl,
+                                                 loop=loop_impl, log_level="warning", access_log=False,
+                                                 proxy_headers=False, lifespan="off",
+                                                 timeout_graceful_shutdown=2))
+        self._thread = threading.Thread(target=self._uv.run, name="stack-floor-uvicorn", daemon=True)
+        self._thread.start()
+        t_end = time.monotonic() + 60
+        while not self._uv.started:
+            if not self._thread.is_alive() or time.monotonic() > t_end:
+                raise OSError("the stack-floor uvicorn server did not start")
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{self._uv.servers[0].sockets[0].getsockname()[1]}"
+
+    def close(self) -> None:
+        self._uv.should_exit = True
+        self._thread.join(10)
+
+
+class _RawServer:
+    """No framework: HTTP/1.1 on blocking sockets, a thread per connection, the request split by
+    hand (Content-Length framing), `_work_reply`, the response written in one send. What Python and
+    this machine's loopback cost a request (the two processes' wake-ups included)."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self._socket = socket
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, name="stack-floor-raw", daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:                      # closed
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn) -> None:
+        conn.setsockopt(self._socket.IPPROTO_TCP, self._socket.TCP_NODELAY, 1)
+        buf = b""
+        try:
+            with conn:
+                while True:
+                    while (end := buf.find(b"\r\n\r\n")) < 0:
+                        if not (data := conn.recv(65536)):
+                            return
+                        buf += data
+                    n = 0
+                    for line in buf[:end].split(b"\r\n")[1:]:
+                        name, _, value = line.partition(b":")
+                        if name.strip().lower() == b"content-length":
+                            n = int(value)
+                    while len(buf) < end + 4 + n:
+                        if not (data := conn.recv(65536)):
+                            return
+                        buf += data
+                    body, buf = buf[end + 4:end + 4 + n], buf[end + 4 + n:]
+                    reply = _work_reply(body)
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                                 % len(reply) + reply)
+        except OSError:                          # the client went away
+            return
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+STACK_FLOORS = ("uvicorn", "raw")
+
+
 def wave_lead(n: int) -> float:
     """Seconds from the end of one wave to the start of the next, on every path: long enough for
     n client processes to get their request before it goes out (one that is late sends late: its
@@ -645,7 +791,10 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.compare_engine_on:                        # lean_other: the lean client, the other engine place
         other = Server(BatchEngine(model, tok, **caps), name, engine_on_loop=not server.engine_on_loop).start()
         paths, client_paths = HTTP_PATHS + ("lean_other",), HTTP_CLIENTS + ("lean_other",)
-    clients = _ClientPool([server.url] + ([other.url] if other is not None else []), name, max(conc))
+    # the HTTP stack alone (no engine, no sprint-jax code), at the length of each concurrency-1 row
+    floors = {"uvicorn": _BareUvicorn(server.http_impl, server.loop_impl), "raw": _RawServer()} if 1 in conc else {}
+    clients = _ClientPool([server.url] + ([other.url] if other is not None else []), name, max(conc),
+                          work_urls=tuple(f.url for f in floors.values()))
     out: dict[str, Any] = dict(model=name, backend=jax.default_backend(), requests=n,
                                prompt_tokens=[len(p) for p in prompts], http_impl=server.http_impl,
                                loop_impl=server.loop_impl, engine_on="loop" if server.engine_on_loop else "thread",
@@ -654,6 +803,7 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
         out["other_engine_on"] = "loop" if other.engine_on_loop else "thread"
 
     arrivals: dict[tuple, list[float]] = {}      # (tokens, conc, wave) -> the lean client's send offsets
+    reply_bytes: dict[int, list[int]] = {}       # tokens -> the lean client's reply sizes
 
     def wave(path: str, key: tuple, idx: list[int], m: int):
         """(latencies, texts, the server's timings of each request: engine / server / wait)"""
@@ -669,6 +819,7 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
                                         at)
         if path == "lean":
             arrivals[key] = sent
+            reply_bytes.setdefault(m, []).extend(clients.last_bytes)
         by_prompt = {tuple(t["prompt"]): t for t in srv.worker.timings}
         return lat, texts, [by_prompt[tuple(p)] for p in ps]
 
@@ -731,10 +882,16 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
                 for path in ("httpclient", "openai"):
                     row[path]["client_ms"] = 1000 * float(np.median(lat[path] - lat["lean"]))
                 row["target_met"] = row["lean"]["overhead_pct"] < 10
+                row["lean"]["reply_bytes_p50"] = int(np.median(reply_bytes[m]))
+                if c == 1 and floors:
+                    row["stack_floor"] = _stack_floor(clients, list(floors), inproc_p50,
+                                                      row["lean"]["reply_bytes_p50"], args.repeats * n)
                 out["rows"].append(row)
         out["loadavg"] = dict(before=load_before, after=os.getloadavg())
     finally:
         clients.close()
+        for f in floors.values():
+            f.close()
         server.stop()
         if other is not None:
             other.stop()
@@ -744,6 +901,26 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
             json.dump(out, f, indent=2)
         print(f"written: {args.out}")
     return out
+
+
+def _stack_floor(clients: _ClientPool, kinds: list[str], work_ms: float, reply_bytes: int,
+                 samples: int) -> dict[str, Any]:
+    """Per stack-floor server (`kinds`, in `clients`' work_urls order): `samples` requests one at a
+    time, each after the waves' idle lead, the servers taking turns, each answered after a busy wait
+    of `work_ms` (the row's in-process p50) with a `reply_bytes` reply. Overhead = latency -
+    work_ms: what that stack and this machine add to a request of this length before any of the
+    server's own code runs. Median ms and % of work_ms."""
+    for s in range(len(kinds)):                   # untimed: warm connections and code paths
+        for _ in range(5):
+            clients.work(s, 0.0, reply_bytes, time.perf_counter() + wave_lead(1))
+    over: dict[str, list[float]] = {k: [] for k in kinds}
+    for i in range(samples):
+        for j in range(len(kinds)):
+            s = (i + j) % len(kinds)
+            lat = clients.work(s, work_ms, reply_bytes, time.perf_counter() + wave_lead(1))
+            over[kinds[s]].append(1000 * lat - work_ms)
+    return {k: dict(overhead_ms=float(np.median(v)), overhead_pct=100 * float(np.median(v)) / work_ms,
+                    samples_ms=v) for k, v in over.items()} | dict(work_ms=work_ms, reply_bytes=reply_bytes)
 
 
 def _http_report(out: dict, repeats: int) -> None:
@@ -786,9 +963,24 @@ def _http_report(out: dict, repeats: int) -> None:
             print(f"{r['max_tokens']:>6}{r['concurrency']:>5}{i['p50_ms']:>8.2f}{a['p50_ms']:>8.2f}{a['overhead_ms']:>9.2f}"
                   f"{a['overhead_pct']:>6.1f}{a['outside_engine_ms']:>8.2f}{a['outside_engine_pct']:>6.1f}"
                   f"{a['server_ms_p50']:>6.2f}{a['pick_wait_ms_p50']:>6.2f}")
+    sf = [r for r in out["rows"] if "stack_floor" in r]
+    if sf:
+        print("The HTTP stack alone at concurrency 1, no engine and none of our code: a request answered after a busy "
+              "wait of the row's inproc p50, with a reply of the same size, lean client, the same idle lead; p50 "
+              "latency - the wait, ms (% of the inproc p50). uvicorn: a bare ASGI app on uvicorn configured as the "
+              "server is; raw: a blocking-socket server, no framework (Python and the loopback alone):")
+        for r in sf:
+            f = r["stack_floor"]
+            print(f"{r['max_tokens']:>6} tokens: uvicorn {f['uvicorn']['overhead_ms']:.2f} "
+                  f"({f['uvicorn']['overhead_pct']:.1f}%), raw {f['raw']['overhead_ms']:.2f} ({f['raw']['overhead_pct']:.1f}%)"
+                  f"; the server (lean) {r['lean']['overhead_ms']:.2f} ({r['lean']['overhead_pct']:.1f}%)")
     met = [r for r in out["rows"] if r["target_met"]]
     print(f"target (issue 16): HTTP overhead per request (lean client, e2e over) < 10% of the in-process p50 "
           f"latency: met in {len(met)} of {len(out['rows'])} rows")
+    beyond = [r for r in sf if r["stack_floor"]["uvicorn"]["overhead_pct"] >= 10]
+    if beyond:
+        print("  out of reach on this stack and machine where the bare stack alone is >= 10%: "
+              + ", ".join(f"{r['max_tokens']}/1" for r in beyond))
 
 
 def serve_bench(args: argparse.Namespace) -> dict[str, Any]:
