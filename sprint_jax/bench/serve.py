@@ -736,9 +736,6 @@ class _RawServer:
         self.sock.close()
 
 
-STACK_FLOORS = ("uvicorn", "raw")
-
-
 def wave_lead(n: int) -> float:
     """Seconds from the end of one wave to the start of the next, on every path: long enough for
     n client processes to get their request before it goes out (one that is late sends late: its
