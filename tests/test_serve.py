@@ -813,7 +813,7 @@ def test_stack_floor_servers_answer_after_the_wait_with_the_reply_size(kind):
 
     from sprint_jax.bench.serve import LeanHTTP, _BareUvicorn, _RawServer
 
-    srv = _BareUvicorn("httptools", "uvloop") if kind == "uvicorn" else _RawServer()
+    srv = _BareUvicorn() if kind == "uvicorn" else _RawServer()
     try:
         port = int(srv.url.rsplit(":", 1)[1])
         c = LeanHTTP("127.0.0.1", port)

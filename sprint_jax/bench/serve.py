@@ -642,41 +642,27 @@ def _work_reply(body: bytes) -> bytes:
 async def _stack_floor_app(scope, receive, send) -> None:
     """The smallest ASGI app: the whole body read, `_work_reply`, one response (as the server's
     completion route answers: start, then the body)."""
+    from sprint_jax.serve.app import _read_body
+
     if scope["type"] != "http":
         return
-    body, more = b"", True
-    while more:
-        m = await receive()
-        body += m.get("body", b"")
-        more = m.get("more_body", False)
-    reply = _work_reply(body)
+    reply = _work_reply(await _read_body(receive))
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(reply)).encode())]})
     await send({"type": "http.response.body", "body": reply})
 
 
 class _BareUvicorn:
-    """`_stack_floor_app` on uvicorn configured as `sprint-jax serve` configures it (the same HTTP
-    parser and event loop, no access log, no proxy headers), on a thread: what the issue's ASGI
-    stack costs a request before any of our code runs."""
+    """`_stack_floor_app` on uvicorn configured by the function `sprint-jax serve` uses
+    (`serve.server.uvicorn_server`: the same HTTP parser and event loop, no access log, no proxy
+    headers), on a thread: what the issue's ASGI stack costs a request before any of our code runs."""
 
-    def __init__(self, http_impl: str, loop_impl: str):
-        import threading
+    def __init__(self):
+        from sprint_jax.serve.server import run_in_thread, uvicorn_server
 
-        import uvicorn
-
-        self._uv = uvicorn.Server(uvicorn.Config(_stack_floor_app, host="127.0.0.1", port=0, http=http_impl,
-                                                 loop=loop_impl, log_level="warning", access_log=False,
-                                                 proxy_headers=False, lifespan="off",
-                                                 timeout_graceful_shutdown=2))
-        self._thread = threading.Thread(target=self._uv.run, name="stack-floor-uvicorn", daemon=True)
-        self._thread.start()
-        t_end = time.monotonic() + 60
-        while not self._uv.started:
-            if not self._thread.is_alive() or time.monotonic() > t_end:
-                raise OSError("the stack-floor uvicorn server did not start")
-            time.sleep(0.01)
-        self.url = f"http://127.0.0.1:{self._uv.servers[0].sockets[0].getsockname()[1]}"
+        self._uv = uvicorn_server(_stack_floor_app, "127.0.0.1", 0, lifespan="off")
+        self._thread, port = run_in_thread(self._uv, "stack-floor-uvicorn")
+        self.url = f"http://127.0.0.1:{port}"
 
     def close(self) -> None:
         self._uv.should_exit = True
@@ -790,7 +776,7 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
         other = Server(BatchEngine(model, tok, **caps), name, engine_on_loop=not server.engine_on_loop).start()
         paths, client_paths = HTTP_PATHS + ("lean_other",), HTTP_CLIENTS + ("lean_other",)
     # the HTTP stack alone (no engine, no sprint-jax code), at the length of each concurrency-1 row
-    floors = {"uvicorn": _BareUvicorn(server.http_impl, server.loop_impl), "raw": _RawServer()} if 1 in conc else {}
+    floors = {"uvicorn": _BareUvicorn(), "raw": _RawServer()} if 1 in conc else {}
     clients = _ClientPool([server.url] + ([other.url] if other is not None else []), name, max(conc),
                           work_urls=tuple(f.url for f in floors.values()))
     out: dict[str, Any] = dict(model=name, backend=jax.default_backend(), requests=n,

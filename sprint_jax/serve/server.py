@@ -9,12 +9,47 @@ import threading
 import time
 
 
+def uvicorn_server(app, host: str, port: int, log_level: str = "warning", **extra):
+    """A uvicorn.Server for `app`, configured as `sprint-jax serve` runs: httptools (C) parses HTTP
+    where it is installed (the HTTP part of a request took ~0.8 ms instead of ~1.5 ms with the
+    pure-Python h11; the `serve` extra installs it), uvloop (libuv; orbax-checkpoint installs it)
+    runs the event loop (asyncio's if it is missing), no access log line per request, no
+    proxy-headers layer (nothing here reads the client's address). `bench serve --http` runs its
+    bare stack-floor app through this too, so the two are configured alike."""
+    import uvicorn
+
+    try:
+        import httptools  # noqa: F401
+        http_impl = "httptools"
+    except ImportError:
+        http_impl = "h11"
+    try:
+        import uvloop  # noqa: F401
+        loop_impl = "uvloop"
+    except ImportError:
+        loop_impl = "asyncio"
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, http=http_impl,
+                                         loop=loop_impl, access_log=False, proxy_headers=False,
+                                         timeout_graceful_shutdown=2, **extra))
+
+
+def run_in_thread(uv, name: str, timeout: float = 60.0) -> tuple[threading.Thread, int]:
+    """Run uvicorn.Server `uv` on a daemon thread; returns (the thread, the port it listens on)
+    once it listens. OSError if it did not start within `timeout` s."""
+    thread = threading.Thread(target=uv.run, name=name, daemon=True)
+    thread.start()
+    t_end = time.monotonic() + timeout
+    while not uv.started:
+        if not thread.is_alive() or time.monotonic() > t_end:
+            raise OSError(f"the HTTP server ({name}) did not start")
+        time.sleep(0.02)
+    return thread, uv.servers[0].sockets[0].getsockname()[1]
+
+
 class Server:
     def __init__(self, engine, model_name: str, sprint_config=None, host: str = "127.0.0.1", port: int = 0,
                  max_queue: int = 64, default_max_tokens: int = 256, log_level: str = "warning",
                  switch_interval_s: float | None = 0.0005, engine_on_loop: bool | None = None):
-        import uvicorn
-
         from sprint_jax.infer.orchestrator import OrchestratorConfig
         from sprint_jax.serve.app import ServeState, make_app
         from sprint_jax.serve.worker import EngineWorker
@@ -28,24 +63,8 @@ class Server:
                                 default_max_tokens=default_max_tokens)
         self.app = make_app(self.state)
         self.host = host
-        # httptools (C): the HTTP part of a request took ~0.8 ms instead of ~1.5 ms with h11 (pure Python);
-        # h11 when httptools is not installed (the `serve` extra installs it)
-        try:
-            import httptools  # noqa: F401
-            self.http_impl = "httptools"
-        except ImportError:
-            self.http_impl = "h11"
-        # uvloop (libuv; orbax-checkpoint installs it) runs the event loop, asyncio's if it is missing;
-        # no access log line per request; no proxy-headers layer (nothing here reads the client's address)
-        try:
-            import uvloop  # noqa: F401
-            self.loop_impl = "uvloop"
-        except ImportError:
-            self.loop_impl = "asyncio"
-        self._uv = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
-                                                 http=self.http_impl, loop=self.loop_impl,
-                                                 access_log=False, proxy_headers=False,
-                                                 timeout_graceful_shutdown=2))
+        self._uv = uvicorn_server(self.app, host, port, log_level)
+        self.http_impl, self.loop_impl = self._uv.config.http, self._uv.config.loop
         self._thread: threading.Thread | None = None
         self.port = port
         # With the engine on a thread of its own, it and the HTTP thread hand work to each other
@@ -67,15 +86,11 @@ class Server:
     def start(self, timeout: float = 60.0) -> "Server":
         self._set_switch()
         self.worker.start()
-        self._thread = threading.Thread(target=self._uv.run, name="sprint-jax-http", daemon=True)
-        self._thread.start()
-        t_end = time.monotonic() + timeout
-        while not self._uv.started:
-            if not self._thread.is_alive() or time.monotonic() > t_end:
-                self.worker.stop()
-                raise OSError(f"the HTTP server did not start on {self.host}:{self.port}")
-            time.sleep(0.02)
-        self.port = self._uv.servers[0].sockets[0].getsockname()[1]
+        try:
+            self._thread, self.port = run_in_thread(self._uv, "sprint-jax-http", timeout)
+        except OSError:
+            self.worker.stop()
+            raise OSError(f"the HTTP server did not start on {self.host}:{self.port}") from None
         return self
 
     def serve_forever(self) -> None:
