@@ -2,11 +2,26 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-import pytest
+# The suite is compile-bound: tiny models, hundreds of distinct XLA programs, each run a few times.
+# XLA's CPU backend at optimisation level 0 (LLVM's machine-code optimisation off) compiles them
+# ~2.5x faster; the HLO programs, which the tests compare and inspect, are XLA's usual ones. Every
+# comparison in the suite runs both sides in this setting (or against torch, with tolerances).
+# Set before JAX is imported; SPRINT_JAX_TEST_FULL_OPT=1 keeps XLA's default (optimised) backend.
+SUITE_XLA_FLAGS = () if os.environ.get("SPRINT_JAX_TEST_FULL_OPT") else ("--xla_backend_optimization_level=0",)
+if SUITE_XLA_FLAGS and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = " ".join((os.environ.get("XLA_FLAGS", ""),) + SUITE_XLA_FLAGS).strip()
 
-from sprint_jax.config import CONFIG_DIR
+import pytest  # noqa: E402
+
+from sprint_jax.config import CONFIG_DIR  # noqa: E402
+
+
+def xla_flags(*extra: str) -> str:
+    """XLA_FLAGS for a test's subprocess: the suite's own flags plus `extra` (e.g. fake devices)."""
+    return " ".join(SUITE_XLA_FLAGS + extra)
 
 # The one tiny test model: configs/model_tiny.json (`Qwen2Config.preset("tiny")`). Odd sizes catch
 # transposes (STYLE.md habit 5). Here as HF Qwen2Config keyword arguments.

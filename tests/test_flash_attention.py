@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import xla_flags
 from sprint_jax.model.attention import NEG_INF, attend_partial, flash_attention, span_mask
 from sprint_jax.train import data as D
 from sprint_jax.train.config import SPAN_WEIGHTS_DEFAULT
@@ -278,7 +279,7 @@ def test_pallas_bodies_run_per_shard_under_a_mesh():
     import subprocess
     import sys
 
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=4"))
     res = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, capture_output=True,
                          text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
     assert res.returncode == 0, res.stderr[-3000:]

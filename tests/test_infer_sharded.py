@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import xla_flags
 from sprint_jax.config import ConfigError
 from sprint_jax.infer import sharding as sh
 
@@ -94,7 +95,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def sharded(hf_untied):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8"), "JAX_PLATFORMS": "cpu"}
     p = subprocess.run([sys.executable, "-c", SCRIPT, str(hf_untied), str(ROOT / "tests")], env=env,
                        capture_output=True, text=True, timeout=1200, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -213,7 +214,7 @@ def test_checkpoints_load_straight_into_the_rules_table_sharding(hf_untied, tmp_
 
     config, params = load_params(hf_untied)
     save_orbax(config, params, tmp_path / "orbax")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8"), "JAX_PLATFORMS": "cpu"}
     p = subprocess.run([sys.executable, "-c", ORBAX_SCRIPT, str(tmp_path / "orbax"), str(hf_untied)], env=env,
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -274,7 +275,7 @@ def test_data_shards_keep_their_slots_local(hf_untied):
     so the compiled steps move nothing bigger than a few scalars between devices, while the same
     step left to GSPMD (the reference: the plain jit of the same function) all-reduces gathered
     cache rows. The cache is still donated and updated in place (no copy with a capacity axis)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8"), "JAX_PLATFORMS": "cpu"}
     p = subprocess.run([sys.executable, "-c", HLO_SCRIPT, str(hf_untied), str(ROOT / "tests")], env=env,
                        capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -388,7 +389,7 @@ def test_merge_join_on_data_shards_slots_local_equals_one_device(hf_untied):
     parent slot, both per slot shard; after a join fork the feed step and the copy alone) on two
     sequences in different shards gives the tokens, join logits and parent-slot K/V of the same
     engine on one device (test_merge_join checks one device against a dense reference)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8"), "JAX_PLATFORMS": "cpu"}
     p = subprocess.run([sys.executable, "-c", MERGE_SCRIPT, str(hf_untied), str(ROOT / "tests")], env=env,
                        capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import xla_flags
 from sprint_jax.model.attention import (NEG_INF, FlashConfig, _xla_backward, _xla_forward, attend_partial,
                                         flash_attention, span_mask)
 from sprint_jax.train import data as D
@@ -353,7 +354,7 @@ def test_pallas_merge_bodies_run_per_shard_under_a_mesh():
     import subprocess
     import sys
 
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=4"))
     res = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, capture_output=True, text=True,
                          timeout=600, cwd=Path(__file__).resolve().parents[1])
     assert res.returncode == 0, res.stderr[-3000:]

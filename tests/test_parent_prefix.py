@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_vocab_tokenizer
+from conftest import tiny_vocab_tokenizer, xla_flags
 from sprint_jax.kernels import BlockSizes
 from sprint_jax.kernels.parent_prefix import (default_group_block_sizes, group_bytes_read,
                                               grouped_prefix_attention,
@@ -327,7 +327,7 @@ def test_kernel_per_shard_on_a_mesh_gives_the_tokens_of_one_device(hf_untied):
     """8 fake CPU devices: tensor=2 x data=2 and tensor=4 x data=2 (KV heads copied to 4 by the
     engine's head layout), the kernel inside shard_map over slots (data) and KV heads (tensor):
     the same tokens as the XLA engine on one device."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8"), "JAX_PLATFORMS": "cpu"}
     p = subprocess.run([sys.executable, "-c", SHARDED, str(hf_untied), str(ROOT / "tests"), str(ROOT)],
                        env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]

@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 
-from conftest import tiny_vocab_tokenizer
+from conftest import tiny_vocab_tokenizer, xla_flags
 from sprint_jax.infer import Engine, Sampling
 from sprint_jax.infer.batch import BatchEngine
 from sprint_jax.infer.orchestrator import Orchestrator, OrchestratorConfig
@@ -743,7 +743,7 @@ def test_cli_serve_on_a_mesh_gives_the_single_device_servers_completions(hf_unti
     finally:
         one.stop()
     meshed = _Subprocess(model, *SUBPROCESS_FLAGS, "--mesh", "tensor=2,data=4",
-                         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+                         env={"XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8")})
     try:
         got = _mesh_workload(meshed.url)
         health = json.loads(urllib.request.urlopen(meshed.url + "/health", timeout=60).read())

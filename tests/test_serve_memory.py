@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import xla_flags
+
 pytestmark = pytest.mark.slow   # a subprocess with 8 fake devices and two 7B compiles
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +45,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def result():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8"), "JAX_PLATFORMS": "cpu"}
     p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=1200, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(next(l for l in p.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import xla_flags
+
 pytestmark = pytest.mark.slow   # runs subprocesses (the `slow` marker: pyproject.toml)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +39,7 @@ print("RESULT " + json.dumps({
 
 
 def test_7b_train_step_compiles_on_fake_fsdp_mesh():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8"), "JAX_PLATFORMS": "cpu"}
     p = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
     r = json.loads(next(l for l in p.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])

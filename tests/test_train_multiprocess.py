@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import xla_flags
 from sprint_jax.model.hf import SafetensorsFile
 
 pytestmark = pytest.mark.slow   # runs subprocesses (the `slow` marker: pyproject.toml)
@@ -47,8 +48,7 @@ def _free_port() -> int:
 
 
 def _spawn(out: Path, port: int, nproc: int, pid: int) -> subprocess.Popen:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}     # one real CPU device each
     return subprocess.Popen([sys.executable, "-c", CHILD, str(out), str(DATA), str(port), str(nproc), str(pid)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
 

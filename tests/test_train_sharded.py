@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from conftest import xla_flags
 from sprint_jax.config import ConfigError
 from sprint_jax.train import mesh as M
 
@@ -72,7 +73,7 @@ print("RESULT " + json.dumps({
 
 @pytest.fixture(scope="module")
 def result():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8"), "JAX_PLATFORMS": "cpu"}
     p = subprocess.run([sys.executable, "-c", SCRIPT, str(ROOT / "tests" / "data" / "sft_tiny_sprint.jsonl")],
                        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-4000:]
