@@ -10,8 +10,15 @@ from pathlib import Path
 # ~2.5x faster; the HLO programs, which the tests compare and inspect, are XLA's usual ones. Every
 # comparison in the suite runs both sides in this setting (or against torch, with tolerances).
 # Set before JAX is imported; SPRINT_JAX_TEST_FULL_OPT=1 keeps XLA's default (optimised) backend.
-SUITE_XLA_FLAGS = () if os.environ.get("SPRINT_JAX_TEST_FULL_OPT") else ("--xla_backend_optimization_level=0",)
-if SUITE_XLA_FLAGS and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+# A level the user put in XLA_FLAGS is kept (and passed on to the subprocesses).
+_USER_LEVEL = tuple(f for f in os.environ.get("XLA_FLAGS", "").split()
+                    if f.startswith("--xla_backend_optimization_level"))
+if os.environ.get("SPRINT_JAX_TEST_FULL_OPT"):
+    SUITE_XLA_FLAGS: tuple[str, ...] = ()
+elif _USER_LEVEL:
+    SUITE_XLA_FLAGS = _USER_LEVEL
+else:
+    SUITE_XLA_FLAGS = ("--xla_backend_optimization_level=0",)
     os.environ["XLA_FLAGS"] = " ".join((os.environ.get("XLA_FLAGS", ""),) + SUITE_XLA_FLAGS).strip()
 
 import pytest  # noqa: E402
