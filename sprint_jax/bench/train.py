@@ -6,7 +6,10 @@ training used before flash attention) and with `transformers.Qwen2ForCausalLM` /
 `torch.optim.AdamW` on the same config, the same weights and the same batch, in one run
 (DESIGN.md performance contract: ratios in one run, never timed tests). The first-step losses are
 printed too: an independent check of our loss. On GPU/TPU the MFU of our step is reported against
-a peak-FLOPs table.
+a peak-FLOPs table. Beside the torch step comes the matmul floor (`step_gemms`, `time_step_gemms`,
+`gemm_floor`): each matmul of the step outside attention timed alone on XLA and on torch, summed per
+step, which splits both steps into matmuls and everything else and says how much of torch's step
+XLA's matmuls alone already take (`--no-gemms` skips it).
 
 `sprint-jax bench train-memory`: the 7B preset's train step lowered and compiled from
 ShapeDtypeStructs (nothing allocated) on a fake 8-device CPU mesh; prints the per-device memory
@@ -51,6 +54,88 @@ def train_flops_per_step(config, batch: int, seq_len: int) -> float:
         c.num_attention_heads * c.head_dim
 
 
+def step_gemms(config, tokens: int) -> list[dict]:
+    """The matmuls of one train step outside attention, as the step runs them: every projection
+    of every layer and the vocabulary projection, each forward (x @ W), input gradient (dy @ W^T)
+    and weight gradient (x^T @ dy) over the step's `tokens` rows (qwen2.dense runs each as one 2-D
+    matmul; autodiff gives the other two). Identical shapes are one entry with a count. Their
+    FLOPs sum to the matmul part of `train_flops_per_step` (the attention's own products are not
+    here: the two libraries' attentions are in the rest of each step)."""
+    c = config
+    e, h, kv, d, m = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size
+    layer = [(e, h * d), (e, kv * d), (e, kv * d), (h * d, e), (e, m), (e, m), (m, e)]  # q k v o gate up down
+    projections = [(i, o, c.num_hidden_layers) for i, o in layer] + [(e, c.vocab_size, 1)]
+    counts: dict[tuple, int] = {}
+    for i, o, n in projections:
+        for kind in ("forward", "input grad", "weight grad"):
+            counts[(kind, i, o)] = counts.get((kind, i, o), 0) + n
+    return [{"product": kind, "tokens": tokens, "in": i, "out": o, "count": n,
+             "flops": 2.0 * tokens * i * o}
+            for (kind, i, o), n in counts.items()]
+
+
+def _median_call_s(fn, reps: int, rounds: int) -> float:
+    """Median over `rounds` of (time of `reps` back-to-back calls) / reps; fn() returns what to wait on."""
+    import jax
+
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        out = [fn() for _ in range(reps)]
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t) / reps)
+    return statistics.median(times)
+
+
+def time_step_gemms(gemms: list[dict], reps: int = 10, rounds: int = 7, seed: int = 0) -> list[dict]:
+    """Each matmul of `step_gemms` on XLA (jitted, the form our step runs) and on torch (the form
+    HF's autograd runs: torch keeps W as [out, in], so forward x @ W^T, input grad dy @ W, weight
+    grad dy^T @ x), on the same random fp32 data, the two libraries taking turns per shape. Adds
+    `xla_s` / `torch_s` (median seconds per call) and `max_rel_diff` (the two results, compared)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(seed)
+    xla_forms = {"forward": jax.jit(lambda x, w, dy: x @ w), "input grad": jax.jit(lambda x, w, dy: dy @ w.T),
+                 "weight grad": jax.jit(lambda x, w, dy: x.T @ dy)}
+    torch_forms = {"forward": lambda x, wt, dy: x @ wt.t(), "input grad": lambda x, wt, dy: dy @ wt,
+                   "weight grad": lambda x, wt, dy: dy.t() @ x}
+    out = []
+    for g in gemms:
+        n, i, o = g["tokens"], g["in"], g["out"]
+        x, w, dy = (rng.standard_normal(s).astype(np.float32) for s in ((n, i), (i, o), (n, o)))
+        jx, jw, jdy = (jax.device_put(a) for a in (x, w, dy))
+        tx, twt, tdy = torch.from_numpy(x), torch.from_numpy(np.ascontiguousarray(w.T)), torch.from_numpy(dy)
+        fx, ft = xla_forms[g["product"]], torch_forms[g["product"]]
+        xla_s = _median_call_s(lambda: fx(jx, jw, jdy), reps, rounds)
+        torch_s = _median_call_s(lambda: ft(tx, twt, tdy), reps, rounds)
+        a = np.asarray(fx(jx, jw, jdy))
+        b = ft(tx, twt, tdy).numpy()
+        b = b.T if g["product"] == "weight grad" else b          # torch's weight grad is [out, in]
+        rel = float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+        out.append({**g, "xla_s": xla_s, "torch_s": torch_s, "max_rel_diff": rel})
+    return out
+
+
+def gemm_floor(timed: list[dict], jax_step_s: float, torch_step_s: float | None) -> dict:
+    """Per-step sums of `time_step_gemms` and what they leave: XLA's matmuls alone against torch's
+    whole step is the time left for everything else of ours (attention, norms, RoPE, SwiGLU, loss,
+    AdamW) if our step is to match torch's, beside what that everything else costs each side now."""
+    xla = sum(g["count"] * g["xla_s"] for g in timed)
+    tor = sum(g["count"] * g["torch_s"] for g in timed)
+    flops = sum(g["count"] * g["flops"] for g in timed)
+    r = {"xla_gemm_s": xla, "torch_gemm_s": tor, "gemm_flops": flops,
+         "xla_gemm_flops_per_s": flops / xla, "torch_gemm_flops_per_s": flops / tor,
+         "ours_rest_s": jax_step_s - xla}
+    if torch_step_s is not None:
+        r.update({"torch_rest_s": torch_step_s - tor, "rest_budget_s": torch_step_s - xla,
+                  "torch_step_over_xla_gemms": torch_step_s / xla})
+    return r
+
+
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="model preset / HF config path (default: tiny)")
     p.add_argument("--hidden", type=int, help="override hidden_size (and intermediate = 8/3 x hidden)")
@@ -67,6 +152,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-torch", action="store_true", help="skip the HF PyTorch step")
     p.add_argument("--no-dense", action="store_true",
                    help="skip the dense-attention reference step (the [T, T] mask path)")
+    p.add_argument("--no-gemms", action="store_true",
+                   help="skip the matmul floor (each of the step's matmuls alone on XLA and on torch)")
     p.add_argument("--out", help="write the JSON result here")
 
 
@@ -194,6 +281,10 @@ def run_train_bench(args: argparse.Namespace) -> int:
                                "threads": torch.get_num_threads()}
             result["speedup_jax_over_torch"] = ts / jax_step
             result["first_loss_abs_diff"] = abs(torch_loss - jax_loss)
+            if not args.no_gemms:
+                timed = time_step_gemms(step_gemms(cfg, b * t))
+                result["gemms"] = timed
+                result["gemm_floor"] = gemm_floor(timed, jax_step, ts)
 
     print(f"train step: {args.model} ({result['params'] / 1e6:.2f}M params: hidden {cfg.hidden_size}, "
           f"{cfg.num_hidden_layers} layers, {cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, "
@@ -216,6 +307,8 @@ def run_train_bench(args: argparse.Namespace) -> int:
     if "torch" in result:
         print(f"speed-up (torch step / jax step): {result['speedup_jax_over_torch']:.2f}x; "
               f"|first loss difference|: {result['first_loss_abs_diff']:.2e}")
+    if "gemm_floor" in result:
+        _print_gemm_floor(result["gemms"], result["gemm_floor"])
     if result["jax"]["mfu"] is not None:
         print(f"MFU: {result['jax']['mfu'] * 100:.1f}% of {peak / 1e12:.0f} TFLOP/s per device")
     elif backend != "cpu":
@@ -224,6 +317,24 @@ def run_train_bench(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _print_gemm_floor(timed: list[dict], f: dict) -> None:
+    print("matmul floor: each of the step's matmuls outside attention alone, XLA (our step's form) vs "
+          "torch (HF autograd's form), same fp32 data")
+    header = f"{'product':<13}{'tokens x in x out':>20}{'x':>4}{'XLA ms':>9}{'torch ms':>10}{'XLA GF/s':>10}{'torch GF/s':>11}"
+    print(header)
+    print("-" * len(header))
+    for g in timed:
+        shape = f"{g['tokens']}x{g['in']}x{g['out']}"
+        print(f"{g['product']:<13}{shape:>20}{g['count']:>4}{g['xla_s'] * 1e3:>9.3f}{g['torch_s'] * 1e3:>10.3f}"
+              f"{g['flops'] / g['xla_s'] / 1e9:>10.0f}{g['flops'] / g['torch_s'] / 1e9:>11.0f}")
+    print(f"per step: XLA {f['xla_gemm_s'] * 1e3:.1f} ms ({f['xla_gemm_flops_per_s'] / 1e9:.0f} GF/s), torch "
+          f"{f['torch_gemm_s'] * 1e3:.1f} ms ({f['torch_gemm_flops_per_s'] / 1e9:.0f} GF/s) for "
+          f"{f['gemm_flops'] / 1e9:.1f} GFLOP")
+    print(f"everything else (attention, norms, RoPE, SwiGLU, loss, AdamW): ours {f['ours_rest_s'] * 1e3:.1f} ms, "
+          f"torch {f['torch_rest_s'] * 1e3:.1f} ms; to match torch's step, ours may take "
+          f"{f['rest_budget_s'] * 1e3:.1f} ms (torch step / XLA matmuls alone = {f['torch_step_over_xla_gemms']:.2f}x)")
 
 
 # ---------------------------------------------------------------------------------------------
