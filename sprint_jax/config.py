@@ -19,7 +19,9 @@ import yaml
 T = TypeVar("T")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-CONFIG_DIR = REPO_ROOT / "configs"
+# configs/ sits at the top of a checkout and installs as sprint_jax/configs (setup.py)
+_INSTALLED_CONFIGS = Path(__file__).resolve().parent / "configs"
+CONFIG_DIR = _INSTALLED_CONFIGS if _INSTALLED_CONFIGS.is_dir() else REPO_ROOT / "configs"
 
 
 class ConfigError(ValueError):
@@ -196,8 +198,19 @@ def flag_overrides(args, cls) -> list[str]:
             if getattr(args, field, None) is not None]
 
 
-def read_yaml(path: str | Path) -> dict:
+def resolve_config_path(path: str | Path) -> Path:
+    """`path` as given when it exists; else a relative `configs/NAME` is the shipped config NAME
+    (so the README's `--config configs/...` works from any directory of an installed copy)."""
     path = Path(path)
+    if not path.exists() and not path.is_absolute() and path.parts[:1] == ("configs",):
+        shipped = CONFIG_DIR.joinpath(*path.parts[1:])
+        if shipped.exists():
+            return shipped
+    return path
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = resolve_config_path(path)
     if not path.exists():
         raise ConfigError(f"config file not found: {path}")
     if not path.is_file():
