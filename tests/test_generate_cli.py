@@ -33,3 +33,18 @@ def test_generate_user_errors_are_one_line(hf_untied, tmp_path):
     assert r.returncode == 2 and "outside the model's vocabulary" in r.stderr and "Traceback" not in r.stderr
     r = _cli("--model", str(tmp_path / "missing"), "--token-ids", "1")
     assert r.returncode == 2 and "not found" in r.stderr
+
+
+def test_generate_prompt_outside_the_tokenizers_vocabulary_is_one_line(hf_untied, tmp_path):
+    import shutil
+
+    from conftest import tiny_vocab_tokenizer
+    from sprint_jax.model.tokenizer import VOCAB_TOKENIZER_FILE
+
+    model = tmp_path / "model"
+    shutil.copytree(hf_untied, model)
+    tiny_vocab_tokenizer().save(model / VOCAB_TOKENIZER_FILE)     # printable ASCII only
+    r = _cli("--model", str(model), "hello ☃ world", "--max-new-tokens", "2")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()]
+    assert "cannot encode the prompt" in r.stderr and "'☃'" in r.stderr

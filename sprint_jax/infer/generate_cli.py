@@ -10,6 +10,11 @@ DESCRIPTION = """Generate text from a checkpoint with the JAX engine (plain deco
 
 The tokenizer is loaded from the checkpoint directory (HF tokenizer files or vocab_tokenizer.json);
 --tokenizer qwen2 uses the Qwen2 BPE shipped with the package instead, --tokenizer DIR another directory.
+
+A prompt text is put in the model's prompt format (its trailing whitespace set to the one of the
+prompts `sprint-jax train` trained it on, MODEL/sprint_jax.json; see `sprint-jax infer --help`), with
+a note on stderr when that changes it; --token-ids are given as they are. The time printed is split
+into running and compiling (the first use of a shape in the process compiles it).
 """
 
 
@@ -31,7 +36,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from sprint_jax.errors import UserError
     from sprint_jax.infer import Engine, Sampling
-    from sprint_jax.infer.infer_cli import load_model_arg, load_tokenizer_arg
+    from sprint_jax.infer.infer_cli import (CompileClock, formatted_prompt, load_model_arg, load_tokenizer_arg,
+                                            split_seconds)
 
     if (args.prompt is None) == (args.token_ids is None):
         raise UserError("give either a prompt text or --token-ids")
@@ -49,27 +55,33 @@ def run(args) -> int:
     from sprint_jax.model.capacity import check_positions
     from sprint_jax.model.config import Qwen2Config
     from pathlib import Path
-    if args.model and Path(args.model).is_dir():
-        check_positions(Qwen2Config.from_hf_config(Path(args.model)), args.max_new_tokens, "--max-new-tokens")
-    model = load_model_arg(args.model, args.dtype)
+    if not args.model or not Path(args.model).is_dir():
+        load_model_arg(args.model, args.dtype)          # the one-line error for a missing --model
+    mcfg = Qwen2Config.from_hf_config(Path(args.model))
+    check_positions(mcfg, args.max_new_tokens, "--max-new-tokens")
     tok = None
     if args.tokenizer or args.prompt is not None or args.stop:
         tok = load_tokenizer_arg(args.tokenizer, args.model)
         from sprint_jax.model.tokenizer import check_tokenizer_fits
-        check_tokenizer_fits(tok, model.config.vocab_size, f"the model in {args.model}")
+        check_tokenizer_fits(tok, mcfg.vocab_size, f"the model in {args.model}")
     if args.token_ids is not None:
         try:
             ids = [int(x) for x in args.token_ids.split(",") if x.strip()]
         except ValueError:
             raise UserError(f"--token-ids must be comma-separated integers, got {args.token_ids!r}")
     else:
-        ids = list(tok.encode(args.prompt, add_special_tokens=False))
+        prompt = formatted_prompt(args.model, args.prompt, "prompt")
+        try:
+            ids = list(tok.encode(prompt, add_special_tokens=False))
+        except ValueError as e:          # e.g. a character outside a VocabTokenizer's vocabulary
+            raise UserError(f"the tokenizer cannot encode the prompt: {e}") from None
     if not ids:
         raise UserError("the prompt encodes to no tokens" if args.prompt is not None else "--token-ids is empty")
-    bad = [i for i in ids if not 0 <= i < model.config.vocab_size]
+    bad = [i for i in ids if not 0 <= i < mcfg.vocab_size]
     if bad:
-        raise UserError(f"token id {bad[0]} is outside the model's vocabulary (size {model.config.vocab_size})")
-    check_positions(model.config, len(ids) + args.max_new_tokens, "the prompt plus --max-new-tokens")
+        raise UserError(f"token id {bad[0]} is outside the model's vocabulary (size {mcfg.vocab_size})")
+    check_positions(mcfg, len(ids) + args.max_new_tokens, "the prompt plus --max-new-tokens")
+    model = load_model_arg(args.model, args.dtype)
 
     class _IdsOnly:
         eos_token_id = None
@@ -83,10 +95,12 @@ def run(args) -> int:
     # one sequence, no forks: the core's child slots are kept minimal
     engine = Engine(model, tok or _IdsOnly(), max_seq_len=len(ids) + args.max_new_tokens + 1, max_branches=1,
                     max_branch_tokens=1)
-    t0 = time.perf_counter()
-    state = engine.prefill(ids)
-    g = engine.generate(state, args.max_new_tokens, stop=args.stop, sampling=sampling)
-    dt = time.perf_counter() - t0
+    with CompileClock() as clock:
+        t0 = time.perf_counter()
+        state = engine.prefill(ids)
+        g = engine.generate(state, args.max_new_tokens, stop=args.stop, sampling=sampling)
+        dt = time.perf_counter() - t0
+        took = split_seconds(dt, clock)
     print(g.text)
-    print(f"\n[{len(g.tokens)} tokens, stop: {g.stop_reason}, {dt:.2f} s incl. compile; ids: {g.tokens}]")
+    print(f"\n[{len(g.tokens)} tokens, stop: {g.stop_reason}, {took}; ids: {g.tokens}]")
     return 0

@@ -18,9 +18,15 @@ sequential vs total tokens and wall clock (no grading).
 
 Budgets and sampling: one flag per OrchestratorConfig field (--max-stages, --max-prompts,
 --max-planner-tokens, --max-branch-tokens, --max-total-tokens, --time-limit-s, --temperature,
---top-k, --top-p, --seed, --layout), or --config FILE.yaml / --set field=value. The query is
-given to the model exactly as written (training prompts are the bare problem text; see
-`sprint-jax eval --help`).
+--top-k, --top-p, --seed, --layout), or --config FILE.yaml / --set field=value.
+
+Prompt format: the query is given to the model the way its training prompts were written. `sprint-jax
+train` records how they end (prompt_format in MODEL/sprint_jax.json, e.g. a newline after "Q: 8 5 2 1")
+and the query's trailing whitespace is set to that, with a note on stderr when it changes; a model
+without the field gets the query as written.
+
+Timings: each stage's seconds are the model's work; the first use of a shape in the process also
+compiles it (XLA), shown separately as "+ N s compiling".
 
 Token convention: where forced text (an executor's opening, the sync) meets generated text, the
 context is tokenized the way the model's training layout did (flat or trie). The layout is read
@@ -86,16 +92,40 @@ def config_from_args(args):
 def model_defaults(model: str | None) -> dict:
     """OrchestratorConfig fields fixed by how the model was trained: its layout, from the export's
     sprint_jax.json (none for a model without one: the layout default, flat, applies)."""
+    layout = export_meta(model).get("layout")
+    return {"layout": layout} if layout is not None else {}
+
+
+def export_meta(model: str | None) -> dict:
+    """The `--model` directory's sprint_jax.json ({} without one, or without a directory: the
+    model loader reports that); an unreadable file is a UserError."""
     from sprint_jax.errors import UserError
     from sprint_jax.model.hf import CheckpointError, read_export_meta
 
     if not model or not Path(model).is_dir():
         return {}
     try:
-        layout = read_export_meta(model).get("layout")
+        return read_export_meta(model)
     except CheckpointError as e:
         raise UserError(str(e)) from None
-    return {"layout": layout} if layout is not None else {}
+
+
+def formatted_prompt(model: str | None, text: str, what: str = "query") -> str:
+    """`text` in the prompt format the `--model` was trained with (sprint_jax.infer.prompting); a
+    one-line note on stderr says what changed, if anything."""
+    from sprint_jax.errors import UserError
+    from sprint_jax.infer.prompting import META_KEY, apply_prompt_format
+    from sprint_jax.model.hf import EXPORT_META_FILE
+
+    try:
+        out = apply_prompt_format(text, export_meta(model))
+    except ValueError as e:
+        raise UserError(f"--model {model}: {EXPORT_META_FILE}: {e}") from None
+    if out != text:
+        print(f"note: the {what} now ends in {out[len(out.rstrip()):]!r} instead of {text[len(text.rstrip()):]!r}, "
+              f"as every prompt the model was trained on ({META_KEY} in {Path(model) / EXPORT_META_FILE})",
+              file=sys.stderr, flush=True)
+    return out
 
 
 def add_tokenizer_argument(p) -> None:
@@ -217,15 +247,76 @@ def build_batch_engine(args, config, concurrency: int):
 
 
 # ---------------------------------------------------------------------------------------------
+# Compilation time
+# ---------------------------------------------------------------------------------------------
+class CompileClock:
+    """JAX's compilation (tracing, lowering, XLA compile) as wall-clock spans, from jax.monitoring,
+    while used as a context manager. `within(seconds)`: the compilation inside the last `seconds`
+    up to now, so a timing measured just before can be split into compiling and running (the
+    first use of a shape in a process compiles it; later uses do not)."""
+
+    EVENTS = frozenset({"/jax/core/compile/jaxpr_trace_duration",
+                        "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                        "/jax/core/compile/backend_compile_duration"})
+
+    def __init__(self):
+        self.spans: list[tuple[float, float]] = []
+
+    def _on_span(self, event: str, start: float, end: float, **_) -> None:
+        if event in self.EVENTS:
+            self.spans.append((start, end))
+
+    def __enter__(self) -> "CompileClock":
+        import jax.monitoring
+        jax.monitoring.register_event_time_span_listener(self._on_span)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import jax.monitoring
+        jax.monitoring.unregister_event_time_span_listener(self._on_span)
+
+    def within(self, seconds: float) -> float:
+        """Seconds of compilation in [now - seconds, now]; nested spans (a jit traced inside
+        another's trace) count once."""
+        import time
+        end = time.time()
+        start = end - seconds
+        total, reach = 0.0, start
+        for a, b in sorted(self.spans):
+            a, b = max(a, reach), min(b, end)
+            if b > a:
+                total += b - a
+                reach = b
+        return total
+
+
+def split_seconds(seconds: float, clock: CompileClock | None, scale: float = 1.0, unit: str = "s",
+                  spec: str = ".2f") -> str:
+    """A timing just measured, as "<running> s" or "<running> s + <compiling> s compiling"
+    (scale/unit/spec: e.g. 1000, "ms", ".1f")."""
+    c = min(clock.within(seconds), seconds) if clock is not None else 0.0
+    text = f"{format(scale * (seconds - c), spec)} {unit}"
+    if format(scale * c, spec) != format(0.0, spec):
+        text += f" + {format(scale * c, spec)} {unit} compiling"
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
 # Live display
 # ---------------------------------------------------------------------------------------------
 class LiveDisplay:
-    """An `on_event` hook that prints the run as it happens: plans, executors side by side, sync."""
+    """An `on_event` hook that prints the run as it happens: plans, executors side by side, sync.
+    With a `compile_clock`, every timing it prints is split into running and compiling."""
 
-    def __init__(self, stream: TextIO | None = None, width: int | None = None, max_lines: int = 14):
+    def __init__(self, stream: TextIO | None = None, width: int | None = None, max_lines: int = 14,
+                 compile_clock: CompileClock | None = None):
         self.stream = stream or sys.stdout
         self.width = width or min(shutil.get_terminal_size((120, 24)).columns, 160)
         self.max_lines = max_lines
+        self.clock = compile_clock
+
+    def _secs(self, seconds: float) -> str:
+        return split_seconds(seconds, self.clock)
 
     def _print(self, s: str = "") -> None:
         print(s, file=self.stream, flush=True)
@@ -261,7 +352,7 @@ class LiveDisplay:
             for line in self._wrap(rec.query, self.width):
                 self._print(line)
         elif event.kind == "planner":
-            self._rule(f"stage {stage.index} · planner: {stage.planner_tokens} tokens, {stage.planner_s:.2f} s")
+            self._rule(f"stage {stage.index} · planner: {stage.planner_tokens} tokens, {self._secs(stage.planner_s)}")
             for line in self._wrap(event.text, self.width):
                 self._print(line)
             for p in stage.problems:
@@ -270,7 +361,7 @@ class LiveDisplay:
             self._print(f"  … {event.text} decoding")
         elif event.kind == "executors":
             self._rule(f"stage {stage.index} · {len(stage.executions)} executor(s) ({stage.executor_mode}), "
-                       f"{stage.executors_s:.2f} s")
+                       f"{self._secs(stage.executors_s)}")
             self._columns([(f"[{stage.index}.{e.index}] {e.tokens} tok, {e.stop_reason}", e.text)
                            for e in stage.executions])
         elif event.kind == "implicit_execution":
@@ -278,24 +369,33 @@ class LiveDisplay:
             for line in self._wrap(event.text, self.width):
                 self._print(line)
         elif event.kind == "sync":
-            self._print(f"  ⇢ sync: {stage.sync_tokens} tokens prefilled onto the planner in {1000 * stage.sync_s:.1f} ms")
+            ms = split_seconds(stage.sync_s, self.clock, 1000, "ms", ".1f")
+            if stage.join == "merge":
+                self._print(f"  ⇢ sync: the executors' caches placed after the fork (merge join), "
+                            f"{stage.sync_tokens} tokens run, in {ms}")
+            else:
+                self._print(f"  ⇢ sync: {stage.sync_tokens} tokens prefilled onto the planner (reprefill join) "
+                            f"in {ms}")
         elif event.kind == "final":
-            self._rule(f"final ({rec.final_tokens} tokens, {rec.final_s:.2f} s)")
+            self._rule(f"final ({rec.final_tokens} tokens, {self._secs(rec.final_s)})")
             for line in self._wrap(event.text, self.width):
                 self._print(line)
         elif event.kind == "end":
             self._rule("stats")
-            for line in summary_lines(rec):
+            for line in summary_lines(rec, self.clock):
                 self._print(line)
 
 
-def summary_lines(rec) -> list[str]:
+def summary_lines(rec, clock: CompileClock | None = None) -> list[str]:
+    """The run's stats; with `clock` (just after the run), its wall clock split into running and
+    compiling."""
     saved = 1 - rec.sequential_tokens / rec.total_tokens if rec.total_tokens else 0.0
     lines = [f"termination:        {rec.termination}",
              f"stages:             {len(rec.stages)} ({sum(len(s.executions) for s in rec.stages)} executions)",
              f"sequential tokens:  {rec.sequential_tokens}",
              f"total tokens:       {rec.total_tokens}   (critical path {100 * saved:.1f}% shorter)",
-             f"wall clock:         {rec.wall_s:.2f} s (incl. compilation on first use)",
+             f"wall clock:         " + (split_seconds(rec.wall_s, clock) if clock is not None
+                                          else f"{rec.wall_s:.2f} s (compilation not measured)"),
              f"final answer:       {rec.final_answer!r}"]
     if rec.problems:
         lines.append(f"problems ({len(rec.problems)}):")
@@ -309,7 +409,7 @@ def summary_lines(rec) -> list[str]:
 # Command
 # ---------------------------------------------------------------------------------------------
 def add_arguments(p) -> None:
-    p.add_argument("query", help="the query text, given to the model as is")
+    p.add_argument("query", help="the query text, in the model's prompt format (see Prompt format above)")
     p.add_argument("--mode", choices=["parallel", "serial", "sequential"], default="parallel")
     p.add_argument("--record", default=None, metavar="FILE.json", help="also write the run record as JSON")
     add_run_arguments(p)
@@ -328,15 +428,18 @@ def run(args) -> int:
         if not record_path.parent.is_dir():
             raise UserError(f"--record {record_path}: directory {record_path.parent} does not exist")
     config = config_from_args(args)
+    query = formatted_prompt(args.model, args.query)
     engine = build_engine(args, config)
     try:
-        engine.encode(args.query)
+        engine.encode(query)
     except ValueError as e:
         raise UserError(f"the tokenizer cannot encode the query: {e}") from None
-    record = Orchestrator(engine, config, on_event=LiveDisplay()).run(args.query, args.mode)
+    with CompileClock() as clock:
+        record = Orchestrator(engine, config, on_event=LiveDisplay(compile_clock=clock)).run(query, args.mode)
     if args.record:
         Path(args.record).write_text(json.dumps(record.to_json(), indent=2, ensure_ascii=False) + "\n")
     return 0
 
 
-__all__ = ["add_run_arguments", "config_from_args", "build_engine", "LiveDisplay", "summary_lines"]
+__all__ = ["add_run_arguments", "config_from_args", "build_engine", "formatted_prompt", "CompileClock",
+           "LiveDisplay", "summary_lines"]

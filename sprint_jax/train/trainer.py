@@ -388,10 +388,14 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
     export_dir = None
     if cfg.export.enabled:
         export_dir = out / "hf"
+        from sprint_jax.infer.prompting import META_KEY, prompt_format_of
         from sprint_jax.train.fingerprint import fingerprint
+        # the prompt format travels with the model: inference applies it to a user's query (null
+        # when the training prompts end differently: nothing to apply, and a stale value replaced)
         export_hf(model_cfg, state["params"], tokenizer, export_dir, cfg.export.dtype,
                   meta={"layout": cfg.data.layout, "tokenizer": tokenizer_name,
-                        "train_fingerprint": fingerprint(stats.used_prompts)})
+                        "train_fingerprint": fingerprint(stats.used_prompts),
+                        META_KEY: prompt_format_of(stats.used_prompts)})
         say(f"exported HF safetensors to {export_dir}")
     # tokens/s of the steps after the first (compiling) one; the final checkpoint write (in the
     # first run of a process it includes orbax's and the checksum's one-time setup, several
