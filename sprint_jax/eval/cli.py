@@ -15,6 +15,11 @@ DESCRIPTION = """Evaluate a model with the SPRINT orchestrator (paper §13) and 
                 overrides the directory); graded with math-verify.
   countdown     --countdown-n generated Countdown tasks (seed --data-seed); graded by the
                 Countdown rules (every number once, + - * / only, equals the target).
+  chains        the held-out test set of `sprint-jax demo` at the demo's defaults (100 digit-chains
+                problems of 4 chains x 12 steps, none in its training set; --data-seed is the
+                demo's seed): evaluate a model the demo trained, e.g.
+                --model runs/demo/train/sprint/hf --data chains --max-stages 3 --max-prompts 4
+                --max-planner-tokens 48 --max-branch-tokens 24 --max-total-tokens 1024.
   FILE          a task file: .jsonl, .parquet, .arrow, or a `datasets` save_to_disk directory.
                 --task-kind auto reads multiple choice when the first record has
                 "choices"/"options" or the GPQA columns, else MATH ({"problem", "answer"}).
@@ -44,6 +49,12 @@ one decode step serves every planner and executor of them. Results are written i
 and, under greedy decoding, do not depend on N (timings aside); wall clock per problem at N=1 is
 the latency, problems per second at N the throughput.
 
+Timing: wall clocks exclude XLA compilation, which is timed apart (compile_s). Nothing is warmed
+up or run twice: the engine compiles each new shape when it first meets it, and the seconds JAX
+reports compiling are taken out of the clock of every problem that was running then (its wall_s)
+and of the run's wall clock; results.jsonl keeps per problem wall_s, compile_s, finished_s (on its
+invocation's clock), invocation and concurrency, report.json the run's compile_s.
+
 Modes: parallel (executors batched over a shared-prefix fork), serial (the same executors one
 after another; on the batched engine they run as a fork too), sequential (plain decoding: the RFT baseline, or a SPRINT model run as an ordinary
 model).
@@ -52,10 +63,13 @@ Output (--out DIR): results.jsonl (per problem: id, correct, sequential_tokens, 
 stages, wall_s, problems, termination, ...), records.jsonl (full run records), report.json
 (accuracy, mean sequential and total tokens, wall clock, format-valid rate, ...), tokens.png
 (sequential vs total tokens per problem) and sequential_to_total_by_length.png (the run's own
-sequential / total tokens: SPRINT-internal, not a gain over RFT).
+sequential / total tokens: SPRINT-internal, not a gain over RFT; 1 for a sequential run).
 An existing --out is resumed: problems already in its results.jsonl are skipped after checking that
 mode, budgets, model weights and problems are the same (eval_run.json); --overwrite starts it afresh.
-One run at a time per --out (a second one exits naming the first).
+A finished result is never deleted: a rerun over fewer problems (a smaller --limit) keeps the
+others in results.jsonl; the printed summary and report.json cover the problems this command was
+asked for (report.json problems_in_out counts the lines on disk). One run at a time per --out (a
+second one exits naming the first).
 
 Over hosts / device groups: `--shard I/N` evaluates problems I, I+N, I+2N, ... (0 <= I < N) of
 the task list into its own --out; `eval merge SHARD_DIR... --out DIR` joins N finished shards into
@@ -64,11 +78,14 @@ the shards). A shard that died is rerun alone with its own command. --mesh tenso
 one process over several devices (sprint_jax.infer.sharding).
 
 `eval compare A B`: the paper's table (accuracy, sequential tokens, total tokens, wall clock,
-change) for run A (SPRINT) against run B (RFT) on the same problems, matched by id; then, per bin
-of B's sequential length (--bins thresholds, default 2000,4000,8000 as in the paper's >8k
-analysis, and --quantiles equal-size bins), both runs' accuracy, sequential tokens and wall
-clock. With --out: compare.json, bins_by_baseline_length.png, speedup_histogram.png (per-problem
-B/A sequential tokens and wall clock, ThreadWeaver Fig. 5).
+change) for run A (SPRINT) against run B (RFT) on the same problems (every line of each
+results.jsonl), matched by id; then, per bin of B's sequential length (--bins thresholds,
+default 2000,4000,8000 as in the paper's >8k analysis, and --quantiles equal-size bins; problems
+of equal length share a bin, so fewer bins when many are equal), both runs' accuracy, sequential
+tokens and wall clock. Each run's wall clock and concurrency are derived from its problems'
+timings, so a run resumed over several invocations is counted whole (its concurrencies listed
+when they differ). With --out: compare.json, bins_by_baseline_length.png, speedup_histogram.png
+(per-problem B/A sequential tokens and wall clock, ThreadWeaver Fig. 5).
 """
 
 
@@ -80,13 +97,16 @@ def add_arguments(p) -> None:
                         "multi-host TPU task id and count); join the shards with `eval merge`")
     p.add_argument("compare", nargs="*", metavar="compare RUN_A RUN_B | merge SHARD_DIR...",
                    help="compare two eval output directories (SPRINT first, RFT second)")
-    p.add_argument("--data", default=None, help="math500 | countdown | FILE (.jsonl / .parquet / .arrow / dataset dir)")
+    p.add_argument("--data", default=None,
+                   help="math500 | countdown | chains (the demo's test set) | FILE (.jsonl / .parquet / .arrow / "
+                        "dataset dir)")
     p.add_argument("--task-kind", choices=["auto", "math", "choice"], default="auto",
                    help="how to read FILE.jsonl")
     p.add_argument("--mode", choices=["parallel", "serial", "sequential"], default="parallel")
     p.add_argument("--limit", type=int, default=None, help="evaluate the first N problems")
     p.add_argument("--countdown-n", type=int, default=100, help="--data countdown: tasks to generate")
-    p.add_argument("--data-seed", type=int, default=0, help="--data countdown: generator seed")
+    p.add_argument("--data-seed", type=int, default=0,
+                   help="--data countdown: generator seed; --data chains: the demo's seed")
     p.add_argument("--out", default=None, help="output directory; an existing one is resumed (problems already "
                    "in its results.jsonl are skipped, after checking the run is the same)")
     p.add_argument("--overwrite", action="store_true", help="start --out afresh instead of resuming it")
@@ -128,9 +148,12 @@ def load_tasks(data: str, limit: int | None = None, task_kind: str = "auto", cou
         if n < 1:
             raise UserError(f"--countdown-n must be >= 1, got {countdown_n}")
         return task_kinds.countdown.generate(n, data_seed)
+    if data == "chains":
+        tasks = task_kinds.chains.demo_test_set(seed=data_seed)
+        return tasks if limit is None else tasks[:limit]
     path = Path(data)
     if not path.exists():
-        raise UserError(f"--data {data!r} is not math500, countdown, or an existing file")
+        raise UserError(f"--data {data!r} is not math500, countdown, chains, or an existing file")
     return task_kinds.load_task_file(path, task_kind, limit)
 
 
@@ -161,7 +184,7 @@ def _compare(args) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "compare.json").write_text(json.dumps(table, indent=2) + "\n")
-        plot_bins(table["length_bins"]["fixed"] + table["length_bins"]["quantiles"], out / BINS_PLOT, names)
+        plot_bins(table["length_bins"], out / BINS_PLOT, names)
         plot_speedups(table["speedups"], out / SPEEDUP_PLOT, names)
         print(f"\nwritten: {out / 'compare.json'}, {out / BINS_PLOT}, {out / SPEEDUP_PLOT}")
     return 0
@@ -256,10 +279,16 @@ def run(args) -> int:
                          concurrency=args.concurrency,
                          meta={"model": str(args.model), "data": str(args.data), "limit": args.limit,
                                "train_overlap": overlap, **({"shard": shard} if shard else {})})
-    print(f"accuracy {100 * report['accuracy']:.1f}% ({report['correct']}/{report['n']}), "
+    wall = report["wall_clock_s"]
+    on_disk = report.get("problems_in_out", report["n"])
+    print(f"over the {report['n']} problem(s) asked for"
+          + (f" ({on_disk} in {Path(args.out) / 'results.jsonl'})" if on_disk != report["n"] else "")
+          + (f", {report['resumed_problems']} of them finished earlier" if report.get("resumed_problems") else "")
+          + f": accuracy {100 * report['accuracy']:.1f}% ({report['correct']}/{report['n']}), "
           f"sequential tokens {report['mean_sequential_tokens']:.1f}, total tokens "
           f"{report['mean_total_tokens']:.1f}, format-valid {100 * report['format_valid_rate']:.1f}%, "
-          f"wall clock {report['wall_clock_s']:.1f} s -> {args.out}")
+          f"wall clock {'n/a' if wall is None else f'{wall:.1f} s'} without XLA compilation "
+          f"(this run compiled for {report['compile_s']:.1f} s, timed apart) -> {args.out}")
     if report["grader_errors"]:
         print(f"grader errors: {report['grader_errors']} problem(s) could not be graded and count as wrong "
               f"(ids in report.json grader_error_ids; messages in results.jsonl grader_error)")

@@ -18,12 +18,20 @@ records.jsonl (the full run records), eval_run.json (what the run used: mode, or
 meta, a digest of the model's weights, a digest of each problem's prompt and gold answer),
 report.json (written last, atomically), and the plots of `report.write_plots`.
 
-Resume (issue 12: an eval into an existing directory used to wipe it). A rerun into the same
-directory skips the problems already in results.jsonl (complete lines only: a line cut by a kill
-is dropped and rerun) after checking that the run is the same, like `curate` does: a different
-mode, orchestrator config, model weights or problem text is refused naming what differs, unless
-`overwrite=True` (`eval --overwrite`), which starts the directory afresh. The directory is locked
-for the run (`sprint_jax.outlock`).
+Timing. XLA compilation (tracing, lowering and compiling a program the engine meets for the first
+time) is timed apart, from the spans JAX reports (`CompileClock`): each problem's `wall_s` is its
+wall clock with the compilation that stalled it taken out, `compile_s` that compilation, and
+`finished_s`, `invocation`, `concurrency` place it in the run (`report.TIMING_FIELDS`). The run's
+wall clock is derived from these (`report.run_wall_clock`). Nothing is run twice: the records
+are those of an untimed run.
+
+Resume. A rerun into the same directory skips the problems already in results.jsonl (complete
+lines only: a line cut by a kill is dropped and rerun) after checking that the run is the same,
+like `curate` does: a different mode, orchestrator config, model weights or problem text is
+refused naming what differs, unless `overwrite=True` (`eval --overwrite`), which starts the
+directory afresh. A rerun over fewer problems (a smaller `--limit`) keeps the others' results on
+disk; its report covers the problems it was asked for (`problems_in_out` counts the lines on
+disk). The directory is locked for the run (`sprint_jax.outlock`).
 """
 from __future__ import annotations
 
@@ -34,7 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from sprint_jax.tasks import Task, extract_answer, grade_result, task_prompt
-from sprint_jax.eval.report import make_report, write_plots
+from sprint_jax.eval.report import TIMING_FIELDS, check_result_row, make_report, union_length, untimed, write_plots
 from sprint_jax.infer.orchestrator import MODES, Orchestrator, OrchestratorConfig, RunRecord, run_many
 from sprint_jax.fsutil import write_atomic
 
@@ -43,6 +51,35 @@ RECORDS_FILE = "records.jsonl"
 REPORT_FILE = "report.json"
 RUN_FILE = "eval_run.json"
 _UNCHECKED_META = ("limit",)      # a longer or shorter run over the same problems may resume
+# the spans JAX reports for compiling a program: tracing it, lowering it, compiling it
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+
+
+class CompileClock:
+    """While entered, collects the compile spans JAX reports (`COMPILE_EVENTS`, through
+    `jax.monitoring`); `within(a, b)` is the seconds of [a, b] (`time.time()` clock) spent
+    compiling, overlapping spans counted once. Compilation blocks the thread that drives the
+    engine, so it stalls every problem in flight."""
+
+    def __init__(self):
+        self.spans: list[tuple[float, float]] = []
+
+    def _on_span(self, event: str, start: float, end: float, **_) -> None:
+        if event in COMPILE_EVENTS:
+            self.spans.append((start, end))
+
+    def __enter__(self) -> "CompileClock":
+        from jax import monitoring
+        monitoring.register_event_time_span_listener(self._on_span)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from jax import monitoring
+        monitoring.unregister_event_time_span_listener(self._on_span)
+
+    def within(self, a: float, b: float) -> float:
+        return union_length([(max(s, a), min(e, b)) for s, e in self.spans])
 
 
 def default_prompt(task: Task) -> str:
@@ -51,7 +88,9 @@ def default_prompt(task: Task) -> str:
 
 
 def result_of(task: Task, record: RunRecord, answer_from: str = "final_answer") -> dict[str, Any]:
-    """One results.jsonl line: the graded outcome and the accounting of one run."""
+    """One results.jsonl line: the graded outcome and the accounting of one run (`wall_s` the
+    record's; `evaluate` replaces it with the time apart from compilation and adds the other
+    `TIMING_FIELDS`)."""
     answer = extract_answer(record.final_answer, record.text, answer_from)
     graded = grade_result(task, answer)
     return {
@@ -73,8 +112,9 @@ def result_of(task: Task, record: RunRecord, answer_from: str = "final_answer") 
     }
 
 
-def _complete_lines(path: Path) -> tuple[dict[str, dict], int]:
-    """id -> row of a jsonl file written line by line; a last line cut short is skipped (counted)."""
+def _complete_lines(path: Path, check: Callable[[dict, str], None] | None = None) -> tuple[dict[str, dict], int]:
+    """id -> row of a jsonl file written line by line; a last line cut short is skipped (counted).
+    `check(row, "file:line")` validates each row (raising names the line)."""
     rows: dict[str, dict] = {}
     if not path.exists():
         return rows, 0
@@ -92,6 +132,8 @@ def _complete_lines(path: Path) -> tuple[dict[str, dict], int]:
             from sprint_jax.errors import UserError
             raise UserError(f"{path}:{n}: not valid JSON; use --overwrite to start this directory afresh") from None
         if isinstance(row, dict) and "id" in row:
+            if check is not None:
+                check(row, f"{path}:{n}")
             rows[str(row["id"])] = row
     return rows, skipped
 
@@ -107,8 +149,10 @@ def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
 
 
 
-def _prepare_out(out: Path, run: dict, problems: dict[str, str], overwrite: bool) -> dict[str, tuple[dict, dict]]:
-    """Check an existing directory against this run; returns id -> (result, record) already done."""
+def _prepare_out(out: Path, run: dict, problems: dict[str, str],
+                 overwrite: bool) -> tuple[dict[str, tuple[dict, dict]], list[dict]]:
+    """Check an existing directory against this run. Returns (id -> (result, record) of this run's
+    problems already done, every finished result kept on disk, asked for now or not)."""
     from sprint_jax.errors import UserError
 
     run_file = out / RUN_FILE
@@ -117,7 +161,7 @@ def _prepare_out(out: Path, run: dict, problems: dict[str, str], overwrite: bool
         for name in (RESULTS_FILE, RECORDS_FILE, REPORT_FILE, RUN_FILE):
             (out / name).unlink(missing_ok=True)
         write_atomic(run_file, json.dumps({"run": run, "problems": problems}, indent=1, ensure_ascii=False) + "\n")
-        return {}
+        return {}, []
     try:
         before = json.loads(run_file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -132,16 +176,17 @@ def _prepare_out(out: Path, run: dict, problems: dict[str, str], overwrite: bool
     if changed:
         raise UserError(f"{out}: problem {changed[0]!r} has a different prompt or answer than when it was evaluated "
                         f"({len(changed)} such); use --overwrite or a new --out")
-    results, cut_a = _complete_lines(out / RESULTS_FILE)
+    results, cut_a = _complete_lines(out / RESULTS_FILE, check_result_row)
     records, cut_b = _complete_lines(out / RECORDS_FILE)
-    done = {i: (results[i], records[i]) for i in results if i in records and i in problems}
-    # keep exactly the finished problems (a result without its record, or a cut line, is redone)
-    write_atomic(out / RESULTS_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r, _ in done.values()))
-    write_atomic(out / RECORDS_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for _, r in done.values()))
+    # every finished problem stays, asked for this time or not (a result without its record, or
+    # a cut line, is dropped and, if asked for, redone)
+    kept = {i: (results[i], records[i]) for i in results if i in records}
+    write_atomic(out / RESULTS_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r, _ in kept.values()))
+    write_atomic(out / RECORDS_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for _, r in kept.values()))
     (out / REPORT_FILE).unlink(missing_ok=True)       # a report describes a finished run only
     write_atomic(run_file, json.dumps({"run": run, "problems": {**old_problems, **problems}}, indent=1,
                                        ensure_ascii=False) + "\n")
-    return done
+    return {i: kept[i] for i in kept if i in problems}, [r for r, _ in kept.values()]
 
 
 def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
@@ -156,8 +201,9 @@ def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
     either way, so results.jsonl does not depend on the concurrency (timings aside). On the
     single-run `Engine` problems run one after another.
     `meta` (e.g. model and data names) is copied into the report. With `out_dir`, problems already
-    finished there by the same run are skipped (see the module docstring); `overwrite` starts afresh.
-    `answer_from` picks the graded text (see the module docstring).
+    finished there by the same run are skipped and every finished problem on disk is kept (see the
+    module docstring); `overwrite` starts afresh. The report covers `tasks`.
+    `answer_from` picks the graded text (see the module docstring). Timings: the module docstring.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -169,7 +215,8 @@ def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
     prompt_fn = prompt_fn or default_prompt
     config = orchestrator_config or OrchestratorConfig()
     if out_dir is None:
-        return _evaluate(engine, tasks, mode, prompt_fn, config, None, progress, meta, {}, answer_from, concurrency)
+        return _evaluate(engine, tasks, mode, prompt_fn, config, None, progress, meta, {}, [], answer_from,
+                         concurrency)
     from sprint_jax import outlock
 
     out = Path(out_dir)
@@ -182,69 +229,81 @@ def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
             run["weights"] = digest(params)
         run = json.loads(json.dumps(run, default=str))      # as it reads back from disk (tuples -> lists)
         problems = {str(t.id): _digest([prompt_fn(t), t.answer]) for t in tasks}
-        done = _prepare_out(out, run, problems, overwrite)
-        return _evaluate(engine, tasks, mode, prompt_fn, config, out, progress, meta, done, answer_from, concurrency)
+        done, on_disk = _prepare_out(out, run, problems, overwrite)
+        return _evaluate(engine, tasks, mode, prompt_fn, config, out, progress, meta, done, on_disk, answer_from,
+                         concurrency)
 
 
 def _evaluate(engine, tasks, mode, prompt_fn, config, out: Path | None, progress: bool, meta: dict | None,
-              done: dict[str, tuple[dict, dict]], answer_from: str,
+              done: dict[str, tuple[dict, dict]], on_disk: list[dict], answer_from: str,
               concurrency: int | None) -> tuple[list[dict], dict]:
     batched = hasattr(engine, "max_seqs")
     concurrency = (concurrency or engine.max_seqs) if batched else 1
     results_by_id: dict[str, dict] = {i: r for i, (r, _) in done.items()}
     todo = [t for t in tasks if str(t.id) not in done]
+    # this invocation's number: the problems' intervals are on its own clock (report.run_wall_clock)
+    invocation = 1 + max((r.get("invocation") or 0 for r in on_disk), default=0)
+    kept_ids = {str(r["id"]) for r in on_disk}
     bar = None
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=len(tasks), initial=len(tasks) - len(todo), desc=f"eval ({mode})", unit="problem")
-    t0 = time.perf_counter()
     files = []
-    try:
-        if out is not None:
-            files = [open(out / RESULTS_FILE, "a", encoding="utf-8"), open(out / RECORDS_FILE, "a", encoding="utf-8")]
-        finished: dict[int, RunRecord] = {}
-        written = 0
+    with CompileClock() as clock:
+        t0 = time.time()
+        try:
+            if out is not None:
+                files = [open(out / name, "a", encoding="utf-8") for name in (RESULTS_FILE, RECORDS_FILE)]
+            finished: dict[int, tuple[RunRecord, float]] = {}
+            written = 0
 
-        def on_record(i: int, record: RunRecord) -> None:
-            nonlocal written
-            finished[i] = record
-            while written in finished:            # write in task order as soon as possible
-                task = todo[written]
-                record = finished.pop(written)
-                written += 1
-                result = result_of(task, record, answer_from)
-                results_by_id[str(task.id)] = result
-                if files:
-                    for f, row in zip(files, (result, {"id": task.id, **record.to_json()})):
-                        f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                        f.flush()
-                if bar is not None:
-                    bar.update(1)
-                    done_ = list(results_by_id.values())
-                    bar.set_postfix(acc=f"{sum(r['correct'] for r in done_) / len(done_):.3f}",
-                                    seq=f"{sum(r['sequential_tokens'] for r in done_) / len(done_):.0f}")
+            def on_record(i: int, record: RunRecord) -> None:
+                nonlocal written
+                finished[i] = (record, time.time())
+                while written in finished:            # write in task order as soon as possible
+                    task = todo[written]
+                    record, end = finished.pop(written)
+                    written += 1
+                    result = result_of(task, record, answer_from)
+                    compile_s = min(record.wall_s, clock.within(end - record.wall_s, end))
+                    result.update(wall_s=record.wall_s - compile_s, compile_s=compile_s,
+                                  finished_s=end - t0 - clock.within(t0, end), invocation=invocation,
+                                  concurrency=concurrency)
+                    results_by_id[str(task.id)] = result
+                    if files:
+                        for f, row in zip(files, (result, {"id": task.id, **record.to_json(), "compile_s": compile_s})):
+                            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                            f.flush()
+                    if bar is not None:
+                        bar.update(1)
+                        done_ = list(results_by_id.values())
+                        bar.set_postfix(acc=f"{sum(r['correct'] for r in done_) / len(done_):.3f}",
+                                        seq=f"{sum(r['sequential_tokens'] for r in done_) / len(done_):.0f}")
 
-        if batched:
-            run_many(engine, [prompt_fn(t) for t in todo], mode, config, concurrency=concurrency,
-                     on_record=on_record)
-        else:
-            orchestrator = Orchestrator(engine, config)
-            for i, task in enumerate(todo):
-                on_record(i, orchestrator.run(prompt_fn(task), mode))
-    finally:
-        for f in files:
-            f.close()
-        if bar is not None:
-            bar.close()
+            if batched:
+                run_many(engine, [prompt_fn(t) for t in todo], mode, config, concurrency=concurrency,
+                         on_record=on_record)
+            else:
+                orchestrator = Orchestrator(engine, config)
+                for i, task in enumerate(todo):
+                    on_record(i, orchestrator.run(prompt_fn(task), mode))
+            compile_s = clock.within(t0, time.time())
+        finally:
+            for f in files:
+                f.close()
+            if bar is not None:
+                bar.close()
     results = [results_by_id[str(t.id)] for t in tasks]
-    report = make_report(results, mode, wall_clock_s=time.perf_counter() - t0, meta={
+    report = make_report(results, mode, compile_s=compile_s, meta={
         **(meta or {}), "answer_from": answer_from, "config": config.__dict__, "concurrency": concurrency})
     if done:
-        report["resumed_problems"] = len(done)   # wall_clock_s covers only the problems run this time
+        report["resumed_problems"] = len(done)   # finished by an earlier invocation; their timings are kept
     if out is not None:
-        report["plots"] = write_plots(results, out)
+        report["problems_in_out"] = len(kept_ids | set(results_by_id))
+        report["plots"] = write_plots(results, out, mode)
         write_atomic(out / REPORT_FILE, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     return results, report
 
 
-__all__ = ["RESULTS_FILE", "RECORDS_FILE", "REPORT_FILE", "RUN_FILE", "default_prompt", "result_of", "evaluate"]
+__all__ = ["RESULTS_FILE", "RECORDS_FILE", "REPORT_FILE", "RUN_FILE", "TIMING_FIELDS", "COMPILE_EVENTS",
+           "CompileClock", "default_prompt", "result_of", "untimed", "evaluate"]

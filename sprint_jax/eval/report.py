@@ -14,6 +14,12 @@ Two ratios, never to be confused:
 * `sequential_to_total` (one run's report): the run's own critical path over its own generated
   tokens. It says how much of SPRINT's work ran in parallel, NOT that SPRINT beats RFT (the paper's
   MATH-500 figure of 2,440 sequential vs 3,622 total tokens is this ratio).
+
+Timings (`TIMING_FIELDS`, per problem in results.jsonl): `wall_s` is the problem's wall clock with
+XLA compilation taken out, `compile_s` the compilation that stalled it (timed apart), `finished_s`
+when it finished on its invocation's clock (compilation excluded), `invocation` which run of
+`eval` into the directory made it and `concurrency` that run's concurrency. A run's wall clock is
+derived from these (`run_wall_clock`), so it stays right over a run resumed in several invocations.
 """
 from __future__ import annotations
 
@@ -28,6 +34,9 @@ TOKENS_PLOT = "tokens.png"
 INTERNAL_PLOT = "sequential_to_total_by_length.png"
 SPEEDUP_PLOT = "speedup_histogram.png"
 BINS_PLOT = "bins_by_baseline_length.png"
+# per-problem timings in results.jsonl (see the module docstring); everything else in a line is
+# the same whenever greedy decoding produces the same run
+TIMING_FIELDS = ("wall_s", "compile_s", "finished_s", "invocation", "concurrency")
 
 
 class RunFileError(UserError):
@@ -38,7 +47,48 @@ def _mean(xs: Sequence[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else 0.0
 
 
-def make_report(results: Sequence[dict], mode: str, wall_clock_s: float, meta: dict | None = None) -> dict:
+def untimed(row: dict) -> dict:
+    """A results.jsonl line without its timings (`TIMING_FIELDS`)."""
+    return {k: v for k, v in row.items() if k not in TIMING_FIELDS}
+
+
+def union_length(spans: Sequence[tuple[float, float]]) -> float:
+    """Seconds covered by the union of the intervals [start, end] (overlaps counted once)."""
+    total, reach = 0.0, None
+    for a, b in sorted((a, b) for a, b in spans if b > a):
+        if reach is None or a > reach:
+            total += b - a
+            reach = b
+        elif b > reach:
+            total += b - reach
+            reach = b
+    return total
+
+
+def run_wall_clock(results: Sequence[dict]) -> float | None:
+    """The wall clock these problems took, from their own timings: per invocation, the union of
+    the problems' intervals [finished_s - wall_s, finished_s] on that invocation's clock
+    (compilation excluded), summed over the invocations. A merged run's shards are numbered alike
+    and ran at once: their intervals overlap. None when a line lacks the timings (an older run)."""
+    spans: dict = {}
+    for r in results:
+        if r.get("invocation") is None or r.get("finished_s") is None:
+            return None
+        spans.setdefault(r["invocation"], []).append((r["finished_s"] - r["wall_s"], r["finished_s"]))
+    return float(sum(union_length(s) for s in spans.values()))
+
+
+def run_concurrency(results: Sequence[dict]) -> int | list[int] | None:
+    """The concurrency the problems ran at: one number, the sorted distinct values when the
+    invocations that made them differed, None when a line lacks it (an older run)."""
+    values = sorted({r.get("concurrency") for r in results}, key=lambda v: (v is None, v))
+    if not values or None in values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+def make_report(results: Sequence[dict], mode: str, wall_clock_s: float | None = None, meta: dict | None = None,
+                compile_s: float | None = None) -> dict:
     """report.json: accuracy, mean sequential / total tokens, wall clock, format-valid rate.
 
     `format_valid_rate` is the fraction of runs whose output parses with no problem and ends with
@@ -46,6 +96,8 @@ def make_report(results: Sequence[dict], mode: str, wall_clock_s: float, meta: d
     SPRINT-internal (1.0 for sequential runs): the run's critical path over its own generated
     tokens, not a comparison with RFT (use `eval compare` for that). `grader_errors` counts problems whose grader failed (graded wrong, logged,
     listed by id in `grader_error_ids`): a non-zero count means the accuracy is a lower bound.
+    `wall_clock_s` defaults to `run_wall_clock(results)` (compilation excluded); `compile_s`, when
+    given, is the compilation timed apart from it.
     """
     n = len(results)
     seq = [r["sequential_tokens"] for r in results]
@@ -60,13 +112,16 @@ def make_report(results: Sequence[dict], mode: str, wall_clock_s: float, meta: d
         "sequential_to_total": (sum(seq) / sum(tot)) if sum(tot) else None,
         "mean_stages": _mean([r["stages"] for r in results]),
         "mean_wall_s": _mean([r["wall_s"] for r in results]),
-        "wall_clock_s": float(wall_clock_s),
+        "wall_clock_s": run_wall_clock(results) if wall_clock_s is None else float(wall_clock_s),
+        "concurrency": run_concurrency(results),
         "format_valid_rate": _mean([float(bool(r["format_valid"])) for r in results]),
         "terminations": dict(Counter(r["termination"] for r in results)),
         "grader_errors": sum(1 for r in results if r.get("grader_error")),
         "grader_error_ids": [r["id"] for r in results if r.get("grader_error")][:20],
         "sequential_to_total_by_length": sequential_to_total_by_length(results),
     }
+    if compile_s is not None:
+        report["compile_s"] = float(compile_s)
     if meta:
         report["meta"] = meta
     return report
@@ -77,7 +132,7 @@ def sequential_to_total_by_length(results: Sequence[dict], bins: int = 5) -> lis
     how much of the trajectory ran off the critical path, not a gain over RFT)."""
     pairs = sorted((r["total_tokens"], r["sequential_tokens"]) for r in results if r["total_tokens"] > 0)
     out = []
-    for chunk in _quantile_chunks(pairs, bins):
+    for chunk in _quantile_chunks(pairs, bins, key=lambda p: p[0]):
         out.append({"min_length": chunk[0][0], "max_length": chunk[-1][0], "n": len(chunk),
                     "mean_total_tokens": sum(p[0] for p in chunk) / len(chunk),
                     "mean_sequential_tokens": sum(p[1] for p in chunk) / len(chunk),
@@ -85,12 +140,27 @@ def sequential_to_total_by_length(results: Sequence[dict], bins: int = 5) -> lis
     return out
 
 
-def _quantile_chunks(sorted_items: Sequence, bins: int) -> list[list]:
-    """`sorted_items` cut into at most `bins` consecutive chunks of (nearly) equal size."""
+def _quantile_chunks(sorted_items: Sequence, bins: int, key=lambda x: x) -> list[list]:
+    """`sorted_items` (sorted by `key`) cut into at most `bins` consecutive chunks of (nearly) equal
+    size. Items with equal keys stay in one chunk: a cut that falls inside a run of equal keys moves
+    to the nearer end of the run (the later one on a tie), so bins whose edges would coincide
+    ("93-93" five times) are one bin, and no key value is in two bins."""
     n = len(sorted_items)
     k = max(1, min(bins, n))
-    chunks = [list(sorted_items[b * n // k:(b + 1) * n // k]) for b in range(k)]
-    return [c for c in chunks if c]
+    keys = [key(x) for x in sorted_items]
+    cuts = [0]
+    for b in range(1, k):
+        i = b * n // k
+        if 0 < i < n and keys[i - 1] == keys[i]:
+            lo, hi = i, i
+            while lo > 0 and keys[lo - 1] == keys[i]:
+                lo -= 1
+            while hi < n and keys[hi] == keys[i]:
+                hi += 1
+            i = lo if i - lo < hi - i and lo > cuts[-1] else hi
+        cuts.append(max(i, cuts[-1]))
+    cuts.append(n)
+    return [list(sorted_items[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
 def _bin_row(pairs: Sequence[tuple[dict, dict]], lo: float, hi: float | None) -> dict:
@@ -113,8 +183,9 @@ def length_bins(pairs: Sequence[tuple[dict, dict]], thresholds: Sequence[int] = 
     """Bins of matched (A, B) results by B's (the baseline's) sequential tokens.
 
     `thresholds` t1 < t2 < ... give the fixed bins [0, t1), [t1, t2), ..., [tk, inf) (empty bins are
-    kept, n = 0); `quantiles` q gives q bins of (nearly) equal size over the sorted lengths
-    (`min/max_baseline_tokens` are the bin's actual extremes). Each bin: see `_bin_row`.
+    kept, n = 0); `quantiles` q gives up to q bins of (nearly) equal size over the sorted lengths,
+    problems of equal length always in one bin (`_quantile_chunks`: bins whose edges would coincide
+    are merged; `min/max_baseline_tokens` are the bin's actual extremes). Each bin: see `_bin_row`.
     """
     ts = list(thresholds)
     if any(t <= 0 for t in ts) or ts != sorted(set(ts)):
@@ -127,7 +198,7 @@ def length_bins(pairs: Sequence[tuple[dict, dict]], thresholds: Sequence[int] = 
     quant = []
     if quantiles > 0:
         ordered = sorted(pairs, key=lambda p: p[1]["sequential_tokens"])
-        for chunk in _quantile_chunks(ordered, quantiles):
+        for chunk in _quantile_chunks(ordered, quantiles, key=lambda p: p[1]["sequential_tokens"]):
             quant.append(_bin_row(chunk, chunk[0][1]["sequential_tokens"], chunk[-1][1]["sequential_tokens"]))
     return {"thresholds": ts, "fixed": fixed, "quantiles": quant}
 
@@ -166,17 +237,32 @@ def plot_tokens(results: Sequence[dict], path: str | Path, title: str = "") -> P
     return Path(path)
 
 
-def plot_sequential_to_total(bins: Sequence[dict], path: str | Path) -> Path:
-    """One run's own sequential / total tokens by its total length (SPRINT-internal)."""
+def _range_label(lo, hi) -> str:
+    if hi is None:
+        return f"{lo}+"
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def internal_title(mode: str | None) -> str:
+    """The title of a run's own sequential / total plot, by the kind of run it is."""
+    if mode == "sequential":
+        return "sequential run (RFT baseline): one decoding path, sequential = total"
+    return f"SPRINT {mode or ''} run, internal ratio: not a gain over RFT".replace("  ", " ")
+
+
+def plot_sequential_to_total(bins: Sequence[dict], path: str | Path, mode: str | None = None) -> Path:
+    """One run's own sequential / total tokens by its total length, titled by the run's `mode`
+    (SPRINT-internal for parallel / serial runs; 1 by construction for a sequential run)."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    labels = [f"{b['min_length']}-{b['max_length']}\n(n={b['n']})" for b in bins]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    labels = [f"{_range_label(b['min_length'], b['max_length'])}\nn={b['n']}" for b in bins]
     ax.bar(range(len(bins)), [b["sequential_to_total"] for b in bins], color="tab:blue")
-    ax.set_xticks(range(len(bins)), labels, fontsize=7)
+    ax.set_xticks(range(len(bins)), labels, fontsize=8)
     ax.axhline(1.0, color="k", lw=0.6)
+    ax.set_ylim(0, 1.08)
     ax.set_xlabel("total tokens of the trajectory (quantile bins)")
     ax.set_ylabel("sequential / total tokens (this run only)")
-    ax.set_title("SPRINT-internal: not a gain over RFT", fontsize=9)
+    ax.set_title(internal_title(mode), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -184,24 +270,34 @@ def plot_sequential_to_total(bins: Sequence[dict], path: str | Path) -> Path:
 
 
 def _bin_label(b: dict) -> str:
-    hi = "inf" if b["max_baseline_tokens"] is None else b["max_baseline_tokens"]
-    return f"{b['min_baseline_tokens']}-{hi}\n(n={b['n']})"
+    return f"{_range_label(b['min_baseline_tokens'], b['max_baseline_tokens'])}\nn={b['n']}"
 
 
-def plot_bins(bins: Sequence[dict], path: str | Path, names: Sequence[str]) -> Path:
-    """Per bin of the baseline's length: accuracy, mean sequential tokens and wall clock of both runs."""
+def plot_bins(bins: dict, path: str | Path, names: Sequence[str]) -> Path:
+    """Per bin of the baseline's length (`length_bins`: a row of fixed bins, a row of quantile
+    bins): accuracy, mean sequential tokens and mean wall clock of both runs. One legend above the
+    panels; an empty bin has no bars."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    x = list(range(len(bins)))
-    for ax, key, label in zip(axes, ("accuracy", "mean_sequential_tokens", "mean_wall_s"),
-                              ("accuracy", "sequential tokens (mean)", "wall clock s (mean)")):
-        for off, side, name in ((-0.2, "a", names[0]), (0.2, "b", names[1])):
-            ax.bar([i + off for i in x], [b[side][key] or 0 for b in bins], width=0.4, label=name)
-        ax.set_xticks(x, [_bin_label(b) for b in bins], fontsize=7)
-        ax.set_ylabel(label)
-    axes[0].legend(fontsize=8)
-    fig.supxlabel(f"{names[1]} sequential tokens per problem (bins)")
-    fig.tight_layout()
+    rows = [(kind, bins[kind]) for kind in ("fixed", "quantiles") if bins.get(kind)]
+    fig, axes = plt.subplots(max(1, len(rows)), 3, figsize=(14, 0.6 + 3.4 * max(1, len(rows))), squeeze=False)
+    for (kind, row), ax_row in zip(rows, axes):
+        x = list(range(len(row)))
+        for ax, key, label in zip(ax_row, ("accuracy", "mean_sequential_tokens", "mean_wall_s"),
+                                  ("accuracy", "sequential tokens (mean)", "wall clock s (mean)")):
+            for off, side, name in ((-0.2, "a", names[0]), (0.2, "b", names[1])):
+                ax.bar([i + off for i in x], [b[side][key] or 0 for b in row], width=0.4, label=name,
+                       color="tab:blue" if side == "a" else "tab:orange")
+            long = len(row) > 5 or max(len(_bin_label(b)) for b in row) > 16
+            ax.set_xticks(x, [_bin_label(b) for b in row], fontsize=8, rotation=30 if long else 0,
+                          ha="right" if long else "center")
+            ax.set_ylabel(label)
+            ax.set_title(f"{names[1]} sequential tokens, {'fixed' if kind == 'fixed' else 'quantile'} bins",
+                         fontsize=9)
+            if key == "accuracy":
+                ax.set_ylim(0, 1)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=2, fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
@@ -224,11 +320,15 @@ def plot_speedups(speedup: dict, path: str | Path, names: Sequence[str]) -> Path
     return Path(path)
 
 
-def write_plots(results: Sequence[dict], out_dir: str | Path) -> list[str]:
-    """tokens.png and sequential_to_total_by_length.png (this run only) in out_dir."""
+def write_plots(results: Sequence[dict], out_dir: str | Path, mode: str | None = None) -> list[str]:
+    """tokens.png and sequential_to_total_by_length.png (this run only, titled by `mode`, by
+    default the results' own "mode") in out_dir."""
     out = Path(out_dir)
+    if mode is None:
+        modes = {r.get("mode") for r in results}
+        mode = modes.pop() if len(modes) == 1 else None
     paths = [plot_tokens(results, out / TOKENS_PLOT),
-             plot_sequential_to_total(sequential_to_total_by_length(results), out / INTERNAL_PLOT)]
+             plot_sequential_to_total(sequential_to_total_by_length(results), out / INTERNAL_PLOT, mode)]
     return [p.name for p in paths]
 
 
@@ -242,7 +342,7 @@ def load_results(run_dir: str | Path) -> list[dict]:
         raise RunFileError(f"{run_dir}: no results.jsonl (is it an `sprint-jax eval --out` directory?)")
     import sys
 
-    from sprint_jax.jsonl import read_objects_tolerating_cut_end, require_fields
+    from sprint_jax.jsonl import read_objects_tolerating_cut_end
 
     rows = []
     objects, skipped = read_objects_tolerating_cut_end(path, RunFileError)
@@ -250,9 +350,39 @@ def load_results(run_dir: str | Path) -> list[dict]:
         print(f"warning: {path}: skipped {skipped} incomplete last line (cut by a killed run); using the "
               f"{len(objects)} complete ones", file=sys.stderr)
     for n, row in objects:
-        require_fields(row, ("id", "correct", "sequential_tokens", "total_tokens", "wall_s"), f"{path}:{n}", RunFileError)
+        check_result_row(row, f"{path}:{n}")
         rows.append(row)
     return rows
+
+
+def _is_number(v) -> bool:
+    import math
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def check_result_row(row: dict, where: str) -> None:
+    """A results.jsonl line has the fields reports and compare compute with, of the right types;
+    else RunFileError naming `where` (file:line) and the field. Timings other than wall_s may be
+    absent (lines of an older run)."""
+    from sprint_jax.jsonl import require_fields
+
+    require_fields(row, ("id", "correct", "sequential_tokens", "total_tokens", "wall_s"), where, RunFileError)
+    checks = [("id", lambda v: isinstance(v, (str, int)) and not isinstance(v, bool), "a string or an integer"),
+              ("correct", lambda v: isinstance(v, bool), "true or false"),
+              ("sequential_tokens", _is_count, "a whole number >= 0"),
+              ("total_tokens", _is_count, "a whole number >= 0"),
+              ("wall_s", lambda v: _is_number(v) and v >= 0, "a number of seconds >= 0"),
+              ("compile_s", lambda v: _is_number(v) and v >= 0, "a number of seconds >= 0"),
+              ("finished_s", _is_number, "a number of seconds"),
+              ("invocation", _is_count, "a whole number >= 0"),
+              ("concurrency", lambda v: _is_count(v) and v >= 1, "a whole number >= 1")]
+    for field, ok, what in checks:
+        if field in row and row[field] is not None and not ok(row[field]):
+            raise RunFileError(f"{where}: field {field!r} must be {what}, got {json.dumps(row[field])}")
 
 
 _ROWS = (("accuracy", "accuracy"), ("sequential tokens", "mean_sequential_tokens"),
@@ -349,30 +479,62 @@ def format_compare_table(table: dict) -> str:
     return "\n".join(lines)
 
 
-def wall_clock_summary(run_dir: str | Path, results: Sequence[dict]) -> dict:
-    """Wall clock of one eval run: the whole run's clock (report.json) per problem and per correct
-    answer, the mean per-problem latency (results.jsonl wall_s), and the concurrency it ran at.
-    Per problem at concurrency 1 is latency; at N it is the inverse throughput."""
+def _legacy_report(run_dir: str | Path, n: int) -> tuple[float | None, int | None]:
+    """(wall clock, concurrency) from the report.json of a run whose results.jsonl lines carry no
+    timings (an older version): its wall clock only if it covers exactly these n problems in one
+    invocation (a resumed run's covered its last invocation alone)."""
     path = Path(run_dir) / "report.json"
-    report = {}
-    if path.is_file():
-        try:
-            report = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise RunFileError(f"{path}: not JSON ({e})") from None
-    wall = report.get("wall_clock_s")
+    if not path.is_file():
+        return None, None
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RunFileError(f"{path}: not JSON ({e})") from None
+    if not isinstance(report, dict):
+        raise RunFileError(f"{path}: expected a JSON object, got {type(report).__name__}")
+    meta = report.get("meta") or {}
+    if not isinstance(meta, dict):
+        raise RunFileError(f"{path}: field 'meta' must be an object, got {json.dumps(meta)}")
+    wall, conc, count = report.get("wall_clock_s"), meta.get("concurrency"), report.get("n")
+    for field, v, ok, what in (("wall_clock_s", wall, lambda v: _is_number(v) and v >= 0, "a number of seconds >= 0"),
+                               ("meta.concurrency", conc, lambda v: _is_count(v) and v >= 1, "a whole number >= 1"),
+                               ("n", count, _is_count, "a whole number >= 0")):
+        if v is not None and not ok(v):
+            raise RunFileError(f"{path}: field {field!r} must be {what}, got {json.dumps(v)}")
+    whole = count == n and not report.get("resumed_problems")
+    return (float(wall) if whole and wall is not None else None), (conc if whole else None)
+
+
+def wall_clock_summary(run_dir: str | Path, results: Sequence[dict]) -> dict:
+    """Wall clock of one eval run, from its problems' own timings (`run_wall_clock`, compilation
+    excluded, summed over the invocations of a resumed run): per problem and per correct answer,
+    the mean per-problem latency (wall_s), and the concurrency the problems ran at (several
+    values for a run resumed at another concurrency). Per problem at concurrency 1 is latency; at
+    N it is the inverse throughput. A run written before the per-problem timings falls back on its
+    report.json, only where that covers exactly these problems (else n/a)."""
+    wall, conc = run_wall_clock(results), run_concurrency(results)
+    if wall is None or conc is None:
+        wall, conc = _legacy_report(run_dir, len(results))
     n = len(results)
     correct = sum(bool(r["correct"]) for r in results)
-    return {"concurrency": (report.get("meta") or {}).get("concurrency", 1), "wall_clock_s": wall,
+    return {"concurrency": conc, "wall_clock_s": wall,
             "wall_per_problem_s": wall / n if wall is not None and n else None,
             "wall_per_correct_s": wall / correct if wall is not None and correct else None,
             "mean_latency_s": _mean([r["wall_s"] for r in results])}
 
 
+def format_concurrency(c) -> str:
+    """A run's concurrency as text: "8", "1,8" for a run resumed at another one, "n/a" unknown."""
+    if c is None:
+        return "n/a"
+    return ",".join(map(str, c)) if isinstance(c, list) else str(c)
+
+
 def format_wall_clock(names: Sequence[str], summaries: Sequence[dict]) -> str:
     """The wall-clock rows of `eval compare` as aligned text."""
     f = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
-    rows = [("concurrency", "concurrency", str), ("run wall clock / problem (s)", "wall_per_problem_s", f),
+    rows = [("concurrency", "concurrency", format_concurrency),
+            ("run wall clock / problem (s)", "wall_per_problem_s", f),
             ("run wall clock / correct (s)", "wall_per_correct_s", f), ("latency / problem (s)", "mean_latency_s", f)]
     lines = [f"{'':30}{names[0]:>12}{names[1]:>12}"]
     for label, key, fmt_ in rows:
@@ -383,4 +545,5 @@ def format_wall_clock(names: Sequence[str], summaries: Sequence[dict]) -> str:
 __all__ = ["RunFileError", "make_report", "sequential_to_total_by_length", "length_bins", "speedups",
            "plot_tokens", "plot_sequential_to_total", "plot_bins", "plot_speedups", "write_plots",
            "load_results", "compare", "format_compare_table", "TOKENS_PLOT", "INTERNAL_PLOT", "SPEEDUP_PLOT",
-           "BINS_PLOT", "wall_clock_summary", "format_wall_clock"]
+           "BINS_PLOT", "wall_clock_summary", "format_wall_clock", "TIMING_FIELDS", "untimed", "union_length",
+           "run_wall_clock", "run_concurrency", "check_result_row", "internal_title", "format_concurrency"]

@@ -9,7 +9,10 @@ are one split of one evaluation (same count, total, mode, model, data and settin
 once; every shard finished, i.e. has its report.json and all its lines), then interleaves their
 lines back into task order and recomputes the report. A shard that died is rerun alone with the
 same command; the merge of the rerun is the same (greedy decoding is deterministic). The run's
-wall clock in the merged report is the slowest shard's (they run at once); the shards and their
+wall clock in the merged report is derived from the problems' timings like any run's
+(`report.run_wall_clock`): the shards' invocations are numbered alike, so shards count as
+running at once, and a merge of shards run side by side takes about the slowest shard's time
+(shards written before per-problem timings: the slowest shard's report). The shards and their
 wall clocks are listed in merge.json.
 """
 from __future__ import annotations
@@ -86,7 +89,7 @@ def _read_lines(path: Path) -> list[dict]:
 def merge_shards(dirs: Sequence[str | Path], out: str | Path) -> dict:
     """Join shard directories into `out` (see the module docstring). Returns the report."""
     from sprint_jax.eval.evaluate import RECORDS_FILE, REPORT_FILE, RESULTS_FILE
-    from sprint_jax.eval.report import make_report, write_plots
+    from sprint_jax.eval.report import make_report, run_wall_clock, write_plots
 
     if not dirs:
         raise UserError("eval merge needs at least one shard directory")
@@ -138,7 +141,10 @@ def merge_shards(dirs: Sequence[str | Path], out: str | Path) -> dict:
         ids = [r["id"] for r in results if r["id"] in hit]
         meta["train_overlap"] = {"checked": all(bool(o and o.get("checked")) for o in overlaps),
                                  "overlap": len(ids), "overlap_ids": ids}
-    wall = max(float(s[1]["wall_clock_s"]) for s in shards)
+    walls = [s[1].get("wall_clock_s") for s in shards]
+    wall = None
+    if run_wall_clock(results) is None and all(isinstance(w, (int, float)) for w in walls):
+        wall = max(walls)
     report = make_report(results, rep0["mode"], wall_clock_s=wall, meta=meta)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -146,7 +152,7 @@ def merge_shards(dirs: Sequence[str | Path], out: str | Path) -> dict:
         tmp = out / (name + ".tmp")
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
         tmp.replace(out / name)
-    report["plots"] = write_plots(results, out)
+    report["plots"] = write_plots(results, out, rep0["mode"])
     (out / REPORT_FILE).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     (out / MERGE_FILE).write_text(json.dumps({
         "shards": [{"dir": str(d), "index": s["index"], "count": s["count"], "wall_clock_s": r["wall_clock_s"]}

@@ -66,6 +66,16 @@ def generate(n: int, seed: int, min_chains: int = 4, max_chains: int = 4, length
     return tasks
 
 
+def demo_test_set(n: int = 100, seed: int = 0, chains: int = 4, length: int = 12,
+                  train_problems: int = 3000) -> list[Task]:
+    """The demo's held-out test problems (`sprint-jax demo` and `eval --data chains`): `n` problems
+    of `chains` chains of `length` steps, generated with seed `seed` + 10000, none with the start
+    digits of the `train_problems` training problems the demo generates with `seed`. The defaults
+    are the demo's; the first k of n are the problems for n = k."""
+    train = generate(train_problems, seed, chains, chains, length)
+    return generate(n, seed + 10_000, chains, chains, length, exclude={tuple(t.answer["starts"]) for t in train})
+
+
 def solve_trace(task: Task) -> Trace:
     """The serial trace: one line per chain, then the combining sentence."""
     starts, length = task.answer["starts"], task.answer["length"]
