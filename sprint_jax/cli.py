@@ -12,6 +12,7 @@ import errno
 import importlib
 import sys
 
+from sprint_jax.bench.cli import BENCHES   # the benchmark names (a module of argparse and importlib only)
 from sprint_jax.errors import UserError  # noqa: F401  (re-exported for scripts)
 
 # name -> (module, one-line help)
@@ -25,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("sprint_jax.eval.cli", "evaluate a model on math500 / countdown / a jsonl file; `eval compare A B`"),
     "serve": ("sprint_jax.serve.cli", "an OpenAI-compatible server (completions, chat, streaming) with a SPRINT mode"),
     "rl": ("sprint_jax.rl.cli", "reinforcement learning on parallel rollouts: P-GRPO with the acceleration reward"),
-    "bench": ("sprint_jax.bench.cli", "benchmarks: decode, kernels, train, train-memory"),
+    "bench": ("sprint_jax.bench.cli", "benchmarks: " + ", ".join(BENCHES)),
 }
 
 

@@ -17,7 +17,7 @@ from sprint_jax.infer.orchestrator import OrchestratorConfig
 def _parser(command: str, bench: str | None = None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     if bench:
-        module, add, _ = BENCHES[bench]
+        module, add, _, _ = BENCHES[bench]
         getattr(importlib.import_module(module), add)(p)
     else:
         importlib.import_module(COMMANDS[command][0]).add_arguments(p)

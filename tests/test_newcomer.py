@@ -74,3 +74,18 @@ def test_generate_prints_its_time_split_into_running_and_compiling(hf_untied, ca
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert re.search(r"stop: length, \d+\.\d\d s \+ \d+\.\d\d s compiling; ids: \[", last), last
     assert "incl. compile" not in last
+
+
+def test_top_level_and_bench_help_list_the_same_benchmarks(capsys, monkeypatch):
+    from sprint_jax.bench.cli import BENCHES
+
+    monkeypatch.setenv("COLUMNS", "400")          # argparse wraps help at the terminal width
+    assert main(["--help"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("bench ")]
+    top_names = {n.strip() for n in line.split("benchmarks:")[1].split(",")}
+    try:
+        main(["bench", "--help"])
+    except SystemExit as e:
+        assert e.code == 0
+    bench_names = set(re.findall(r"sprint-jax bench ([a-z-]+) ", capsys.readouterr().out))
+    assert top_names == bench_names == set(BENCHES) and len(BENCHES) == 7

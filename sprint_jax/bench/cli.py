@@ -6,31 +6,32 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import textwrap
 
-DESCRIPTION = """Benchmarks (each prints a table and writes JSON with --out):
-
-  sprint-jax bench decode         engine decode: shared vs copy vs serial branches, vs HF generate
-  sprint-jax bench kernels        Pallas shared-prefix attention vs the XLA shared path vs copy-fork
-  sprint-jax bench serve          many SPRINT runs at once on the batched engine; decode cost vs capacity
-  sprint-jax bench serve-memory   per-device weights + KV cache of the batched decode step on a mesh
-  sprint-jax bench serve --http   the OpenAI-compatible server's per-request overhead vs in-process
-  sprint-jax bench train          train step tokens/s vs an HF PyTorch step (MFU on GPU/TPU)
-  sprint-jax bench train-memory   per-device memory of the 7B train step on a fake 8-device mesh
-  sprint-jax bench demo-train     the demo's training tokens/s vs an older checkout, runs interleaved
-
-Add --help after a name for its options.
-"""
-
-# name -> (module, add-arguments function, run function)
+# name -> (module, add-arguments function, run function, what it measures): the one list of
+# benchmarks (`sprint-jax --help` and `sprint-jax bench --help` are both written from it)
 BENCHES = {
-    "decode": ("sprint_jax.bench.decode", "add_decode_arguments", "run_decode_bench"),
-    "kernels": ("sprint_jax.bench.kernels", "add_kernels_arguments", "run_kernels_bench"),
-    "serve": ("sprint_jax.bench.serve", "add_serve_arguments", "run_serve_bench"),
-    "serve-memory": ("sprint_jax.bench.serve_memory", "add_serve_memory_arguments", "run_serve_memory_bench"),
-    "train": ("sprint_jax.bench.train", "add_train_arguments", "run_train_bench"),
-    "train-memory": ("sprint_jax.bench.train", "add_train_memory_arguments", "run_train_memory_bench"),
-    "demo-train": ("sprint_jax.bench.demo_train", "add_demo_train_arguments", "run_demo_train_bench"),
+    "decode": ("sprint_jax.bench.decode", "add_decode_arguments", "run_decode_bench",
+               "engine decode: shared vs copy vs serial branches, vs HF generate"),
+    "kernels": ("sprint_jax.bench.kernels", "add_kernels_arguments", "run_kernels_bench",
+                "Pallas shared-prefix attention vs the XLA shared path vs copy-fork"),
+    "serve": ("sprint_jax.bench.serve", "add_serve_arguments", "run_serve_bench",
+              "many SPRINT runs at once on the batched engine; decode cost vs capacity (--http: the "
+              "OpenAI-compatible server's per-request overhead vs in-process)"),
+    "serve-memory": ("sprint_jax.bench.serve_memory", "add_serve_memory_arguments", "run_serve_memory_bench",
+                     "per-device weights + KV cache of the batched decode step on a mesh"),
+    "train": ("sprint_jax.bench.train", "add_train_arguments", "run_train_bench",
+              "train step tokens/s vs an HF PyTorch step (MFU on GPU/TPU)"),
+    "train-memory": ("sprint_jax.bench.train", "add_train_memory_arguments", "run_train_memory_bench",
+                     "per-device memory of the 7B train step on a fake 8-device mesh"),
+    "demo-train": ("sprint_jax.bench.demo_train", "add_demo_train_arguments", "run_demo_train_bench",
+                   "the demo's training tokens/s vs an older checkout, runs interleaved"),
 }
+
+DESCRIPTION = ("Benchmarks (each prints a table and writes JSON with --out):\n\n"
+               + "\n".join(textwrap.fill(what, 100, initial_indent=f"  sprint-jax bench {name:<14}",
+                                          subsequent_indent=" " * 33) for name, (*_, what) in BENCHES.items())
+               + "\n\nAdd --help after a name for its options.\n")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    module_name, add_fn, run_fn = BENCHES[args.name]
+    module_name, add_fn, run_fn, _ = BENCHES[args.name]
     # train-memory fakes 8 host devices; that must happen before jax initialises its backends
     if args.name in ("train-memory", "serve-memory"):
         import os
