@@ -2,13 +2,18 @@
 # One-command set-up + run. Creates ./.venv on first use and installs the project into it.
 #   ./dev.sh demo [demo options]   SPRINT end to end on the embedded default (CPU, minutes)
 #   ./dev.sh test [pytest options] the test suite (installs the test extras: torch CPU, pytest, ...)
-#   ./dev.sh sprint-jax ARGS...    any sprint-jax command inside the environment
+#   ./dev.sh sprint-jax ARGS...    any sprint-jax command inside the environment (serve included)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${SPRINT_JAX_VENV:-.venv}
 PY=${PYTHON:-python3}
 
-ensure_env() {  # $1 = extras ("" or "[test]")
+# Every command the README runs works in the environment: `serve` needs the serve extra (a small
+# ASGI stack); the test extra holds it too. Each set of extras has its own stamp, so nothing is
+# reinstalled until pyproject.toml changes.
+RUN_EXTRAS="[serve]"
+
+ensure_env() {  # $1 = extras ("$RUN_EXTRAS" or "[test]")
   local stamp="$VENV/.installed$1"
   if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
@@ -25,7 +30,7 @@ cmd=${1:-help}
 shift || true
 case "$cmd" in
   demo)
-    ensure_env ""
+    ensure_env "$RUN_EXTRAS"
     exec "$VENV/bin/sprint-jax" demo "$@"
     ;;
   test)
@@ -34,11 +39,11 @@ case "$cmd" in
     exec "$VENV/bin/pytest" tests -q -n 2 --dist loadfile "$@"
     ;;
   sprint-jax)
-    ensure_env ""
+    ensure_env "$RUN_EXTRAS"
     exec "$VENV/bin/sprint-jax" "$@"
     ;;
   *)
-    sed -n '2,6p' "$0"
+    sed -n '2,5p' "$0"
     exit 2
     ;;
 esac

@@ -89,3 +89,32 @@ def test_top_level_and_bench_help_list_the_same_benchmarks(capsys, monkeypatch):
         assert e.code == 0
     bench_names = set(re.findall(r"sprint-jax bench ([a-z-]+) ", capsys.readouterr().out))
     assert top_names == bench_names == set(BENCHES) and len(BENCHES) == 7
+
+
+def _fake_venv(tmp_path: Path) -> tuple[Path, Path]:
+    """A venv stand-in whose python and sprint-jax only log their arguments (no network, no pip)."""
+    venv, log = tmp_path / "venv", tmp_path / "calls.log"
+    (venv / "bin").mkdir(parents=True)
+    for name in ("python", "sprint-jax"):
+        exe = venv / "bin" / name
+        exe.write_text(f'#!/bin/sh\necho "{name} $*" >> "{log}"\n')
+        exe.chmod(0o755)
+    return venv, log
+
+
+def test_dev_sh_installs_the_serve_extra_for_sprint_jax_commands_once(tmp_path):
+    venv, log = _fake_venv(tmp_path)
+    env = dict(os.environ, SPRINT_JAX_VENV=str(venv))
+
+    def dev(*args) -> list[str]:
+        log.write_text("")
+        r = subprocess.run(["bash", str(ROOT / "dev.sh"), *args], env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        return log.read_text().splitlines()
+
+    first = dev("sprint-jax", "serve", "--help")
+    installs = [c for c in first if c.startswith("python -m pip install")]
+    assert len(installs) == 1 and "[serve]" in installs[0].split()[-1], first
+    assert first[-1] == "sprint-jax serve --help"
+    assert dev("sprint-jax", "serve", "--help") == ["sprint-jax serve --help"]     # stamped: no reinstall
+    assert dev("demo", "--steps", "5") == ["sprint-jax demo --steps 5"]             # the same environment
