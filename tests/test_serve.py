@@ -207,7 +207,7 @@ BAD = [
     (dict(model=NAME, prompt="hi", stop=["a", "b", "c", "d", "e"]), 400, "stop must be"),
     (dict(model=NAME, prompt="hi", logprobs=2), 400, "logprobs is not supported"),
     (dict(model=NAME, prompt="caf\u00e9", max_tokens=2), 400, "prompt: the tokenizer cannot encode it"),
-    (dict(model=NAME, prompt="hi", extra_body={"top_k": -1}), 400, "top_k must be >= 0"),
+    (dict(model=NAME, prompt="hi", extra_body={"top_k": -1}), 400, "top_k must be between 0 and 307"),
     (dict(model=NAME, prompt="hi", extra_body={"seed": "x"}), 400, "seed must be an integer"),
     (dict(model=NAME, prompt="hi", extra_body={"sprint": {"max_stages": 0}}), 400, "max_stages must be"),
     (dict(model=NAME, prompt="hi", extra_body={"sprint": {"bogus": 1}}), 400, "sprint.bogus"),
@@ -650,6 +650,16 @@ def test_cli_rejects_bad_flags_in_one_line(tmp_path, capsys):
     assert "model directory not found" in capsys.readouterr().err
     assert main(["serve", "--model", str(tmp_path), "--max-seqs", "0"]) == 2
     assert "--max-seqs must be >= 1" in capsys.readouterr().err
+    for flag, value, message in (("--max-request-bytes", "0", "--max-request-bytes must be >= 1"),
+                                 ("--max-connections", "-1", "--max-connections must be >= 1"),
+                                 ("--header-timeout", "0", "--header-timeout must be a number of seconds > 0"),
+                                 ("--body-timeout", "nan", "--body-timeout must be a number of seconds > 0"),
+                                 ("--shutdown-grace", "-1", "--shutdown-grace must be a number of seconds >= 0"),
+                                 ("--api-key", "two words", "--api-key must be printable ASCII without spaces")):
+        assert main(["serve", "--model", str(tmp_path), flag, value]) == 2, flag
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    assert "two words" not in err                     # a key is never echoed, not even a bad one
     with pytest.raises(SystemExit) as e:
         main(["serve", "--model", str(tmp_path), "--engine-on", "gpu"])
     assert e.value.code == 2 and "--engine-on: invalid choice: 'gpu'" in capsys.readouterr().err
@@ -701,8 +711,6 @@ SUBPROCESS_FLAGS = ("--max-seq-len", "64", "--max-seqs", "4", "--max-prompts", "
 @pytest.mark.slow
 def test_cli_serves_a_checkpoint_until_terminated(hf_untied, tmp_path):
     """`sprint-jax serve` as a user runs it: a subprocess on a free port, the openai client, SIGTERM."""
-    import signal
-
     server = _Subprocess(_tiny_model_dir(hf_untied, tmp_path), *SUBPROCESS_FLAGS)
     try:
         c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
@@ -711,8 +719,8 @@ def test_cli_serves_a_checkpoint_until_terminated(hf_untied, tmp_path):
         assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
     finally:
         rest = server.stop()
-    # uvicorn shuts down gracefully, then re-raises the signal it caught
-    assert server.proc.returncode in (0, -signal.SIGTERM) and "Finished server process" in rest, rest
+    # uvicorn shuts down gracefully; a drained SIGTERM exits 0
+    assert server.proc.returncode == 0 and "Finished server process" in rest, rest
 
 
 def _mesh_workload(url: str) -> dict:

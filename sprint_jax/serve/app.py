@@ -11,9 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
+import hmac
 import json
+import math
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from starlette.applications import Starlette
@@ -26,9 +30,30 @@ from sprint_jax.serve.worker import LATENCY_BUCKETS, Channel, EngineWorker, Job
 
 SPRINT_SUFFIX = ":sprint"
 ROLES = ("system", "developer", "user", "assistant")
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "logit_bias", "suffix", "tools", "tool_choice",
-               "functions", "function_call", "response_format")
 KEEPALIVE_S = 0.5          # a streaming response writes at least this often (finds a gone client)
+MAX_REQUEST_BYTES = 2 * 1024 * 1024    # default body limit: a 128k-token prompt as ids or as text fits
+MAX_JSON_DEPTH = 32        # a completion request nests 4 deep (messages[i].content[j].text)
+INLINE_CHARS = 4096        # prompts up to this many characters are tokenized on the event loop (well
+                           # under a millisecond); longer ones, and bigger bodies' JSON, on worker threads
+INLINE_BYTES = 64 * 1024
+
+# The request fields each route implements. Every other OpenAI field changes the output, so it is
+# accepted only at the value that leaves the output as it is (OFF_ONLY; null always means unset);
+# any field neither here nor there is rejected by name, as OpenAI rejects unknown arguments.
+FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
+          "user", "sprint"}
+COMPLETION_FIELDS = FIELDS | {"prompt"}
+CHAT_FIELDS = FIELDS | {"messages", "max_completion_tokens", "metadata", "parallel_tool_calls"}
+OFF_ONLY = {        # field: (the accepted values, how the error names them)
+    "presence_penalty": ((0,), "0"), "frequency_penalty": ((0,), "0"), "logprobs": ((False,), "null or false"),
+    "top_logprobs": ((), "null"), "echo": ((False,), "false"), "best_of": ((1,), "1"), "logit_bias": (({},), "{}"),
+    "suffix": ((), "null"), "tools": (([],), "[]"), "functions": (([],), "[]"), "tool_choice": (("none",), '"none"'),
+    "function_call": (("none",), '"none"'), "response_format": (({"type": "text"},), '{"type": "text"}'),
+    "store": ((False,), "false (this server stores nothing)"),
+}
+COMPLETION_OFF = ("presence_penalty", "frequency_penalty", "logprobs", "echo", "best_of", "logit_bias", "suffix")
+CHAT_OFF = ("presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "logit_bias", "tools", "functions",
+            "tool_choice", "function_call", "response_format", "store")
 
 
 class APIError(Exception):
@@ -41,8 +66,8 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def payload(self) -> dict:
-        kind = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-                503: "server_error"}.get(self.status, "server_error")
+        kind = "server_error" if self.status >= 500 else "rate_limit_error" if self.status == 429 \
+            else "invalid_request_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
@@ -69,11 +94,49 @@ class ServeState:
     model_name: str
     sprint_config: Any                       # OrchestratorConfig: the server's defaults for SPRINT mode
     default_max_tokens: int = 256
+    api_key: str | None = None               # None: no authentication
+    max_request_bytes: int = MAX_REQUEST_BYTES
+    body_timeout_s: float = 30.0             # the whole body must arrive within this
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    # shutdown: `begin_drain` sets `draining` (new requests get 503); `grace_s` later every request
+    # still in flight is ended (`inflight`: the channels of jobs submitted, `reading`: the timeouts
+    # of bodies being read)
+    draining: bool = False
+    inflight: set = dataclasses.field(default_factory=set)
+    reading: set = dataclasses.field(default_factory=set)
+    drained: bool = False
+    pool: ThreadPoolExecutor = dataclasses.field(
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="sprint-jax-parse"))
 
     @property
     def engine(self):
         return self.worker.engine
+
+    def begin_drain(self, grace_s: float) -> None:
+        """Stop taking requests now; in `grace_s` seconds end the ones still in flight (a JSON 503,
+        or an SSE error event then [DONE]). Called on the event loop."""
+        self.draining = True
+        asyncio.get_running_loop().call_later(max(0.0, grace_s), self._end_inflight)
+
+    def _end_inflight(self) -> None:
+        self.drained = True
+        for channel in list(self.inflight):
+            channel.put(("shutdown", None))
+        for timeout in list(self.reading):
+            timeout.reschedule(asyncio.get_running_loop().time())
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int | None:
+        """The most characters one token of the tokenizer stands for, where that is provable (a
+        prompt of C characters is then at least C / this many tokens); None where it is not: an HF
+        tokenizer's normalizer, unknown-token fallback or added tokens may map any number of
+        characters to one token."""
+        from sprint_jax.model.tokenizer import VocabTokenizer
+
+        tok = self.engine.tokenizer
+        if isinstance(tok, VocabTokenizer):
+            return max(1, max(len(t) for t in tok.vocab))
+        return None
 
     def chat_prompt(self, messages: list[dict]) -> str:
         tok = self.engine.tokenizer
@@ -85,29 +148,189 @@ class ServeState:
 # ---------------------------------------------------------------------------------------------
 # Validation
 # ---------------------------------------------------------------------------------------------
-def _int(body: dict, name: str, default, lo: int | None = None, hi: int | None = None):
-    v = body.get(name, default)
+def _show(v, limit: int = 60) -> str:
+    """A request value for an error message: its repr, cut to `limit` characters."""
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit] + "..."
+
+
+def _same(v, ref) -> bool:
+    """JSON equality: false is not 0 and true is not 1 (Python's == says they are)."""
+    if isinstance(v, bool) or isinstance(ref, bool):
+        return v is ref
+    return type(v) is type(ref) and v == ref if isinstance(ref, (str, list, dict)) else v == ref
+
+
+class _NonFinite:
+    """NaN, Infinity, -Infinity or a float literal out of range (1e999), as the parser found it."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+
+def _finite_float(text: str):
+    v = float(text)
+    return v if math.isfinite(v) else _NonFinite(text)
+
+
+class _Bad(Exception):
+    """A value of the parsed body that is not allowed; `path` is filled in on the way out."""
+
+    def __init__(self, what: str):
+        super().__init__(what)
+        self.what, self.path = what, []
+
+
+def _walk(v, depth: int) -> None:
+    t = type(v)
+    if t is str:
+        if not v.isascii():
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise _Bad("is not valid Unicode text (it holds a lone surrogate)") from None
+    elif t is _NonFinite:
+        raise _Bad(f"must be a finite number, got {v.text}")
+    elif t is dict or t is list:
+        if depth >= MAX_JSON_DEPTH:
+            raise _Bad(f"nests deeper than {MAX_JSON_DEPTH} levels")
+        for k, x in (v.items() if t is dict else enumerate(v)):
+            if type(x) is int and t is list:     # the bulk of a token-id prompt: nothing to check
+                continue
+            try:
+                if t is dict:
+                    _walk(k, depth)
+                _walk(x, depth + 1)
+            except _Bad as e:
+                e.path.append(k)
+                raise
+
+
+def _path(keys: list) -> str:
+    out = ""
+    for k in reversed(keys):
+        if isinstance(k, int):
+            out += f"[{k}]"
+        else:
+            k = k.encode("utf-8", "backslashreplace").decode("utf-8")
+            out += ("." if out else "") + (k if len(k) <= 40 else k[:40] + "...")
+    return out
+
+
+def parse_body(raw: bytes) -> dict:
+    """The request body as a JSON object: every string valid Unicode, every number finite, nested
+    at most MAX_JSON_DEPTH deep; anything else is a 400 naming where."""
+    try:
+        body = json.loads(raw, parse_constant=_NonFinite, parse_float=_finite_float)
+    except RecursionError:
+        raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError:              # JSONDecodeError, UnicodeDecodeError, an integer too long to convert
+        raise APIError(400, "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        _walk(body, 0)
+    except _Bad as e:
+        where = _path(e.path)
+        raise APIError(400, f"{where or 'the request body'} {e.what}", where or None) from None
+    return body
+
+
+def _check_fields(body: dict, chat: bool) -> None:
+    """Every field set (not null) is one this route implements, or an OFF_ONLY one at its off value."""
+    known, off = (CHAT_FIELDS, CHAT_OFF) if chat else (COMPLETION_FIELDS, COMPLETION_OFF)
+    for name, v in body.items():
+        if v is None or name in known:
+            continue
+        if name in off:
+            values, shown = OFF_ONLY[name]
+            if any(_same(v, a) for a in values):
+                continue
+            raise APIError(400, f"{name} is not supported by this server (only {shown} is accepted), got {_show(v)}",
+                           name)
+        shown = name if len(name) <= 60 else name[:60] + "..."
+        raise APIError(400, f"Unrecognized request argument supplied: {shown}", shown)
+    for name, kind, what in (("user", str, "a string"), ("metadata", dict, "an object"),
+                             ("parallel_tool_calls", bool, "a boolean")):
+        if body.get(name) is not None and not isinstance(body[name], kind):
+            raise APIError(400, f"{name} must be {what}, got {_show(body[name])}", name)
+
+
+def _int(body: dict, name: str, default, lo: int | None = None, hi: int | None = None, label: str | None = None):
+    """body[name] as an integer in [lo, hi]; `default` when unset (absent or null)."""
+    v = body.get(name)
     if v is None:
-        v = default
-    if v is None:
-        return None
+        return default
+    label = label or name
     if isinstance(v, bool) or not isinstance(v, int):
-        raise APIError(400, f"{name} must be an integer, got {v!r}", name)
+        raise APIError(400, f"{label} must be an integer, got {_show(v)}", label)
     if lo is not None and v < lo or hi is not None and v > hi:
-        bound = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-        raise APIError(400, f"{name} must be {bound}, got {v}", name)
+        bound = f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"between {lo} and {hi}"
+        raise APIError(400, f"{label} must be {bound}, got {_show(v)}", label)
     return v
 
 
-def _float(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    v = body.get(name, default)
+def _float(body: dict, name: str, default, lo: float, hi: float, lo_open: bool = False, label: str | None = None):
+    """body[name] as a finite number in [lo, hi] (or (lo, hi]); `default` when unset."""
+    v = body.get(name)
     if v is None:
-        v = default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise APIError(400, f"{name} must be a number, got {v!r}", name)
+        return default
+    label = label or name
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or isinstance(v, float) and not math.isfinite(v):
+        raise APIError(400, f"{label} must be a number, got {_show(v)}", label)
     if (v <= lo if lo_open else v < lo) or v > hi:
-        raise APIError(400, f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", name)
+        raise APIError(400, f"{label} must be in {'(' if lo_open else '['}{lo}, {hi}], got {_show(v)}", label)
     return float(v)
+
+
+SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 63 - 1       # OpenAI's seed is a 64-bit integer
+
+
+def _sampling_fields(obj: dict, state: "ServeState", prefix: str = "") -> dict:
+    """temperature / top_p / top_k / seed that `obj` sets, validated (errors name `prefix` + field)."""
+    vocab = state.engine.config.vocab_size
+    got = {"temperature": _float(obj, "temperature", None, 0.0, 2.0, label=prefix + "temperature"),
+           "top_p": _float(obj, "top_p", None, 0.0, 1.0, lo_open=True, label=prefix + "top_p"),
+           "top_k": _int(obj, "top_k", None, 0, vocab, label=prefix + "top_k"),
+           "seed": _int(obj, "seed", None, SEED_MIN, SEED_MAX, label=prefix + "seed")}
+    return {k: v for k, v in got.items() if v is not None}
+
+
+def _max_tokens(body: dict, chat: bool) -> tuple[int | None, str]:
+    """The completion's token limit the request sets (None: unset) and the field that set it.
+    Chat takes max_completion_tokens or (its older name) max_tokens; both set must agree."""
+    max_tokens = _int(body, "max_tokens", None, 1)
+    if not chat:
+        return max_tokens, "max_tokens"
+    mct = _int(body, "max_completion_tokens", None, 1)
+    if mct is None:
+        return max_tokens, "max_tokens"
+    if max_tokens is not None and max_tokens != mct:
+        raise APIError(400, f"max_completion_tokens ({mct}) and max_tokens ({max_tokens}) disagree; set one of them",
+                       "max_completion_tokens")
+    return mct, "max_completion_tokens"
+
+
+def _include_usage(body: dict, stream: bool) -> bool:
+    """Whether a stream ends with a usage chunk: yes unless stream_options.include_usage is false."""
+    so = body.get("stream_options")
+    if so is None:
+        return True
+    if not stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+    if not isinstance(so, dict):
+        raise APIError(400, f"stream_options must be an object, got {_show(so)}", "stream_options")
+    for k in so:
+        if k != "include_usage":
+            name = f"stream_options.{k if len(k) <= 40 else k[:40] + '...'}"
+            raise APIError(400, f"{name} is not supported by this server (known: include_usage)", name)
+    v = so.get("include_usage")
+    if v is None:
+        return True
+    if not isinstance(v, bool):
+        raise APIError(400, f"stream_options.include_usage must be a boolean, got {_show(v)}",
+                       "stream_options.include_usage")
+    return v
 
 
 def _stop(body: dict) -> list[str]:
@@ -117,7 +340,7 @@ def _stop(body: dict) -> list[str]:
     if isinstance(v, str):
         v = [v]
     if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v) or len(v) > 4:
-        raise APIError(400, f"stop must be a non-empty string or a list of up to 4 of them, got {v!r}", "stop")
+        raise APIError(400, f"stop must be a non-empty string or a list of up to 4 of them, got {_show(v)}", "stop")
     return v
 
 
@@ -140,25 +363,25 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def _prompt(body: dict, state: ServeState) -> tuple[str | None, list[int]]:
-    """Completions: a string, a list of token ids, or a list holding one string."""
-    p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]
-    if isinstance(p, str):
-        if not p:
-            raise APIError(400, "prompt is empty", "prompt")
-        return p, _encode(state, p, "prompt")
-    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        vocab = state.engine.config.vocab_size
-        if not all(0 <= t < vocab for t in p):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
-        return None, list(p)
-    raise APIError(400, "prompt must be a non-empty string or a list of token ids (one prompt per request)",
-                   "prompt")
+def _too_long(cap: int, prompt: int, completion: int | None, param: str, at_least: bool = False) -> APIError:
+    least = "at least " if at_least else ""
+    if completion is None:
+        return APIError(400, f"This model's maximum context length is {cap} tokens. However, your prompt is "
+                             f"{least}{prompt} tokens.", param, "context_length_exceeded")
+    return APIError(400, f"This model's maximum context length is {cap} tokens. However, you requested "
+                         f"{least}{prompt + completion} tokens ({least}{prompt} in the prompt, {completion} for the "
+                         f"completion). Please reduce the prompt or {param}.", param, "context_length_exceeded")
 
 
-def _encode(state: ServeState, text: str, param: str) -> list[int]:
+def _tokens(state: ServeState, text: str, param: str, completion: int | None, limit_param: str) -> list[int]:
+    """`text` tokenized; a text provably too long for the context (with `completion` tokens after it)
+    is rejected by its length in characters before it is tokenized."""
+    cap = state.engine.max_seq_len
+    room = cap - (completion or 0) if completion is not None else cap - 1
+    per = state.max_chars_per_token
+    if per is not None and len(text) > room * per:
+        raise _too_long(cap, -(-len(text) // per), completion, limit_param if completion is not None else param,
+                        at_least=True)
     try:
         ids = state.engine.encode(text)
     except ValueError as e:
@@ -166,6 +389,18 @@ def _encode(state: ServeState, text: str, param: str) -> list[int]:
     if not ids:
         raise APIError(400, f"{param} encodes to no tokens", param)
     return ids
+
+
+def _chat_tokens(state: ServeState, messages: list[dict], completion: int | None, limit_param: str) -> list[int]:
+    return _tokens(state, state.chat_prompt(messages), "messages", completion, limit_param)
+
+
+async def _off_loop(state: ServeState, size: int, fn, *args):
+    """fn(*args): on the event loop when `size` (characters or bytes of input) is small, otherwise on
+    the state's worker threads, so a big prompt does not stall every other request."""
+    if size <= INLINE_CHARS:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(state.pool, fn, *args)
 
 
 def _check_model(body: dict, state: ServeState) -> bool:
@@ -177,36 +412,37 @@ def _check_model(body: dict, state: ServeState) -> bool:
         return False
     if model == state.model_name + SPRINT_SUFFIX:
         return True
-    raise APIError(404, f"The model '{model}' does not exist; this server serves '{state.model_name}' and "
+    raise APIError(404, f"The model {_show(model)} does not exist; this server serves '{state.model_name}' and "
                         f"'{state.model_name}{SPRINT_SUFFIX}'", "model", "model_not_found")
 
 
-def _sprint_config(body: dict, state: ServeState) -> tuple[Any, str]:
+SAMPLING_NAMES = ("temperature", "top_p", "top_k", "seed")
+
+
+def _sprint_config(extra: dict, state: ServeState, sampling: dict, max_tokens: int | None) -> tuple[Any, str]:
     """OrchestratorConfig of a SPRINT request: the server's, then the request's sampling
     (temperature, top_p, top_k, seed), max_tokens as max_total_tokens, then extra_body["sprint"]."""
     from sprint_jax.infer.orchestrator import MODES, OrchestratorConfig
 
-    extra = body.get("sprint") or {}
-    if not isinstance(extra, dict):
-        raise APIError(400, "sprint must be an object of budgets (OrchestratorConfig fields and mode)", "sprint")
     fields = {f.name for f in dataclasses.fields(OrchestratorConfig)} - {"layout"}
-    upd: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "top_k", "seed"):
-        if body.get(name) is not None:
-            upd[name] = body[name]
-    if body.get("max_tokens") is not None:
-        upd["max_total_tokens"] = body["max_tokens"]
+    upd: dict[str, Any] = dict(sampling)
+    if max_tokens is not None:
+        upd["max_total_tokens"] = max_tokens
+    upd.update(_sampling_fields(extra, state, "sprint."))
     mode = "parallel"
     for k, v in extra.items():
         if k == "mode":
-            if v not in MODES:
-                raise APIError(400, f"sprint.mode must be one of {', '.join(MODES)}, got {v!r}", "sprint.mode")
+            if not isinstance(v, str) or v not in MODES:
+                raise APIError(400, f"sprint.mode must be one of {', '.join(MODES)}, got {_show(v)}", "sprint.mode")
             mode = v
+        elif k in SAMPLING_NAMES:
+            continue
         elif k in fields:
             upd[k] = v
         else:
-            raise APIError(400, f"sprint.{k} is not a SPRINT budget; known: mode, {', '.join(sorted(fields))}",
-                           f"sprint.{k}")
+            shown = k if len(k) <= 40 else k[:40] + "..."
+            raise APIError(400, f"sprint.{shown} is not a SPRINT budget; known: mode, {', '.join(sorted(fields))}",
+                           f"sprint.{shown}")
     try:
         config = dataclasses.replace(state.sprint_config, **upd)
     except (ValueError, TypeError) as e:
@@ -217,57 +453,97 @@ def _sprint_config(body: dict, state: ServeState) -> tuple[Any, str]:
     return config, mode
 
 
-def build_job(body: dict, state: ServeState, chat: bool, channel: Channel) -> tuple[Job, int]:
-    """Validate a request into a Job; returns (job, prompt tokens)."""
-    for name in UNSUPPORTED:
-        if body.get(name) not in (None, False):
-            raise APIError(400, f"{name} is not supported by this server", name)
-    sprint = _check_model(body, state) or body.get("sprint") is not None
-    if chat:
-        text = state.chat_prompt(_messages(body))
-        prompt = _encode(state, text, "messages")
-    else:
-        text, prompt = _prompt(body, state)
+async def build_job(body: dict, state: ServeState, chat: bool, channel: Channel) -> tuple[Job, int, bool]:
+    """Validate a request into a Job; returns (job, prompt tokens, whether a stream ends with a
+    usage chunk). Every field is checked before the prompt is tokenized; a long prompt is tokenized
+    on worker threads."""
+    _check_fields(body, chat)
+    sprint = _check_model(body, state)
+    extra = body.get("sprint")
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise APIError(400, f"sprint must be an object of SPRINT settings ({{}} for the server's defaults) or "
+                                f"null, got {_show(extra)}; leave it out to run without SPRINT", "sprint")
+        sprint = True
     stream = body.get("stream", False)
+    if stream is None:
+        stream = False
     if not isinstance(stream, bool):
-        raise APIError(400, f"stream must be a boolean, got {stream!r}", "stream")
+        raise APIError(400, f"stream must be a boolean, got {_show(stream)}", "stream")
+    include_usage = _include_usage(body, stream)
     n = _int(body, "n", 1, 1, state.engine.max_children)
     stop = _stop(body)
+    sampling = _sampling_fields(body, state)
+    max_tokens, limit_param = _max_tokens(body, chat)
     cap = state.engine.max_seq_len
+    param = "messages" if chat else "prompt"
     if sprint:
         if n != 1:
             raise APIError(400, "n must be 1 in SPRINT mode (the executors already run in parallel)", "n")
         if stop:
             raise APIError(400, "stop is not supported in SPRINT mode (the orchestrator sets its own stops)", "stop")
-        if text is None:
-            text = state.engine.decode_text(prompt)
-        config, mode = _sprint_config(body, state)
+        config, mode = _sprint_config(extra or {}, state, sampling, max_tokens)
+        reserve = None                  # the prompt must leave room for one token
+    else:
+        if max_tokens is not None and max_tokens >= cap:          # no prompt fits beside it
+            raise _too_long(cap, 1, max_tokens, limit_param, at_least=True)
+        reserve = max_tokens
+    if chat:
+        messages = _messages(body)
+        text = None
+        prompt = await _off_loop(state, sum(len(m["content"]) for m in messages), _chat_tokens, state, messages,
+                                 reserve, limit_param)
+    else:
+        text, ids = _prompt(body, state)
+        prompt = ids if ids is not None else await _off_loop(state, len(text), _tokens, state, text, "prompt",
+                                                             reserve, limit_param)
+    if sprint:
         if len(prompt) >= cap:
-            raise APIError(400, f"This model's maximum context length is {cap} tokens. However, your prompt is "
-                                f"{len(prompt)} tokens.", "messages" if chat else "prompt", "context_length_exceeded")
-        return Job("sprint", channel, prompt=prompt, query=text, mode=mode, config=config, stream=stream), len(prompt)
-    temperature = _float(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-    top_k = _int(body, "top_k", 0, 0)
-    seed = _int(body, "seed", None)
+            raise _too_long(cap, len(prompt), None, param)
+        if text is None:
+            text = await _off_loop(state, len(prompt), state.engine.decode_text, prompt)
+        return Job("sprint", channel, prompt=prompt, query=text, mode=mode, config=config,
+                   stream=stream), len(prompt), include_usage
+    temperature = sampling.get("temperature", 1.0)
+    top_p = sampling.get("top_p", 1.0)
+    top_k = sampling.get("top_k", 0)
+    seed = sampling.get("seed")
     if seed is None:
         seed = secrets.randbits(31)
     seed &= 0x7FFFFFFF
-    limit_default = min(state.default_max_tokens, max(1, cap - len(prompt)))
-    name = "max_tokens" if not chat or body.get("max_tokens") is not None else "max_completion_tokens"
-    max_tokens = _int(body, name, limit_default, 1)
+    if max_tokens is None:
+        max_tokens = min(state.default_max_tokens, max(1, cap - len(prompt)))
     if len(prompt) + max_tokens > cap:
-        raise APIError(400, f"This model's maximum context length is {cap} tokens. However, you requested "
-                            f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, {max_tokens} for the "
-                            f"completion). Please reduce the prompt or max_tokens.", "max_tokens",
-                       "context_length_exceeded")
+        raise _too_long(cap, len(prompt), max_tokens, limit_param)
     if n > 1 and max_tokens + 1 > state.engine.max_branch_tokens:
         raise APIError(400, f"with n > 1 each choice may generate at most {state.engine.max_branch_tokens - 1} "
-                            f"tokens (the engine's child capacity, set by --max-branch-tokens), got max_tokens={max_tokens}", "max_tokens")
+                            f"tokens (the engine's child capacity, set by --max-branch-tokens), got "
+                            f"{limit_param}={max_tokens}", limit_param)
     sampling = Sampling(temperature, top_k, top_p, seed)
     return Job("plain", channel, prompt=prompt, n=n, max_tokens=max_tokens, stop=stop, sampling=sampling,
-               stream=stream), len(prompt)
+               stream=stream), len(prompt), include_usage
 
+
+def _prompt(body: dict, state: ServeState) -> tuple[str | None, list[int] | None]:
+    """Completions: a string, a list of token ids, or a list holding one string; (text, None) for a
+    text (tokenized later), (None, ids) for ids."""
+    cap = state.engine.max_seq_len
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    if isinstance(p, str):
+        if not p:
+            raise APIError(400, "prompt is empty", "prompt")
+        return p, None
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        if len(p) >= cap:
+            raise _too_long(cap, len(p), None, "prompt")
+        vocab = state.engine.config.vocab_size
+        if not all(0 <= t < vocab for t in p):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+        return None, list(p)
+    raise APIError(400, "prompt must be a non-empty string or a list of token ids (one prompt per request)",
+                   "prompt")
 
 # ---------------------------------------------------------------------------------------------
 # Response shapes
@@ -407,6 +683,26 @@ def make_app(state: ServeState):
                   f"sprint_serve_request_latency_seconds_count {acc}"]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
+    async def receive_body(scope, receive) -> bytes:
+        """The request body, at most state.max_request_bytes (413 as soon as it is known to be
+        more: by its Content-Length, before anything is read) within state.body_timeout_s (408)."""
+        limit = state.max_request_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                raise _too_large(limit)
+        try:
+            async with asyncio.timeout(state.body_timeout_s) as timeout:
+                state.reading.add(timeout)        # a shutdown ends the wait early
+                try:
+                    return await _read_body(receive, limit)
+                finally:
+                    state.reading.discard(timeout)
+        except TimeoutError:
+            if state.drained:
+                raise _shutting_down() from None
+            raise APIError(408, f"the request body did not arrive within {state.body_timeout_s:g} s",
+                           code="request_timeout", headers={"Connection": "close"}) from None
+
     async def post(scope, receive, send, chat: bool) -> None:
         """POST /v1/completions (chat False) and /v1/chat/completions (chat True), plain ASGI."""
         t0 = time.perf_counter()
@@ -419,17 +715,17 @@ def make_app(state: ServeState):
 
         try:
             try:
-                raw = await _read_body(receive)
-                try:
-                    body = json.loads(raw)
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    raise APIError(400, "the request body is not valid JSON") from None
-                if not isinstance(body, dict):
-                    raise APIError(400, "the request body must be a JSON object")
+                raw = await receive_body(scope, receive)
+                body = parse_body(raw) if len(raw) <= INLINE_BYTES else \
+                    await asyncio.get_running_loop().run_in_executor(state.pool, parse_body, raw)
                 if not worker.alive:
                     raise APIError(503, worker.error or "the engine is not running", headers={"Retry-After": "5"})
+                if state.draining:
+                    raise _shutting_down()
                 channel = Channel(asyncio.get_running_loop())
-                job, n_prompt = build_job(body, state, chat, channel)
+                job, n_prompt, include_usage = await build_job(body, state, chat, channel)
+                if state.draining:             # began while the prompt was tokenized
+                    raise _shutting_down()
                 if not worker.try_submit(job):
                     raise APIError(429, f"the server holds {worker.capacity} requests (its queue is full); retry later",
                                    code="queue_full", headers={"Retry-After": "1"})
@@ -437,43 +733,11 @@ def make_app(state: ServeState):
                 worker.observe(e.status, None)
                 await reply(e.status, e.payload(), e.headers)
                 return
-            head = _Head(chat, body["model"], job.stream)
-            if job.stream:
-                started = True
-                events = _stream(job, head, n_prompt, t0)
-                try:
-                    await StreamingResponse(events, media_type="text/event-stream",
-                                            headers={"Cache-Control": "no-cache"})(scope, receive, send)
-                except (ClientDisconnect, OSError):   # the client left mid-stream
-                    pass
-                finally:
-                    await events.aclose()             # a job still running is cancelled now
-                return
+            state.inflight.add(job.channel)
             try:
-                kind, value = await channel.get()
+                await run(scope, receive, send, chat, body, job, n_prompt, include_usage, t0, reply)
             finally:
-                if not job.finished:           # the client went away (the handler was cancelled)
-                    worker.cancel(job)
-            if kind == "error":
-                worker.observe(500, None)
-                await reply(500, APIError(500, value).payload())
-                return
-            worker.observe(200, time.perf_counter() - t0)
-            if job.kind == "sprint":
-                rec = value
-                await reply(200, head.body(choices=[_choice(chat, 0, rec.text, _sprint_finish(rec))],
-                                           usage=_usage(n_prompt, rec.total_tokens), sprint=_sprint_json(rec)))
-                return
-            choices, completion = [], 0
-            for i, g in enumerate(value):
-                text, finish = _finish(g, job.stop)
-                choices.append(_choice(chat, i, text, finish))
-                completion += len(g.tokens)
-            obj = head.body(choices=choices, usage=_usage(n_prompt, completion))
-            engine_s = job.t_end - job.t_pick       # recorded before the reply goes out (a client that
-            worker.timings.append(dict(prompt=job.prompt, engine=engine_s,    # has it may read them)
-                                       server=time.perf_counter() - t0 - engine_s, wait=job.t_pick - job.t0))
-            await reply(200, obj)
+                state.inflight.discard(job.channel)
         except Exception as exc:               # noqa: BLE001  (a bug: the client gets a 500, the log the traceback)
             worker.observe(500, None)
             if started:
@@ -481,7 +745,56 @@ def make_app(state: ServeState):
             await reply(500, internal_error(exc).payload())
             raise
 
-    async def _stream(job: Job, head: _Head, n_prompt: int, t0: float):
+    async def run(scope, receive, send, chat, body, job, n_prompt, include_usage, t0, reply) -> None:
+        """A submitted job until its response is sent."""
+        head = _Head(chat, body["model"], job.stream)
+        if job.stream:
+            events = _stream(job, head, n_prompt, t0, include_usage)
+            try:
+                await StreamingResponse(events, media_type="text/event-stream",
+                                        headers={"Cache-Control": "no-cache"})(scope, receive, send)
+            except (ClientDisconnect, OSError):   # the client left mid-stream
+                pass
+            finally:
+                await events.aclose()             # a job still running is cancelled now
+            return
+        gone = asyncio.ensure_future(_until_disconnect(receive, job.channel))
+        try:
+            kind, value = await job.channel.get()
+        finally:
+            gone.cancel()
+            if not job.finished:           # the client went away, or the server is shutting down
+                worker.cancel(job)
+        if kind == "gone":                 # nobody to answer
+            return
+        if kind == "shutdown":
+            e = _shutting_down()
+            worker.observe(e.status, None)
+            await reply(e.status, e.payload(), e.headers)
+            return
+        if kind == "error":
+            status = getattr(value, "status", 500)     # the worker's verdict: the request's fault or ours
+            worker.observe(status, None)
+            await reply(status, APIError(status, str(value)).payload())
+            return
+        worker.observe(200, time.perf_counter() - t0)
+        if job.kind == "sprint":
+            rec = value
+            await reply(200, head.body(choices=[_choice(chat, 0, rec.text, _sprint_finish(rec))],
+                                       usage=_usage(n_prompt, rec.total_tokens), sprint=_sprint_json(rec)))
+            return
+        choices, completion = [], 0
+        for i, g in enumerate(value):
+            text, finish = _finish(g, job.stop)
+            choices.append(_choice(chat, i, text, finish))
+            completion += len(g.tokens)
+        obj = head.body(choices=choices, usage=_usage(n_prompt, completion))
+        engine_s = job.t_end - job.t_pick       # recorded before the reply goes out (a client that
+        worker.timings.append(dict(prompt=job.prompt, engine=engine_s,    # has it may read them)
+                                   server=time.perf_counter() - t0 - engine_s, wait=job.t_pick - job.t0))
+        await reply(200, obj)
+
+    async def _stream(job: Job, head: _Head, n_prompt: int, t0: float, include_usage: bool = True):
         texts = [_StreamText(state.engine.decode_text, job.stop) for _ in range(job.n)]
         first = [True] * job.n
         try:
@@ -506,6 +819,12 @@ def make_app(state: ServeState):
                     yield _sse({"error": {"message": value, "type": "server_error", "param": None, "code": None}})
                     yield b"data: [DONE]\n\n"
                     return
+                elif kind == "shutdown":
+                    e = _shutting_down()
+                    worker.observe(e.status, None)
+                    yield _sse(e.payload())
+                    yield b"data: [DONE]\n\n"
+                    return
                 else:
                     if job.kind == "sprint":
                         rec = value
@@ -518,7 +837,8 @@ def make_app(state: ServeState):
                             text, finish = _finish(g, job.stop)
                             yield _sse(head.body(choices=[_delta(head.chat, i, texts[i].rest(text), finish)]))
                             completion += len(g.tokens)
-                    yield _sse(head.body(choices=[], usage=_usage(n_prompt, completion)))
+                    if include_usage:
+                        yield _sse(head.body(choices=[], usage=_usage(n_prompt, completion)))
                     yield b"data: [DONE]\n\n"
                     worker.observe(200, time.perf_counter() - t0)
                     return
@@ -553,6 +873,7 @@ def make_app(state: ServeState):
         worker.start_on_loop()                 # the engine task, when the engine runs on the loop
         yield
         worker.stop()
+        state.pool.shutdown(wait=False, cancel_futures=True)
 
     routes = [Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
@@ -560,32 +881,75 @@ def make_app(state: ServeState):
     rest = Starlette(routes=routes, exception_handlers={404: not_found, 405: bad_method, Exception: internal},
                      lifespan=lifespan)
 
+    key = state.api_key.encode() if state.api_key else None
+
     async def app(scope, receive, send) -> None:
-        """The completion POSTs straight to their handler; everything else to starlette."""
-        if scope["type"] == "http" and scope["method"] == "POST":
-            handler = posts.get(scope["path"])
-            if handler is not None:
-                await handler(scope, receive, send)
+        """The completion POSTs straight to their handler; everything else to starlette. With an API
+        key, every route but /health needs it first."""
+        if scope["type"] == "http":
+            if key is not None and scope["path"] != "/health" and not _authorized(scope, key):
+                e = APIError(401, "missing or incorrect API key: send it as the header 'Authorization: Bearer KEY'",
+                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer", "Connection": "close"})
+                await _send_json(send, e.status, e.payload(), e.headers)
                 return
+            if scope["method"] == "POST":
+                handler = posts.get(scope["path"])
+                if handler is not None:
+                    await handler(scope, receive, send)
+                    return
         await rest(scope, receive, send)
 
     return app
 
 
-async def _read_body(receive) -> bytes:
-    chunks = []
+async def _read_body(receive, limit: int | None = None) -> bytes:
+    """The whole request body (what arrived, if the client left); 413 once it exceeds `limit` bytes."""
+    chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] != "http.request":      # http.disconnect
             break
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if limit is not None and size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
         if not message.get("more_body", False):
             break
     return b"".join(chunks)
 
 
+def _too_large(limit: int) -> APIError:
+    # the connection closes after the reply: the rest of the body is never read
+    return APIError(413, f"the request body is larger than this server's limit of {limit} bytes "
+                         f"(sprint-jax serve --max-request-bytes)", code="request_too_large",
+                    headers={"Connection": "close"})
+
+
+def _shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another instance or after it restarts",
+                    code="server_shutting_down", headers={"Retry-After": "5", "Connection": "close"})
+
+
+async def _until_disconnect(receive, channel: Channel) -> None:
+    """Once the client has gone (its body was read whole before), tell the waiting handler."""
+    while (await receive())["type"] == "http.request":
+        pass
+    channel.put(("gone", None))
+
+
+def _authorized(scope, key: bytes) -> bool:
+    """Whether the request carries `Authorization: Bearer <key>` (compared in constant time)."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
+    return False
+
+
 async def _send_json(send, status: int, obj, headers: dict | None = None) -> None:
-    data = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    # backslashreplace: a lone surrogate (never valid UTF-8) goes out as its JSON escape, not a 500
+    data = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
     h = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
     for k, v in (headers or {}).items():
         h.append((k.lower().encode("latin-1"), str(v).encode("latin-1")))

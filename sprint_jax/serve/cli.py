@@ -1,6 +1,7 @@
 """`sprint-jax serve`: the OpenAI-compatible server."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 DESCRIPTION = """Serve a model over the OpenAI API (completions, chat completions, SSE streaming) on the
@@ -9,7 +10,7 @@ from one prefill of the prompt.
 
   sprint-jax serve --model runs/sft_sprint --port 8000
   curl localhost:8000/v1/models
-  # any OpenAI client: base_url=http://127.0.0.1:8000/v1, api_key=anything
+  # any OpenAI client: base_url=http://127.0.0.1:8000/v1, api_key=the server's --api-key (or anything)
 
 SPRINT mode: ask for model "NAME:sprint" (the ids are in /v1/models), or pass
 extra_body={"sprint": {"max_stages": 4, "mode": "parallel", ...}} (OrchestratorConfig fields);
@@ -20,7 +21,17 @@ temperature / top_p / top_k / seed / max_tokens (= max_total_tokens) override th
 
 GET /health and GET /metrics (Prometheus text) report queue depth, active rows, slot use,
 tokens/s and the request latency histogram.
+
+Facing clients: --api-key (or $SPRINT_JAX_API_KEY) makes every route but /health need the header
+`Authorization: Bearer KEY` (401 otherwise); listening beyond this machine without one warns.
+Request fields this server does not implement get 400 naming the field, unless set to the value
+that changes nothing (e.g. presence_penalty 0). Limits: --max-request-bytes (413),
+--header-timeout / --body-timeout (408), --max-connections (503). SIGTERM drains: no new
+connections, requests in flight get --shutdown-grace seconds, the rest end cleanly (503; a stream
+gets an error event then [DONE]), and the process exits 0.
 """
+
+API_KEY_ENV = "SPRINT_JAX_API_KEY"
 
 
 ENGINE_ON = {"auto": None, "loop": True, "thread": False}      # --engine-on -> Server(engine_on_loop=...)
@@ -41,7 +52,51 @@ def add_arguments(p) -> None:
                         "least overhead per request; /health and new requests wait while a step runs), "
                         "'thread' = a thread of its own (the loop stays responsive during long steps); "
                         "auto (default): loop on CPU, thread on an accelerator")
+    p.add_argument("--api-key", default=None,
+                   help=f"clients must send 'Authorization: Bearer KEY' (every route but /health); default: "
+                        f"${API_KEY_ENV} if set, else no authentication. The environment variable keeps the key "
+                        f"out of the process list; the key is never logged")
+    p.add_argument("--max-request-bytes", type=int, default=2 * 1024 * 1024,
+                   help="largest request body accepted (default 2 MiB); a bigger one gets 413 before it is read")
+    p.add_argument("--max-connections", type=int, default=512,
+                   help="open connections at most (default 512); a new one beyond gets 503")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a client has to send a request's headers (default 10), else 408")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a request's body (default 30), else 408")
+    p.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="on SIGTERM, seconds requests in flight get to finish (default 10); then they are ended "
+                        "(503, or an SSE error event) and the process exits 0")
     add_run_arguments(p)
+
+
+def _api_key(args) -> str | None:
+    """The key from --api-key or the environment (the flag wins); a key that cannot travel in an
+    HTTP header is a UserError (naming neither the key nor its characters)."""
+    import os
+
+    from sprint_jax.errors import UserError
+
+    key, where = (args.api_key, "--api-key") if args.api_key is not None else (os.environ.get(API_KEY_ENV),
+                                                                               f"${API_KEY_ENV}")
+    if key is None:
+        return None
+    if not key.strip():
+        raise UserError(f"{where} is empty; give a key or leave it unset (no authentication)")
+    if not key.isascii() or not key.isprintable() or key != key.strip() or " " in key:
+        raise UserError(f"{where} must be printable ASCII without spaces (it travels in an HTTP header)")
+    return key
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:                       # a host name: it may resolve beyond this machine
+        return False
 
 
 def run(args) -> int:
@@ -61,12 +116,28 @@ def run(args) -> int:
         raise UserError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
+    for name in ("max_request_bytes", "max_connections"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("header_timeout", "body_timeout"):
+        if not getattr(args, name) > 0 or getattr(args, name) == float("inf"):
+            raise UserError(f"--{name.replace('_', '-')} must be a number of seconds > 0, got {getattr(args, name)}")
+    if not 0 <= args.shutdown_grace < float("inf"):
+        raise UserError(f"--shutdown-grace must be a number of seconds >= 0, got {args.shutdown_grace}")
+    api_key = _api_key(args)
+    if api_key is None and not _loopback(args.host):
+        print(f"sprint-jax serve: warning: listening on {args.host} without an API key: anyone who can reach "
+              f"this port can use the model (set --api-key or ${API_KEY_ENV})", file=sys.stderr, flush=True)
     config = config_from_args(args)
     engine = build_batch_engine(args, config, args.max_seqs)
     name = args.served_model_name or Path(args.model).resolve().name
     server = Server(engine, name, config, host=args.host, port=args.port, max_queue=args.max_queue,
                     default_max_tokens=args.default_max_tokens, log_level="info",
-                    engine_on_loop=ENGINE_ON[args.engine_on])
-    print(f"sprint-jax serve: model ids {name} and {name}:sprint; uvicorn reports the address", flush=True)
+                    engine_on_loop=ENGINE_ON[args.engine_on], api_key=api_key,
+                    max_request_bytes=args.max_request_bytes, max_connections=args.max_connections,
+                    header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                    shutdown_grace_s=args.shutdown_grace)
+    print(f"sprint-jax serve: model ids {name} and {name}:sprint"
+          f"{'; clients need the API key' if api_key else ''}; uvicorn reports the address", flush=True)
     server.serve_forever()
     return 0

@@ -9,13 +9,26 @@ import threading
 import time
 
 
-def uvicorn_server(app, host: str, port: int, log_level: str = "warning", **extra):
+HEADER_TIMEOUT_S = 10.0     # a request's head (request line + headers) must arrive within this
+MAX_HEAD_BYTES = 64 * 1024  # and be at most this long (httptools sets no limit of its own)
+KEEP_ALIVE_S = 5            # an idle keep-alive connection is closed after this
+
+
+def uvicorn_server(app, host: str, port: int, log_level: str = "warning", header_timeout_s: float = HEADER_TIMEOUT_S,
+                   max_connections: int | None = None, on_shutdown=None, **extra):
     """A uvicorn.Server for `app`, configured as `sprint-jax serve` runs: httptools (C) parses HTTP
     where it is installed (the HTTP part of a request took ~0.8 ms instead of ~1.5 ms with the
     pure-Python h11; the `serve` extra installs it), uvloop (libuv; orbax-checkpoint installs it)
     runs the event loop (asyncio's if it is missing), no access log line per request, no
     proxy-headers layer (nothing here reads the client's address). `bench serve --http` runs its
-    bare stack-floor app through this too, so the two are configured alike."""
+    bare stack-floor app through this too, so the two are configured alike.
+
+    uvicorn bounds neither how long a client may take to send a request's head nor the number of
+    connections (its limit_concurrency answers over-limit requests only once their headers are in,
+    in plain text), so the protocol is `guarded_protocol`'s: a head not complete within
+    `header_timeout_s` (or longer than MAX_HEAD_BYTES) gets 408 (431) and the connection closes;
+    beyond `max_connections` open connections a new one gets 503 and closes. `on_shutdown()`, when
+    given, runs on the loop as the server begins to shut down (it stops listening right after)."""
     import uvicorn
 
     try:
@@ -28,9 +41,106 @@ def uvicorn_server(app, host: str, port: int, log_level: str = "warning", **extr
         loop_impl = "uvloop"
     except ImportError:
         loop_impl = "asyncio"
-    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, http=http_impl,
-                                         loop=loop_impl, access_log=False, proxy_headers=False,
-                                         timeout_graceful_shutdown=2, **extra))
+    protocol = guarded_protocol(uvicorn.config.HTTP_PROTOCOLS[http_impl], header_timeout_s, max_connections)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol, loop=loop_impl,
+                            access_log=False, proxy_headers=False, timeout_keep_alive=KEEP_ALIVE_S,
+                            **{"timeout_graceful_shutdown": 2, **extra})
+    server = _server_class()(config)
+    server.on_shutdown = on_shutdown
+    server.http_impl, server.loop_impl = http_impl, loop_impl
+    return server
+
+
+def _server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server, telling the app when shutdown begins (it drains its requests)."""
+        on_shutdown = None
+
+        async def shutdown(self, sockets=None) -> None:
+            if self.on_shutdown is not None:
+                self.on_shutdown()
+            await super().shutdown(sockets)
+
+    return DrainingServer
+
+
+def guarded_protocol(protocol, header_timeout_s: float, max_connections: int | None):
+    """A subclass of uvicorn's HTTP protocol class (or its import string) with a deadline for each
+    request's head, a bound on its size, and a bound on open connections (see `uvicorn_server`)."""
+    import asyncio
+
+    from uvicorn.importer import import_from_string
+
+    base = import_from_string(protocol) if isinstance(protocol, str) else protocol
+
+    class Guarded(base):
+        _head_timer: asyncio.TimerHandle | None = None
+        _head_bytes = 0
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if max_connections is not None and len(self.connections) > max_connections:
+                _refuse(transport, 503, f"the server holds its maximum of {max_connections} connections "
+                                        f"(sprint-jax serve --max-connections); retry later", "too_many_connections")
+                return
+            self._watch_head(0)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._watch_head(len(data))
+
+        def connection_lost(self, exc) -> None:
+            self._stop_head_timer()
+            super().connection_lost(exc)
+
+        def _in_head(self) -> bool:
+            """Waiting for a request's head: no request open, not idle between requests (the
+            keep-alive timer runs then), not closing."""
+            cycle = self.cycle
+            return ((cycle is None or cycle.response_complete) and self.timeout_keep_alive_task is None
+                    and not self.transport.is_closing())
+
+        def _watch_head(self, n: int) -> None:
+            if not self._in_head():
+                self._head_bytes = 0
+                self._stop_head_timer()
+                return
+            self._head_bytes += n
+            if self._head_bytes > MAX_HEAD_BYTES:
+                _refuse(self.transport, 431, f"the request head is longer than {MAX_HEAD_BYTES} bytes",
+                        "request_header_fields_too_large")
+                return
+            if self._head_timer is None:
+                self._head_timer = asyncio.get_running_loop().call_later(header_timeout_s, self._head_timeout)
+
+        def _stop_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timeout(self) -> None:
+            self._head_timer = None
+            if self._in_head():
+                _refuse(self.transport, 408, f"the request head did not arrive within {header_timeout_s:g} s",
+                        "request_timeout")
+
+    Guarded.__name__ = Guarded.__qualname__ = "Guarded" + base.__name__
+    return Guarded
+
+
+def _refuse(transport, status: int, message: str, code: str) -> None:
+    """Answer `status` with an OpenAI-shaped error outside any request, and close the connection."""
+    import http
+    import json
+
+    from sprint_jax.serve.app import APIError
+
+    body = json.dumps(APIError(status, message, code=code).payload()).encode()
+    transport.write(f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+                    f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+    transport.close()
 
 
 def run_in_thread(uv, name: str, timeout: float = 60.0) -> tuple[threading.Thread, int]:
@@ -47,11 +157,23 @@ def run_in_thread(uv, name: str, timeout: float = 60.0) -> tuple[threading.Threa
 
 
 class Server:
+    """The server: `start()` on a thread of this process, or `serve_forever()` in this thread.
+
+    Protection against clients: `api_key` (None: no authentication) is needed on every route but
+    /health; a body over `max_request_bytes` gets 413, one not complete within `body_timeout_s` 408,
+    a request head not complete within `header_timeout_s` 408; beyond `max_connections` open
+    connections a new one gets 503. Shutdown (SIGTERM / SIGINT, or `stop()`) drains: the server
+    stops listening, requests in flight get `shutdown_grace_s` seconds to finish, the rest are
+    ended (a JSON 503; a stream: an SSE error event, then [DONE])."""
+
     def __init__(self, engine, model_name: str, sprint_config=None, host: str = "127.0.0.1", port: int = 0,
                  max_queue: int = 64, default_max_tokens: int = 256, log_level: str = "warning",
-                 switch_interval_s: float | None = 0.0005, engine_on_loop: bool | None = None):
+                 switch_interval_s: float | None = 0.0005, engine_on_loop: bool | None = None,
+                 api_key: str | None = None, max_request_bytes: int | None = None, max_connections: int | None = 512,
+                 header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = 30.0,
+                 shutdown_grace_s: float = 10.0):
         from sprint_jax.infer.orchestrator import OrchestratorConfig
-        from sprint_jax.serve.app import ServeState, make_app
+        from sprint_jax.serve.app import MAX_REQUEST_BYTES, ServeState, make_app
         from sprint_jax.serve.worker import EngineWorker
 
         if engine_on_loop is None:             # see sprint_jax/serve/worker.py: where the engine runs
@@ -60,11 +182,18 @@ class Server:
         self.engine_on_loop = engine_on_loop
         self.worker = EngineWorker(engine, max_queue=max_queue, on_loop=engine_on_loop)
         self.state = ServeState(self.worker, model_name, sprint_config or OrchestratorConfig(),
-                                default_max_tokens=default_max_tokens)
+                                default_max_tokens=default_max_tokens, api_key=api_key,
+                                max_request_bytes=max_request_bytes or MAX_REQUEST_BYTES, body_timeout_s=body_timeout_s)
         self.app = make_app(self.state)
         self.host = host
-        self._uv = uvicorn_server(self.app, host, port, log_level)
-        self.http_impl, self.loop_impl = self._uv.config.http, self._uv.config.loop
+        self.shutdown_grace_s = shutdown_grace_s
+        # uvicorn cancels what is still running `timeout_graceful_shutdown` s after shutdown begins;
+        # the app ends its requests itself at the grace's end, so uvicorn's limit is a backstop after it
+        self._uv = uvicorn_server(self.app, host, port, log_level, header_timeout_s=header_timeout_s,
+                                  max_connections=max_connections,
+                                  on_shutdown=lambda: self.state.begin_drain(shutdown_grace_s),
+                                  timeout_graceful_shutdown=shutdown_grace_s + 5)
+        self.http_impl, self.loop_impl = self._uv.http_impl, self._uv.loop_impl
         self._thread: threading.Thread | None = None
         self.port = port
         # With the engine on a thread of its own, it and the HTTP thread hand work to each other
@@ -94,18 +223,27 @@ class Server:
         return self
 
     def serve_forever(self) -> None:
-        """Run in the calling thread until interrupted (uvicorn handles SIGINT / SIGTERM)."""
+        """Run in the calling thread until SIGTERM / SIGINT, then drain and return (uvicorn handles
+        the signals; it re-raises the one it caught once it has shut down, which a SIGTERM handler
+        of ours absorbs: a drained shutdown returns normally, so the process exits 0)."""
+        import signal
+
         self._set_switch()
         self.worker.start()
+        main = threading.current_thread() is threading.main_thread()
+        old = signal.signal(signal.SIGTERM, lambda *_: None) if main else None
         try:
             self._uv.run()
         finally:
             self.worker.stop()
+            if main:
+                signal.signal(signal.SIGTERM, old)
 
     def stop(self) -> None:
+        """Shut down as a SIGTERM does (drained within the grace), then stop the engine."""
         self._uv.should_exit = True
         if self._thread is not None:
-            self._thread.join(10)
+            self._thread.join(self.shutdown_grace_s + 15)
         self.worker.stop()
         if self._switch is not None:
             sys.setswitchinterval(self._old_switch)
