@@ -41,7 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sprint_jax.infer import sharding as sh
-from sprint_jax.infer.engine import EngineError, Generation, check_merge_branches, common_prefix
+from sprint_jax.infer.engine import (EngineError, Generation, check_merge_branches, checked_sampling,
+                                     common_prefix, decode_tokens)
 from sprint_jax.infer.prefix_attention import pallas_parent_prefix_attention
 from sprint_jax.infer.sampling import GREEDY, Sampling, advance_rows, mask_padded, sample_tokens, valid_vocab
 from sprint_jax.infer.stops import StopScanner
@@ -703,8 +704,10 @@ class BatchEngine:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def decode_text(self, tokens: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(tokens))
+    def decode_text(self, tokens: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of tokens; special tokens (EOS, padding) are left out unless asked for, so
+        no reply ends in the EOS token's text."""
+        return decode_tokens(self.tokenizer, tokens, skip_special_tokens)
 
     # ---- submitting operations ------------------------------------------------------------
     def open(self, tokens: Sequence[int], tag=None) -> Op:
@@ -774,7 +777,8 @@ class BatchEngine:
         if len(seq.tokens) + max_new_tokens > self.max_seq_len:
             raise EngineError(f"{len(seq.tokens)} tokens + max_new_tokens={max_new_tokens} exceeds "
                               f"max_seq_len={self.max_seq_len}")
-        op = Op("generate", seq, limits=[max_new_tokens], stops=[list(stop)], sampling=sampling or GREEDY, tag=tag)
+        op = Op("generate", seq, limits=[max_new_tokens], stops=[list(stop)], sampling=checked_sampling(sampling),
+                tag=tag)
         seq.op = op
         row = _Row(op, 0, [], max_new_tokens, list(stop), StopScanner(self.decode_text, stop))
         self._groups.setdefault(seq.slot, [None] * (1 + self.max_children))[0] = row
@@ -828,8 +832,8 @@ class BatchEngine:
             if len(p) + 1 + m > self.max_branch_tokens:
                 raise EngineError(f"child {j}: prefix of {len(p)} tokens + max_new_tokens={m} exceeds "
                                   f"max_branch_tokens={self.max_branch_tokens}")
-        op = Op("fork", seq, prefixes=prefixes, limits=limits, stops=stops, sampling=sampling or GREEDY, tag=tag,
-                join=join)
+        op = Op("fork", seq, prefixes=prefixes, limits=limits, stops=stops, sampling=checked_sampling(sampling),
+                tag=tag, join=join)
         seq.op = op
         group = self._groups.setdefault(seq.slot, [None] * (1 + self.max_children))
         rows = [_Row(op, j, [seq.tokens[-1]] + p, m, st, StopScanner(self.decode_text, st))

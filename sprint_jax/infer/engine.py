@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import time
 from typing import Sequence
 
@@ -97,6 +98,37 @@ class BranchStats:
     cache_bytes: int                  # bytes of KV the fork held (prefix as read + branch slots / copies)
     steps: int
     wall_s: float
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_skip_flag(tokenizer_type: type) -> bool:
+    try:
+        params = inspect.signature(tokenizer_type.decode).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return "skip_special_tokens" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def decode_tokens(tokenizer, tokens: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """tokenizer.decode(tokens), special tokens left out when asked (a minimal tokenizer whose
+    decode takes no such flag has none to leave out)."""
+    if not _takes_skip_flag(type(tokenizer)):
+        return tokenizer.decode(list(tokens))
+    return tokenizer.decode(list(tokens), skip_special_tokens=skip_special_tokens)
+
+
+def checked_sampling(sampling: Sampling | None) -> Sampling:
+    """`sampling` (GREEDY for None) with its values checked again: a request's values reach the
+    decode step's int32 / float32 row arrays, where an out-of-range one would fail the whole step
+    of every request sharing it; here it fails only its own call (EngineError naming the field)."""
+    from sprint_jax.infer.sampling import SamplingError
+
+    if sampling is None:
+        return GREEDY
+    try:
+        return sampling.checked()
+    except SamplingError as e:
+        raise EngineError(f"sampling: {e}") from None
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -245,8 +277,9 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def decode_text(self, tokens: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(tokens))
+    def decode_text(self, tokens: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of tokens; special tokens (EOS, padding) are left out unless asked for."""
+        return decode_tokens(self.tokenizer, tokens, skip_special_tokens)
 
     def stop_ids(self, stops: Sequence[str]) -> list[int]:
         """The device stop ids of a row with these stop strings (EOS first; the core's rule)."""
@@ -386,7 +419,7 @@ class Engine:
         its content. A shared fork is kept for `merge`; join=True (a merge follows): each branch
         also runs its last token (`BatchEngine.fork`), so the merge runs no model call.
         """
-        sampling = sampling or GREEDY
+        sampling = checked_sampling(sampling)
         n = len(prefixes)
         if mode not in MODES:
             raise EngineError(f"mode must be 'shared', 'copy' or 'serial', got {mode!r}")

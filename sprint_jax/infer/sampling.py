@@ -6,25 +6,69 @@ share a random stream, and the same seed reproduces the same outputs.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from sprint_jax.errors import UserError
+
+
+# the ranges the decode step's per-row int32 / float32 arrays hold
+SEED_RANGE = (-2 ** 31, 2 ** 31 - 1)
+TOP_K_MAX = 2 ** 31 - 1
+TEMPERATURE_MAX = float(np.finfo(np.float32).max)
+
+
+class SamplingError(UserError, ValueError):
+    """A sampling value out of its range: a user mistake (one line, exit 2 on the command line),
+    and a ValueError for callers that validate configs."""
+
+
+def _integer(name: str, v, lo: int, hi: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise SamplingError(f"{name} must be an integer, got {v!r}")
+    if int(v) < lo:
+        raise SamplingError(f"{name} must be >= {lo}, got {v}")
+    if int(v) > hi:
+        raise SamplingError(f"{name} must be at most {hi}, got {v}")
+    return int(v)
+
+
+def _real(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
+        raise SamplingError(f"{name} must be a finite number, got {v!r}")
+    return float(v)
 
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
+    """Sampling values of one request, checked at construction (SamplingError names the field):
+    temperature finite in [0, float32 max], top_k an integer in [0, 2^31 - 1] (values past the
+    vocabulary keep every token), top_p in (0, 1], seed an integer in the int32 range."""
     temperature: float = 0.0   # 0 = greedy (argmax)
     top_k: int = 0             # 0 = off
     top_p: float = 1.0         # 1 = off
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        t = _real("temperature", self.temperature)
+        if t < 0:
+            raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
+        if t > TEMPERATURE_MAX:
+            raise SamplingError(f"temperature must be at most {TEMPERATURE_MAX:.4g}, got {self.temperature}")
+        p = _real("top_p", self.top_p)
+        if not 0.0 < p <= 1.0:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+        _integer("top_k", self.top_k, 0, TOP_K_MAX)
+        _integer("seed", self.seed, *SEED_RANGE)
+
+    def checked(self) -> "Sampling":
+        """The same values, checked again (an engine's guard against an instance whose fields were
+        changed after construction)."""
+        return Sampling(self.temperature, self.top_k, self.top_p, self.seed)
 
     @property
     def greedy(self) -> bool:
