@@ -401,6 +401,37 @@ def test_config_loads_and_rejects_bad_values():
         run_query(drug_engine(), QUERY, "batched")
 
 
+@pytest.mark.parametrize("layout", ["trie", "flat"])
+def test_text_events_commit_the_completion_in_order_with_each_executors_index(layout):
+    pieces = []
+    rec = run_query(drug_engine(), QUERY, "parallel", OrchestratorConfig(layout=layout),
+                    on_event=lambda e: pieces.append((e.text, e.stage.index, e.executor)) if e.kind == "text" else None)
+    committed = "".join(t for t, _, _ in pieces)
+    # the reference: the planner's context, decoded once at the end (record.text); what follows
+    # the committed pieces is the last planner call's output
+    assert committed + rec.final_text == rec.text
+    assert [(t, i, j) for t, i, j in pieces if j is not None] == [
+        (f"\n<execution_{i}.{j}>" + DRUG_EXECUTORS[i, j], i, j) for i, j in sorted(DRUG_EXECUTORS)]
+
+
+def test_forced_text_the_tokenizer_cannot_encode_ends_the_run_as_malformed():
+    """A planner that writes more prompts than the tokenizer has execution tags for (a sampled
+    demo model): the third opening cannot be encoded. The run ends with a reason, never raises."""
+    engine = drug_engine()
+    encode = engine.encode
+
+    def small_vocabulary(text: str) -> list[int]:
+        if "<execution_2.3>" in text:
+            raise ValueError("character '<' at offset 1 is not in the tokenizer's vocabulary")
+        return encode(text)
+
+    engine.encode = small_vocabulary
+    rec = run_query(engine, QUERY, "parallel", TRIE)
+    assert rec.termination == "malformed" and [s.index for s in rec.stages] == [1, 2]
+    assert any("cannot encode '\\n<execution_2.3>'" in p for p in rec.problems), rec.problems
+    assert rec.stages[1].executions == [] and rec.text.endswith("</Plan_2>")
+
+
 def test_forced_text_is_the_canonical_whitespace():
     """The forced opening is what the canonical format puts before an execution's content (one
     newline between blocks, one space inside: DESIGN.md; test_format checks render against the

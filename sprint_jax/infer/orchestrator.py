@@ -74,12 +74,13 @@ A sequential run has sequential_tokens == total_tokens == generated tokens.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from typing import Any, Callable
 
 from sprint_jax import format as fmt
 from sprint_jax.infer.engine import EngineError, common_prefix
-from sprint_jax.infer.sampling import Sampling
+from sprint_jax.infer.sampling import Sampling, SamplingError
 
 MODES = ("parallel", "serial", "sequential")
 JOINS = ("reprefill", "merge")
@@ -93,7 +94,8 @@ TERMINATIONS = {
     "max_stages": "max_stages plans ran and the planner wrote another plan instead of answering",
     "context_full": "the planner context reached the engine's max_seq_len (or a branch its capacity)",
     "wall_clock": "the wall-clock limit (time_limit_s) passed",
-    "malformed": "the planner stopped at a tag it may not write there (e.g. closed an execution it never opened)",
+    "malformed": "the planner stopped at a tag it may not write there (e.g. closed an execution it never opened), "
+                 "or the run needed text the tokenizer cannot encode (message in problems)",
     "engine_error": "the engine refused a request (message in problems)",
 }
 
@@ -139,7 +141,11 @@ class OrchestratorConfig:
                              "are tokenized on their own); a flat model re-prefills (join='reprefill')")
         if self.time_limit_s is not None and not self.time_limit_s > 0:
             raise ValueError(f"time_limit_s must be > 0 or null, got {self.time_limit_s!r}")
-        Sampling(self.temperature, self.top_k, self.top_p, self.seed)   # validates the sampling fields
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
+            raise SamplingError(f"seed must be an integer, got {self.seed!r}")
+        # the sampling fields, checked where a bad one would otherwise fail inside the engine; any
+        # integer seed is fine (each call's seed is derived from it modulo 2^31)
+        Sampling(self.temperature, self.top_k, self.top_p, int(self.seed) % (2 ** 31))
 
     @property
     def resolved_join(self) -> str:
@@ -148,7 +154,7 @@ class OrchestratorConfig:
 
     def sampling(self, call: int) -> Sampling:
         """Sampling for the call-th engine call: branches of one call fold in their index on top."""
-        return Sampling(self.temperature, self.top_k, self.top_p, (self.seed * 1_000_003 + call) % (2 ** 31))
+        return Sampling(self.temperature, self.top_k, self.top_p, (int(self.seed) * 1_000_003 + call) % (2 ** 31))
 
 
 @dataclasses.dataclass
@@ -240,11 +246,19 @@ class RunRecord:
 @dataclasses.dataclass
 class Event:
     """A live-display notification. kinds: start, planner, executors_start, executors, sync,
-    implicit_execution, final, end. `stage` is the StageRecord concerned (None for start/final/end)."""
+    implicit_execution, final, end, and text. `stage` is the StageRecord concerned (None for
+    start/final/end).
+
+    A `text` event commits the next piece of the completion, in order: a planner call's output
+    once the run goes on from it, then (after the sync) each execution as the planner's context
+    holds it (opening, body, repair; `executor` = j), then any gap the layout adds. Their
+    concatenation is a prefix of the final `record.text`; the rest is the last planner call's
+    output (or whatever the run ended on)."""
     kind: str
     record: RunRecord
     stage: StageRecord | None = None
     text: str = ""
+    executor: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,9 +290,10 @@ class Orchestrator:
         self.on_event = on_event
 
     # -- helpers ------------------------------------------------------------------------------
-    def _emit(self, kind: str, record: RunRecord, stage: StageRecord | None = None, text: str = "") -> None:
+    def _emit(self, kind: str, record: RunRecord, stage: StageRecord | None = None, text: str = "",
+              executor: int | None = None) -> None:
         if self.on_event is not None:
-            self.on_event(Event(kind, record, stage, text))
+            self.on_event(Event(kind, record, stage, text, executor))
 
     def _check_clock(self, t0: float) -> None:
         limit = self.config.time_limit_s
@@ -314,15 +329,24 @@ class Orchestrator:
         for w in starts:
             text = self._text_of(tokens[w:])
             head = text[:len(text) - cut]
-            if w in (self._mark, self._prompt_len) or self.engine.encode(head)[:1] == tokens[w:w + 1]:
+            if w in (self._mark, self._prompt_len) or self._encode(head)[:1] == tokens[w:w + 1]:
                 break
         return w, head
+
+    def _encode(self, text: str) -> list[int]:
+        """The tokens of text the run writes or re-tokenizes; text the tokenizer cannot encode (a
+        forced tag numbered past its vocabulary, sampled text a greedy vocabulary cannot re-split)
+        ends the run as malformed, with the text named in its problems."""
+        try:
+            return self.engine.encode(text)
+        except ValueError as e:
+            raise _Stop("malformed", f"the tokenizer cannot encode {text[:80]!r} ({e})") from None
 
     def _canonical(self, pieces: list[str]) -> list[int]:
         """The tokens the training layout gives consecutive text pieces (see the module docstring)."""
         if self.config.layout == "flat":
-            return self.engine.encode("".join(pieces))
-        return [t for p in pieces if p for t in self.engine.encode(p)]
+            return self._encode("".join(pieces))
+        return [t for p in pieces if p for t in self._encode(p)]
 
     def _rejoin(self, state, w: int, tails: list[list[str]]) -> tuple[int, list[list[int]]]:
         """Where the state's tokens from w stop agreeing with each canonical window (w's text is
@@ -450,6 +474,9 @@ class Orchestrator:
             used += len(g.tokens)
             which = _which_stop(g.text, stops) if g.stop_reason == "stop" else None
             cut = len(g.text) - _stop_end(g.text, which) if which else 0   # characters decoded past the stop
+            # the call's text as the context keeps it: a piecewise layout settles it without the
+            # characters past the stop; a flat one keeps them unless a fork or sync re-tokenizes
+            piece = g.text[:len(g.text) - cut]
 
             if implicit is not None:
                 first = fmt.find_tags(g.text)[:1]
@@ -463,6 +490,7 @@ class Orchestrator:
                         w, head = self._window(state, cut)
                         at = head.index(opening) + len(opening)
                         state, _ = yield from self._settle(state, w, [head[:at], head[at:]])
+                    self._emit("text", record, implicit, piece if trie else g.text)
                     self._emit("implicit_execution", record, implicit, g.text)
                     implicit = None
                     continue
@@ -499,6 +527,7 @@ class Orchestrator:
             if not prompts:
                 if trie:   # the plan is a piece of its own; the planner's next call starts a new one
                     state, _ = yield from self._settle(state, w, [head])
+                self._emit("text", record, stage, piece if trie else g.text)
                 implicit = stage
                 i += 1
                 continue
@@ -526,6 +555,7 @@ class Orchestrator:
             t = time.perf_counter()
             if keep < len(state.tokens):
                 state = yield EngineCall("truncate", state, n=keep)
+            self._emit("text", record, stage, piece)
             gens = yield EngineCall("branches", state, prefixes=openings, limits=limits,
                                     stops=[[fmt.execution_close(i, j)] for j in range(1, k + 1)],
                                     sampling=cfg.sampling(call), mode=branch_mode, join=merge)
@@ -552,7 +582,7 @@ class Orchestrator:
                     repair = ("" if (not text or text[-1].isspace()) else fmt.CLOSE_GAP) + close
                 sync += [execution_opening(i, j), text + repair]
                 stage.executions.append(ExecutionRecord(j, prompt, text, len(gen.tokens), gen.stop_reason,
-                                                        len(o) + len(self.engine.encode(repair) if repair else []),
+                                                        len(o) + len(self._encode(repair) if repair else []),
                                                         repaired))
             self._emit("executors", record, stage)
             if not trie:   # a flat model saw the last close tag and the next block's gap together
@@ -576,6 +606,10 @@ class Orchestrator:
             else:
                 _block(state)
             stage.sync_s = time.perf_counter() - t
+            for j in range(1, k + 1):            # the planner's context holds them now
+                self._emit("text", record, stage, "".join(sync[2 * j - 1: 2 * j + 1]), executor=j)
+            if not trie:
+                self._emit("text", record, stage, fmt.BLOCK_GAP)
             self._emit("sync", record, stage)
             i += 1
 
