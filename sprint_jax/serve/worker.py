@@ -20,12 +20,16 @@ A job is one request:
   sprint  the orchestrator's generator (`Orchestrator.steps`), driven here exactly as
           `orchestrator.run_many` drives it, so SPRINT runs and plain requests share every engine
           step; its stage events are forwarded as they happen.
-A job whose client went away is cancelled: `BatchEngine.abort` drops its rows and frees its slot.
+A job whose client went away is cancelled: `BatchEngine.abort` drops its rows and frees its slot
+before the next engine step. A job that raises ends alone (its client gets an "error" item whose
+`status` is 400 for input it should have refused, 500 for a bug, logged with its traceback); the
+engine serves on.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -33,8 +37,11 @@ import traceback
 from collections import deque
 from typing import Any
 
+from sprint_jax.errors import UserError
 from sprint_jax.infer.engine import EngineError
 from sprint_jax.infer.sampling import Sampling
+
+log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -47,9 +54,85 @@ def _running_on(loop) -> bool:
         return False
 
 
+class Failure(str):
+    """An "error" item's message, with the HTTP status the request gets (`status`): 400 when the
+    job should have been refused (a UserError, an EngineError), 500 for a bug."""
+
+    status: int
+
+    def __new__(cls, message: str, status: int = 500) -> "Failure":
+        out = super().__new__(cls, message)
+        out.status = status
+        return out
+
+
+@dataclasses.dataclass
+class Progress:
+    """What a streaming SPRINT job's current engine call has decoded so far: `kind` generate (the
+    planner; `tokens` its tokens) or fork (the executors; `tokens` executor 1's), with that row's
+    stop strings."""
+    kind: str
+    tokens: list[int]
+    stops: list[str]
+
+
+def _settled(text: str, stops: list[str]) -> str:
+    """The part of a call's text so far that later tokens cannot change: up to the end of the first
+    stop string in it, else all but what could still begin a stop (and a trailing partial
+    character)."""
+    ends = [text.find(s) + len(s) for s in stops if s and s in text]
+    if ends:
+        return text[:min(ends)]
+    safe = len(text) - (max((len(s) for s in stops), default=1) - 1)
+    while safe > 0 and text[safe - 1] == "\ufffd":
+        safe -= 1
+    return text[:max(safe, 0)]
+
+
+class SprintText:
+    """A streaming SPRINT reply's text, in the order of the final completion: the run's committed
+    pieces (`text` events) and, ahead of them, what the planner call or executor 1 has decoded so
+    far (`Progress`), each sent only as far as it cannot change. `event` / `progress` return the
+    new deltas as (text, stage index or None, executor index or None); `rest(final_text)` is what
+    the final text adds to everything sent."""
+
+    def __init__(self, decode):
+        self.decode = decode
+        self.committed = ""              # the run's committed pieces so far
+        self.sent = ""                   # everything returned so far (committed + a preview)
+        self.stage: int | None = None    # the stage whose executors decode now
+
+    def _to(self, target: str, stage: int | None, executor: int | None) -> list[tuple[str, int | None, int | None]]:
+        if len(target) <= len(self.sent) or not target.startswith(self.sent):
+            return []
+        delta, self.sent = target[len(self.sent):], target
+        return [(delta, stage, executor)]
+
+    def event(self, ev) -> list[tuple[str, int | None, int | None]]:
+        if ev.kind == "executors_start":
+            self.stage = ev.stage.index
+        if ev.kind != "text":
+            return []
+        self.committed += ev.text
+        return self._to(self.committed, ev.stage.index if ev.stage is not None else None, ev.executor)
+
+    def progress(self, p: Progress) -> list[tuple[str, int | None, int | None]]:
+        text = _settled(self.decode(p.tokens), p.stops)
+        if p.kind == "generate":
+            return self._to(self.committed + text, None, None)
+        if self.stage is None:
+            return []
+        from sprint_jax.infer.orchestrator import execution_opening
+        return self._to(self.committed + execution_opening(self.stage, 1) + text, self.stage, 1)
+
+    def rest(self, final_text: str) -> str:
+        return final_text[len(self.sent):] if final_text.startswith(self.sent) else ""
+
+
 class Channel:
     """Engine thread -> one request handler. Items: ("tokens", [[ids] per choice]) (streaming),
-    ("event", Event) (SPRINT streaming), ("done", result), ("error", message)."""
+    ("event", Event) and ("progress", Progress) (SPRINT streaming), ("done", result),
+    ("error", Failure)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
@@ -285,9 +368,22 @@ class EngineWorker:
             self._handle(item)
         stalled = False
         if self._jobs:
-            moved = self.engine.step()
+            try:
+                moved = self.engine.step()
+            except Exception as e:           # noqa: BLE001  (no one job to blame: those in the step end)
+                log.error("an engine step failed; the requests in it end (the server serves on)", exc_info=e)
+                failure = Failure(f"internal error: the engine step failed: {type(e).__name__}: {e}", 500)
+                for job in list(self._jobs):
+                    self._job_failed(job, None, failure)
+                self._update_metrics()
+                return False
             for job in list(self._jobs):
-                self._poll(job)
+                try:
+                    if job.stream and job.kind == "sprint":
+                        self._progress(job)
+                    self._poll(job)
+                except Exception as e:       # noqa: BLE001  (this job ends; the engine serves on)
+                    self._job_failed(job, e)
             stalled = not moved and not any(j.op is not None and j.op.done for j in self._jobs)
         self._update_metrics()
         return stalled
@@ -306,6 +402,8 @@ class EngineWorker:
             for j in job:
                 self._handle(("submit", j))
         elif what == "submit":
+            if job.finished:                  # cancelled before the engine took it
+                return
             job.t_pick = time.perf_counter()
             self._jobs.append(job)
             try:
@@ -319,23 +417,61 @@ class EngineWorker:
                     self._poll(job)
                 else:
                     from sprint_jax.infer.orchestrator import Orchestrator
-                    job.steps = Orchestrator(self.engine, job.config,
-                                             on_event=lambda ev, job=job: self._event(job, ev)).steps(job.query, job.mode)
+                    # events only for a streaming client (a run emits them at every stage)
+                    on_event = (lambda ev, job=job: self._event(job, ev)) if job.stream else None
+                    job.steps = Orchestrator(self.engine, job.config, on_event=on_event).steps(job.query, job.mode)
                     self._advance(job)
-            except (EngineError, ValueError) as e:
-                self._end(job, ("error", str(e)))
+            except Exception as e:            # noqa: BLE001  (this job ends; the engine serves on)
+                self._job_failed(job, e)
         elif what == "cancel" and not job.finished:
             job.cancelled = True
-            if job.seq is not None and not job.seq.closed:
-                self.engine.abort(job.seq)
-            if job.steps is not None:
-                job.steps.close()            # a SPRINT run: its generator ends here
+            self._release(job)
             self.metrics["cancelled"] += 1
             self._end(job, None)
+
+    def _release(self, job: Job) -> None:
+        """Drop whatever the job holds in the engine, now: its operation in flight, its rows and its
+        slot (`BatchEngine.abort`), and a SPRINT run's generator."""
+        job.op = None
+        if job.steps is not None:
+            try:
+                job.steps.close()            # a SPRINT run: its generator ends here
+            except Exception:                # noqa: BLE001  (a run that fails to close is ended anyway)
+                log.exception("closing a SPRINT run failed")
+        if job.seq is not None and not job.seq.closed:
+            self.engine.abort(job.seq)
+
+    def _job_failed(self, job: Job, e: Exception | None, failure: Failure | None = None) -> None:
+        """One job raised `e`: it ends with an error item (400: input it should have refused; 500:
+        a bug, logged with its traceback) and releases what it held; the other jobs go on.
+        `failure` instead of `e`: the item to send (already logged)."""
+        if failure is None and isinstance(e, (UserError, EngineError)):
+            failure = Failure(str(e), 400)
+        elif failure is None:
+            failure = Failure(f"internal error: {type(e).__name__}: {e}", 500)
+            log.error("a request failed in the engine (the server serves on): %s", failure, exc_info=e)
+        try:
+            self._release(job)
+        except Exception:                    # noqa: BLE001
+            log.exception("releasing a failed request's slot failed")
+        self._end(job, ("error", failure))
 
     def _event(self, job: Job, ev) -> None:
         if job.stream:
             job.channel.put(("event", ev))
+
+    def _progress(self, job: Job) -> None:
+        """A streaming SPRINT job: what its planner call (or its first executor) decoded so far,
+        sent when it grew (before the run reacts to the call's end, so a finished call's last
+        tokens arrive before the events that follow it)."""
+        op = job.op
+        if op is None or op.kind not in ("generate", "fork"):
+            return
+        toks = self.engine.progress(op)[0]
+        key = [id(op), len(toks)]
+        if toks and job.sent != key:
+            job.sent = key
+            job.channel.put(("progress", Progress(op.kind, list(toks), list(op.stops[0]))))
 
     def _end(self, job: Job, item) -> None:
         if job.finished:
@@ -367,14 +503,11 @@ class EngineWorker:
                 job.sent = [len(t) for t in prog]
         if not op.done:
             return
-        if op.kind == "open":
-            try:
-                if job.n == 1:
-                    job.op = self.engine.generate(job.seq, job.max_tokens, job.stop, job.sampling)
-                else:
-                    job.op = self.engine.fork(job.seq, [[]] * job.n, job.max_tokens, job.stop, job.sampling)
-            except EngineError as e:
-                self._end(job, ("error", str(e)))
+        if op.kind == "open":              # an EngineError here ends the job (`_job_failed`: a 400)
+            if job.n == 1:
+                job.op = self.engine.generate(job.seq, job.max_tokens, job.stop, job.sampling)
+            else:
+                job.op = self.engine.fork(job.seq, [[]] * job.n, job.max_tokens, job.stop, job.sampling)
             return
         gens = [op.result] if op.kind == "generate" else list(op.result)
         job.op = None
