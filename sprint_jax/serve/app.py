@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from sprint_jax.infer.sampling import Sampling
-from sprint_jax.serve.worker import LATENCY_BUCKETS, Channel, EngineWorker, Job
+from sprint_jax.serve.worker import LATENCY_BUCKETS, Channel, EngineWorker, Job, SprintText
 
 SPRINT_SUFFIX = ":sprint"
 ROLES = ("system", "developer", "user", "assistant")
@@ -599,6 +599,12 @@ def _event_json(ev) -> dict:
     return out
 
 
+def _sprint_delta(head: "_Head", text: str, stage: int | None, executor: int | None) -> bytes:
+    """A SPRINT stream's text chunk: its place in the run rides along (`sprint_delta`: the stage
+    when known, the executor index or None for the planner's text)."""
+    return _sse(head.body(choices=[_delta(head.chat, 0, text)], sprint_delta={"stage": stage, "executor": executor}))
+
+
 def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
@@ -796,6 +802,7 @@ def make_app(state: ServeState):
 
     async def _stream(job: Job, head: _Head, n_prompt: int, t0: float, include_usage: bool = True):
         texts = [_StreamText(state.engine.decode_text, job.stop) for _ in range(job.n)]
+        sprint_text = SprintText(state.engine.decode_text)      # SPRINT: the completion as it is decoded
         first = [True] * job.n
         try:
             if chat_of(head):
@@ -813,7 +820,13 @@ def make_app(state: ServeState):
                         if d:
                             yield _sse(head.body(choices=[_delta(head.chat, i, d)]))
                 elif kind == "event":
-                    yield _sse(head.body(choices=[_delta(head.chat, 0, "")], sprint_event=_event_json(value)))
+                    for d in sprint_text.event(value):
+                        yield _sprint_delta(head, *d)
+                    if value.kind != "text":
+                        yield _sse(head.body(choices=[_delta(head.chat, 0, "")], sprint_event=_event_json(value)))
+                elif kind == "progress":
+                    for d in sprint_text.progress(value):
+                        yield _sprint_delta(head, *d)
                 elif kind == "error":
                     worker.observe(500, None)
                     yield _sse({"error": {"message": value, "type": "server_error", "param": None, "code": None}})
@@ -828,8 +841,8 @@ def make_app(state: ServeState):
                 else:
                     if job.kind == "sprint":
                         rec = value
-                        yield _sse(head.body(choices=[_delta(head.chat, 0, rec.text, _sprint_finish(rec))],
-                                             sprint=_sprint_json(rec)))
+                        yield _sse(head.body(choices=[_delta(head.chat, 0, sprint_text.rest(rec.text),
+                                                             _sprint_finish(rec))], sprint=_sprint_json(rec)))
                         completion = rec.total_tokens
                     else:
                         completion = 0
