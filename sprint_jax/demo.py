@@ -2,20 +2,22 @@
 
 1. Tasks and serial traces made by the project: the digit-chains family (tasks/chains.py),
    whose chains are genuinely independent sub-computations. Held-out test problems are excluded
-   from the training set by their start digits.
-2. The real curation pipeline and SQLite store with the offline curator: steps, DAG, σ packing,
+   from the training set by their start digits (`chains.demo_test_set`, also `eval --data chains`).
+   The real curation pipeline and SQLite store with the offline curator: steps, DAG, σ packing,
    ρ filter -> SPRINT examples; the same traces -> RFT examples.
-3. A tokenizer with one token per SPRINT tag and word (VocabTokenizer), and a tiny Qwen2 trained
-   from scratch with the real trainer, same data and budget: SPRINT (merge layout by default,
-   issue 17: every token trained once, executors side by side from the fork) and RFT;
+2. A tokenizer with one token per SPRINT tag and word (VocabTokenizer), and a tiny Qwen2 trained
+   from scratch with the real trainer, same data and budget: SPRINT (merge layout by default:
+   every token trained once, executors side by side from the fork) and RFT;
    `--layouts trie`, `--layouts trie,merge`, `--layouts trie,flat` train the trie layout (the
    planner's context holds the executions, as the re-prefill join computes them) and the paper's
    flat layout instead or beside it, all with the same budget.
-4. Evaluation with the real orchestrator and engine on held-out problems: SPRINT in `parallel`
+3. Evaluation with the real orchestrator and engine on held-out problems: SPRINT in `parallel`
    mode with the join its layout selects (merge: the merge join; trie: the re-prefill join, and
    `serial` mode too), RFT in `sequential` mode (and flat SPRINT in `parallel`).
-5. A summary table (with training tokens per example and sync time per stage), report.json and
-   plots (loss curves, sequential vs total tokens, wall clock).
+4. A summary table (with training tokens per example and sync time per stage), report.json,
+   plots (loss curves, sequential vs total tokens, wall clock), and the commands that run the
+   trained models next (`infer`, `eval --data chains`, `serve`, with the run's budgets in
+   orchestrator.yaml).
 
 Everything is deterministic for a seed (on one machine and JAX version).
 """
@@ -25,6 +27,7 @@ import dataclasses
 import json
 import shutil
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -101,8 +104,16 @@ def _vocabulary(cfg: DemoConfig) -> list[str]:
     return vocab
 
 
+STAGES = ("tasks + curation", "training", "evaluation", "summary")   # the progress labels' [k/n]
+
+
 def _say(msg: str) -> None:
     print(msg, flush=True)
+
+
+def _stage(name: str) -> str:
+    """The progress label of a stage, e.g. "[2/4] training"."""
+    return f"[{STAGES.index(name) + 1}/{len(STAGES)}] {name}"
 
 
 def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
@@ -126,8 +137,8 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
     (out / "demo_config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     timings: dict[str, float] = {}
 
-    # 1-2. tasks, serial traces and curation ------------------------------------------------
-    _say(f"[1/5] tasks + curation: {cfg.train_problems} digit-chains problems ({cfg.chains} chains of "
+    # 1. tasks, serial traces and curation --------------------------------------------------
+    _say(f"{_stage('tasks + curation')}: {cfg.train_problems} digit-chains problems ({cfg.chains} chains of "
          f"{cfg.chain_length} steps), offline curator")
     t0 = time.perf_counter()
     curate = from_dict(CurateConfig, {
@@ -135,15 +146,12 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
         "teacher": {"kind": "programmatic"}, "extractor": {"kind": "offline"}, "dag": {"kind": "offline"},
         "merge_min_chars": 4, "min_ratio": 1.5, "seed": cfg.seed, "out": str(out / "curate")})
     curation = run_pipeline(curate, out / "curate", progress=progress)
-    train_tasks = chains.generate(cfg.train_problems, cfg.seed, cfg.chains, cfg.chains, cfg.chain_length)
-    seen = {tuple(t.answer["starts"]) for t in train_tasks}
-    test_tasks = chains.generate(cfg.test_problems, cfg.seed + 10_000, cfg.chains, cfg.chains, cfg.chain_length,
-                                 exclude=seen)
+    test_tasks = chains.demo_test_set(cfg.test_problems, cfg.seed, cfg.chains, cfg.chain_length, cfg.train_problems)
     counts = curation.get("counts", {})
     _say("      curation counts: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     timings["curation_s"] = time.perf_counter() - t0
 
-    # 3. tokenizer + training -----------------------------------------------------------------
+    # 2. tokenizer + training -----------------------------------------------------------------
     tok = VocabTokenizer(_vocabulary(cfg), eos_token="<eos>", pad_token="<pad>")
     vocab_size = (len(tok) + 7) // 8 * 8
     model_dict = {"model_type": "qwen2", "vocab_size": vocab_size, **to_dict(cfg.model),
@@ -155,8 +163,8 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
             runs[f"sprint_{extra}"] = ("sprint.jsonl", extra)
     trained: dict[str, dict] = {}
     for i, (name, (data_file, layout)) in enumerate(runs.items()):
-        _say(f"[2/5] training {name} ({layout} layout): {cfg.steps} steps x {cfg.batch_size} rows x "
-             f"{cfg.seq_len} tokens ({i + 1}/{len(runs)})")
+        _say(f"{_stage('training')} {name} ({layout} layout): {cfg.steps} steps x {cfg.batch_size} rows x "
+             f"{cfg.seq_len} tokens (model {i + 1} of {len(runs)})")
         t0 = time.perf_counter()
         tc = from_dict(TrainConfig, {
             "model": {"name": model_dict, "init": "scratch", "dtype": "float32", "remat": "none",
@@ -176,9 +184,10 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
         trained[name] = summary
         timings[f"train_{name}_s"] = summary["wall_s"]
 
-    # 4. evaluation -----------------------------------------------------------------------------
+    # 3. evaluation -----------------------------------------------------------------------------
     orch = OrchestratorConfig(max_stages=3, max_prompts=cfg.chains, max_planner_tokens=cfg.max_planner_tokens,
                               max_branch_tokens=cfg.max_branch_tokens, max_total_tokens=1024)
+    _write_budgets(out / ORCH_FILE, orch)      # the same budgets for the commands printed at the end
     evals = {"sprint_parallel": ("sprint", "parallel"), "sprint_serial": ("sprint", "serial"),
              "rft_sequential": ("rft", "sequential")}
     if (cfg.join or ("merge" if runs["sprint"][1] == "merge" else "reprefill")) == "merge":
@@ -189,7 +198,8 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
     engines: dict[str, Any] = {}
     results: dict[str, dict] = {}
     for k, (run_name, (model_name, mode)) in enumerate(evals.items()):
-        _say(f"[3/5] evaluating {run_name} on {len(test_tasks)} held-out problems ({k + 1}/{len(evals)})")
+        _say(f"{_stage('evaluation')} of {run_name} on {len(test_tasks)} held-out problems "
+             f"(run {k + 1} of {len(evals)})")
         # every mode on the batched engine (serial: its executors one after another, as forks of one)
         key = model_name
         if key not in engines:
@@ -218,7 +228,7 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
             entry.update(_sync_per_stage(records))
         results[run_name] = entry
 
-    # 5. report ---------------------------------------------------------------------------------
+    # 4. report ---------------------------------------------------------------------------------
     report = dict(results)
     report["elapsed_s"] = time.perf_counter() - t_start
     report["curation"] = {"counts": counts, "ratio": curation.get("ratio", {})}
@@ -232,11 +242,70 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
                                           for k, v in results.items()}
     (out / "report.json").write_text(json.dumps(report, indent=2))
     _plots(out, trained, results, {name: layout for name, (_, layout) in runs.items()})
-    _say("[5/5] summary\n" + _table(results, rft_tokens))
+    _say(f"{_stage('summary')}\n" + _table(results, rft_tokens))
     _say("training tokens per SPRINT example by layout (same data): "
          + ", ".join(f"{k} {v:.1f}" for k, v in report["train_tokens_per_example"].items()))
     _say(f"elapsed {report['elapsed_s']:.0f} s; report: {out / 'report.json'}; plots: {out / 'plots'}")
+    _say("\n".join(_next_commands(cfg, out, {name: trained[name]["export_dir"] for name in trained},
+                                  chains.prompt_for(test_tasks[0]))))
     return report
+
+
+ORCH_FILE = "orchestrator.yaml"
+_BUDGETS = ("max_stages", "max_prompts", "max_planner_tokens", "max_branch_tokens", "max_total_tokens")
+
+
+def _write_budgets(path: Path, orch) -> None:
+    """The evaluation's budgets as an OrchestratorConfig YAML (`--config` of infer / eval / serve);
+    the layout and join are left to each model's sprint_jax.json, as the demo's evaluation does."""
+    import yaml
+
+    path.write_text("# the budgets `sprint-jax demo` evaluated with; pass as --config to infer, eval, serve\n"
+                    + yaml.safe_dump({f: getattr(orch, f) for f in _BUDGETS}, sort_keys=False))
+
+
+def _next_commands(cfg: DemoConfig, out: Path, exports: dict[str, str], query: str) -> list[str]:
+    """The commands that run this demo's trained models next, with the paths of this run: one query
+    of the test set (given bare: the model's prompt format adds the newline), the held-out test set
+    (`eval --data chains`, the demo's test set at its default task shape), and the server."""
+    import shlex
+    import shutil
+
+    exe = "sprint-jax"
+    if shutil.which(exe) is None:        # e.g. run through ./dev.sh: the venv is not on PATH
+        local = Path(sys.executable).parent / exe
+        exe = _shown_path(local) if local.exists() else f"{Path(sys.executable).name} -m sprint_jax.cli"
+    budgets = f"--config {shlex.quote(_shown_path(out / ORCH_FILE))}"
+    sprint, rft = shlex.quote(_shown_path(Path(exports["sprint"]))), shlex.quote(_shown_path(Path(exports["rft"])))
+    q = shlex.quote(query.strip())
+    defaults = DemoConfig()
+    data = "--data chains" + (f" --data-seed {cfg.seed}" if cfg.seed else "")
+    data += f" --limit {cfg.test_problems}" if cfg.test_problems < defaults.test_problems else ""
+    lines = ["next: run the trained models yourself (the budgets of this evaluation are in "
+             f"{_shown_path(out / ORCH_FILE)})",
+             f"  {exe} infer --model {sprint} {budgets} {q}",
+             f"  {exe} infer --model {rft} {budgets} --mode sequential {q}",
+             f"  {exe} eval --model {sprint} {budgets} {data} "
+             f"--out {shlex.quote(_shown_path(out / 'eval_cli' / 'sprint'))}",
+             f"  {exe} eval --model {rft} {budgets} {data} --mode sequential "
+             f"--out {shlex.quote(_shown_path(out / 'eval_cli' / 'rft'))}",
+             f"  {exe} serve --model {sprint} {budgets}"]
+    shape = [f"{f}={getattr(cfg, f)}" for f in ("train_problems", "chains", "chain_length")
+             if getattr(cfg, f) != getattr(defaults, f)]
+    if cfg.test_problems > defaults.test_problems:
+        shape.append(f"test_problems={cfg.test_problems}")
+    if shape:
+        lines.append(f"  (--data chains is the test set of the demo's default task shape; this run set "
+                     f"{', '.join(shape)}, so its test set differs)")
+    return lines
+
+
+def _shown_path(p: Path) -> str:
+    """`p` relative to the working directory when it is inside it (as the user typed --out)."""
+    try:
+        return str(Path(p).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(p)
 
 
 def _execution_quality(records_path: Path, length: int) -> dict:
@@ -262,8 +331,8 @@ def _execution_quality(records_path: Path, length: int) -> dict:
 
 
 def _tokens_per_example(path: Path, tok, seq_len: int) -> dict:
-    """Training tokens per SPRINT example in each layout, from the same curated set (issue 17:
-    merge holds every token once, like flat; trie repeats executions in the planner's context)."""
+    """Training tokens per SPRINT example in each layout, from the same curated set (merge holds
+    every token once, like flat; trie repeats executions in the planner's context)."""
     from sprint_jax.train import data as D
     from sprint_jax.train.config import SPAN_WEIGHTS_DEFAULT
 
@@ -273,7 +342,7 @@ def _tokens_per_example(path: Path, tok, seq_len: int) -> dict:
 
 
 def _sync_per_stage(records_path: Path) -> dict:
-    """Mean sync (join) time per stage with executors, and which join ran (issue 17)."""
+    """Mean sync (join) time per stage with executors, and which join ran."""
     times, joins = [], set()
     for line in records_path.read_text().splitlines():
         for st in json.loads(line)["stages"]:
@@ -304,19 +373,41 @@ def _warm(engine, tasks, orch, mode) -> None:
             Orchestrator(engine, orch).run(p, mode)
 
 
+# the summary's columns: (header, width, what it means); the legend under the table is written from it
+COLUMNS = (
+    ("run", 22, ""),
+    ("layout", 7, ""),
+    ("accuracy", 9, "share of the test problems answered right"),
+    ("in format", 10, "share of SPRINT runs with no format problem"),
+    ("chains ok", 10, "share of executors that wrote their chain exactly"),
+    ("seq tok", 9, "tokens on the critical path per problem (planner + the longest executor per stage)"),
+    ("seq/RFT", 8, "sequential tokens relative to the RFT baseline's (below 1: a shorter critical path)"),
+    ("total tok", 10, "tokens generated per problem, all executors counted"),
+    ("wall s", 8, "seconds for the test set. On a CPU a model this small is bound by per-call overheads "
+                  "(dispatch, host round trips), not by reading its weights, so the executors' extra rows are "
+                  "not free there and SPRINT is not faster in wall clock; sequential tokens are the claim. Why, "
+                  "and what changes on accelerators: docs/design.md"),
+    ("train tok/ex", 13, "training tokens per example in the model's layout"),
+    ("join", 10, "how executors rejoin the planner: merge (caches placed) or reprefill"),
+    ("sync ms", 8, "mean time of a join per stage"),
+)
+
+
 def _table(results: dict, rft_tokens: float) -> str:
-    head = (f"{'run':<22}{'layout':>7}{'accuracy':>9}{'format':>8}{'exec ok':>8}{'seq tok':>9}{'vs RFT':>8}"
-            f"{'total tok':>10}{'wall s':>8}{'train tok/ex':>13}{'join':>10}{'sync ms':>8}")
+    """The summary table, then one legend line per column that needs one."""
+    head = "".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w, _) in enumerate(COLUMNS))
     lines = [head, "-" * len(head)]
     for k, v in results.items():
-        fv = f"{v['format_valid']:.2f}" if "format_valid" in v else "-"
-        ex = f"{v['executions_exact']:.2f}" if "executions_exact" in v else "-"
-        rel = v["mean_sequential_tokens"] / rft_tokens if rft_tokens else float("nan")
-        tpe = v.get("train_tokens_per_example")
-        sync = v.get("sync_ms_per_stage")
-        lines.append(f"{k:<22}{v['layout']:>7}{v['accuracy']:>9.2f}{fv:>8}{ex:>8}"
-                     f"{v['mean_sequential_tokens']:>9.1f}{rel:>8.2f}{v['mean_total_tokens']:>10.1f}{v['wall_s']:>8.1f}{_num(tpe, '.1f'):>13}"
-                     f"{v.get('join') or '-':>10}{_num(sync, '.2f'):>8}")
+        rel = v["mean_sequential_tokens"] / rft_tokens if rft_tokens else None
+        cells = [k, v["layout"], _num(v["accuracy"], ".2f"), _num(v.get("format_valid"), ".2f"),
+                 _num(v.get("executions_exact"), ".2f"), _num(v["mean_sequential_tokens"], ".1f"), _num(rel, ".2f"),
+                 _num(v["mean_total_tokens"], ".1f"), _num(v["wall_s"], ".1f"),
+                 _num(v.get("train_tokens_per_example"), ".1f"), v.get("join") or "-",
+                 _num(v.get("sync_ms_per_stage"), ".2f")]
+        lines.append("".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}"
+                             for i, (c, (_, w, _)) in enumerate(zip(cells, COLUMNS))))
+    lines += [textwrap.fill(what, 110, initial_indent=f"  {h}: ", subsequent_indent="    ")
+              for h, _, what in COLUMNS if what]
     return "\n".join(lines)
 
 

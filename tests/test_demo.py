@@ -8,7 +8,7 @@ from sprint_jax.demo import DemoConfig, run_demo
 from sprint_jax.model.hf import read_export_meta
 
 
-def test_scaled_down_demo_produces_every_artifact(tmp_path):
+def test_scaled_down_demo_produces_every_artifact(tmp_path, capsys):
     cfg = from_dict(DemoConfig, {
         "train_problems": 24, "test_problems": 3, "steps": 3, "batch_size": 4, "seq_len": 256,
         "warmup_steps": 1, "model": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
@@ -55,6 +55,47 @@ def test_scaled_down_demo_produces_every_artifact(tmp_path):
     # the RFT baseline decodes plainly: sequential == total
     assert on_disk["rft_sequential"]["mean_sequential_tokens"] == on_disk["rft_sequential"]["mean_total_tokens"]
     assert report["test_problems"] == 3
+    _check_printout(capsys.readouterr().out, tmp_path, cfg)
+
+
+def _check_printout(text: str, out, cfg) -> None:
+    """Numbered stage labels, a plain summary, and next commands that run as printed."""
+    import re
+    import shlex
+
+    from sprint_jax.cli import main
+    from sprint_jax.tasks import chains
+
+    labels = [(int(a), int(b)) for a, b in re.findall(r"^\[(\d+)/(\d+)\]", text, re.M)]
+    n = labels[-1][1]
+    assert {b for _, b in labels} == {n} and [a for a, _ in labels] == sorted(a for a, _ in labels)
+    assert {a for a, _ in labels} == set(range(1, n + 1)) and labels[-1][0] == n
+    assert "vs RFT" not in text and "exec ok" not in text
+    assert "seq/RFT: sequential tokens relative to the RFT baseline's" in text
+    assert "per-call overheads" in text and "docs/design.md" in text
+    # the next commands: this run's models, a query of its test set (drawn here as the demo draws it)
+    seen = {tuple(t.answer["starts"]) for t in chains.generate(cfg.train_problems, cfg.seed, cfg.chains,
+                                                                cfg.chains, cfg.chain_length)}
+    first = chains.generate(1, cfg.seed + 10_000, cfg.chains, cfg.chains, cfg.chain_length, exclude=seen)[0]
+    query = "Q: " + " ".join(map(str, first.answer["starts"]))
+    commands = [shlex.split(line) for line in text.splitlines() if re.match(r"^  \S*sprint", line)]
+    by_cmd = {}
+    for argv in commands:
+        i = next(k for k, a in enumerate(argv) if a in ("infer", "eval", "serve"))
+        by_cmd.setdefault(argv[i], []).append(argv[i:])
+    sprint_export = str(out / "train" / "sprint" / "hf")
+    assert [a[-1] for a in by_cmd["infer"]] == [query, query]
+    assert all(a[a.index("--model") + 1] == sprint_export for a in (by_cmd["infer"][0], by_cmd["eval"][0],
+                                                                   by_cmd["serve"][0]))
+    assert all("--data" in a and a[a.index("--data") + 1] == "chains" for a in by_cmd["eval"])
+    assert "its test set differs" in text             # this run's task shape is not the default one
+    assert main(by_cmd["infer"][0]) == 0              # runs exactly as printed
+    assert main(by_cmd["eval"][1]) == 0
+    import argparse
+    from sprint_jax.serve import cli as serve_cli
+    p = argparse.ArgumentParser()
+    serve_cli.add_arguments(p)
+    p.parse_args(by_cmd["serve"][0][1:])
 
 
 def test_execution_quality_counts_exact_chains_and_consistent_answers(tmp_path):
