@@ -137,3 +137,73 @@ def test_train_writes_the_fingerprint_and_eval_refuses_overlap(tmp_path, capsys)
     shutil.copytree(out / "hf", bare)
     (bare / "sprint_jax.json").unlink()
     assert main(["eval", "--model", str(bare), "--data", str(tasks), "--out", str(tmp_path / "e3"), *caps]) == 0
+
+
+def test_quantile_bins_with_coinciding_edges_are_merged():
+    """Eleven of sixteen baseline runs end at 93 tokens (e.g. a token limit): four quantile bins of
+    four (cuts after the 4th, 8th and 12th) would be 93-93 twice and 93-150 once; problems of equal
+    length share one bin instead (the cuts inside the 93s move past them, to the 11th)."""
+    lengths = [93] * 11 + [120, 150, 400, 800, 1600]
+    pairs = [(_row(f"p{i}", i % 2 == 0, n // 2, 1.0), _row(f"p{i}", i % 3 == 0, n, 2.0)) for i, n in enumerate(lengths)]
+    q = length_bins(pairs, [], quantiles=4)["quantiles"]
+    assert [(b["min_baseline_tokens"], b["max_baseline_tokens"], b["n"]) for b in q] == [
+        (93, 93, 11), (120, 120, 1), (150, 1600, 4)]
+    assert q[0]["b"]["accuracy"] == pytest.approx(4 / 11)           # p0, p3, p6, p9
+    assert q[0]["a"]["mean_sequential_tokens"] == 46.0
+    # a cut inside a run of equal lengths moves to the run's nearer end
+    pairs = [(_row(f"p{i}", True, n, 1.0), _row(f"p{i}", True, n, 1.0)) for i, n in enumerate([1, 2, 3, 4, 5, 5, 5, 5, 5, 5])]
+    assert [b["n"] for b in length_bins(pairs, [], quantiles=2)["quantiles"]] == [4, 6]
+    # one run's own sequential / total by length, five bins of two: the same rule (cuts after the
+    # 2nd, 4th, 6th all move past the 93s, to the 8th)
+    from sprint_jax.eval.report import format_compare_table, sequential_to_total_by_length
+    rows = [_row(f"p{i}", True, 50, 1.0, total=t) for i, t in enumerate([93] * 8 + [200, 300])]
+    assert [(b["min_length"], b["max_length"], b["n"]) for b in sequential_to_total_by_length(rows)] == [
+        (93, 93, 8), (200, 300, 2)]
+    a = [p[0] for p in pairs]
+    text = format_compare_table(compare(a, [p[1] for p in pairs], bins=(), quantiles=5))
+    assert text.count("5-5") == 1
+
+
+def test_compare_names_the_file_and_field_of_an_ill_typed_value(tmp_path, capsys):
+    for name, rows in (("a", A), ("b", B)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bad = [dict(r) for r in B]
+    bad[2]["sequential_tokens"] = "3000"
+    (tmp_path / "b" / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bad))
+    capsys.readouterr()
+    assert main(["eval", "compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{tmp_path / 'b' / 'results.jsonl'}:3" in err[0] and "'sequential_tokens'" in err[0]
+    for field, value in (("correct", "yes"), ("wall_s", None), ("total_tokens", 1.5), ("concurrency", 0)):
+        bad = [dict(r) for r in B]
+        bad[0][field] = value
+        (tmp_path / "b" / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bad))
+        assert main(["eval", "compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 2, field
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"results.jsonl:1: field {field!r}" in err[0], err
+    # a run without per-problem timings reads its clock from report.json: a bad value there too
+    (tmp_path / "b" / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in B))
+    (tmp_path / "b" / "report.json").write_text(json.dumps({"n": 6, "wall_clock_s": "abc", "meta": {}}))
+    assert main(["eval", "compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(tmp_path / "b" / "report.json") in err[0] and "'wall_clock_s'" in err[0]
+
+
+def test_the_internal_ratio_plot_is_titled_by_the_run_s_kind(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from sprint_jax.eval.report import write_plots
+
+    titles = []
+    original = matplotlib.axes.Axes.set_title
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title",
+                        lambda self, label, *a, **k: (titles.append(label), original(self, label, *a, **k))[1])
+    for mode, rows in (("sequential", B), ("parallel", A)):
+        titles.clear()
+        write_plots([{**r, "mode": mode, "stages": 1, "format_valid": True, "termination": "final_answer"}
+                     for r in rows], tmp_path)
+        internal = titles[-1]
+        assert ("SPRINT" in internal) == (mode == "parallel"), internal
+        assert (tmp_path / "sequential_to_total_by_length.png").read_bytes()[:4] == b"\x89PNG"

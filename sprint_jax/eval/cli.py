@@ -17,9 +17,11 @@ DESCRIPTION = """Evaluate a model with the SPRINT orchestrator (paper §13) and 
                 Countdown rules (every number once, + - * / only, equals the target).
   chains        the held-out test set of `sprint-jax demo` at the demo's defaults (100 digit-chains
                 problems of 4 chains x 12 steps, none in its training set; --data-seed is the
-                demo's seed): evaluate a model the demo trained, e.g.
-                --model runs/demo/train/sprint/hf --data chains --max-stages 3 --max-prompts 4
-                --max-planner-tokens 48 --max-branch-tokens 24 --max-total-tokens 1024.
+                demo's seed): evaluate a model the demo trained with the demo's budgets, e.g.
+                --model runs/demo/train/sprint/hf --data chains --mode parallel (the RFT model:
+                runs/demo/train/rft/hf, --mode sequential) --max-stages 3 --max-prompts 4
+                --max-planner-tokens 48 --max-branch-tokens 24 --max-total-tokens 1024
+                --max-seq-len 512 --prefill-chunk 128 --concurrency 1.
   FILE          a task file: .jsonl, .parquet, .arrow, or a `datasets` save_to_disk directory.
                 --task-kind auto reads multiple choice when the first record has
                 "choices"/"options" or the GPQA columns, else MATH ({"problem", "answer"}).

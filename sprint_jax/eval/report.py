@@ -381,7 +381,8 @@ def check_result_row(row: dict, where: str) -> None:
               ("invocation", _is_count, "a whole number >= 0"),
               ("concurrency", lambda v: _is_count(v) and v >= 1, "a whole number >= 1")]
     for field, ok, what in checks:
-        if field in row and row[field] is not None and not ok(row[field]):
+        required = field in ("id", "correct", "sequential_tokens", "total_tokens", "wall_s")
+        if field in row and (required or row[field] is not None) and not ok(row[field]):
             raise RunFileError(f"{where}: field {field!r} must be {what}, got {json.dumps(row[field])}")
 
 

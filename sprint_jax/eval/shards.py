@@ -146,6 +146,7 @@ def merge_shards(dirs: Sequence[str | Path], out: str | Path) -> dict:
     if run_wall_clock(results) is None and all(isinstance(w, (int, float)) for w in walls):
         wall = max(walls)
     report = make_report(results, rep0["mode"], wall_clock_s=wall, meta=meta)
+    report["problems_in_out"] = len(results)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for name, rows in ((RESULTS_FILE, results), (RECORDS_FILE, records)):
