@@ -287,9 +287,11 @@ def plot_bins(bins: dict, path: str | Path, names: Sequence[str]) -> Path:
             for off, side, name in ((-0.2, "a", names[0]), (0.2, "b", names[1])):
                 ax.bar([i + off for i in x], [b[side][key] or 0 for b in row], width=0.4, label=name,
                        color="tab:blue" if side == "a" else "tab:orange")
-            long = len(row) > 5 or max(len(_bin_label(b)) for b in row) > 16
-            ax.set_xticks(x, [_bin_label(b) for b in row], fontsize=8, rotation=30 if long else 0,
-                          ha="right" if long else "center")
+            # two-line labels side by side while they fit the panel (~44 characters at this size),
+            # else one line each, slanted
+            crowded = len(row) * max(len(line) for b in row for line in _bin_label(b).split("\n")) > 44
+            labels = [_bin_label(b).replace("\n", " ") if crowded else _bin_label(b) for b in row]
+            ax.set_xticks(x, labels, fontsize=8, rotation=30 if crowded else 0, ha="right" if crowded else "center")
             ax.set_ylabel(label)
             ax.set_title(f"{names[1]} sequential tokens, {'fixed' if kind == 'fixed' else 'quantile'} bins",
                          fontsize=9)
@@ -540,6 +542,7 @@ def format_wall_clock(names: Sequence[str], summaries: Sequence[dict]) -> str:
     lines = [f"{'':30}{names[0]:>12}{names[1]:>12}"]
     for label, key, fmt_ in rows:
         lines.append(f"{label:30}{fmt_(summaries[0][key]):>12}{fmt_(summaries[1][key]):>12}")
+    lines.append("(wall clocks without XLA compilation, which each run times apart: compile_s)")
     return "\n".join(lines)
 
 
