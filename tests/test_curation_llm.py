@@ -6,8 +6,11 @@ from __future__ import annotations
 import email.utils
 import json
 import sqlite3
+import sys
+import threading
 import time
 
+import openai
 import pytest
 
 from fake_openai_server import Fault, FakeOpenAIServer, Reply
@@ -99,16 +102,41 @@ def _wal(store: Store) -> bytes:
     return wal.read_bytes() if wal.exists() else b""
 
 
+def record_backoff(monkeypatch) -> list[tuple]:
+    """Each backoff the client asks for, as (attempt, Retry-After seconds or None, the error that
+    caused it, the seconds it slept); the waits still happen."""
+    real_sleep, asked = time.sleep, []
+
+    def _sleep(self, attempt, retry_after):
+        cause = type(sys.exc_info()[1])            # called while the retried error is being handled
+        slept, me = [], threading.get_ident()
+
+        def sleep(seconds):
+            if threading.get_ident() == me:        # not the server's threads
+                slept.append(seconds)
+            real_sleep(seconds)
+        monkeypatch.setattr(time, "sleep", sleep)
+        try:
+            real(self, attempt, retry_after)
+        finally:
+            monkeypatch.setattr(time, "sleep", real_sleep)
+        asked.append((attempt, retry_after, cause, slept))
+
+    real = CachedChat._sleep
+    monkeypatch.setattr(CachedChat, "_sleep", _sleep)
+    return asked
+
+
 def test_429_honours_retry_after_seconds(server, store, monkeypatch):
     chat = make_chat(server, store, monkeypatch)
+    backoff = record_backoff(monkeypatch)
     server.add_fault(Fault(status=429, headers={"Retry-After": "1"}))
-    t0 = time.monotonic()
     out = chat.complete(msgs("slow down"))
     assert out.content == "echo: slow down"
     first, second = server.log
     assert first.outcome == "status 429" and second.outcome == "answered"
-    assert second.t - first.t >= 0.95          # backoff alone would be <= 0.05 s
-    assert time.monotonic() - t0 < 5
+    # it waited what the server asked for (its own backoff would be <= backoff_max_s = 0.05 s)
+    assert backoff == [(0, 1.0, openai.RateLimitError, [1.0])]
     assert chat.stats.retries == 1 and chat.stats.calls_made == 1
     assert store.call_totals()["teacher"]["attempts"] == 2
 
@@ -145,13 +173,17 @@ def test_5xx_then_success_and_exhaustion(server, store, monkeypatch):
 
 
 def test_timeout_is_retried(server, store, monkeypatch):
+    """The server holds the first request 2.5 s and then drops it: the client gives up at its 1 s
+    timeout (an APITimeoutError, not the later dropped connection), backs off and asks again."""
     chat = make_chat(server, store, monkeypatch, timeout_s=1.0)
+    backoff = record_backoff(monkeypatch)
     server.add_fault(Fault(kind="hang", seconds=2.5))
-    t0 = time.monotonic()
     assert chat.complete(msgs("hang")).content == "echo: hang"
     assert [r.outcome for r in server.log] == ["hang", "answered"]
-    assert 0.95 < time.monotonic() - t0 < 2.4      # gave up on the hung request at the timeout
-    assert chat.stats.retries == 1
+    [(attempt, retry_after, cause, slept)] = backoff
+    assert (attempt, retry_after, cause) == (0, None, openai.APITimeoutError)
+    assert len(slept) == 1 and 0 <= slept[0] <= 0.01        # full jitter within backoff_base_s * 2^0
+    assert chat.stats.retries == 1 and chat.stats.calls_made == 1 and chat.stats.failures == 0
 
 
 def test_dropped_connection_is_retried(server, store, monkeypatch):
@@ -160,6 +192,113 @@ def test_dropped_connection_is_retried(server, store, monkeypatch):
     assert chat.complete(msgs("drop")).content == "echo: drop"
     assert len(server.log) == 2
 
+
+class BrokenBodyServer(FakeOpenAIServer):
+    """A FakeOpenAIServer that can answer with a raw body under status 200: what a proxy's error page
+    or a broken server sends with a success status."""
+
+    def __init__(self, script, **kw):
+        super().__init__(script, **kw)
+        self._bodies: list[list] = []            # [when, body bytes, content type, remaining]
+        self._chosen = threading.local()
+        self.on_receive = self._choose
+
+    def answer_with(self, body: bytes, content_type: str = "application/json",
+                    when=lambda body: True, times: int = 1) -> None:
+        with self._lock:
+            self._bodies.append([when, body, content_type, times])
+
+    def _choose(self, record) -> bool:
+        self._chosen.body = None
+        with self._lock:
+            for entry in self._bodies:
+                if entry[3] > 0 and entry[0](record.body):
+                    entry[3] -= 1
+                    self._chosen.body = (entry[1], entry[2])
+                    break
+        return False                               # answer it, with that body
+
+    def _send_json(self, h, status, payload, headers=None) -> None:
+        chosen = getattr(self._chosen, "body", None)
+        if status != 200 or chosen is None:
+            return super()._send_json(h, status, payload, headers)
+        self._chosen.body = None
+        body, content_type = chosen
+        h.send_response(200)
+        h.send_header("Content-Type", content_type)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+        h.wfile.flush()
+
+
+def _completion(**choice) -> bytes:
+    return json.dumps({"id": "x", "object": "chat.completion", "created": 1, "model": "fake-model",
+                       "choices": [{"index": 0, "finish_reason": "stop", **choice}],
+                       "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+
+
+BROKEN_BODIES = {
+    "html page": (b"<html><body>502 Bad Gateway</body></html>", "text/html", "not a chat completion"),
+    "not json": (b"<html>upstream error", "application/json", "the body is not JSON"),
+    "json list": (b"[]", "application/json", "not a chat completion"),
+    "null message": (_completion(message=None), "application/json", "choices[0].message is None"),
+    "text message": (_completion(message="hi"), "application/json", "choices[0].message is 'hi'"),
+    "number content": (_completion(message={"role": "assistant", "content": 5}), "application/json",
+                       "choices[0].message.content is 5"),
+    "no choices": (b"{}", "application/json", "response has no choices"),
+}
+
+
+@pytest.mark.parametrize("name", list(BROKEN_BODIES))
+def test_a_200_that_is_not_a_completion_is_a_failed_call(store, monkeypatch, name):
+    """A 200 whose body is not JSON, or whose message is null or not a message, used to raise
+    AttributeError out of the call (and the curate run): it is a failed call, counted, retryable
+    by a later run, and nothing is stored."""
+    body, content_type, reason = BROKEN_BODIES[name]
+    with BrokenBodyServer(echo, api_key=SECRET) as srv:
+        srv.answer_with(body, content_type)
+        chat = make_chat(srv, store, monkeypatch)
+        with pytest.raises(LLMCallError) as e:
+            chat.complete(msgs("broken"))
+        assert e.value.retryable and reason in str(e.value)
+        assert chat.stats.as_dict() == {"calls_made": 0, "cache_hits": 0, "retries": 0, "failures": 1}
+        assert store.get_call(request_hash("fake-model", msgs("broken"), chat.params())) is None
+        again = chat.complete(msgs("broken"))                   # the later try is paid and stored
+        assert again.content == "echo: broken" and not again.cached
+        assert chat.complete(msgs("broken")).cached
+        assert [r.outcome for r in srv.log] == ["answered", "answered"]
+
+
+def test_curate_records_a_broken_200_and_a_rerun_catches_up(tmp_path, monkeypatch):
+    """Through the pipeline: the teacher's 200 for one task is an HTML page; the run finishes with
+    that task discarded as an API error, and the rerun pays for exactly that call."""
+    from fake_openai_server import ScriptedCurator, write_math_jsonl
+    from sprint_jax.config import load_config
+    from sprint_jax.curation.config import CurateConfig
+    from sprint_jax.curation.pipeline import run_pipeline, status
+
+    monkeypatch.setenv(KEY_ENV, SECRET)
+    write_math_jsonl(tmp_path / "tasks.jsonl")
+    endpoint = dict(api_key_env=KEY_ENV, max_retries=1, timeout_s=5.0, backoff_base_s=0.01, backoff_max_s=0.05,
+                    concurrency=2, max_tokens=512)
+    script = ScriptedCurator()
+    with BrokenBodyServer(script, api_key=SECRET) as srv:
+        data = {"tasks": {"source": "file", "path": str(tmp_path / "tasks.jsonl")},
+                "teacher": {"kind": "openai", "model": "fake-teacher", "base_url": srv.base_url, **endpoint},
+                "extractor": {"kind": "llm", "model": "fake-extractor", "base_url": srv.base_url, **endpoint},
+                "dag": {"kind": "llm", "model": "fake-dag", "base_url": srv.base_url, **endpoint}}
+        cfg = load_config(CurateConfig, None, (), data=data)
+        srv.answer_with(b"<html>502</html>", "text/html",
+                        when=lambda b: script.purpose(b) == "teacher" and script.task_id(b) == "t2")
+        report = run_pipeline(cfg, tmp_path / "out", progress=False)
+        assert report["discards"]["teacher"] == {"api_error": 1}
+        assert status(tmp_path / "out")["stages"]["teacher"] == {"kept": 3, "discarded": 1, "pending": 0}
+        paid = sum(srv.answered.values())
+        report = run_pipeline(cfg, tmp_path / "out", progress=False)
+        assert "teacher" not in report["discards"]
+        assert status(tmp_path / "out")["stages"]["teacher"] == {"kept": 4, "discarded": 0, "pending": 0}
+        assert report["run"]["calls_made"] == sum(srv.answered.values()) - paid >= 1
 
 def test_400_fails_without_retry_and_401_stops_the_run(server, store, monkeypatch):
     chat = make_chat(server, store, monkeypatch)

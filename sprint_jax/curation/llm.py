@@ -206,9 +206,13 @@ class CachedChat:
             except openai.APIResponseValidationError as e:
                 self.stats.add(failures=1)
                 raise LLMCallError(f"malformed response: {e}", retryable=True) from None
-            if not resp.choices:
+            except json.JSONDecodeError as e:      # a JSON content type over a body that is not JSON
                 self.stats.add(failures=1)
-                raise LLMCallError("response has no choices", retryable=True)
+                raise LLMCallError(f"malformed response: the body is not JSON ({e})", retryable=True) from None
+            problem = _malformed(resp)
+            if problem:
+                self.stats.add(failures=1)
+                raise LLMCallError(problem, retryable=True)
             choice = resp.choices[0]
             content = choice.message.content or ""
             usage = resp.usage.model_dump() if resp.usage is not None else {}
@@ -222,6 +226,34 @@ class CachedChat:
         self.stats.add(failures=1)
         raise LLMCallError(f"{self.purpose} call failed after {self.endpoint.max_retries + 1} attempts: {last}",
                            retryable=True)
+
+
+def _malformed(resp) -> str:
+    """Why a 200 answer is not a usable chat completion ("" when it is). The openai client builds its
+    objects without validating them: a body that is not JSON comes back as its text, and a null or
+    mistyped field as whatever the server sent, which would otherwise fail far from the call."""
+    from openai.types import CompletionUsage
+    from openai.types.chat import ChatCompletion, ChatCompletionMessage
+
+    if not isinstance(resp, ChatCompletion):
+        return f"malformed response: not a chat completion: {_clip(repr(resp))}"
+    if not isinstance(resp.choices, list) or not resp.choices:
+        return "response has no choices"
+    message = getattr(resp.choices[0], "message", None)
+    if not isinstance(message, ChatCompletionMessage):
+        return f"malformed response: choices[0].message is {_clip(repr(message))}, not a message"
+    if message.content is not None and not isinstance(message.content, str):
+        return f"malformed response: choices[0].message.content is {_clip(repr(message.content))}, not text"
+    usage = resp.usage
+    counts = [getattr(usage, k, None) for k in ("prompt_tokens", "completion_tokens", "total_tokens")]
+    if usage is not None and (not isinstance(usage, CompletionUsage)
+                              or any(c is not None and (isinstance(c, bool) or not isinstance(c, int)) for c in counts)):
+        return f"malformed response: usage is {_clip(repr(usage))}"
+    return ""
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _short(e: Exception, limit: int = 300) -> str:
