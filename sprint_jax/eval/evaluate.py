@@ -57,8 +57,8 @@ COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/j
 
 
 class CompileClock:
-    """While entered, collects the compile spans JAX reports (`COMPILE_EVENTS`, through
-    `jax.monitoring`); `within(a, b)` is the seconds of [a, b] (`time.time()` clock) spent
+    """Between `start()` and `stop()`, collects the compile spans JAX reports (`COMPILE_EVENTS`,
+    through `jax.monitoring`); `within(a, b)` is the seconds of [a, b] (`time.time()` clock) spent
     compiling, overlapping spans counted once. Compilation blocks the thread that drives the
     engine, so it stalls every problem in flight."""
 
@@ -69,12 +69,12 @@ class CompileClock:
         if event in COMPILE_EVENTS:
             self.spans.append((start, end))
 
-    def __enter__(self) -> "CompileClock":
+    def start(self) -> "CompileClock":
         from jax import monitoring
         monitoring.register_event_time_span_listener(self._on_span)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
         from jax import monitoring
         monitoring.unregister_event_time_span_listener(self._on_span)
 
@@ -248,51 +248,52 @@ def _evaluate(engine, tasks, mode, prompt_fn, config, out: Path | None, progress
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=len(tasks), initial=len(tasks) - len(todo), desc=f"eval ({mode})", unit="problem")
+    clock = CompileClock().start()
+    t0 = time.time()
     files = []
-    with CompileClock() as clock:
-        t0 = time.time()
-        try:
-            if out is not None:
-                files = [open(out / name, "a", encoding="utf-8") for name in (RESULTS_FILE, RECORDS_FILE)]
-            finished: dict[int, tuple[RunRecord, float]] = {}
-            written = 0
+    try:
+        if out is not None:
+            files = [open(out / name, "a", encoding="utf-8") for name in (RESULTS_FILE, RECORDS_FILE)]
+        finished: dict[int, tuple[RunRecord, float]] = {}
+        written = 0
 
-            def on_record(i: int, record: RunRecord) -> None:
-                nonlocal written
-                finished[i] = (record, time.time())
-                while written in finished:            # write in task order as soon as possible
-                    task = todo[written]
-                    record, end = finished.pop(written)
-                    written += 1
-                    result = result_of(task, record, answer_from)
-                    compile_s = min(record.wall_s, clock.within(end - record.wall_s, end))
-                    result.update(wall_s=record.wall_s - compile_s, compile_s=compile_s,
-                                  finished_s=end - t0 - clock.within(t0, end), invocation=invocation,
-                                  concurrency=concurrency)
-                    results_by_id[str(task.id)] = result
-                    if files:
-                        for f, row in zip(files, (result, {"id": task.id, **record.to_json(), "compile_s": compile_s})):
-                            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                            f.flush()
-                    if bar is not None:
-                        bar.update(1)
-                        done_ = list(results_by_id.values())
-                        bar.set_postfix(acc=f"{sum(r['correct'] for r in done_) / len(done_):.3f}",
-                                        seq=f"{sum(r['sequential_tokens'] for r in done_) / len(done_):.0f}")
+        def on_record(i: int, record: RunRecord) -> None:
+            nonlocal written
+            finished[i] = (record, time.time())
+            while written in finished:            # write in task order as soon as possible
+                task = todo[written]
+                record, end = finished.pop(written)
+                written += 1
+                result = result_of(task, record, answer_from)
+                compile_s = min(record.wall_s, clock.within(end - record.wall_s, end))
+                result.update(wall_s=record.wall_s - compile_s, compile_s=compile_s,
+                              finished_s=end - t0 - clock.within(t0, end), invocation=invocation,
+                              concurrency=concurrency)
+                results_by_id[str(task.id)] = result
+                if files:
+                    for f, row in zip(files, (result, {"id": task.id, **record.to_json(), "compile_s": compile_s})):
+                        f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                        f.flush()
+                if bar is not None:
+                    bar.update(1)
+                    done_ = list(results_by_id.values())
+                    bar.set_postfix(acc=f"{sum(r['correct'] for r in done_) / len(done_):.3f}",
+                                    seq=f"{sum(r['sequential_tokens'] for r in done_) / len(done_):.0f}")
 
-            if batched:
-                run_many(engine, [prompt_fn(t) for t in todo], mode, config, concurrency=concurrency,
-                         on_record=on_record)
-            else:
-                orchestrator = Orchestrator(engine, config)
-                for i, task in enumerate(todo):
-                    on_record(i, orchestrator.run(prompt_fn(task), mode))
-            compile_s = clock.within(t0, time.time())
-        finally:
-            for f in files:
-                f.close()
-            if bar is not None:
-                bar.close()
+        if batched:
+            run_many(engine, [prompt_fn(t) for t in todo], mode, config, concurrency=concurrency,
+                     on_record=on_record)
+        else:
+            orchestrator = Orchestrator(engine, config)
+            for i, task in enumerate(todo):
+                on_record(i, orchestrator.run(prompt_fn(task), mode))
+        compile_s = clock.within(t0, time.time())
+    finally:
+        clock.stop()
+        for f in files:
+            f.close()
+        if bar is not None:
+            bar.close()
     results = [results_by_id[str(t.id)] for t in tasks]
     report = make_report(results, mode, compile_s=compile_s, meta={
         **(meta or {}), "answer_from": answer_from, "config": config.__dict__, "concurrency": concurrency})
