@@ -68,8 +68,10 @@ def union_length(spans: Sequence[tuple[float, float]]) -> float:
 def run_wall_clock(results: Sequence[dict]) -> float | None:
     """The wall clock these problems took, from their own timings: per invocation, the union of
     the problems' intervals [finished_s - wall_s, finished_s] on that invocation's clock
-    (compilation excluded), summed over the invocations. A merged run's shards are numbered alike
-    and ran at once: their intervals overlap. None when a line lacks the timings (an older run)."""
+    (compilation excluded), summed over the invocations: the time some problem was running (a gap
+    between problems, e.g. grading one at concurrency 1, is not in it). A merged run's shards are
+    numbered alike and ran at once: their intervals overlap. None when a line lacks the timings
+    (an older run)."""
     spans: dict = {}
     for r in results:
         if r.get("invocation") is None or r.get("finished_s") is None:
