@@ -151,7 +151,8 @@ def test_quantile_bins_with_coinciding_edges_are_merged():
     assert q[0]["b"]["accuracy"] == pytest.approx(4 / 11)           # p0, p3, p6, p9
     assert q[0]["a"]["mean_sequential_tokens"] == 46.0
     # a cut inside a run of equal lengths moves to the run's nearer end
-    pairs = [(_row(f"p{i}", True, n, 1.0), _row(f"p{i}", True, n, 1.0)) for i, n in enumerate([1, 2, 3, 4, 5, 5, 5, 5, 5, 5])]
+    lengths = [1, 2, 3, 4, 5, 5, 5, 5, 5, 5]
+    pairs = [(_row(f"p{i}", True, n, 1.0), _row(f"p{i}", True, n, 1.0)) for i, n in enumerate(lengths)]
     assert [b["n"] for b in length_bins(pairs, [], quantiles=2)["quantiles"]] == [4, 6]
     # one run's own sequential / total by length, five bins of two: the same rule (cuts after the
     # 2nd, 4th, 6th all move past the 93s, to the 8th)

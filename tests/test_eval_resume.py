@@ -102,7 +102,8 @@ def test_compare_counts_every_invocation_of_a_resumed_run(tmp_path, capsys):
 def test_a_run_without_per_problem_timings_is_not_given_a_wrong_wall_clock(tmp_path):
     """Lines written before the per-problem timings: the report's clock is used only when it
     covers exactly those problems in one invocation; a resumed run's is n/a, not a wrong number."""
-    rows = [{"id": f"p{i}", "correct": True, "sequential_tokens": 5, "total_tokens": 5, "wall_s": 1.0} for i in range(4)]
+    rows = [{"id": f"p{i}", "correct": True, "sequential_tokens": 5, "total_tokens": 5, "wall_s": 1.0}
+            for i in range(4)]
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     report = {"n": 4, "wall_clock_s": 8.0, "meta": {"concurrency": 2}}
     (tmp_path / "report.json").write_text(json.dumps(report))
