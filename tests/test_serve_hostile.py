@@ -237,10 +237,12 @@ def test_slow_clients_get_408_and_connections_are_bounded(setup):
     try:
         slow_head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")        # the head never ends
         slow_body.sendall((HEAD + "Content-Length: 100\r\n\r\n" + '{"model":').encode())   # nor the body
-        for s, where in ((idle, "head"), (slow_head, "head"), (slow_body, "body")):
+        for s, where in ((slow_head, "head"), (slow_body, "body")):
             status, obj = _raw_response(s)
             assert status == 408 and obj["error"]["code"] == "request_timeout", obj
             assert f"request {where} did not arrive within 1 s" in obj["error"]["message"], obj
+        idle.settimeout(10)                  # nothing asked, nothing answered: closed as an idle connection
+        assert idle.recv(100) == b""
     finally:
         for s in (idle, slow_head, slow_body):
             s.close()

@@ -391,8 +391,11 @@ def _tokens(state: ServeState, text: str, param: str, completion: int | None, li
     return ids
 
 
-def _chat_tokens(state: ServeState, messages: list[dict], completion: int | None, limit_param: str) -> list[int]:
-    return _tokens(state, state.chat_prompt(messages), "messages", completion, limit_param)
+def _chat_tokens(state: ServeState, messages: list[dict], completion: int | None,
+                 limit_param: str) -> tuple[str, list[int]]:
+    """The chat's prompt text and its tokens."""
+    text = state.chat_prompt(messages)
+    return text, _tokens(state, text, "messages", completion, limit_param)
 
 
 async def _off_loop(state: ServeState, size: int, fn, *args):
@@ -490,9 +493,8 @@ async def build_job(body: dict, state: ServeState, chat: bool, channel: Channel)
         reserve = max_tokens
     if chat:
         messages = _messages(body)
-        text = None
-        prompt = await _off_loop(state, sum(len(m["content"]) for m in messages), _chat_tokens, state, messages,
-                                 reserve, limit_param)
+        text, prompt = await _off_loop(state, sum(len(m["content"]) for m in messages), _chat_tokens, state,
+                                       messages, reserve, limit_param)
     else:
         text, ids = _prompt(body, state)
         prompt = ids if ids is not None else await _off_loop(state, len(text), _tokens, state, text, "prompt",

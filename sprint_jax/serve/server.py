@@ -25,8 +25,9 @@ def uvicorn_server(app, host: str, port: int, log_level: str = "warning", header
 
     uvicorn bounds neither how long a client may take to send a request's head nor the number of
     connections (its limit_concurrency answers over-limit requests only once their headers are in,
-    in plain text), so the protocol is `guarded_protocol`'s: a head not complete within
-    `header_timeout_s` (or longer than MAX_HEAD_BYTES) gets 408 (431) and the connection closes;
+    in plain text), so the protocol is `guarded_protocol`'s: a head begun but not complete within
+    `header_timeout_s` (or longer than MAX_HEAD_BYTES) gets 408 (431) and the connection closes (a
+    connection that sent nothing in that time is closed, as an idle keep-alive one is);
     beyond `max_connections` open connections a new one gets 503 and closes. `on_shutdown()`, when
     given, runs on the loop as the server begins to shut down (it stops listening right after)."""
     import uvicorn
@@ -133,9 +134,13 @@ def guarded_protocol(protocol, header_timeout_s: float, max_connections: int | N
                 # it reads the sockets; what the client sent meanwhile is read first
                 self._arm(0.01)
                 return
-            if self._in_head():
-                _refuse(self.transport, 408, f"the request head did not arrive within {header_timeout_s:g} s",
-                        "request_timeout")
+            if not self._in_head():
+                return
+            if self._head_bytes == 0:    # nothing asked (a client that connects ahead): close as an idle
+                self.transport.close()   # keep-alive connection is closed, with nothing to answer
+                return
+            _refuse(self.transport, 408, f"the request head did not arrive within {header_timeout_s:g} s",
+                    "request_timeout")
 
     Guarded.__name__ = Guarded.__qualname__ = "Guarded" + base.__name__
     return Guarded
