@@ -124,9 +124,9 @@ def test_sprint_response_equals_sprint_jax_infer_on_a_model_that_writes_stages(s
     assert _untimed(r.model_extra["sprint"]) == _untimed(seq_ref) and seq_ref["total_tokens"] > 0
 
 
-def test_sprint_streaming_emits_the_stage_events_in_order(stage_model, served):
+def test_sprint_streaming_emits_the_stage_events_in_order_and_the_text_as_it_is_decoded(stage_model, served):
     from sprint_jax.infer.infer_cli import build_engine, config_from_args
-    from sprint_jax.infer.orchestrator import Orchestrator
+    from sprint_jax.infer.orchestrator import Orchestrator, execution_opening
     from sprint_jax.serve import cli as serve_cli
 
     export, _ = stage_model
@@ -139,11 +139,13 @@ def test_sprint_streaming_emits_the_stage_events_in_order(stage_model, served):
     events = []
     ref = Orchestrator(engine, config, on_event=lambda ev: events.append(
         (ev.kind, ev.stage.index if ev.stage is not None else None, ev.text))).run(QUERIES[0], "parallel").to_json()
+    events = [e for e in events if e[0] != "text"]   # the run's text arrives as content, not as events
     kinds = [e[0] for e in events]
     assert kinds[0] == "start" and kinds[-1] == "end" and kinds.count("executors") == 1 and "sync" in kinds
-    got, record, usage, deltas = [], None, None, ""
-    for chunk in client.chat.completions.create(model=NAME + ":sprint", messages=[{"role": "user", "content": QUERIES[0]}],
-                                                temperature=0, stream=True):
+    messages = [{"role": "user", "content": QUERIES[0]}]
+    whole = client.chat.completions.create(model=NAME + ":sprint", messages=messages, temperature=0)
+    got, record, usage, deltas, chunks = [], None, None, "", []
+    for chunk in client.chat.completions.create(model=NAME + ":sprint", messages=messages, temperature=0, stream=True):
         extra = chunk.model_extra or {}
         if "sprint_event" in extra:
             ev = extra["sprint_event"]
@@ -153,9 +155,22 @@ def test_sprint_streaming_emits_the_stage_events_in_order(stage_model, served):
         if "sprint" in extra:
             record = extra["sprint"]
         for ch in chunk.choices:
-            deltas += ch.delta.content or ""
+            text = ch.delta.content or ""
+            deltas += text
+            if text:
+                chunks.append((text, extra.get("sprint_delta"), len(got), "sprint" in extra))
         if chunk.usage is not None:
             usage = chunk.usage
     assert got == events
-    assert _untimed(record) == _untimed(ref) and deltas == ref["text"]
-    assert usage.completion_tokens == ref["total_tokens"]
+    assert _untimed(record) == _untimed(ref) and usage.completion_tokens == ref["total_tokens"]
+    # the streamed text is the whole reply's, and it arrived as it was decoded, in order: the
+    # planner's first call before its executors ended, each executor's text tagged with its index,
+    # no more than a held-back end of the answer in the last chunk
+    assert deltas == ref["text"] == whole.choices[0].message.content
+    stage1 = ref["stages"][0]
+    before_executors = "".join(t for t, _, n, _ in chunks if n <= kinds.index("executors"))
+    assert before_executors.startswith(stage1["planner_text"])
+    for e in stage1["executions"]:
+        tagged = "".join(t for t, tag, _, _ in chunks if tag == {"stage": 1, "executor": e["index"]})
+        assert tagged == execution_opening(1, e["index"]) + e["text"]
+    assert sum(len(t) for t, _, _, last in chunks if last) < len("</Final Answer>")
