@@ -429,3 +429,72 @@ def test_keyed_digits_combine():
     with pytest.raises(SystemExit) as e:
         keyed.main(["--out", "/nonexistent/x", "--combine", "sum"])
     assert e.value.code == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Config ranges and task sets that cannot exist: one line naming the field, before any work
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field,bad,low", [
+    ("tasks.n", 0, 1), ("tasks.eval_n", -1, 0), ("tasks.chains", 0, 1), ("tasks.chain_length", 0, 1),
+    ("policy.loss_chunk", -1, 0), ("rollout.prompts_per_step", 0, 1), ("rollout.concurrency", -1, 0),
+    ("rollout.max_seq_len", 1, 2), ("rollout.decode_chunk", 0, 1), ("rollout.prefill_chunk", 0, 1),
+    ("loss.seq_len", 1, 2), ("loss.rows_per_micro", 0, 1), ("loss.updates_per_batch", 0, 1),
+    ("loss.kl_coef", -0.5, 0), ("eval.every", -1, 0), ("steps", 0, 1), ("seed", -1, 0),
+])
+def test_rl_config_rejects_out_of_range_fields(field, bad, low):
+    from sprint_jax.config import ConfigError, load_config
+    from sprint_jax.rl.config import RLConfig
+
+    with pytest.raises(ConfigError, match=rf"^{field} must be >= {low}, got {bad}$"):
+        load_config(RLConfig, None, [f"{field}={bad}"])
+    load_config(RLConfig, None, [f"{field}={low}"])                 # the bound itself is accepted
+
+
+def test_rl_cli_rejects_a_zero_chain_count_in_one_line(tmp_path, capsys):
+    """`--set tasks.chains=0` used to end in the task generator's traceback."""
+    from sprint_jax.cli import main
+    from sprint_jax.config import CONFIG_DIR
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")            # never read: the config is refused first
+    rc = main(["rl", "--config", str(CONFIG_DIR / "rl_tiny_cpu.yaml"), "--out", str(tmp_path / "out"),
+               "--set", f"policy.path={tmp_path / 'model'}", "--set", "tasks.chains=0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "tasks.chains must be >= 1, got 0" in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def _never_loop_forever(monkeypatch, module, space):
+    """Wrap `module.generate` so that a call asking for problems outside an `exclude` set that holds
+    every possible problem (`space(args)` of them) fails at once instead of drawing forever."""
+    real = module.generate
+
+    def generate(n, *args, exclude=None, **kw):
+        assert not (n and exclude is not None and len(exclude) >= space(*args)), \
+            "asked for held-out problems outside a set that holds every problem: this draws forever"
+        return real(n, *args, exclude=exclude, **kw)
+    monkeypatch.setattr(module, "generate", generate)
+
+
+def test_held_out_tasks_that_cannot_be_disjoint_are_refused(monkeypatch):
+    """1 chain has 10 start tuples and 1 chain of 2 key bits 40 (starts, key) pairs: 300 training
+    problems use them all, so the disjoint held-out set used to be drawn forever."""
+    from sprint_jax.config import ConfigError, load_config
+    from sprint_jax.rl import keyed
+    from sprint_jax.rl.config import RLConfig
+    from sprint_jax.rl.trainer import load_tasks
+    from sprint_jax.tasks import chains
+
+    _never_loop_forever(monkeypatch, chains, lambda seed, lo, hi, length: 10 ** hi)
+    _never_loop_forever(monkeypatch, keyed, lambda seed, n_chains, length: 10 ** n_chains * 2 ** length)
+    sets = ["tasks.n=300", "tasks.chains=1", "tasks.chain_length=2", "tasks.eval_n=5"]
+    with pytest.raises(ConfigError, match=r"^tasks: the 300 training problems use all 10 start digit tuples"):
+        load_tasks(load_config(RLConfig, None, sets + ["tasks.source=chains"]))
+    with pytest.raises(ConfigError, match=r"^tasks: the 300 training problems use all 40 \(starts, key\) pairs"):
+        load_tasks(load_config(RLConfig, None, sets + ["tasks.source=keyed_chains"]))
+    for source in ("chains", "keyed_chains"):                       # no held-out set asked for: fine
+        train, held = load_tasks(load_config(RLConfig, None, sets + [f"tasks.source={source}", "tasks.eval_n=0"]))
+        assert len(train) == 300 and held == []
+    train, held = load_tasks(load_config(RLConfig, None, ["tasks.n=300", "tasks.chains=3", "tasks.eval_n=5"]))
+    seen = {tuple(t.answer["starts"]) for t in train}
+    assert len(held) == 5 and not seen & {tuple(t.answer["starts"]) for t in held}

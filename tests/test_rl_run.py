@@ -47,17 +47,28 @@ def sft_model(tmp_path_factory) -> Path:
     return Path(summary["export_dir"])
 
 
-def _rl_config(model: Path, **over):
-    from sprint_jax.rl.config import load_rl_config
-    sets = [f"policy.path={model}", f"tasks.chains={CHAINS}", f"tasks.chain_length={LENGTH}", "tasks.n=300",
+def _sets(model: Path) -> list[str]:
+    """The tiny run's --set overrides of configs/rl_tiny_cpu.yaml."""
+    return [f"policy.path={model}", f"tasks.chains={CHAINS}", f"tasks.chain_length={LENGTH}", "tasks.n=300",
             "tasks.seed=1", "tasks.eval_n=4", "rollout.group_size=4", "rollout.prompts_per_step=2",
             "rollout.orchestrator.max_prompts=2", "rollout.orchestrator.max_planner_tokens=24",
             "rollout.orchestrator.max_branch_tokens=8", "rollout.orchestrator.max_total_tokens=96",
             "rollout.max_seq_len=160", "rollout.prefill_chunk=64", "loss.seq_len=128", "loss.rows_per_micro=4",
             "optim.lr=0.003", "checkpoint.every=0", "eval.every=0", "tensorboard=false", "plot=false",
-            "export.enabled=false"] + [f"{k}={v}" for k, v in over.items()]
+            "export.enabled=false"]
+
+
+def _rl_config(model: Path, **over):
     from sprint_jax.config import CONFIG_DIR
-    return load_rl_config(CONFIG_DIR / "rl_tiny_cpu.yaml", sets)
+    from sprint_jax.rl.config import load_rl_config
+    return load_rl_config(CONFIG_DIR / "rl_tiny_cpu.yaml", _sets(model) + [f"{k}={v}" for k, v in over.items()])
+
+
+def _argv(model: Path, out: Path, *sets: str) -> list[str]:
+    """`sprint-jax rl` on the tiny run (one step unless `sets` says otherwise)."""
+    from sprint_jax.config import CONFIG_DIR
+    return ["rl", "--config", str(CONFIG_DIR / "rl_tiny_cpu.yaml"), "--out", str(out), "--no-progress"] + \
+        [x for s in [*_sets(model), "steps=1", *sets] for x in ("--set", s)]
 
 
 def test_rollouts_are_the_eval_paths_runs(sft_model, tmp_path):
@@ -152,20 +163,10 @@ def test_rl_resume_is_bitwise_and_cli(sft_model, tmp_path):
     """4 steps straight (through `sprint-jax rl`) == 2 steps, stop, resume to 4 (metrics bit for bit,
     timings aside); the RL signal is there (some groups mixed) and the held-out eval is written."""
     from sprint_jax.cli import main
-    from sprint_jax.config import CONFIG_DIR
     from sprint_jax.rl.trainer import TIMING_KEYS, run_rl
 
     cfg = _rl_config(sft_model, steps=4)
-    sets = [f"policy.path={sft_model}", f"tasks.chains={CHAINS}", f"tasks.chain_length={LENGTH}", "tasks.n=300",
-            "tasks.seed=1", "tasks.eval_n=4", "rollout.group_size=4", "rollout.prompts_per_step=2",
-            "rollout.orchestrator.max_prompts=2", "rollout.orchestrator.max_planner_tokens=24",
-            "rollout.orchestrator.max_branch_tokens=8", "rollout.orchestrator.max_total_tokens=96",
-            "rollout.max_seq_len=160", "rollout.prefill_chunk=64", "loss.seq_len=128", "loss.rows_per_micro=4",
-            "optim.lr=0.003", "checkpoint.every=0", "eval.every=0", "tensorboard=false", "plot=false",
-            "export.enabled=false", "steps=4"]
-    argv = ["rl", "--config", str(CONFIG_DIR / "rl_tiny_cpu.yaml"), "--out", str(tmp_path / "straight"),
-            "--no-progress"] + [x for s in sets for x in ("--set", s)]
-    assert main(argv) == 0
+    assert main(_argv(sft_model, tmp_path / "straight", "steps=4")) == 0
     assert run_rl(cfg, tmp_path / "split", progress=False, stop_after=2) == {"stopped_at": 2}
     run_rl(cfg, tmp_path / "split", progress=False)
 
@@ -199,3 +200,82 @@ def test_rl_cli_rejects_a_missing_model(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "policy.path" in err and "Traceback" not in err
+
+
+# ---- refusals before anything is allocated or written ---------------------------------------------
+
+class _EngineReached(Exception):
+    """Raised in place of building the rollout engine: every check before it passed."""
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    from sprint_jax.infer.batch import BatchEngine
+
+    def refuse(*args, **kw):
+        raise _EngineReached
+    monkeypatch.setattr(BatchEngine, "__init__", refuse)
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    return err[0]
+
+
+def test_rl_refuses_an_out_directory_in_use(sft_model, tmp_path, capsys):
+    """Two runs into one --out both ran to the end (metrics.jsonl steps 1, 1, 2, 2; both wrote
+    checkpoints): the second now stops at once, naming the holder, as `train`, `eval`, `curate` do."""
+    from conftest import start_lock_holder
+    from sprint_jax.cli import main
+
+    out = tmp_path / "out"
+    holder = start_lock_holder(out)
+    try:
+        rc = main(_argv(sft_model, out))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert rc == 2
+    line = _one_line(capsys)
+    assert f"rl --out {out} is in use by another run (pid {holder.pid}" in line
+    assert sorted(p.name for p in out.iterdir()) == [".sprint-jax.lock"]       # nothing written
+
+
+def test_rl_refuses_a_max_seq_len_without_room_after_the_prompts(sft_model, tmp_path, capsys, no_engine):
+    """rollout.max_seq_len must hold the longest prompt (training or held-out) plus a generated
+    token; below that every rollout ended before its first token and the run 'succeeded'."""
+    from sprint_jax.cli import main
+    from sprint_jax.model.tokenizer import load_tokenizer
+    from sprint_jax.tasks import chains
+
+    tok = load_tokenizer(sft_model)
+    longest = max(len(tok.encode(f"Q: {' '.join(map(str, t.answer['starts']))}\n", add_special_tokens=False))
+                  for t in chains.generate(300, 1, CHAINS, CHAINS, LENGTH))
+    assert main(_argv(sft_model, tmp_path / "a", f"rollout.max_seq_len={longest}")) == 2
+    line = _one_line(capsys)
+    assert f"rollout.max_seq_len = {longest} cannot hold the prompts" in line and f"at least {longest + 1}" in line
+    assert not (tmp_path / "a" / "config.yaml").exists()
+    with pytest.raises(_EngineReached):                               # one token of room is enough
+        main(_argv(sft_model, tmp_path / "b", f"rollout.max_seq_len={longest + 1}"))
+
+
+def test_rl_refuses_a_kv_cache_larger_than_free_memory(sft_model, tmp_path, capsys, monkeypatch, no_engine):
+    """`rollout.concurrency=100000` was killed by the kernel; now the KV cache `eval` would allocate
+    for it is checked against the free memory first. The estimate, from config.json by hand: K and V
+    of every layer and KV head for 100000 runs of 160 planner positions plus 2 branches of
+    8 + 32 tokens, fp32."""
+    from sprint_jax.cli import main
+    from sprint_jax.model import capacity
+
+    c = json.loads((sft_model / "config.json").read_text())
+    per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * (c["hidden_size"] // c["num_attention_heads"]) * 4
+    need = per_token * 100_000 * (160 + 2 * (8 + 32))
+    monkeypatch.setattr(capacity, "available_memory_bytes", lambda: need)
+    with pytest.raises(_EngineReached):                               # exactly enough: it goes on
+        main(_argv(sft_model, tmp_path / "a", "rollout.concurrency=100000"))
+    monkeypatch.setattr(capacity, "available_memory_bytes", lambda: need - 1)
+    assert main(_argv(sft_model, tmp_path / "b", "rollout.concurrency=100000")) == 2
+    line = _one_line(capsys)
+    assert f"needs about {need / 2 ** 30:.1f} GiB" in line and "rollout KV cache" in line
+    assert "rollout.concurrency" in line

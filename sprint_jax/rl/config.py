@@ -15,6 +15,15 @@ from sprint_jax.rl.reward import RewardConfig
 from sprint_jax.train.config import CheckpointSection, ExportSection, MeshSection, OptimSection
 
 
+def _at_least(where: str, obj, **lowest: int) -> None:
+    """Each named field of `obj` must be >= its lowest value; the error names `where.field` as
+    `--set` spells it (these sections appear once in RLConfig, under `where`)."""
+    for name, low in lowest.items():
+        value = getattr(obj, name)
+        if value < low:
+            raise ConfigError(f"{where + '.' if where else ''}{name} must be >= {low}, got {value}")
+
+
 @dataclasses.dataclass
 class PolicySection:
     """The starting model (an SFT export: HF safetensors + tokenizer, e.g. OUT/hf of `sprint-jax train`)."""
@@ -23,6 +32,9 @@ class PolicySection:
     dtype: Literal["float32", "bfloat16"] = "float32"   # compute dtype (master weights stay fp32)
     remat: Literal["none", "full", "dots"] = "none"     # rematerialise each layer in the update
     loss_chunk: int = 0                         # tokens per vocab-projection chunk (0 = whole row)
+
+    def __post_init__(self) -> None:
+        _at_least("policy", self, loss_chunk=0)
 
 
 @dataclasses.dataclass
@@ -38,8 +50,7 @@ class TasksSection:
     eval_seed: int = 10_000                     # held-out generator seed
 
     def __post_init__(self) -> None:
-        if self.n < 1 or self.eval_n < 0:
-            raise ValueError("n must be >= 1 and eval_n >= 0")
+        _at_least("tasks", self, n=1, eval_n=0, chains=1, chain_length=1)
 
 
 @dataclasses.dataclass
@@ -59,19 +70,18 @@ class RolloutSection:
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
-            raise ValueError("group_size must be >= 2 (the baseline is the group mean)")
+            raise ConfigError(f"rollout.group_size must be >= 2 (the baseline is the group mean), got {self.group_size}")
         if self.orchestrator.layout != "flat":
-            raise ValueError("set rollout.layout (auto | flat | trie), not rollout.orchestrator.layout")
-        if self.prompts_per_step < 1:
-            raise ValueError("prompts_per_step must be >= 1")
-        if self.concurrency < 0:
-            raise ValueError("concurrency must be >= 0 (0 = every run of a step at once)")
+            raise ConfigError("set rollout.layout (auto | flat | trie), not rollout.orchestrator.layout")
+        # concurrency 0 = every run of a step at once; max_seq_len against the prompts: run_rl
+        _at_least("rollout", self, prompts_per_step=1, concurrency=0, max_seq_len=2, decode_chunk=1, prefill_chunk=1)
         if self.engine == "batch" and self.mode == "serial":
-            raise ValueError("mode serial runs on the single-run engine: set rollout.engine: single")
+            raise ConfigError("rollout.mode serial runs on the single-run engine: set rollout.engine: single")
         if self.orchestrator.temperature <= 0:
-            raise ValueError("orchestrator.temperature must be > 0 (policy-gradient rollouts sample)")
+            raise ConfigError("rollout.orchestrator.temperature must be > 0 (policy-gradient rollouts sample)")
         if self.orchestrator.top_k or self.orchestrator.top_p < 1:
-            raise ValueError("orchestrator.top_k / top_p must be off: the loss models plain temperature sampling")
+            raise ConfigError("rollout.orchestrator.top_k / top_p must be off: the loss models plain temperature "
+                              "sampling")
 
 
 @dataclasses.dataclass
@@ -84,10 +94,9 @@ class LossSection:
     kl_coef: float = 0.0                         # k3 KL to the starting weights (0 = none, as the paper)
 
     def __post_init__(self) -> None:
-        if self.seq_len < 2 or self.rows_per_micro < 1 or self.updates_per_batch < 1:
-            raise ValueError("seq_len must be >= 2, rows_per_micro and updates_per_batch >= 1")
-        if self.clip_eps <= 0 or self.kl_coef < 0:
-            raise ValueError("clip_eps must be > 0 and kl_coef >= 0")
+        _at_least("loss", self, seq_len=2, rows_per_micro=1, updates_per_batch=1, kl_coef=0)
+        if self.clip_eps <= 0:
+            raise ConfigError(f"loss.clip_eps must be > 0, got {self.clip_eps}")
 
 
 @dataclasses.dataclass
@@ -95,6 +104,9 @@ class EvalSection:
     """Greedy held-out evaluation through `sprint_jax.eval.evaluate` (the `eval` command's path)."""
     every: int = 0                               # evaluate every N steps (0 = only at start and end)
     mode: Literal["parallel", "serial", "sequential"] | None = None   # default: rollout.mode
+
+    def __post_init__(self) -> None:
+        _at_least("eval", self, every=0)
 
 
 @dataclasses.dataclass
@@ -115,12 +127,11 @@ class RLConfig:
     plot: bool = True
 
     def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise ValueError("steps must be >= 1")
+        _at_least("", self, steps=1, seed=0)        # seed: numpy's seed sequences take no negative entropy
         if self.rollout.engine == "batch" and self.eval.mode == "serial":
-            raise ValueError("eval.mode serial runs on the single-run engine: set rollout.engine: single")
+            raise ConfigError("eval.mode serial runs on the single-run engine: set rollout.engine: single")
         if self.optim.grad_accum != 1:
-            raise ValueError("optim.grad_accum is not used by rl: set loss.rows_per_micro instead")
+            raise ConfigError("optim.grad_accum is not used by rl: set loss.rows_per_micro instead")
 
 
 def load_rl_config(path: str | Path | None = None, overrides=()) -> RLConfig:

@@ -75,11 +75,19 @@ def generate(n: int, seed: int, n_chains: int = 4, length: int = 10,
     return out
 
 
+class NoHeldOut(ValueError):
+    """Every possible problem is a training problem: no held-out problem can be disjoint from them."""
+
+
 def split(n_train: int, n_eval: int, seed: int = 0, eval_seed: int = 10_000, n_chains: int = 4,
           length: int = 10) -> tuple[list[Task], list[Task]]:
-    """Training problems and held-out problems (disjoint (starts, key))."""
+    """Training problems and held-out problems (disjoint (starts, key)); NoHeldOut when held-out
+    problems are asked for and the training problems already use every (starts, key) pair."""
     train = generate(n_train, seed, n_chains, length)
     seen = {(tuple(t.answer["starts"]), t.answer["key"]) for t in train}
+    if n_eval and len(seen) == 10 ** n_chains * 2 ** length:
+        raise NoHeldOut(f"the {n_train} training problems use all {len(seen)} (starts, key) pairs of {n_chains} "
+                        f"chain(s) of {length} key bits, none is left for a disjoint held-out set")
     return train, generate(n_eval, eval_seed, n_chains, length, exclude=seen) if n_eval else []
 
 

@@ -45,11 +45,20 @@ def load_tasks(cfg: RLConfig):
     t = cfg.tasks
     if t.source == "keyed_chains":
         from sprint_jax.rl import keyed
-        train, held = keyed.split(t.n, t.eval_n if t.eval_source is None else 0, t.seed, t.eval_seed, t.chains,
-                                  t.chain_length)
+        try:
+            train, held = keyed.split(t.n, t.eval_n if t.eval_source is None else 0, t.seed, t.eval_seed, t.chains,
+                                      t.chain_length)
+        except keyed.NoHeldOut as e:
+            raise ConfigError(f"tasks: {e}; lower tasks.n, raise tasks.chains or tasks.chain_length, or set "
+                              f"tasks.eval_n=0 or tasks.eval_source") from None
     elif t.source == "chains":
         train = chains.generate(t.n, t.seed, t.chains, t.chains, t.chain_length)
         seen = {tuple(x.answer["starts"]) for x in train}
+        if t.eval_n and t.eval_source is None and len(seen) == 10 ** t.chains:
+            # every start tuple is a training problem: a disjoint held-out problem does not exist
+            raise ConfigError(f"tasks: the {t.n} training problems use all {10 ** t.chains} start digit tuples of "
+                              f"{t.chains} chain(s), none is left for a disjoint held-out set; lower tasks.n, raise "
+                              f"tasks.chains, or set tasks.eval_n=0 or tasks.eval_source")
         held = chains.generate(t.eval_n, t.eval_seed, t.chains, t.chains, t.chain_length, exclude=seen) \
             if t.eval_n and t.eval_source is None else []
     elif t.source == "countdown":
@@ -227,7 +236,27 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
     """Run P-GRPO as configured; returns the summary (also OUT/summary.json).
 
     `stop_after=k` checkpoints after step k and returns {"stopped_at": k} (a run split over
-    sessions, or a resume test); rerunning with the same OUT continues from there."""
+    sessions, or a resume test); rerunning with the same OUT continues from there.
+    OUT is locked for the whole run (`sprint_jax.outlock`): a second run into it stops at once."""
+    from sprint_jax import outlock
+
+    with outlock.locked(out_dir, "rl --out"):
+        return _run_rl(cfg, out_dir, progress, stop_after)
+
+
+def check_prompts_fit(tasks, query_of, tokenizer, max_seq_len: int) -> None:
+    """Refuse a `rollout.max_seq_len` that cannot hold every task's prompt (as the engines encode
+    it) plus one generated token: such a run would end each rollout before its first token."""
+    if not tasks:
+        return
+    longest, task = max(((len(tokenizer.encode(query_of(t), add_special_tokens=False)), t.id) for t in tasks),
+                        key=lambda x: x[0])
+    if longest + 1 > max_seq_len:
+        raise ConfigError(f"rollout.max_seq_len = {max_seq_len} cannot hold the prompts: task {task}'s prompt is "
+                          f"{longest} tokens, so it must be at least {longest + 1} (the prompt and one generated token)")
+
+
+def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int | None) -> dict:
     import jax
     import yaml
 
@@ -236,6 +265,7 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
     from sprint_jax.infer.batch import BatchEngine
     from sprint_jax.infer.sampling import valid_vocab
     from sprint_jax.model import load_params
+    from sprint_jax.model.capacity import check_memory, check_positions, kv_cache_bytes
     from sprint_jax.model.config import Qwen2Config
     from sprint_jax.model.tokenizer import load_tokenizer
     from sprint_jax.rl.layout import layout_units, pack_items
@@ -250,7 +280,6 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
     t_start = time.time()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
     def say(msg: str) -> None:
         if progress:
@@ -267,6 +296,19 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
         raise ConfigError(f"the tokenizer has {len(tok)} tokens but the model's vocab_size is {model_cfg.vocab_size}")
     train_tasks, held_tasks = load_tasks(cfg)
     ro = cfg.rollout
+    query_of = prompt_fn(cfg)
+    check_prompts_fit(train_tasks + held_tasks, query_of, tok, ro.max_seq_len)
+    check_positions(model_cfg, cfg.loss.seq_len, "loss.seq_len")
+    runs_per_step = ro.prompts_per_step * ro.group_size
+    seqs = (ro.concurrency or runs_per_step) if ro.engine == "batch" else 1
+    branch_tokens = ro.orchestrator.max_branch_tokens + 32     # the budget plus the forced opening tag
+    # the engine's KV cache, sized as `sprint-jax eval` sizes it, before anything is allocated
+    check_memory(kv_cache_bytes(model_cfg, seqs * (ro.max_seq_len + ro.orchestrator.max_prompts * branch_tokens)),
+                 f"the rollout KV cache ({seqs} run(s) of rollout.max_seq_len {ro.max_seq_len} with "
+                 f"{ro.orchestrator.max_prompts} branches of {branch_tokens})",
+                 "lower rollout.concurrency, rollout.max_seq_len, rollout.orchestrator.max_prompts or "
+                 "rollout.orchestrator.max_branch_tokens")
+    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     eval_mode = cfg.eval.mode or ro.mode
     say(f"rl: {len(train_tasks)} training tasks, {len(held_tasks)} held-out; {ro.prompts_per_step} prompts x "
         f"G={ro.group_size} {ro.mode} rollouts per step, {cfg.steps} steps")
@@ -296,12 +338,11 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
         state = setup.init_state(cfg.seed, params=params)
         start_step, position = 0, 0
 
-    runs_per_step = ro.prompts_per_step * ro.group_size
-    kw = dict(max_seq_len=ro.max_seq_len, max_branch_tokens=ro.orchestrator.max_branch_tokens + 32,
+    kw = dict(max_seq_len=ro.max_seq_len, max_branch_tokens=branch_tokens,
               decode_chunk=ro.decode_chunk, prefill_chunk=ro.prefill_chunk)
     if ro.engine == "batch":
         engine = BatchEngine(_Policy(model_cfg, state["params"]), tok,
-                             max_seqs=ro.concurrency or runs_per_step, max_children=ro.orchestrator.max_prompts, **kw)
+                             max_seqs=seqs, max_children=ro.orchestrator.max_prompts, **kw)
     else:
         engine = Engine(_Policy(model_cfg, state["params"]), tok, max_branches=ro.orchestrator.max_prompts,
                         **kw)
@@ -310,7 +351,6 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
     orch = dataclasses.replace(ro.orchestrator, layout=layout)       # the policy's training convention
     say(f"rollouts use the {layout} token convention at forks and syncs")
     rollouts = BatchedRollouts(engine, orch) if ro.engine == "batch" else SingleRunRollouts(engine, orch)
-    query_of = prompt_fn(cfg)
     greedy = dataclasses.replace(orch, temperature=0.0, seed=0)
     pad = data_lib.pad_id(tok)
 
@@ -418,4 +458,4 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool = True, stop_after
     return summary
 
 
-__all__ = ["TIMING_KEYS", "length_parts", "mean_parts", "plan_shape", "shape_metrics", "load_tasks", "prompt_indices", "rollout_seed", "score_groups", "run_rl"]
+__all__ = ["TIMING_KEYS", "check_prompts_fit", "length_parts", "mean_parts", "plan_shape", "shape_metrics", "load_tasks", "prompt_indices", "rollout_seed", "score_groups", "run_rl"]
