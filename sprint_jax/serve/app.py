@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from sprint_jax.infer.sampling import Sampling
+from sprint_jax.infer.sampling import Sampling, SamplingError
 from sprint_jax.serve.worker import LATENCY_BUCKETS, Channel, EngineWorker, Job, SprintText
 
 SPRINT_SUFFIX = ":sprint"
@@ -503,7 +503,7 @@ async def build_job(body: dict, state: ServeState, chat: bool, channel: Channel)
         if len(prompt) >= cap:
             raise _too_long(cap, len(prompt), None, param)
         if text is None:
-            text = await _off_loop(state, len(prompt), state.engine.decode_text, prompt)
+            text = await _off_loop(state, len(prompt), state.engine.decode_text, prompt, False)
         return Job("sprint", channel, prompt=prompt, query=text, mode=mode, config=config,
                    stream=stream), len(prompt), include_usage
     temperature = sampling.get("temperature", 1.0)
@@ -521,7 +521,10 @@ async def build_job(body: dict, state: ServeState, chat: bool, channel: Channel)
         raise APIError(400, f"with n > 1 each choice may generate at most {state.engine.max_branch_tokens - 1} "
                             f"tokens (the engine's child capacity, set by --max-branch-tokens), got "
                             f"{limit_param}={max_tokens}", limit_param)
-    sampling = Sampling(temperature, top_k, top_p, seed)
+    try:
+        sampling = Sampling(temperature, top_k, top_p, seed)
+    except SamplingError as e:                 # a range the checks above do not cover: still the request's fault
+        raise APIError(400, str(e)) from None
     return Job("plain", channel, prompt=prompt, n=n, max_tokens=max_tokens, stop=stop, sampling=sampling,
                stream=stream), len(prompt), include_usage
 
@@ -830,8 +833,9 @@ def make_app(state: ServeState):
                     for d in sprint_text.progress(value):
                         yield _sprint_delta(head, *d)
                 elif kind == "error":
-                    worker.observe(500, None)
-                    yield _sse({"error": {"message": value, "type": "server_error", "param": None, "code": None}})
+                    status = getattr(value, "status", 500)     # the worker's verdict, as in post()
+                    worker.observe(status, None)
+                    yield _sse(APIError(status, str(value)).payload())
                     yield b"data: [DONE]\n\n"
                     return
                 elif kind == "shutdown":
