@@ -279,3 +279,14 @@ def test_rl_refuses_a_kv_cache_larger_than_free_memory(sft_model, tmp_path, caps
     line = _one_line(capsys)
     assert f"needs about {need / 2 ** 30:.1f} GiB" in line and "rollout KV cache" in line
     assert "rollout.concurrency" in line
+
+
+def test_rl_refuses_a_loss_row_past_the_models_positions(sft_model, tmp_path, capsys, no_engine):
+    """loss.seq_len is checked against max_position_embeddings (256 here) as `train` checks
+    data.seq_len: rows past it would train positions the model never had."""
+    from sprint_jax.cli import main
+
+    assert main(_argv(sft_model, tmp_path / "a", "loss.seq_len=257")) == 2
+    assert "loss.seq_len = 257 is more than the model's max_position_embeddings (256)" in _one_line(capsys)
+    with pytest.raises(_EngineReached):
+        main(_argv(sft_model, tmp_path / "b", "loss.seq_len=256"))
