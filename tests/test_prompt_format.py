@@ -117,3 +117,12 @@ def test_infer_and_generate_give_the_engine_the_same_tokens_with_or_without_the_
     bare, newline = _first_prefills(monkeypatch, [[*gen, "Q: 8 5 2 1"], [*gen, "Q: 8 5 2 1\n"]])
     assert bare == newline == expected
     assert capsys.readouterr().err.count("note: the prompt now ends in '\\n'") == 1
+
+
+def test_a_prompt_outside_the_vocabulary_is_one_line_even_where_the_format_applies(trained, capsys):
+    export, _ = trained
+    for command in ("generate", "infer"):
+        assert main([command, "--model", export, "hello world", "--max-seq-len" if command == "infer" else
+                     "--max-new-tokens", "8"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "cannot encode" in err[0] and "'h'" in err[0], err

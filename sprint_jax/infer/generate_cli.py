@@ -70,11 +70,8 @@ def run(args) -> int:
         except ValueError:
             raise UserError(f"--token-ids must be comma-separated integers, got {args.token_ids!r}")
     else:
-        prompt = formatted_prompt(args.model, args.prompt, "prompt")
-        try:
-            ids = list(tok.encode(prompt, add_special_tokens=False))
-        except ValueError as e:          # e.g. a character outside a VocabTokenizer's vocabulary
-            raise UserError(f"the tokenizer cannot encode the prompt: {e}") from None
+        _, ids = formatted_prompt(args.model, args.prompt, lambda text: tok.encode(text, add_special_tokens=False),
+                                  "prompt")
     if not ids:
         raise UserError("the prompt encodes to no tokens" if args.prompt is not None else "--token-ids is empty")
     bad = [i for i in ids if not 0 <= i < mcfg.vocab_size]

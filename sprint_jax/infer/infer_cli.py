@@ -12,6 +12,7 @@ DESCRIPTION = """Run the SPRINT orchestrator (paper §10) on one query and show 
 the planner closes it, the executors of a stage side by side, the sync, the final answer; then
 sequential vs total tokens and wall clock (no grading).
 
+  sprint-jax infer --model runs/demo/train/sprint/hf --config runs/demo/orchestrator.yaml "Q: 8 5 2 1"
   sprint-jax infer --model runs/sft_sprint "What is 17 * 23 + 4?"
   sprint-jax infer --model DIR "..." --mode serial --max-stages 6 --temperature 0.6
   sprint-jax infer --model DIR "..." --mode sequential          # plain decoding (RFT baseline)
@@ -33,7 +34,7 @@ context is tokenized the way the model's training layout did (flat or trie). The
 from MODEL/sprint_jax.json, which `sprint-jax train` writes into its export; a model without it
 is treated as flat (the paper's layout). `--layout trie` overrides.
 
-Join (issue 17): how the executors' work reaches the planner at each sync. `reprefill` prefills
+Join: how the executors' work reaches the planner at each sync. `reprefill` prefills
 the executions onto the planner (every execution token is run again in the planner's context);
 `merge` places each executor's KV after the fork point without running the model (executors all
 start at the fork position; the planner continues at fork + the longest executor; only tokens a
@@ -110,9 +111,10 @@ def export_meta(model: str | None) -> dict:
         raise UserError(str(e)) from None
 
 
-def formatted_prompt(model: str | None, text: str, what: str = "query") -> str:
-    """`text` in the prompt format the `--model` was trained with (sprint_jax.infer.prompting); a
-    one-line note on stderr says what changed, if anything."""
+def formatted_prompt(model: str | None, text: str, encode, what: str = "query") -> tuple[str, list[int]]:
+    """(`text` in the prompt format the `--model` was trained with (sprint_jax.infer.prompting),
+    its tokens by `encode`). A text the tokenizer cannot encode is a UserError; once it encodes, a
+    one-line note on stderr says what the format changed, if anything."""
     from sprint_jax.errors import UserError
     from sprint_jax.infer.prompting import META_KEY, apply_prompt_format
     from sprint_jax.model.hf import EXPORT_META_FILE
@@ -121,11 +123,15 @@ def formatted_prompt(model: str | None, text: str, what: str = "query") -> str:
         out = apply_prompt_format(text, export_meta(model))
     except ValueError as e:
         raise UserError(f"--model {model}: {EXPORT_META_FILE}: {e}") from None
+    try:
+        ids = list(encode(out))
+    except ValueError as e:          # e.g. a character outside a VocabTokenizer's vocabulary
+        raise UserError(f"the tokenizer cannot encode the {what}: {e}") from None
     if out != text:
         print(f"note: the {what} now ends in {out[len(out.rstrip()):]!r} instead of {text[len(text.rstrip()):]!r}, "
               f"as every prompt the model was trained on ({META_KEY} in {Path(model) / EXPORT_META_FILE})",
               file=sys.stderr, flush=True)
-    return out
+    return out, ids
 
 
 def add_tokenizer_argument(p) -> None:
@@ -428,12 +434,8 @@ def run(args) -> int:
         if not record_path.parent.is_dir():
             raise UserError(f"--record {record_path}: directory {record_path.parent} does not exist")
     config = config_from_args(args)
-    query = formatted_prompt(args.model, args.query)
     engine = build_engine(args, config)
-    try:
-        engine.encode(query)
-    except ValueError as e:
-        raise UserError(f"the tokenizer cannot encode the query: {e}") from None
+    query, _ = formatted_prompt(args.model, args.query, engine.encode)
     with CompileClock() as clock:
         record = Orchestrator(engine, config, on_event=LiveDisplay(compile_clock=clock)).run(query, args.mode)
     if args.record:
