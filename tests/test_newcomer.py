@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _fixed_clock(ago: list[tuple[float, float]]):
     """A CompileClock holding compilation spans given as seconds before now, (start, end)."""
-    from sprint_jax.infer.infer_cli import CompileClock
+    from sprint_jax.eval.evaluate import CompileClock
 
     clock = CompileClock()
     now = time.time()
@@ -24,30 +24,37 @@ def _fixed_clock(ago: list[tuple[float, float]]):
     return clock
 
 
-def test_compile_clock_counts_overlapping_spans_once_and_only_inside_the_window():
-    clock = _fixed_clock([(90.0, 80.0),                   # before the window
-                          (30.0, 20.0), (25.0, 15.0)])    # overlapping: 15 s together
-    assert abs(clock.within(50.0) - 15.0) < 1e-6
-    assert abs(clock.within(20.0) - 5.0) < 1.0       # the window cuts the last span
+def test_split_seconds_takes_the_compilation_of_the_timing_just_ended():
+    from sprint_jax.infer.infer_cli import split_seconds
+
+    clock = _fixed_clock([(90.0, 80.0),                   # before the timing
+                          (30.0, 20.0), (25.0, 15.0)])    # inside it, overlapping: 15 s together
+    assert split_seconds(50.0, clock) == "35.00 s + 15.00 s compiling"
+    assert split_seconds(50.0, None) == "50.00 s"
+    assert split_seconds(0.002, _fixed_clock([]), 1000, "ms", ".1f") == "2.0 ms"
 
 
-def test_compile_clock_sees_the_first_call_of_a_jitted_function_compile():
+def test_infer_and_generate_start_the_clock_that_sees_a_first_call_compile():
+    """The clock infer and generate use collects JAX's compile spans while started, none after."""
     import jax
     import jax.numpy as jnp
 
-    from sprint_jax.infer.infer_cli import CompileClock
+    from sprint_jax.eval.evaluate import CompileClock
 
     f = jax.jit(lambda x: jnp.tanh(x) * 3.0 + x[::-1])
     x = jnp.arange(7.0)
     x.block_until_ready()
-    with CompileClock() as clock:
+    clock = CompileClock().start()
+    try:
         f(x).block_until_ready()
-        first_compile = clock.within(60.0)
         n = len(clock.spans)
         f(x).block_until_ready()          # cached: nothing compiles
         assert len(clock.spans) == n
-    assert n > 0 and first_compile > 0
-    f(x + 1).block_until_ready()          # after the block: the listener is gone
+    finally:
+        clock.stop()
+    now = time.time()
+    assert n > 0 and clock.within(now - 60, now) > 0
+    f(x + 1).block_until_ready()          # after stop: the listener is gone
     assert len(clock.spans) == n
 
 

@@ -36,8 +36,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from sprint_jax.errors import UserError
     from sprint_jax.infer import Engine, Sampling
-    from sprint_jax.infer.infer_cli import (CompileClock, formatted_prompt, load_model_arg, load_tokenizer_arg,
-                                            split_seconds)
+    from sprint_jax.eval.evaluate import CompileClock
+    from sprint_jax.infer.infer_cli import formatted_prompt, load_model_arg, load_tokenizer_arg, split_seconds
 
     if (args.prompt is None) == (args.token_ids is None):
         raise UserError("give either a prompt text or --token-ids")
@@ -92,12 +92,15 @@ def run(args) -> int:
     # one sequence, no forks: the core's child slots are kept minimal
     engine = Engine(model, tok or _IdsOnly(), max_seq_len=len(ids) + args.max_new_tokens + 1, max_branches=1,
                     max_branch_tokens=1)
-    with CompileClock() as clock:
+    clock = CompileClock().start()
+    try:
         t0 = time.perf_counter()
         state = engine.prefill(ids)
         g = engine.generate(state, args.max_new_tokens, stop=args.stop, sampling=sampling)
         dt = time.perf_counter() - t0
         took = split_seconds(dt, clock)
+    finally:
+        clock.stop()
     print(g.text)
     print(f"\n[{len(g.tokens)} tokens, stop: {g.stop_reason}, {took}; ids: {g.tokens}]")
     return 0

@@ -253,54 +253,16 @@ def build_batch_engine(args, config, concurrency: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# Compilation time
+# Compilation time (eval's CompileClock: JAX's compile spans, overlapping ones counted once)
 # ---------------------------------------------------------------------------------------------
-class CompileClock:
-    """JAX's compilation (tracing, lowering, XLA compile) as wall-clock spans, from jax.monitoring,
-    while used as a context manager. `within(seconds)`: the compilation inside the last `seconds`
-    up to now, so a timing measured just before can be split into compiling and running (the
-    first use of a shape in a process compiles it; later uses do not)."""
+def split_seconds(seconds: float, clock, scale: float = 1.0, unit: str = "s", spec: str = ".2f") -> str:
+    """A timing that ended just now, as "<running> s" or "<running> s + <compiling> s compiling",
+    the compiling part from `clock` (sprint_jax.eval.evaluate.CompileClock, started before it;
+    None: not split). scale/unit/spec: e.g. 1000, "ms", ".1f"."""
+    import time
 
-    EVENTS = frozenset({"/jax/core/compile/jaxpr_trace_duration",
-                        "/jax/core/compile/jaxpr_to_mlir_module_duration",
-                        "/jax/core/compile/backend_compile_duration"})
-
-    def __init__(self):
-        self.spans: list[tuple[float, float]] = []
-
-    def _on_span(self, event: str, start: float, end: float, **_) -> None:
-        if event in self.EVENTS:
-            self.spans.append((start, end))
-
-    def __enter__(self) -> "CompileClock":
-        import jax.monitoring
-        jax.monitoring.register_event_time_span_listener(self._on_span)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        import jax.monitoring
-        jax.monitoring.unregister_event_time_span_listener(self._on_span)
-
-    def within(self, seconds: float) -> float:
-        """Seconds of compilation in [now - seconds, now]; nested spans (a jit traced inside
-        another's trace) count once."""
-        import time
-        end = time.time()
-        start = end - seconds
-        total, reach = 0.0, start
-        for a, b in sorted(self.spans):
-            a, b = max(a, reach), min(b, end)
-            if b > a:
-                total += b - a
-                reach = b
-        return total
-
-
-def split_seconds(seconds: float, clock: CompileClock | None, scale: float = 1.0, unit: str = "s",
-                  spec: str = ".2f") -> str:
-    """A timing just measured, as "<running> s" or "<running> s + <compiling> s compiling"
-    (scale/unit/spec: e.g. 1000, "ms", ".1f")."""
-    c = min(clock.within(seconds), seconds) if clock is not None else 0.0
+    now = time.time()
+    c = min(clock.within(now - seconds, now), seconds) if clock is not None else 0.0
     text = f"{format(scale * (seconds - c), spec)} {unit}"
     if format(scale * c, spec) != format(0.0, spec):
         text += f" + {format(scale * c, spec)} {unit} compiling"
@@ -312,10 +274,11 @@ def split_seconds(seconds: float, clock: CompileClock | None, scale: float = 1.0
 # ---------------------------------------------------------------------------------------------
 class LiveDisplay:
     """An `on_event` hook that prints the run as it happens: plans, executors side by side, sync.
-    With a `compile_clock`, every timing it prints is split into running and compiling."""
+    With a started `compile_clock` (sprint_jax.eval.evaluate.CompileClock), every timing it prints
+    is split into running and compiling."""
 
     def __init__(self, stream: TextIO | None = None, width: int | None = None, max_lines: int = 14,
-                 compile_clock: CompileClock | None = None):
+                 compile_clock=None):
         self.stream = stream or sys.stdout
         self.width = width or min(shutil.get_terminal_size((120, 24)).columns, 160)
         self.max_lines = max_lines
@@ -392,7 +355,7 @@ class LiveDisplay:
                 self._print(line)
 
 
-def summary_lines(rec, clock: CompileClock | None = None) -> list[str]:
+def summary_lines(rec, clock=None) -> list[str]:
     """The run's stats; with `clock` (just after the run), its wall clock split into running and
     compiling."""
     saved = 1 - rec.sequential_tokens / rec.total_tokens if rec.total_tokens else 0.0
@@ -436,12 +399,17 @@ def run(args) -> int:
     config = config_from_args(args)
     engine = build_engine(args, config)
     query, _ = formatted_prompt(args.model, args.query, engine.encode)
-    with CompileClock() as clock:
+    from sprint_jax.eval.evaluate import CompileClock
+
+    clock = CompileClock().start()
+    try:
         record = Orchestrator(engine, config, on_event=LiveDisplay(compile_clock=clock)).run(query, args.mode)
+    finally:
+        clock.stop()
     if args.record:
         Path(args.record).write_text(json.dumps(record.to_json(), indent=2, ensure_ascii=False) + "\n")
     return 0
 
 
-__all__ = ["add_run_arguments", "config_from_args", "build_engine", "formatted_prompt", "CompileClock",
+__all__ = ["add_run_arguments", "config_from_args", "build_engine", "formatted_prompt", "split_seconds",
            "LiveDisplay", "summary_lines"]
