@@ -126,3 +126,40 @@ def test_a_prompt_outside_the_vocabulary_is_one_line_even_where_the_format_appli
                      "--max-new-tokens", "8"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "cannot encode" in err[0] and "'h'" in err[0], err
+
+
+def test_eval_gives_each_task_to_the_model_in_its_prompt_format(trained, tmp_path, monkeypatch):
+    from sprint_jax.infer.batch import BatchEngine
+
+    export, _ = trained
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "t0", "problem": "Q: 8 5 2 1", "answer": "1"}) + "\n")   # no newline
+    seen: list[str] = []
+    original = BatchEngine.encode
+    monkeypatch.setattr(BatchEngine, "encode", lambda self, text: (seen.append(text), original(self, text))[1])
+    assert main(["eval", "--model", export, "--data", str(tasks), "--out", str(tmp_path / "out"), "--mode",
+                 "sequential", "--max-total-tokens", "2", "--max-seq-len", "32", "--decode-chunk", "2",
+                 "--prefill-chunk", "16", "--no-progress"]) == 0
+    assert seen and all(t == "Q: 8 5 2 1\n" for t in seen)
+
+
+def test_serve_gives_a_bare_prompt_to_the_model_in_its_prompt_format(trained):
+    import openai
+
+    from sprint_jax.infer.batch import BatchEngine
+    from sprint_jax.model import from_pretrained
+    from sprint_jax.model.hf import read_export_meta
+    from sprint_jax.model.tokenizer import load_tokenizer
+    from sprint_jax.serve import Server
+
+    export, _ = trained
+    tok = load_tokenizer(export)
+    engine = BatchEngine(from_pretrained(export), tok, max_seqs=2, max_children=2, max_seq_len=64,
+                         max_branch_tokens=8, decode_chunk=2, prefill_chunk=16)
+    with Server(engine, "m", export_meta=read_export_meta(export)).start() as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        usage = [client.completions.create(model="m", prompt=p, max_tokens=1, temperature=0).usage.prompt_tokens
+                 for p in ("Q: 8 5 2 1", "Q: 8 5 2 1\n")]
+        chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Q: 8 5 2 1"}],
+                                              max_tokens=1, temperature=0).usage.prompt_tokens
+    assert usage == [len(tok.encode("Q: 8 5 2 1\n"))] * 2 and chat == usage[0]

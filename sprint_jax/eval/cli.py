@@ -242,6 +242,24 @@ def check_overlap(model_dir: str | Path, tasks, allow: bool) -> dict:
     return {"checked": True, "overlap": len(hit), "overlap_ids": hit}
 
 
+def model_prompt_fn(model: str):
+    """task -> the text the model sees: the task as curation wrote it into training prompts, in
+    the prompt format the model's export records (sprint_jax.infer.prompting; unchanged for a
+    model trained on these prompts, which already end as the format says)."""
+    from sprint_jax.errors import UserError
+    from sprint_jax.eval.evaluate import default_prompt
+    from sprint_jax.infer.infer_cli import export_meta
+    from sprint_jax.infer.prompting import apply_prompt_format
+    from sprint_jax.model.hf import EXPORT_META_FILE
+
+    meta = export_meta(model)
+    try:
+        apply_prompt_format("x", meta)
+    except ValueError as e:
+        raise UserError(f"--model {model}: {EXPORT_META_FILE}: {e}") from None
+    return lambda task: apply_prompt_format(default_prompt(task), meta)
+
+
 def run(args) -> int:
     from sprint_jax.errors import UserError
     from sprint_jax.eval.evaluate import evaluate
@@ -270,13 +288,13 @@ def run(args) -> int:
             raise UserError(f"--shard {args.shard}: no problems in this shard ({shard['total']} in all)")
     overlap = check_overlap(args.model, tasks, args.allow_overlap)
     engine = build_batch_engine(args, config, args.concurrency)
-    from sprint_jax.eval.evaluate import default_prompt
+    prompt_fn = model_prompt_fn(args.model)
     for task in tasks:   # a tokenizer that cannot read the data is a setup mistake, caught up front
         try:
-            engine.encode(default_prompt(task))
+            engine.encode(prompt_fn(task))
         except ValueError as e:
             raise UserError(f"task {task.id}: the tokenizer cannot encode its prompt ({e})") from None
-    _, report = evaluate(engine, tasks, args.mode, orchestrator_config=config, out_dir=args.out,
+    _, report = evaluate(engine, tasks, args.mode, prompt_fn=prompt_fn, orchestrator_config=config, out_dir=args.out,
                          progress=not args.no_progress, answer_from=args.answer_from, overwrite=args.overwrite,
                          concurrency=args.concurrency,
                          meta={"model": str(args.model), "data": str(args.data), "limit": args.limit,

@@ -25,6 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from sprint_jax.infer.prompting import apply_prompt_format
 from sprint_jax.infer.sampling import Sampling, SamplingError
 from sprint_jax.serve.worker import LATENCY_BUCKETS, Channel, EngineWorker, Job, SprintText
 
@@ -97,6 +98,7 @@ class ServeState:
     api_key: str | None = None               # None: no authentication
     max_request_bytes: int = MAX_REQUEST_BYTES
     body_timeout_s: float = 30.0             # the whole body must arrive within this
+    export_meta: dict = dataclasses.field(default_factory=dict)   # the model's sprint_jax.json (its prompt format)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     # shutdown: `begin_drain` sets `draining` (new requests get 503); `grace_s` later every request
     # still in flight is ended (`inflight`: the channels of jobs submitted, `reading`: the timeouts
@@ -139,10 +141,16 @@ class ServeState:
         return None
 
     def chat_prompt(self, messages: list[dict]) -> str:
+        """The prompt of a chat: the tokenizer's own chat template when it has one, else
+        `default_chat_prompt` in the model's trained prompt format."""
         tok = self.engine.tokenizer
         if getattr(tok, "chat_template", None):
             return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return default_chat_prompt(messages)
+        return self.formatted(default_chat_prompt(messages))
+
+    def formatted(self, text: str) -> str:
+        """A prompt text in the prompt format the model was trained with (sprint_jax.infer.prompting)."""
+        return apply_prompt_format(text, self.export_meta)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -497,6 +505,8 @@ async def build_job(body: dict, state: ServeState, chat: bool, channel: Channel)
                                        messages, reserve, limit_param)
     else:
         text, ids = _prompt(body, state)
+        if text is not None:
+            text = state.formatted(text)
         prompt = ids if ids is not None else await _off_loop(state, len(text), _tokens, state, text, "prompt",
                                                              reserve, limit_param)
     if sprint:

@@ -101,7 +101,9 @@ def _loopback(host: str) -> bool:
 
 def run(args) -> int:
     from sprint_jax.errors import UserError
-    from sprint_jax.infer.infer_cli import build_batch_engine, config_from_args
+    from sprint_jax.infer.infer_cli import build_batch_engine, config_from_args, export_meta
+    from sprint_jax.infer.prompting import apply_prompt_format
+    from sprint_jax.model.hf import EXPORT_META_FILE
     try:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
@@ -129,6 +131,11 @@ def run(args) -> int:
         print(f"sprint-jax serve: warning: listening on {args.host} without an API key: anyone who can reach "
               f"this port can use the model (set --api-key or ${API_KEY_ENV})", file=sys.stderr, flush=True)
     config = config_from_args(args)
+    meta = export_meta(args.model)
+    try:
+        apply_prompt_format("x", meta)
+    except ValueError as e:
+        raise UserError(f"--model {args.model}: {EXPORT_META_FILE}: {e}") from None
     engine = build_batch_engine(args, config, args.max_seqs)
     name = args.served_model_name or Path(args.model).resolve().name
     server = Server(engine, name, config, host=args.host, port=args.port, max_queue=args.max_queue,
@@ -136,7 +143,7 @@ def run(args) -> int:
                     engine_on_loop=ENGINE_ON[args.engine_on], api_key=api_key,
                     max_request_bytes=args.max_request_bytes, max_connections=args.max_connections,
                     header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-                    shutdown_grace_s=args.shutdown_grace)
+                    shutdown_grace_s=args.shutdown_grace, export_meta=meta)
     print(f"sprint-jax serve: model ids {name} and {name}:sprint"
           f"{'; clients need the API key' if api_key else ''}; uvicorn reports the address", flush=True)
     server.serve_forever()

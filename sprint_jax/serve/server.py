@@ -180,14 +180,15 @@ class Server:
     a request head not complete within `header_timeout_s` 408; beyond `max_connections` open
     connections a new one gets 503. Shutdown (SIGTERM / SIGINT, or `stop()`) drains: the server
     stops listening, requests in flight get `shutdown_grace_s` seconds to finish, the rest are
-    ended (a JSON 503; a stream: an SSE error event, then [DONE])."""
+    ended (a JSON 503; a stream: an SSE error event, then [DONE]). `export_meta` is the model's
+    sprint_jax.json: text prompts are put in the prompt format it records."""
 
     def __init__(self, engine, model_name: str, sprint_config=None, host: str = "127.0.0.1", port: int = 0,
                  max_queue: int = 64, default_max_tokens: int = 256, log_level: str = "warning",
                  switch_interval_s: float | None = 0.0005, engine_on_loop: bool | None = None,
                  api_key: str | None = None, max_request_bytes: int | None = None, max_connections: int | None = 512,
                  header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = 30.0,
-                 shutdown_grace_s: float = 10.0):
+                 shutdown_grace_s: float = 10.0, export_meta: dict | None = None):
         from sprint_jax.infer.orchestrator import OrchestratorConfig
         from sprint_jax.serve.app import MAX_REQUEST_BYTES, ServeState, make_app
         from sprint_jax.serve.worker import EngineWorker
@@ -199,7 +200,8 @@ class Server:
         self.worker = EngineWorker(engine, max_queue=max_queue, on_loop=engine_on_loop)
         self.state = ServeState(self.worker, model_name, sprint_config or OrchestratorConfig(),
                                 default_max_tokens=default_max_tokens, api_key=api_key,
-                                max_request_bytes=max_request_bytes or MAX_REQUEST_BYTES, body_timeout_s=body_timeout_s)
+                                max_request_bytes=max_request_bytes or MAX_REQUEST_BYTES, body_timeout_s=body_timeout_s,
+                                export_meta=dict(export_meta or {}))
         self.app = make_app(self.state)
         self.host = host
         self.shutdown_grace_s = shutdown_grace_s
