@@ -194,7 +194,8 @@ def _checked_load(args, config, seqs: int = 1, mesh=None):
     config.max_prompts branches of the per-branch budget plus room for the forced opening tag.
     Capacities, the KV-cache memory and the tokenizer are checked against the model's config.json
     before the weights are read."""
-    from sprint_jax.model.capacity import check_memory, check_positions, kv_cache_bytes
+    from sprint_jax.model.capacity import (BRANCH_TAG_ROOM, check_memory, check_positions, engine_cache_tokens,
+                                           kv_cache_bytes)
     from sprint_jax.model.config import Qwen2Config
     from sprint_jax.model.tokenizer import check_tokenizer_fits
 
@@ -205,10 +206,11 @@ def _checked_load(args, config, seqs: int = 1, mesh=None):
         mcfg = mcfg.replace(dtype=args.dtype)
     max_seq_len = args.max_seq_len if args.max_seq_len is not None else min(8192, mcfg.max_position_embeddings)
     check_positions(mcfg, max_seq_len, "--max-seq-len")
-    branch_tokens = config.max_branch_tokens + 32
+    branch_tokens = config.max_branch_tokens + BRANCH_TAG_ROOM
     what = f"{seqs} sequence(s) of --max-seq-len {max_seq_len} with {config.max_prompts} branches of {branch_tokens}"
     devices = mesh.devices.size if mesh is not None else 1      # the cache is split over the mesh
-    check_memory(kv_cache_bytes(mcfg, seqs * (max_seq_len + config.max_prompts * branch_tokens)) // devices,
+    tokens = engine_cache_tokens(seqs, max_seq_len, config.max_prompts, config.max_branch_tokens)
+    check_memory(kv_cache_bytes(mcfg, tokens) // devices,
                  f"the KV cache ({what})",
                  "lower --max-seq-len, --max-prompts, --max-branch-tokens" + (" or --concurrency" if seqs > 1 else ""))
     tok = load_tokenizer_arg(args.tokenizer, args.model)

@@ -1,8 +1,9 @@
 """Capacities checked against the model and the machine before anything is allocated.
 
-Issue 12: `data.seq_len=1e9` took the machine's memory until the kernel killed the process, and
-`--max-seq-len` far past the model's `max_position_embeddings` built a cache no position of which
-the model was trained for. These checks run first and fail with one line naming the setting.
+A row length or cache size far past what the machine holds would take its memory until the kernel
+kills the process, and a context past the model's `max_position_embeddings` builds a cache no
+position of which the model was trained for. These checks run first and fail with one line naming
+the setting.
 """
 from __future__ import annotations
 
@@ -26,6 +27,15 @@ def kv_cache_bytes(config, tokens: int) -> int:
     """Bytes of K and V for `tokens` positions over every layer, in the compute dtype."""
     itemsize = 2 if config.dtype == "bfloat16" else 4
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * tokens * itemsize
+
+
+BRANCH_TAG_ROOM = 32    # positions an executor branch holds beyond its token budget: the forced opening tag
+
+
+def engine_cache_tokens(seqs: int, max_seq_len: int, max_prompts: int, max_branch_tokens: int) -> int:
+    """KV positions of an engine for `seqs` concurrent runs: each a context of `max_seq_len` plus
+    `max_prompts` executor branches of `max_branch_tokens` (and the forced opening tag)."""
+    return seqs * (max_seq_len + max_prompts * (max_branch_tokens + BRANCH_TAG_ROOM))
 
 
 def available_memory_bytes() -> int | None:
@@ -52,4 +62,4 @@ def check_memory(needed: int, what: str, fix: str) -> None:
         raise UserError(f"{what} needs about {needed / GiB:.1f} GiB but the device has {free / GiB:.1f} GiB free; {fix}")
 
 
-__all__ = ["check_positions", "kv_cache_bytes", "available_memory_bytes", "check_memory"]
+__all__ = ["check_positions", "kv_cache_bytes", "BRANCH_TAG_ROOM", "engine_cache_tokens", "available_memory_bytes", "check_memory"]

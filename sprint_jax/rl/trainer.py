@@ -265,7 +265,8 @@ def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int 
     from sprint_jax.infer.batch import BatchEngine
     from sprint_jax.infer.sampling import valid_vocab
     from sprint_jax.model import load_params
-    from sprint_jax.model.capacity import check_memory, check_positions, kv_cache_bytes
+    from sprint_jax.model.capacity import (BRANCH_TAG_ROOM, check_memory, check_positions, engine_cache_tokens,
+                                           kv_cache_bytes)
     from sprint_jax.model.config import Qwen2Config
     from sprint_jax.model.tokenizer import load_tokenizer
     from sprint_jax.rl.layout import layout_units, pack_items
@@ -301,9 +302,10 @@ def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int 
     check_positions(model_cfg, cfg.loss.seq_len, "loss.seq_len")
     runs_per_step = ro.prompts_per_step * ro.group_size
     seqs = (ro.concurrency or runs_per_step) if ro.engine == "batch" else 1
-    branch_tokens = ro.orchestrator.max_branch_tokens + 32     # the budget plus the forced opening tag
+    branch_tokens = ro.orchestrator.max_branch_tokens + BRANCH_TAG_ROOM
     # the engine's KV cache, sized as `sprint-jax eval` sizes it, before anything is allocated
-    check_memory(kv_cache_bytes(model_cfg, seqs * (ro.max_seq_len + ro.orchestrator.max_prompts * branch_tokens)),
+    tokens = engine_cache_tokens(seqs, ro.max_seq_len, ro.orchestrator.max_prompts, ro.orchestrator.max_branch_tokens)
+    check_memory(kv_cache_bytes(model_cfg, tokens),
                  f"the rollout KV cache ({seqs} run(s) of rollout.max_seq_len {ro.max_seq_len} with "
                  f"{ro.orchestrator.max_prompts} branches of {branch_tokens})",
                  "lower rollout.concurrency, rollout.max_seq_len, rollout.orchestrator.max_prompts or "
