@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 
 # Every command the README runs works in the environment: `serve` needs the serve extra (a small
 # ASGI stack); the test extra holds it too. Each set of extras has its own stamp, so nothing is
-# reinstalled until pyproject.toml changes.
+# reinstalled until pyproject.toml or setup.py changes.
 RUN_EXTRAS="[serve]"
 
 ensure_env() {  # $1 = extras ("$RUN_EXTRAS" or "[test]")
@@ -19,7 +19,7 @@ ensure_env() {  # $1 = extras ("$RUN_EXTRAS" or "[test]")
     "$PY" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
   fi
-  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ]; then
     # torch is pinned in the test extra (a CPU wheel); never let pip pick an unpinned torch
     "$VENV/bin/python" -m pip install -q -e ".$1"
     touch "$stamp"
