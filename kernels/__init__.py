@@ -1,4 +1,5 @@
-"""Pallas kernels, importable only as `sprint_jax.kernels` (DESIGN.md, "kernels/ name trap").
+"""Pallas kernels, importable only as `sprint_jax.kernels` (docs/design.md
+"Attention", the kernels/ name trap).
 
 pyproject's `package-dir` maps this directory to `sprint_jax.kernels`. With the repo root on
 sys.path (`python -c` or `python -m pytest` run there), Python's path finder also finds it as a

@@ -1,6 +1,6 @@
 """Many parents per call: each parent's prefix read once for all rows of its group (Pallas).
 
-Why. The batched engine (sprint_jax/infer/batch.py, issue 13) decodes rows in groups
+Why. The batched engine (sprint_jax/infer/batch.py) decodes rows in groups
 [parent, child_1..child_G]: a planner or prompt and the executors / samples forked from it. Every
 row of a group attends over its parent's slot of the parent cache (the parent row over its own
 past, a child over the prefix up to the fork point), then over its own suffix, and the parts merge

@@ -2,7 +2,7 @@
 
 Every run config (curate, sft, eval, demo) and the model config are dataclasses. `load_config`
 builds one from a YAML file and `--set key=value` overrides, and rejects unknown or ill-typed
-fields with an error that names the dotted field (DESIGN.md, reliability contract).
+fields with an error that names the dotted field (docs/design.md "Reliability contract").
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ A plan with k prompts is followed by k executions in prompt order. A plan with n
 followed by one `<execution_i.1>` (the plan text is then the implicit prompt, as in the paper's
 examples). A plan with neither is plan-only.
 
-Every SPRINT tag string is defined in this module and nowhere else (STYLE.md, habit 1).
+Every SPRINT tag string is defined in this module and nowhere else.
 
 Canonical whitespace (what `render` writes; `parse(render(t)) == t` for every normalised `t`):
   * each block is `OPEN content CLOSE` with exactly one space on each side of the content, or
@@ -41,8 +41,9 @@ FINAL_CLOSE = "</Final Answer>"
 
 # How training lays a rendered example out (train/data.py): `flat`, the paper's one causal sequence;
 # `trie`, one unit per planner / executor call; `merge`, every token once with executors of a stage
-# side by side from the fork position (README "The merge layout"). Inference tokenizes its contexts the
-# same way, and the layout written into an export picks the orchestrator's join.
+# side by side from the fork position (docs/design.md "Layouts: flat, trie, merge"). Inference
+# tokenizes its contexts the same way, and the layout written into an export picks the
+# orchestrator's join.
 Layout = Literal["flat", "trie", "merge"]
 LAYOUTS: tuple[str, ...] = typing.get_args(Layout)
 # Layouts that tokenize the text as the pieces of train/data.py `split_pieces`, each on its own (the

@@ -1,7 +1,7 @@
 """An exclusive lock on an output directory, so two runs never write one directory at once.
 
-Two `train` runs into one --out used to interleave metrics lines, race on checkpoints and hang
-(issue 12); two `eval` or `curate` runs into one directory lose results the same way. Each command
+Two `train` runs into one --out used to interleave metrics lines, race on checkpoints and hang;
+two `eval` or `curate` runs into one directory lose results the same way. Each command
 that writes a directory holds `DIR/.sprint-jax.lock` for its whole run: an OS lock (`fcntl.flock`)
 on the open file, plus a line saying who holds it (pid, host, command, start time). A second run
 stops at once with exit code 2 naming the holder.

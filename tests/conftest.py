@@ -31,7 +31,7 @@ def xla_flags(*extra: str) -> str:
     return " ".join(SUITE_XLA_FLAGS + extra)
 
 # The one tiny test model: configs/model_tiny.json (`Qwen2Config.preset("tiny")`). Odd sizes catch
-# transposes (STYLE.md habit 5). Here as HF Qwen2Config keyword arguments.
+# transposes. Here as HF Qwen2Config keyword arguments.
 TINY_HF = {k: v for k, v in json.loads((CONFIG_DIR / "model_tiny.json").read_text()).items()
            if k not in ("model_type", "tie_word_embeddings")}
 # The tiny Qwen3 preset: same odd sizes, head_dim 20 != hidden / heads (= 12).

@@ -1,4 +1,4 @@
-"""The batched engine (issue 13) against independent references: each request decoded alone on
+"""The batched engine against independent references: each request decoded alone on
 the single-run `Engine` (a layer over this same slot core, run one request at a time, and itself
 tested against a plain full forward and HF generate; the greedy rows here are also checked against
 a plain full forward directly), each fork child decoded alone from a fresh prefill, and the
@@ -323,7 +323,7 @@ def _copies_of_the_cache(hlo: str, capacities: set[int]) -> list[str]:
 def test_decode_step_hlo_has_no_full_cache_copy(setup):
     """The compiled decode chunk updates the slot cache in place: nothing in it produces a fresh
     array with a capacity axis. The same detector finds the copy in the copy-fork baseline, whose
-    layer scan carries the cache through its outputs (the prototype the issue measured)."""
+    layer scan carries the cache through its outputs (the prototype of the batched engine)."""
     model, tok, alone = setup
     engine = _batch(model, tok)
     na, nf, w = 2, 2, engine.max_children                 # generate rows + fork groups of w children

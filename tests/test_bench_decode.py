@@ -1,7 +1,7 @@
 """Smoke test of `sprint-jax bench decode` at the smallest settings: every JSON field present,
 times positive, step counts and greedy agreement with HF as the model dictates, cache bytes equal
-to the capacities the engine allocated. No timing assertion (DESIGN.md "Performance contract":
-benchmarks, never timed tests), and no re-derivation of the bench's own arithmetic."""
+to the capacities the engine allocated. No timing assertion (benchmarks,
+never timed tests), and no re-derivation of the bench's own arithmetic."""
 from __future__ import annotations
 
 import argparse
@@ -54,7 +54,7 @@ def test_report_fields_and_times(report):
 
 
 def test_join_rows(report):
-    """The join rows (issue 17): 8 executors of N tokens; re-prefill runs all 8N tokens, merge none
+    """The join rows: 8 executors of N tokens; re-prefill runs all 8N tokens, merge none
     (each executor generated its last token in a join fork, which ran it: the merge is the copy);
     both times positive, best of the samples, with the process CPU time beside them."""
     (row,) = report["join"]

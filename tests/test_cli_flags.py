@@ -1,4 +1,4 @@
-"""One flag name per option across commands, with one meaning (issue 11): `--dtype`, `--tokenizer`,
+"""One flag name per option across commands, with one meaning: `--dtype`, `--tokenizer`,
 `--attention-impl`, and the OrchestratorConfig flags derived from the dataclass."""
 from __future__ import annotations
 

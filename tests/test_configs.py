@@ -1,4 +1,4 @@
-"""Every file in configs/ loads with the loader its name selects (STYLE.md habit 6)."""
+"""Every file in configs/ loads with the loader its name selects."""
 from __future__ import annotations
 
 from pathlib import Path

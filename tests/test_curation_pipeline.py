@@ -101,7 +101,7 @@ def test_happy_path_end_to_end(server, tmp_path):
     sprint = records(out, "sprint")
     assert [r["id"] for r in sprint] == ["t1", "t2"] and all(r["kind"] == "sprint" for r in sprint)
     t1, t2 = sprint
-    assert t1["completion"] == (  # written by hand from DESIGN.md "Reformat of stage k"
+    assert t1["completion"] == (  # written by hand from docs/design.md "The SPRINT format"
         "<Plan_1> <prompt_1.1> Compute 2+3, the first factor. </prompt_1.1> "
         "<prompt_1.2> Compute 4+5, the second factor. </prompt_1.2> </Plan_1>\n"
         "<execution_1.1> 2 + 3 = 5, so the first factor is 5. </execution_1.1>\n"
@@ -336,7 +336,8 @@ def test_offline_curator_on_countdown_end_to_end(tmp_path):
         meta = ex["meta"]
         with Store(tmp_path / "a" / DB_NAME) as st:
             steps = st.steps(ex["id"])
-        # σ recomputed here by the definition (DESIGN.md), independently of packing.py
+        # σ recomputed here by the definition (docs/design.md "Curation"), independently of
+        # packing.py
         sigma: dict[int, int] = {}
         for i in range(1, len(steps) + 1):
             parents = [p for p, c in meta["edges"] if c == i]

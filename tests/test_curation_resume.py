@@ -1,5 +1,6 @@
-"""Crash safety of curation (DESIGN.md reliability contract): a real `sprint-jax curate` subprocess
-is SIGKILLed by the server the moment the N-th request reaches it, twice, then rerun to the end.
+"""Crash safety of curation (docs/design.md "Reliability contract"): a real `sprint-jax curate`
+subprocess is SIGKILLed by the server the moment the N-th request reaches it, twice, then rerun to
+the end.
 Nothing may be answered twice, nothing may be lost, and the outputs must equal an uninterrupted
 run's byte for byte."""
 from __future__ import annotations

@@ -42,7 +42,7 @@ def test_scaled_down_demo_produces_every_artifact(tmp_path, capsys):
         results = [json.loads(x) for x in (tmp_path / "eval" / name / "results.jsonl").read_text().splitlines()]
         assert len(results) == 3
         assert abs(sum(x["sequential_tokens"] for x in results) / 3 - r["mean_sequential_tokens"]) < 1e-9
-    # the merge model (issue 17): its evaluation ran with the join its export selects, on the same
+    # the merge model: its evaluation ran with the join its export selects, on the same
     # budget; merge trains every token once, like flat, and fewer than the trie
     merge = on_disk["sprint_merge_parallel"]
     cfg_merge = json.loads((tmp_path / "eval" / "sprint_merge_parallel" / "report.json").read_text())["meta"]["config"]

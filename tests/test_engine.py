@@ -1,5 +1,5 @@
 """Engine invariants against independent references: a plain full-sequence forward, HF generate,
-and each branch decoded alone from a fresh full prefill (DESIGN.md "Inference engine")."""
+and each branch decoded alone from a fresh full prefill (docs/design.md "The engine")."""
 from __future__ import annotations
 
 import copy

@@ -208,7 +208,7 @@ def test_eval_and_infer_commands(hf_untied, task_file, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------------
-# an existing --out (issue 12: it used to be wiped before the first problem)
+# an existing --out (it used to be wiped before the first problem)
 # ---------------------------------------------------------------------------------------------
 
 def _engine_for(answers) -> ScriptedEngine:

@@ -1,6 +1,5 @@
 """The paper's length analysis in `eval compare` (bins by the baseline's length, speedups), answer
-extraction and grader errors through `evaluate`, and the train -> eval contamination guard
-(issue 11 items 2, 4, 5, 7)."""
+extraction and grader errors through `evaluate`, and the train -> eval contamination guard."""
 from __future__ import annotations
 
 import hashlib

@@ -1,4 +1,4 @@
-"""`eval --concurrency` (issue 13): results.jsonl is the same at concurrency 1, 4 and 16 (timings
+"""`eval --concurrency`: results.jsonl is the same at concurrency 1, 4 and 16 (timings
 aside) and equals the single-run path's; `eval compare` shows wall clock per problem, per correct
 answer and the concurrency of each run."""
 from __future__ import annotations

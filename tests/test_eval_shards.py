@@ -1,4 +1,4 @@
-"""`eval --shard I/N` + `eval merge` (issue 15): three shards of a real tiny-model evaluation,
+"""`eval --shard I/N` + `eval merge`: three shards of a real tiny-model evaluation,
 merged, write the results.jsonl / records.jsonl / report.json of one unsharded run of the same
 command (timings aside); a shard that died (report missing, lines cut) makes the merge refuse,
 and after rerunning that shard alone the merge is identical again."""

@@ -41,7 +41,8 @@ def trajectories(draw, final: bool | None = None) -> Trajectory:
 
 
 # ---------------------------------------------------------------------------------------------
-# an independent grammar check and an independent labeller (test-local, written from DESIGN.md)
+# an independent grammar check and an independent labeller (test-local, written from
+# docs/design.md "The SPRINT format")
 # ---------------------------------------------------------------------------------------------
 
 _TOKEN = re.compile(r"(<(?:/?)(?:Plan_[1-9][0-9]{0,8}|prompt_[1-9][0-9]{0,8}\.[1-9][0-9]{0,8}|"
@@ -361,7 +362,7 @@ def test_token_labels_rule():
 
 
 # ---------------------------------------------------------------------------------------------
-# adversarial sizes (issue 12): parsing is linear in the input
+# adversarial sizes: parsing is linear in the input
 # ---------------------------------------------------------------------------------------------
 
 def _many_prompts(n: int) -> str:

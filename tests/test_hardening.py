@@ -1,5 +1,6 @@
-"""What a hostile user broke (issue 12), each checked through the real command or loader: one
-line and exit code 2 for a mistake, never a traceback, never a silent wrong result."""
+"""Hardening against bad input: what a hostile user broke, each checked through the real command
+or loader: one line and exit code 2 for a mistake, never a traceback, never a silent wrong
+result."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Inference over a mesh (issue 15) == one device: on 8 fake CPU devices, the batched engine on
+"""Inference over a mesh == one device: on 8 fake CPU devices, the batched engine on
 data=2, tensor=2 x data=2, tensor=4 x data=2 and tensor=8 meshes gives the same greedy tokens
 (generate, fork with forced prefixes, extend, the scheduler with several sequences at once) as
 the same engine on one device, and the single-run Engine (a layer over the same slot core) gives

@@ -1,4 +1,5 @@
-"""kernels/ must never load as a top-level `kernels` package (DESIGN.md, "kernels/ name trap").
+"""kernels/ must never load as a top-level `kernels` package (docs/design.md
+"Attention", the kernels/ name trap).
 
 transformers imports any `kernels` it can find while loading a model class (it probes for HF's
 kernel hub). Run from the repo root, the way `python -c` and `python -m pytest` put it on

@@ -1,4 +1,4 @@
-"""Flash attention in the (stage, branch) form (the merge layout, issue 17) == the dense reference,
+"""Flash attention in the (stage, branch) form (the merge layout) == the dense reference,
 forward and backward, every body; and its tile skipping.
 
 Reference: `attend_partial` (dense [T, S] scores) under `span_mask(span_end, stage=, branch=)`,

@@ -1,8 +1,8 @@
-"""Merge join (issue 17): the executors' KV placed after the planner's prefix without re-running
+"""Merge join: the executors' KV placed after the planner's prefix without re-running
 the model. The reference is independent of both engines: one plain full forward of the merged
-sequence with a dense mask and positions built here from the issue's semantics (executor j sees
-the context before the fork plus its own tokens, never its siblings; all executors start at the
-fork; the planner continues at fork + the longest and sees every executor), returning every
+sequence with a dense mask and positions built here from the merge join's definition (executor
+j sees the context before the fork plus its own tokens, never its siblings; all executors start at
+the fork; the planner continues at fork + the longest and sees every executor), returning every
 layer's K/V and every row's logits."""
 from __future__ import annotations
 

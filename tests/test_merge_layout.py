@@ -1,8 +1,8 @@
-"""The merge layout (issue 17, README "The merge layout"): every token once, executors of a stage side by
-side from the fork position, and the (stage, branch) attention rule, checked against independent
-references: the flat layout's tokens, the mask rule evaluated by hand on the laid-out rows, the
-model run on each example alone, the model run on each first-stage call as a plain causal sequence,
-and the dense-mask step; plus a real `sprint-jax train` run in the merge layout."""
+"""The merge layout (docs/design.md "Layouts: flat, trie, merge"): every token once, executors of a
+stage side by side from the fork position, and the (stage, branch) attention rule, checked against
+independent references: the flat layout's tokens, the mask rule evaluated by hand on the laid-out
+rows, the model run on each example alone, the model run on each first-stage call as a plain causal
+sequence, and the dense-mask step; plus a real `sprint-jax train` run in the merge layout."""
 from __future__ import annotations
 
 import functools

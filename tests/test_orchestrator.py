@@ -1,6 +1,7 @@
-"""The SPRINT orchestrator (paper §10; DESIGN.md "Orchestrator"): control flow and accounting on
-a scripted test double of the engine, fuzzing of malformed output, and the real engine on a tiny
-real checkpoint (parallel == serial under greedy; counts equal an independent decode)."""
+"""The SPRINT orchestrator (paper §10; docs/design.md "The orchestrator and its accounting"):
+control flow and accounting on a scripted test double of the engine, fuzzing of malformed output,
+and the real engine on a tiny real checkpoint (parallel == serial under greedy; counts equal an
+independent decode)."""
 from __future__ import annotations
 
 import dataclasses
@@ -434,8 +435,8 @@ def test_forced_text_the_tokenizer_cannot_encode_ends_the_run_as_malformed():
 
 def test_forced_text_is_the_canonical_whitespace():
     """The forced opening is what the canonical format puts before an execution's content (one
-    newline between blocks, one space inside: DESIGN.md; test_format checks render against the
-    same literal text)."""
+    newline between blocks, one space inside: docs/design.md "The SPRINT format"; test_format
+    checks render against the same literal text)."""
     assert execution_opening(2, 3) == "\n<execution_2.3>"
     assert (fmt.BLOCK_GAP, fmt.CLOSE_GAP) == ("\n", " ")
 

@@ -1,4 +1,4 @@
-"""The orchestrator as a generator (issue 13): the single-run driver and the many-runs driver give
+"""The orchestrator as a generator: the single-run driver and the many-runs driver give
 identical RunRecords (timings aside), on scripted planners and on the real tiny checkpoint."""
 from __future__ import annotations
 

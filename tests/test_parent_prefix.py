@@ -1,4 +1,4 @@
-"""The many-parents shared-prefix kernel (issue 13, Pallas path; issue 15, per shard).
+"""The many-parents shared-prefix kernel (Pallas path; per shard under a mesh).
 
 References: a float64 numpy softmax attention written here (each row over the first lens[g, w]
 keys of its group's cache row), and the batched engine's XLA path

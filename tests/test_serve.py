@@ -1,4 +1,4 @@
-"""`sprint-jax serve` (issue 16): the real `openai` client against the server on 127.0.0.1, on the
+"""`sprint-jax serve`: the real `openai` client against the server on 127.0.0.1, on the
 tiny real checkpoint. References: each request decoded alone on the single-run `Engine` (itself
 tested against HF generate), the orchestrator's single-run driver (what `sprint-jax infer` runs),
 the batched engine's counters (one prefill for n children), and the server's own metrics."""

@@ -1,4 +1,4 @@
-"""SPRINT mode over HTTP with a model that really writes stages (issue 16). A tiny Qwen2 is trained
+"""SPRINT mode over HTTP with a model that really writes stages. A tiny Qwen2 is trained
 for a few seconds by the real trainer (trie layout) on two curated digit-chains SPRINT
 trajectories until it writes them back greedily: a plan of 4 prompts, 4 executions, a second plan,
 the final answer. Built once per test session.

@@ -1,4 +1,4 @@
-"""Incremental stop detection (issue 11 item 8) against the quadratic definition, and its cost.
+"""Incremental stop detection against the quadratic definition, and its cost.
 
 A byte-level BPE tokenizer (transformers' Qwen2Tokenizer over the 256 byte symbols, built here)
 splits multi-byte characters across tokens, so windows that end inside a character are exercised.

@@ -1,6 +1,6 @@
 """sprint_jax.tasks: task sources (jsonl, parquet, arrow, HF datasets saved to disk), the loaders'
-bad-input errors (issue 12), answer extraction (issue 11 item 5), grader errors counted (item 7),
-and the package carrying its own data with no path outside the repository (item 0)."""
+bad-input errors, answer extraction, grader errors counted, and the package carrying its own data
+with no path outside the repository."""
 from __future__ import annotations
 
 import json
@@ -91,7 +91,7 @@ def test_unreadable_sources_are_one_line_errors(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# issue 12: the task loaders' bad input (each failed before the fix)
+# the task loaders' bad input (each failed before the fix)
 # ---------------------------------------------------------------------------------------------
 def test_choice_loader_rejects_duplicate_ids(tmp_path):
     p = _jsonl(tmp_path / "mc.jsonl", [{"id": "q", "question": "a?", "choices": ["x", "y"], "answer": "A"},
@@ -138,7 +138,7 @@ def test_id_zero_is_kept(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# item 5: answer extraction; item 7: grader errors are counted, not silently wrong
+# answer extraction; grader errors are counted, not silently wrong
 # ---------------------------------------------------------------------------------------------
 def test_answer_extraction_modes():
     text = r"Thinking... so $x = \boxed{3}$, no wait, $\boxed{\frac{1}{2}}$."
@@ -172,7 +172,7 @@ def test_problem_hash_normalises_spacing_and_case():
 
 
 # ---------------------------------------------------------------------------------------------
-# item 0: the package carries its data; nothing refers to a directory beside the repository
+# the package carries its data; nothing refers to a directory beside the repository
 # ---------------------------------------------------------------------------------------------
 def test_package_data_is_inside_the_package():
     import hashlib

@@ -1,4 +1,4 @@
-"""Token boundaries at fork and sync (issue 11 item 1), with the real Qwen2 BPE, where `>\\n` is one
+"""Token boundaries at fork and sync, with the real Qwen2 BPE, where `>\\n` is one
 token. The engine is a stand-in for a model that learnt its training data exactly: shown a context
 its layout trained on, it writes the trained continuation token for token; shown anything else,
 it writes EOS. The references are train/data.py's own layouts of the same trajectory

@@ -309,7 +309,7 @@ def test_chunked_loss_equals_whole_row_loss(tok, params):
 
 
 # ---------------------------------------------------------------------------------------------
-# SPRINT and RFT on the same problems (paired over-long filtering, issue 11 item 3)
+# SPRINT and RFT on the same problems (paired over-long filtering)
 # ---------------------------------------------------------------------------------------------
 def test_paired_sets_drop_a_problem_overlong_in_either(tok, tmp_path):
     sprint = _examples("sft_tiny_sprint.jsonl")[:4]
@@ -345,7 +345,7 @@ def test_both_7b_configs_name_each_other_as_pairs():
 
 
 # ---------------------------------------------------------------------------------------------
-# the whole trajectory as one more trie unit (ThreadWeaver; issue 11 item 9)
+# the whole trajectory as one more trie unit (ThreadWeaver)
 # ---------------------------------------------------------------------------------------------
 def test_trie_whole_trajectory_unit_is_the_flat_example(tok, params):
     ex = _example()            # implicit prompt, plan-only stage, two executors

@@ -1,4 +1,4 @@
-"""Training guards (issue 12): a diverged run stops and exports nothing; one run per --out.
+"""Training guards: a diverged run stops and exports nothing; one run per --out.
 
 Every run is a real `sprint-jax train` subprocess on the tiny model."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Exact resume (DESIGN.md: "resume continues bit-for-bit"): 6 steps straight == 3 steps, the
+"""Exact resume ("Resume is exact", docs/design.md "Training"): 6 steps straight == 3 steps, the
 process SIGKILLed after step 4, then resumed from the step-3 checkpoint for 3 more: the same
 losses and the same final weights, bitwise on CPU. A corrupt latest checkpoint is detected, moved
 aside loudly, and the previous one used (again ending bit-identical).
@@ -161,7 +161,7 @@ def test_fingerprint_mismatch_is_detected(tmp_path, capsys):
 
 @pytest.mark.parametrize("damage", ["swapped_values", "nan"])
 def test_silently_changed_arrays_are_detected(tmp_path, capsys, damage):
-    """Issue 12: data that reads fine but is not what was saved. Two values swapped keep every
+    """Data that reads fine but is not what was saved. Two values swapped keep every
     per-leaf sum (the old fingerprint passed them), and a NaN compares false with everything (it
     passed too, and training resumed into NaN). The bits' checksum written at save time and the
     finiteness check catch both; the checkpoint is quarantined and the previous one used."""
@@ -218,9 +218,10 @@ def test_non_finite_state_is_never_saved(tmp_path):
 
 
 def test_flipped_bytes_in_a_data_file_are_caught(tmp_path, capsys):
-    """The issue's reproduction: 300 bytes inverted inside the latest checkpoint's largest data
-    file. orbax reads it without complaint (random float32 data is stored nearly raw), the values
-    come back changed, some NaN; the old fingerprint passed them and training resumed into NaN."""
+    """A reported failure, reproduced: 300 bytes inverted inside the latest checkpoint's largest
+    data file. orbax reads it without complaint (random float32 data is stored nearly raw), the
+    values come back changed, some NaN; the old fingerprint passed them and training resumed into
+    NaN."""
     import jax
     import jax.numpy as jnp
     import numpy as np

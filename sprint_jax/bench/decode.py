@@ -2,7 +2,7 @@
 
 Why. A SPRINT stage (paper §10) runs its executors at the same time: the engine forks the
 planner's cache and decodes every branch in one batched step. This benchmark measures, in one
-run, what that buys (DESIGN.md "Performance contract"):
+run, what that buys:
   shared   `decode_branches(mode="shared")`: the slot core's fork: the prefix KV stored once and
            read in place once per step for all branches, a child slot per branch,
   copy     the prefix copied into every branch (the baseline to beat: `infer/copy_fork.py`),
@@ -32,7 +32,7 @@ decode step alone; it also counts how many leading greedy tokens the two stacks 
 
 Ratios (same run): shared/copy step time, stage time and cache bytes; batched vs serial stage
 speed-up (serial stage_ms / batched stage_ms) and decode tokens/s ratio; step at n branches vs
-one branch; engine vs HF tokens/s. A "targets" section says which of the issue's CPU targets
+one branch; engine vs HF tokens/s. A "targets" section says which of its CPU targets
 were met, with the figures.
 
 Models.
@@ -108,7 +108,7 @@ DEFAULTS: dict[tuple[bool, bool], dict[str, Any]] = {
     (True, True): dict(branches="1,8", prefix_lens="1024,8192", new_tokens=64, repeats=2,
                        decode_chunk=64, prefill_chunk=512, branch_prefix_len=4, join_tokens="64,512,2048"),
 }
-JOIN_EXECUTORS = 8        # executors per stage in the join rows (issue 17)
+JOIN_EXECUTORS = 8        # executors per stage in the join rows
 JOIN_CONTEXT = 128        # planner tokens before the fork in the join rows
 JOIN_PREFILL_CHUNK = 512  # the join rows' engine prefill chunk (the re-prefill runs in such chunks)
 # Above this many parameters a CPU run is refused (hours of random init and decoding).
@@ -452,10 +452,10 @@ def _bench_hf(engine, hf, device: str, context: list[int], s: dict[str, Any]) ->
 
 
 # ---------------------------------------------------------------------------------------------
-# targets (the issue's CPU targets, tiny model)
+# targets (the CPU targets, tiny model)
 # ---------------------------------------------------------------------------------------------
 def bench_join(model, tokenizer, s: dict[str, Any], rng) -> list[dict[str, Any]]:
-    """Re-prefill vs merge join, per stage (issue 17): --join-executors executors of N tokens each
+    """Re-prefill vs merge join, per stage: --join-executors executors of N tokens each
     forked from a --join-context-token planner, on the batched engine (`BatchEngine`: what the
     orchestrator's demo, eval and server run), timed from the join's call until the cache holds its
     result (block_until_ready). reprefill = `extend` of all executors' tokens onto the planner,

@@ -8,7 +8,7 @@ decode step of n branches over a P-token shared prefix plus an S-token suffix ea
              + lse merge (`shared_prefix_attention_reference`),
   copy_fork  the prefix materialised into every branch: attention over [n, P + S] keys (the
              copy is made before timing: a copy-fork pays it once per fork, not per step).
-A second table times the batched engine's decode-step attention over many parents (issue 13):
+A second table times the batched engine's decode-step attention over many parents:
 G groups of 1 parent + C children, each group over its own slot of a parent cache (capacity
 max prefix + 16, used lengths from P down to ~P/2 across the groups):
   grouped_pallas  `sprint_jax.kernels.grouped_prefix_attention` (all groups in one call, each

@@ -1,4 +1,4 @@
-"""`sprint-jax bench serve`: many SPRINT-shaped runs at once on the batched engine (issue 13).
+"""`sprint-jax bench serve`: many SPRINT-shaped runs at once on the batched engine.
 
 Model: random weights in the demo's model shape (`demo-size`: sprint_jax.demo.DemoModel, vocabulary
 512) by default; --preset bench-tiny or any configs/model_NAME.json. The latency model runs on the
@@ -31,11 +31,11 @@ Rows, all measured in one run:
                tokens steps of the fork (4: the forced opening); sequential = --sequential-tokens
                one-row steps. A parallel stage pays off in wall clock only where extra rows are
                cheap next to a step's fixed cost (accelerators); the ratio says where this
-               machine stands, e.g. against issue 13's demo target (<= 0.75).
+               machine stands, e.g. against the demo's latency target (<= 0.75).
   fork bytes   a fork of --executors children on a fresh engine: the KV bytes written, read off the
                cache arrays (slots whose K or V is non-zero), against prefix + n x suffix (the
                prefix stored once) and against what per-child prefix copies would hold.
-  --http       (issue 16) instead: plain greedy requests through `sprint-jax serve` vs in-process
+  --http       instead: plain greedy requests through `sprint-jax serve` vs in-process
                on an identical BatchEngine. Model: the demo's (configs/demo.yaml: its shape, its
                tokenizer, its held-out queries as prompts; random weights) unless --preset. Per
                (--max-tokens, --concurrency): waves of `concurrency` requests submitted at once
@@ -62,7 +62,7 @@ and every sample is kept in the JSON. Each sample also records this process's CP
 threads) and the run the load average: on a shared machine other processes stretch the wall clock
 but not the CPU time, so the CPU-time ratio is printed next to the wall-clock one.
 
-Targets (issue 13, 2-core CPU): throughput at concurrency 16 >= 6x concurrency 1; decode step at
+Targets (2-core CPU): throughput at concurrency 16 >= 6x concurrency 1; decode step at
 used length 256: capacity 8192 <= 1.2x capacity 512.
 
 Run:
@@ -253,7 +253,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# --http: the OpenAI-compatible server vs the same engine in-process (issue 16)
+# --http: the OpenAI-compatible server vs the same engine in-process
 # ---------------------------------------------------------------------------------------------
 def _demo_model(seed: int, n: int):
     """The demo's model exactly as `sprint-jax demo` builds it (configs/demo.yaml `model`, its
@@ -655,7 +655,8 @@ async def _stack_floor_app(scope, receive, send) -> None:
 class _BareUvicorn:
     """`_stack_floor_app` on uvicorn configured by the function `sprint-jax serve` uses
     (`serve.server.uvicorn_server`: the same HTTP parser and event loop, no access log, no proxy
-    headers), on a thread: what the issue's ASGI stack costs a request before any of our code runs."""
+    headers), on a thread: what the server's ASGI stack costs a request before any of our code
+    runs."""
 
     def __init__(self):
         from sprint_jax.serve.server import run_in_thread, uvicorn_server
@@ -959,7 +960,7 @@ def _http_report(out: dict, repeats: int) -> None:
                   f"({f['uvicorn']['overhead_pct']:.1f}%), raw {f['raw']['overhead_ms']:.2f} ({f['raw']['overhead_pct']:.1f}%)"
                   f"; the server (lean) {r['lean']['overhead_ms']:.2f} ({r['lean']['overhead_pct']:.1f}%)")
     met = [r for r in out["rows"] if r["target_met"]]
-    print(f"target (issue 16): HTTP overhead per request (lean client, e2e over) < 10% of the in-process p50 "
+    print(f"target: HTTP overhead per request (lean client, e2e over) < 10% of the in-process p50 "
           f"latency: met in {len(met)} of {len(out['rows'])} rows")
     beyond = [r for r in sf if r["stack_floor"]["uvicorn"]["overhead_pct"] >= 10]
     if beyond:
@@ -1256,6 +1257,6 @@ def _report(out: dict, conc: list[int], caps: list[int]) -> None:
         need = lm["one_row_step_for_target_ms"]
         print(f"    the compute floor reaches 0.75 only if a one-row step costs >= "
               f"{(f'{need:.3f} ms' if need is not None else 'never (the token counts alone exceed it)')}")
-    print("\nratios (issue 13 targets: concurrency 16 / 1 >= 6; batched step 8192 / 512 <= 1.2):")
+    print("\nratios (targets: concurrency 16 / 1 >= 6; batched step 8192 / 512 <= 1.2):")
     for k, v in targets.items():
         print(f"  {k:<44}{v:>8.2f}")

@@ -4,7 +4,7 @@
 devices, side by side with the same step on the dense-attention reference (the [T, T] mask path
 training used before flash attention) and with `transformers.Qwen2ForCausalLM` / `Qwen3ForCausalLM` +
 `torch.optim.AdamW` on the same config, the same weights and the same batch, in one run
-(DESIGN.md performance contract: ratios in one run, never timed tests). The first-step losses are
+(ratios in one run, never timed tests). The first-step losses are
 printed too: an independent check of our loss. On GPU/TPU the MFU of our step is reported against
 a peak-FLOPs table. Beside the torch step comes the matmul floor (`step_gemms`, `time_step_gemms`,
 `gemm_floor`): each matmul of the step outside attention timed alone on XLA and on torch, summed per

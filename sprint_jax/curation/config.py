@@ -1,4 +1,4 @@
-"""The curation run config (DESIGN.md "Curation"; paper §4-5): one dataclass tree, loaded with
+"""The curation run config (docs/design.md "Curation"; paper §4-5): one dataclass tree, loaded with
 `sprint_jax.config.load_config` from `configs/curate_*.yaml` plus `--set a.b=value` overrides.
 
 API keys never appear here: an endpoint names the *environment variable* that holds its key

@@ -1,4 +1,4 @@
-"""The curation driver (DESIGN.md "Curation"; paper §4-5, §10):
+"""The curation driver (docs/design.md "Curation"; paper §4-5, §10):
 
 tasks -> teacher traces -> correctness filter -> step extraction (+ merge short executions)
 -> dependency DAG -> σ packing and the ρ filter -> reformat (sprint.jsonl, and rft.jsonl from the

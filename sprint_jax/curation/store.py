@@ -1,4 +1,4 @@
-"""The curation store: one SQLite database (WAL) per run (DESIGN.md "Curation", reliability contract).
+"""The curation store: one SQLite database (WAL) per run (docs/design.md "Curation").
 
 Why a database and not files: the pipeline pays for every teacher / extractor / DAG call, and a
 run over thousands of traces gets killed, rate-limited and restarted. Every LLM call is keyed by a

@@ -1,12 +1,12 @@
 """Reports over evaluation results: summary numbers, plots, and the SPRINT-vs-RFT table.
 
 Paper §13: the headline table gives accuracy and sequential tokens (tokens on the critical path,
-DESIGN.md "Orchestrator") for SPRINT against RFT on the same problems, and the analysis shows the
-savings growing with the length of the baseline's trajectory (the paper: problems whose RFT trace
-is over 8k tokens). `compare` builds that table from two runs matched by problem id, with
-`length_bins`: per bin of the baseline's sequential length (fixed thresholds such as 2000,4000,8000,
-and quantiles) the accuracy, sequential tokens and wall clock of both runs; `plot_speedups` draws
-the per-problem speedup histogram (ThreadWeaver, Fig. 5).
+docs/design.md "The orchestrator and its accounting") for SPRINT against RFT on the same problems,
+and the analysis shows the savings growing with the length of the baseline's trajectory (the paper:
+problems whose RFT trace is over 8k tokens). `compare` builds that table from two runs matched by
+problem id, with `length_bins`: per bin of the baseline's sequential length (fixed thresholds such
+as 2000,4000,8000, and quantiles) the accuracy, sequential tokens and wall clock of both runs;
+`plot_speedups` draws the per-problem speedup histogram (ThreadWeaver, Fig. 5).
 
 Two ratios, never to be confused:
 * against the baseline (`compare`): SPRINT's sequential tokens / RFT's, on the same problems. This

@@ -1,4 +1,4 @@
-"""Evaluation over hosts (issue 15): `eval --shard I/N` runs a deterministic slice of the problems,
+"""Evaluation over hosts: `eval --shard I/N` runs a deterministic slice of the problems,
 `eval merge DIR... --out DIR` joins the shards into the results.jsonl / records.jsonl / report.json
 (and plots) one unsharded run writes, timings aside.
 

@@ -1,5 +1,5 @@
 """The batched engine: a two-level slot cache and a scheduler that decodes many sequences per step
-(issue 13, DESIGN.md "Scale path").
+(docs/design.md "The engine").
 
 Cache. `SlotCache` holds P parent slots (a planner, a prompt; capacity max_seq_len) and, for each
 parent slot, G child slots (an executor, one of n samples; capacity max_branch_tokens). Child slot
@@ -400,7 +400,7 @@ def decode_step(params, config: Qwen2Config, cache: SlotCache, a_slot, b_pslot, 
     feed_last [B] bool (None: off): a row that finishes on device (stop id, EOS, length) runs one
     more step that only feeds its last token: its KV is written and its logits (before the padded
     ids are masked) are kept; the token that step samples is dropped. A merge join's children
-    (issue 17) so hold their close tag's KV, and the last one its join logits, with nothing left
+    so hold their close tag's KV, and the last one its join logits, with nothing left
     to run at the join. The feed step may run past the row's steps (one step, nothing emitted).
     join_meta [1, 2 + 2G] per slot shard (None: off), join_w: a merge join's copy (`_copy_join`'s
     meta and window) run before the first step, under a cond (no child length: nothing runs, and
@@ -518,7 +518,7 @@ class Seq:
         self.slot: int | None = None
         self.op: "Op | None" = None       # the operation in flight (one at a time)
         self.closed = False
-        # merge join (issue 17), as on `DecodeState`: slot s sits at position s + pos_offset; the
+        # merge join, as on `DecodeState`: slot s sits at position s + pos_offset; the
         # first `joined` tokens are fixed; right after a join the last token is already in the slot
         # (computed in its branch) and join_logits are its logits. last_fork: the last fork's
         # children, [(tokens from the parent's pending token on, slots computed)], for merge.
@@ -881,7 +881,7 @@ class BatchEngine:
 
     def merge(self, seq: Seq, branches: Sequence[Sequence[int]]) -> Seq:
         """Join the children of the fork just finished on `seq` into its slot without re-running
-        them (issue 17; `Engine.merge` is the single-run twin): branches[j] is child j's final
+        them (`Engine.merge` is the single-run twin): branches[j] is child j's final
         tokens after the fork (opening, body, repair as the layout tokenizes them). Their slot
         rows are copied after the parent's prefix in child order (one call, `_copy_join`).
         After a join fork (`fork(join=True)`) whose children's tokens are the branches, that copy is

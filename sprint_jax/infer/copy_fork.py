@@ -6,8 +6,8 @@ against, paper §10) and the counterexample of tests/test_batch_engine.py's HLO 
 pre-slot single-run path kept in its plainest form: the prefix [L, P, Hkv, D] is copied into a
 fresh [L, n, P + S, Hkv, D] cache, the branches' forced prefixes are prefilled onto it, and the
 layer scan carries the whole cache through each decode step, attending over the capacity (the
-prototype issue 13 measured at 0.64-0.82x). Serving (`shared` and `serial` forks, everything
-else) runs on the slot core (`sprint_jax.infer.batch`).
+prototype of the batched engine, measured at 0.64-0.82x). Serving (`shared` and `serial` forks,
+everything else) runs on the slot core (`sprint_jax.infer.batch`).
 """
 from __future__ import annotations
 

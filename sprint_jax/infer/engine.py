@@ -1,6 +1,6 @@
 """The single-run engine: one sequence's prefill / extend / generate / decode_branches / merge, as a
-thin layer over the batched slot core (`sprint_jax.infer.batch.BatchEngine`, issue 13; DESIGN.md
-"Inference engine").
+thin layer over the batched slot core (`sprint_jax.infer.batch.BatchEngine`; docs/design.md
+"The engine").
 
 `Engine` holds a `BatchEngine(max_seqs=1, max_children=max_branches)`: the sequence lives in its one
 parent slot, a fork's branches in that slot's children, and every call is the core's operation
@@ -50,7 +50,7 @@ class DecodeState:
     The KV lives in the engine's slot (`cache` reads it); see the module docstring for how a
     state the slot no longer holds is treated."""
     tokens: list[int]
-    # merge join (issue 17): position of cache slot s is s + pos_offset (a join places k branches
+    # merge join: position of cache slot s is s + pos_offset (a join places k branches
     # side by side in the cache but continues at fork + the longest, so slots run ahead of
     # positions); the first `joined` tokens are fixed by the last join (no rollback into them).
     # Right after a join (`after_join`) the last token's KV is already in the cache (computed in
@@ -489,7 +489,7 @@ class Engine:
         return copy_fork_branches(self, pk, pv, p0, seq.tokens[-1], prefixes, limits, stops, sampling,
                                   seq.pos_offset, self.core.child_capacity, self.prefill_chunk)
 
-    # ---- merge join (issue 17) -----------------------------------------------------------
+    # ---- merge join ----------------------------------------------------------------------
     def merge(self, state: DecodeState, branches: Sequence[Sequence[int]]) -> DecodeState:
         """Join the branches of the shared fork just decoded from `state` into it without re-running
         them (`BatchEngine.merge`): branches[j] is branch j's final tokens after the fork (its forced

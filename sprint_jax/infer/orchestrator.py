@@ -1,6 +1,6 @@
 """The SPRINT orchestrator: planner -> parallel executors -> sync, stage after stage (paper §10).
 
-One stage (DESIGN.md "Orchestrator"):
+One stage (docs/design.md "The orchestrator and its accounting"):
 
 1. The planner decodes on its own KV cache until `</Plan_i>` or `</Final Answer>`
    (`format.planner_stop_strings(i)`).
@@ -10,7 +10,7 @@ One stage (DESIGN.md "Orchestrator"):
    (`engine.decode_branches`), each stopping at its own `</execution_i.j>`.
 4. Sync (`config.join`, default from the layout): `reprefill` appends the openings and
    executions in prompt order and prefills only those tokens onto the planner cache
-   (`engine.extend`); `merge` (issue 17, a merge-layout model) places each executor's KV after
+   (`engine.extend`); `merge` (the default for a merge-layout model) places each executor's KV after
    the fork point without running the model (`engine.merge`: only tokens a branch never computed
    run, in their branch), and the planner continues at fork + the longest executor. The two are
    different computations and coincide only when the stage has one executor. The planner
@@ -20,7 +20,7 @@ The text the planner ends up holding is exactly `format.render_completion` of th
 the model writes canonical blocks (the forced openings and repairs use the gaps `render_completion`
 writes), because training data is rendered that way.
 
-Token boundaries (issue 11). With a BPE tokenizer the tokens of forced text depend on the text
+Token boundaries. With a BPE tokenizer the tokens of forced text depend on the text
 next to it (Qwen2 writes `>\n` as one token), so wherever forced text meets generated text
 (fork, sync, repair) the orchestrator re-tokenizes a small window the way the model's training
 layout did (`config.layout`, written by `train` into the export) and rolls the state back to the
@@ -66,10 +66,11 @@ by one call). max_stages counts plans whose executors run; after the last one th
 still answer, and a further plan ends the run (`max_stages`). Per-call limits are clipped so no call can exceed the total budget or the engine's
 capacities; a stage's branches share the remaining budget equally.
 
-Accounting (DESIGN.md): sequential_tokens = Σ_stages (planner tokens + max executor tokens), plus
-the final planner call; total_tokens = Σ planner + Σ executors. Counted tokens are generated
-tokens (decode steps); forced openings and repairs are prefilled in one pass and not counted.
-A sequential run has sequential_tokens == total_tokens == generated tokens.
+Accounting (docs/design.md "The orchestrator and its accounting"): sequential_tokens = Σ_stages
+(planner tokens + max executor tokens), plus the final planner call; total_tokens = Σ planner + Σ
+executors. Counted tokens are generated tokens (decode steps); forced openings and repairs are
+prefilled in one pass and not counted. A sequential run has sequential_tokens == total_tokens ==
+generated tokens.
 """
 from __future__ import annotations
 

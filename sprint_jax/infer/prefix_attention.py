@@ -1,5 +1,5 @@
-"""The batched engine's parent-prefix attention on the Pallas path (issue 13), per shard under a
-mesh (issue 15).
+"""The batched engine's parent-prefix attention on the Pallas path, per shard under a
+mesh.
 
 A decode step of `BatchEngine` attends in groups: a generate row alone (over its own parent slot),
 or a fork's children (over their parent slot up to the fork point). The XLA path

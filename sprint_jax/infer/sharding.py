@@ -1,4 +1,4 @@
-"""Inference over a device mesh (issue 15): the `--mesh tensor=4,data=2` flag, where parameters and
+"""Inference over a device mesh: the `--mesh tensor=4,data=2` flag, where parameters and
 KV slots live, and a memory planner.
 
 Parameters are placed by the trainer's one rules table (`sprint_jax.train.mesh.RULES`): heads,

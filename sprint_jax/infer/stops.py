@@ -1,4 +1,4 @@
-"""Incremental stop-string detection over a growing token sequence (issue 11 item 8).
+"""Incremental stop-string detection over a growing token sequence.
 
 Decoding the whole generation after every chunk, and then every prefix of it, costs O(n^2) host
 work on long traces. `StopScanner` decodes only the tokens since its last anchor (plus a few

@@ -37,8 +37,9 @@ time ("cuDNN is not detected." on a CPU host), so nothing of it can be built or 
 Queries may sit at an offset into the keys (`q_offset`, per batch row): query t of row b is row
 i = q_offset[b] + t of the rule. The engine's prefill uses that to attend a chunk to its cache.
 
-The (stage, branch) form (the merge layout, README "The merge layout"). With per-token `stage` and
-`branch` [B, S] the rule gains a factor: row i sees j iff j <= i < span_end[j] and
+The (stage, branch) form (the merge layout, docs/design.md "Layouts: flat, trie, merge"). With
+per-token `stage` and `branch` [B, S] the rule gains a factor: row i sees j iff
+j <= i < span_end[j] and
     branch[j] == 0  or  stage[j] < stage[i]  or  (stage[j], branch[j]) == (stage[i], branch[i])
 (planner text is seen by every later row; an executor token by its own branch and by everything
 of a later stage; never by a sibling branch). It is not an interval in j, so span_end alone cannot

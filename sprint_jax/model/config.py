@@ -38,7 +38,7 @@ _HF_STORAGE_DTYPE_KEYS = ("dtype", "torch_dtype")
 
 
 def check_values(cfg) -> None:
-    """Values that cannot be right, rejected by name (issue 12: `rope_theta: "nan"` and
+    """Values that cannot be right, rejected by name (bad input: `rope_theta: "nan"` and
     `rms_norm_eps: -1` used to load, and every output was NaN)."""
     def number(name: str) -> float:
         v = getattr(cfg, name)

@@ -3,7 +3,8 @@
 Reward of one trajectory (one orchestrator run):
     r = correct + [correct] * min(rho * eta, rho_clip),   eta = 1 - L_longest / L_total
 where L_longest is the run's sequential (critical-path) token count and L_total its total generated
-tokens (RunRecord accounting, DESIGN.md "Orchestrator"). The acceleration bonus is granted only to
+tokens (RunRecord accounting, docs/design.md
+"The orchestrator and its accounting"). The acceleration bonus is granted only to
 a correct answer, so a wrong but parallel trajectory is never preferred to a right serial one; a
 sequential run has eta = 0 and so no bonus (the RFT-side baseline is this recipe with rho = 0).
 

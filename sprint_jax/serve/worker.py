@@ -526,7 +526,7 @@ class EngineWorker:
                 if call.kind == "truncate":
                     value = self.engine.truncate(call.state, call.n)
                     continue
-                if call.kind == "merge":     # a merge join (issue 17): runs at once, like truncate
+                if call.kind == "merge":     # a merge join: runs at once, like truncate
                     value = self.engine.merge(call.state, call.prefixes)
                     continue
                 if call.kind == "prefill":

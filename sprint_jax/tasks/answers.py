@@ -2,7 +2,7 @@
 
 A SPRINT or RFT model trained on our format writes `<Final Answer> ... </Final Answer>`; a base
 reasoning model (e.g. the untuned R1-distill) ends with `\\boxed{...}` instead. `extract_answer`
-picks the text the grader sees by `mode` (issue 11 item 5), so the base model is a row of the same
+picks the text the grader sees by `mode`, so the base model is a row of the same
 table:
   final_answer  the <Final Answer> block only (None without one)
   boxed_last    the last complete \\boxed{...} of the whole output, as `\\boxed{content}`

@@ -1,7 +1,7 @@
 """Digit chains: the demo's verifiable task family, with its own programmatic teacher.
 
-Built from what a tiny transformer learns in a few hundred steps on a CPU (issue 7's
-measurements): copying, single-digit facts and a comparison. A problem lists k start digits
+Built from what a tiny transformer was measured to learn in a few hundred steps on a CPU:
+copying, single-digit facts and a comparison. A problem lists k start digits
 (3 or 4). Chain j repeatedly applies a fixed digit map (a 10-cycle, i.e. ten single-digit facts)
 to its start digit for `length` steps; the answer is the largest last digit over all chains.
 Problems have a fixed shape (4 chains by default), so what each executor needs sits at a fixed

@@ -1,4 +1,4 @@
-"""Sharded SFT (paper §8-9; DESIGN.md "Training").
+"""Sharded SFT (paper §8-9; docs/design.md "Training").
 
     from sprint_jax.train import TrainConfig, load_train_config, train
     summary = train(load_train_config("configs/sft_tiny_cpu.yaml"), "runs/tiny")

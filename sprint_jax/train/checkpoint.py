@@ -1,6 +1,6 @@
 """orbax checkpoints of the whole train state, written atomically and verified on restore.
 
-DESIGN.md reliability contract: checkpoints are written atomically (orbax writes a temporary
+docs/design.md "Reliability contract": checkpoints are written atomically (orbax writes a temporary
 directory and renames it when every process has finished, so a kill mid-save leaves no step
 directory) and verified on restore: each checkpoint carries a checksum of every array's bits
 (written at save time, recomputed after reading: exact, so a flipped byte or two swapped values

@@ -1,4 +1,4 @@
-"""The SFT run config (DESIGN.md "Training"; paper §8-9): one dataclass tree, loaded with
+"""The SFT run config (docs/design.md "Training"; paper §8-9): one dataclass tree, loaded with
 `sprint_jax.config.load_config` from `configs/sft_*.yaml` plus `--set a.b=value` overrides.
 
 SPRINT and the RFT baseline are the same run on different example files (paper §9): only
@@ -47,7 +47,8 @@ class PairedSection:
 
 @dataclasses.dataclass
 class DataSection:
-    """Examples -> packed token rows (DESIGN.md "Training": span-masked loss, flat or trie layout)."""
+    """Examples -> packed token rows (docs/design.md "Training": span-masked loss, flat, trie or
+    merge layout)."""
     train: list[str] = dataclasses.field(default_factory=list)  # jsonl files of Examples
     layout: Layout = "flat"                    # flat = paper (one sequence); trie = inference calls; merge = merge join
     seq_len: int = 2048                        # tokens per packed row

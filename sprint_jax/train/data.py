@@ -22,13 +22,13 @@ layouts, so the train step has a single attention mask and a single loss:
     the whole trajectory as one more unit, a child of the prompt: exactly the flat layout's tokens,
     positions and loss (prompt + completion tokenized as in flat + EOS), so the same model also runs
     as an ordinary sequential decoder without the orchestrator.
-  * merge (train what the merge join runs; README "The merge layout"): the trie's pieces, each once, in
-    text order; the executors of a stage all start at the fork position and the planner resumes at
-    fork + the longest executor. Items also carry `stage` and `branch` per token (branch 0 =
-    planner text, j = executor j of that stage) and the attention adds the merge rule: row i sees
-    j iff j <= i < span_end[j] and (branch[j] == 0 or stage[j] < stage[i] or (stage, branch) of
-    i and j are equal). span_end is the end of the example (packing). flat / trie items have no
-    stage / branch (the merge rule is then true everywhere).
+  * merge (train what the merge join runs; docs/design.md "Layouts: flat, trie, merge"): the trie's
+    pieces, each once, in text order; the executors of a stage all start at the fork position and
+    the planner resumes at fork + the longest executor. Items also carry `stage` and `branch` per
+    token (branch 0 = planner text, j = executor j of that stage) and the attention adds the merge
+    rule: row i sees j iff j <= i < span_end[j] and (branch[j] == 0 or stage[j] < stage[i] or
+    (stage, branch) of i and j are equal). span_end is the end of the example (packing). flat / trie
+    items have no stage / branch (the merge rule is then true everywhere).
 Paired sets (paper §9: SPRINT and RFT train on the same problems): `build_items(paired=...)` drops an
 example whose partner (same id in the other set) is unusable or over-long there, and counts it.
 Several items are packed into one row (first-fit, deterministic order from the seed); items never
@@ -379,7 +379,7 @@ def layout_trie(tokenizer, ex: Example, pieces: Pieces, span_weights: dict[str, 
 
 
 def layout_merge(tokenizer, ex: Example, pieces: Pieces, span_weights: dict[str, float]) -> Item:
-    """The pieces once each, in text order (README "The merge layout"):
+    """The pieces once each, in text order (docs/design.md "Layouts: flat, trie, merge"):
       * positions: planner text continues its own count; the executors of stage k all start at the
         fork position F (just after `</Plan_k>`) and the planner resumes at F + max_j len(executor j)
         (opening + body; the repair the orchestrator may add is never in training data);

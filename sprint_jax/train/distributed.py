@@ -1,4 +1,5 @@
-"""Multi-host training: jax.distributed start-up and process-local batches (DESIGN.md "Training").
+"""Multi-host training: jax.distributed start-up and process-local batches
+(docs/design.md "Training").
 
 `initialize` must run before any other JAX call of the process. It uses, in order: explicit
 coordinator / process count / process id (config or `--coordinator/--num-processes/--process-id`),

@@ -1,6 +1,6 @@
 """The device mesh (data, fsdp, tensor) and the one table from logical axes to mesh axes.
 
-DESIGN.md "Training": parameters carry logical axis names (`qwen2.logical_axes`); `RULES` maps
+docs/design.md "Training": parameters carry logical axis names (`qwen2.logical_axes`); `RULES` maps
 each to a mesh axis; every NamedSharding of parameters and optimizer state is derived from it.
 FSDP shards the model width, tensor parallelism shards heads / MLP / vocab (Megatron split), and
 the batch is split over data x fsdp. A dimension whose size does not divide its mesh axis is

@@ -1,4 +1,5 @@
-"""Span-weighted next-token loss and the sharded, jitted train step (paper §8; DESIGN.md "Training").
+"""Span-weighted next-token loss and the sharded, jitted train step (paper §8; docs/design.md
+"Training").
 
 The step is `jax.jit` with NamedSharding in/out shardings (what pjit became) and the train state
 donated. Master weights and AdamW moments are fp32; the forward runs in `config.dtype` (bf16 on

@@ -1,5 +1,6 @@
-"""The SFT loop (paper §8-9; DESIGN.md "Training"): data -> sharded steps -> metrics, checkpoints,
-export. `train(config, out_dir)` is the Python API; `sprint-jax train` is a thin CLI over it.
+"""The SFT loop (paper §8-9; docs/design.md "Training"): data -> sharded steps -> metrics,
+checkpoints, export. `train(config, out_dir)` is the Python API; `sprint-jax train` is a thin CLI
+over it.
 
 Outputs under OUT: config.yaml (the resolved config), data_stats.json, metrics.jsonl (one JSON
 object per logged step), tb/ (TensorBoard events), checkpoints/ (orbax), loss.png, hf/ (the final
