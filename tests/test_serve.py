@@ -608,7 +608,9 @@ def test_curate_with_our_server_as_teacher_resumes_after_a_kill(setup, tmp_path)
     # the two answered requests were not sent again; the cut-off one was, once; then the last task
     assert len(killed_run) == 3 and len(set(killed_run)) == 3
     assert rerun[0] == killed_run[2] and len(rerun) == 2 and rerun[1] not in killed_run
-    assert _served_200(server) - before == 5                     # 3 (the killed run) + 2 (the rerun)
+    # 2 answered in the killed run + 2 in the rerun; the cut-off request is cancelled once the
+    # server sees its client gone, unless it finished first (then one more 200 nobody read)
+    assert _served_200(server) - before in (4, 5)
     assert dump(tmp_path / "killed" / DB_NAME) == dump(tmp_path / "reference" / DB_NAME)
     assert outputs(tmp_path / "killed") == outputs(tmp_path / "reference")
 
