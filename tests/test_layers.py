@@ -1,0 +1,176 @@
+"""The package's layers point down: a module imports only from its own component or a lower layer.
+
+`LAYERS` below is the one statement of the order, bottom to top. Every import in sprint_jax/ and
+kernels/ (installed as sprint_jax.kernels) is read with `ast`: module level, inside functions and
+under `if TYPE_CHECKING:` alike, because an import deferred into a function is still a dependency
+(it only moves the failure from import time to the first call). Two rules:
+
+  * an import may name its own component or any component of a lower layer; components of one
+    layer (curation, train and infer, say) are independent of each other;
+  * no module imports another module's private (`_name`) names: a name another module needs is
+    part of its owner's interface and is made public there.
+
+Command modules (sprint_jax/cli.py, every */cli.py and *_cli.py) sit above everything and may
+import anything; so may the `if __name__ == "__main__":` block of any module (it runs as a script).
+No module below them may import a command module.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DIRS = {"sprint_jax": ROOT / "sprint_jax", "sprint_jax.kernels": ROOT / "kernels"}
+
+# Bottom to top: (layer, what lives there, its components as {component: module prefixes}).
+LAYERS: list[tuple[str, str, dict[str, tuple[str, ...]]]] = [
+    ("base", "errors, dtypes, files, JSONL, output locks, tree checksums, config loading; the Pallas "
+     "kernels with their dense references, which import nothing of the package",
+     {"base": ("sprint_jax", "sprint_jax.errors", "sprint_jax.dtypes", "sprint_jax.fsutil",
+               "sprint_jax.jsonl", "sprint_jax.outlock", "sprint_jax.treesum", "sprint_jax.config"),
+      "kernels": ("sprint_jax.kernels",)}),
+    ("model", "the decoder, attention dispatch, sharding rules and mesh helpers, checkpoints, "
+     "tokenizers, KV capacity", {"model": ("sprint_jax.model",)}),
+    ("schema", "the SPRINT text format, training examples and the prompt format",
+     {"schema": ("sprint_jax.format", "sprint_jax.schema")}),
+    ("tasks", "task kinds: loaders, prompts, graders", {"tasks": ("sprint_jax.tasks",)}),
+    ("pipelines", "curation (traces -> examples), training (examples -> weights), inference "
+     "(weights -> text); independent of each other",
+     {"curation": ("sprint_jax.curation",), "train": ("sprint_jax.train",),
+      "infer": ("sprint_jax.infer",)}),
+    ("eval", "evaluation runs and reports", {"eval": ("sprint_jax.eval",)}),
+    ("demo", "the end-to-end demo", {"demo": ("sprint_jax.demo",)}),
+    ("rl", "reinforcement learning on the orchestrator's rollouts", {"rl": ("sprint_jax.rl",)}),
+    ("serve", "the HTTP server", {"serve": ("sprint_jax.serve",)}),
+    ("bench", "benchmarks", {"bench": ("sprint_jax.bench",)}),
+]
+COMMANDS = "commands"   # the layer above all: sprint_jax.cli, *.cli, *_cli
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its own name, for its __init__)."""
+    found = {}
+    for pkg, folder in PACKAGE_DIRS.items():
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if "__pycache__" in parts:
+                continue
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join((pkg,) + parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def is_command(module: str) -> bool:
+    last = module.rsplit(".", 1)[-1]
+    return module == "sprint_jax.cli" or last == "cli" or last.endswith("_cli")
+
+
+def place(module: str) -> tuple[int, str]:
+    """(layer index, component) of a module: the longest matching prefix decides."""
+    if is_command(module):
+        return len(LAYERS), COMMANDS
+    best = None
+    for i, (_, _, components) in enumerate(LAYERS):
+        for comp, prefixes in components.items():
+            for p in prefixes:
+                if (module == p or module.startswith(p + ".")) and (best is None or len(p) > best[0]):
+                    best = (len(p), i, comp)
+    if best is None:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS in tests/test_layers.py")
+    return best[1], best[2]
+
+
+def _is_main_guard(node: ast.AST) -> bool:
+    t = node.test if isinstance(node, ast.If) else None
+    return (isinstance(t, ast.Compare) and isinstance(t.left, ast.Name) and t.left.id == "__name__"
+            and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in t.comparators))
+
+
+def imports_of(module: str) -> list[tuple[int, str, str | None]]:
+    """(line, imported module, imported name or None) for every import of `module` into the package,
+    outside `if __name__ == "__main__":` blocks. `from pkg import sub` names the submodule."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+
+    def visit(node):
+        for child in ast.iter_child_nodes(node):
+            if _is_main_guard(child):
+                continue
+            if isinstance(child, ast.Import):
+                found.extend((child.lineno, a.name, None) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                target = child.module or ""
+                if child.level:
+                    base = package.split(".")[:len(package.split(".")) - child.level + 1]
+                    target = ".".join(base + ([target] if target else []))
+                for a in child.names:
+                    sub = f"{target}.{a.name}"
+                    found.append((child.lineno, sub, None) if sub in MODULES else
+                                 (child.lineno, target, a.name))
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return [(line, target, name) for line, target, name in found
+            if target == "sprint_jax" or target.startswith("sprint_jax.")]
+
+
+def _where(module: str, line: int) -> str:
+    return f"{MODULES[module].relative_to(ROOT)}:{line}"
+
+
+def _layer_name(index: int) -> str:
+    return COMMANDS if index == len(LAYERS) else LAYERS[index][0]
+
+
+def test_every_module_has_a_layer():
+    for module in MODULES:
+        place(module)
+
+
+def test_imports_point_down():
+    bad = []
+    for module in sorted(MODULES):
+        here, comp = place(module)
+        for line, target, name in imports_of(module):
+            if target not in MODULES:          # e.g. a name of a package's __init__: its owner decides
+                target = target.rpartition(".")[0] if target.rpartition(".")[0] in MODULES else target
+            there, other = place(target)
+            if here == len(LAYERS) or other == comp or there < here:
+                continue
+            what = "a higher layer" if there > here else "an independent component of its own layer"
+            entry = (f"{_where(module, line)}: {module} ({_layer_name(here)}/{comp}) imports {target} "
+                     f"({_layer_name(there)}/{other}), {what}")
+            if entry not in bad:
+                bad.append(entry)
+    if bad:
+        pytest.fail(
+        "imports that point up or sideways (layers, bottom to top: "
+        + " < ".join(n for n, _, _ in LAYERS) + f" < {COMMANDS}):\n  " + "\n  ".join(bad)
+        + "\nMove what the lower module needs down to its layer (or lower) and import it from there; "
+          "or, if the importer really belongs higher, move it up. A deferred import inside a function "
+          "counts too. Change LAYERS in tests/test_layers.py only when the design itself changes.",
+        pytrace=False)
+
+
+def test_no_private_names_across_modules():
+    bad: dict[tuple[str, int, str], list[str]] = {}
+    for module in sorted(MODULES):
+        for line, target, name in imports_of(module):
+            privates = [p for p in target.split(".") + ([name] if name else [])
+                        if p.startswith("_") and not p.startswith("__")]
+            if target != module and privates:
+                bad.setdefault((module, line, target), []).extend(privates)
+    if bad:
+        pytest.fail(
+            "imports of another module's private names:\n  "
+            + "\n  ".join(f"{_where(m, line)}: {m} imports {', '.join(names)} from {target}"
+                          for (m, line, target), names in bad.items())
+            + "\nA name another module needs is part of its owner's interface: drop the underscore "
+              "there (with a docstring saying its contract) and import the public name.", pytrace=False)
