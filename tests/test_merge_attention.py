@@ -317,7 +317,7 @@ import json
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from sprint_jax.model.attention import attend_partial, flash_attention, span_mask
-from sprint_jax.train import mesh as M
+from sprint_jax.model import sharding as M
 rng = np.random.default_rng(0)
 b, t, h, hkv, d = 2, 40, 4, 2, 16
 q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)

@@ -49,7 +49,7 @@ def test_qwen3_8b_param_count_via_eval_shape():
     assert param_count(small) == v * e + l * per_layer + e == 596_049_920
     # every logical axis of the new parameters has a sharding rule
     from sprint_jax.model import logical_axes
-    from sprint_jax.train.mesh import logical_to_spec
+    from sprint_jax.model.sharding import logical_to_spec
     axes = logical_axes(cfg)
     assert axes["layers"]["q_norm"]["scale"] == ("layers", "norm") and "bias" not in axes["layers"]["q_proj"]
     for leaf in jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)):

@@ -167,7 +167,7 @@ import json
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from sprint_jax.model.attention import attend_partial, flash_attention, span_mask
-from sprint_jax.train import mesh as M
+from sprint_jax.model import sharding as M
 
 assert jax.device_count() == 4
 rng = np.random.default_rng(0)

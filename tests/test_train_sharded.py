@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import xla_flags
 from sprint_jax.config import ConfigError
-from sprint_jax.train import mesh as M
+from sprint_jax.model import sharding as M
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,6 +25,7 @@ SCRIPT = r"""
 import json, sys
 import jax, numpy as np
 from sprint_jax.model import Qwen2Config
+from sprint_jax.model.sharding import make_mesh
 from sprint_jax.train import data as D, distributed, mesh as M, step as S
 from sprint_jax.train.config import OptimSection, SPAN_WEIGHTS_DEFAULT
 
@@ -49,11 +50,11 @@ def run(mesh, grad_accum):
     return losses, jax.device_get(state["params"]), info
 
 # reference: the whole batch at once on one device; checked: 8 devices, 2 microbatches
-ref_losses, ref_params, _ = run(M.make_mesh(1, 1, 1, devices=jax.devices()[:1]), 1)
-sh_losses, sh_params, info = run(M.make_mesh(2, 2, 2), 2)
+ref_losses, ref_params, _ = run(make_mesh(1, 1, 1, devices=jax.devices()[:1]), 1)
+sh_losses, sh_params, info = run(make_mesh(2, 2, 2), 2)
 
 # the interleaved-rows fallback of put_batch builds the same global arrays as the block path
-mesh = M.make_mesh(2, 2, 2)
+mesh = make_mesh(2, 2, 2)
 shard = {k: M.batch_sharding(mesh) for k in S.BATCH_KEYS}
 make = lambda ids: stream.rows(ids).as_dict()
 direct = distributed.put_batch(make, 16, 8, 256, shard)

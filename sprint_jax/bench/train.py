@@ -157,12 +157,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 def _jax_bench(cfg, batch_np, steps: int, remat: str, lr: float, attention: str = "flash"):
     import jax
 
+    from sprint_jax.model.sharding import make_mesh
     from sprint_jax.train import mesh as mesh_lib
     from sprint_jax.train import step as step_lib
     from sprint_jax.train.config import OptimSection
 
     b = batch_np["tokens"].shape[0]
-    mesh = mesh_lib.make_mesh(1, -1, 1)
+    mesh = make_mesh(1, -1, 1)
     if b % mesh_lib.batch_divisor(mesh):
         raise SystemExit(f"--batch {b} must be a multiple of the device count {mesh_lib.batch_divisor(mesh)}")
     opt = OptimSection(lr=lr, warmup_steps=0, min_lr_ratio=1.0, clip_norm=0.0, batch_size=b, b2=0.999)
@@ -362,7 +363,7 @@ def compile_train_step(model: str, devices: int, data: int, tensor: int, batch: 
     import jax
 
     from sprint_jax.model.config import resolve_model_config
-    from sprint_jax.train import mesh as mesh_lib
+    from sprint_jax.model.sharding import make_mesh
     from sprint_jax.train import step as step_lib
     from sprint_jax.train.config import OptimSection
 
@@ -371,7 +372,7 @@ def compile_train_step(model: str, devices: int, data: int, tensor: int, batch: 
         raise SystemExit(f"only {len(cpus)} CPU devices; run with "
                          f"XLA_FLAGS=--xla_force_host_platform_device_count={devices} in a fresh process")
     cfg = resolve_model_config(model).replace(param_dtype="float32", dtype=dtype)
-    mesh = mesh_lib.make_mesh(data, -1, tensor, devices=cpus[:devices])
+    mesh = make_mesh(data, -1, tensor, devices=cpus[:devices])
     opt = OptimSection(lr=1e-5, batch_size=batch, grad_accum=grad_accum)
     setup = step_lib.build_step(cfg, opt, 1000, mesh, remat, loss_chunk, attention)
     t = time.perf_counter()

@@ -67,6 +67,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from sprint_jax.model.sharding import RULES, logical_to_spec
+
 NEG_INF = -1e30
 _M_INIT = -1e30            # running max before any key: finite, so exp(m - m_new) is never NaN
 _PAD_LSE = 1e30            # lse of padded query rows in the backward: exp(s - lse) = 0 there
@@ -589,7 +591,6 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    from sprint_jax.train.mesh import logical_to_spec
     spec = logical_to_spec([a or "head_dim" for a in axes], x.shape, mesh)   # head_dim: whole
     manual = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual}
 
@@ -605,8 +606,6 @@ def _mesh_specs(mesh, q, k):
     """shard_map specs for a Pallas body under the rules table: rows over (data, fsdp) and heads
     over tensor, each only where the size divides (query and KV heads both, so that a shard's
     query heads use that shard's KV heads); everything else whole."""
-    from sprint_jax.train.mesh import RULES
-
     def axes(rule, size):
         names = (rule,) if isinstance(rule, str) else tuple(rule or ())
         names = tuple(n for n in names if n in mesh.shape and mesh.shape[n] > 1)

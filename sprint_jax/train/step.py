@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from sprint_jax.model import qwen2
 from sprint_jax.model.config import Qwen2Config
+from sprint_jax.model.sharding import param_shardings
 from sprint_jax.train import mesh as mesh_lib
 from sprint_jax.train.config import OptimSection
 
@@ -229,7 +230,7 @@ def build_step(config: Qwen2Config, opt: OptimSection, total_steps: int, mesh: M
     tx, schedule = make_optimizer(opt, total_steps)
     notes: list[str] = []
     abstract = qwen2.abstract_params(config)
-    p_shard = mesh_lib.param_shardings(mesh, qwen2.logical_axes(config), abstract, notes)
+    p_shard = param_shardings(mesh, qwen2.logical_axes(config), abstract, notes)
     repl = mesh_lib.replicated(mesh)
     opt_abstract = jax.eval_shape(tx.init, abstract)
     opt_shard = optax.tree_map_params(tx, lambda _, s: s, opt_abstract, p_shard,

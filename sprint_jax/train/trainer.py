@@ -214,6 +214,7 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
 
     from sprint_jax.config import to_dict
     from sprint_jax.model import load_params, param_count
+    from sprint_jax.model.sharding import make_mesh
     from sprint_jax.train import checkpoint as ckpt_lib
     from sprint_jax.train import data as data_lib
     from sprint_jax.train import mesh as mesh_lib
@@ -272,7 +273,7 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
     bucket = data_lib.trim_bucket(cfg.data.seq_len, cfg.model.loss_chunk) if cfg.data.trim_rows else 0
 
     # ---- mesh, step, state -----------------------------------------------------------------
-    mesh = mesh_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     micro = cfg.optim.batch_size // cfg.optim.grad_accum
     div = mesh_lib.batch_divisor(mesh)
     if micro % div:
