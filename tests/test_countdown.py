@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 
 from sprint_jax.tasks import countdown
-from sprint_jax.curation.types import Task
+from sprint_jax.tasks.types import Task
 from sprint_jax.tasks import grade
 from sprint_jax.tasks.countdown import grade_countdown
 

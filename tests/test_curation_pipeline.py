@@ -318,7 +318,7 @@ def test_cli_run_and_status(server, tmp_path, capsys, monkeypatch):
 
 def test_offline_curator_on_countdown_end_to_end(tmp_path):
     """No endpoint: programmatic teacher + offline extractor + offline DAG on generated Countdown."""
-    from sprint_jax.curation.types import Task
+    from sprint_jax.tasks.types import Task
     from sprint_jax.tasks import grade
 
     cfg = load_config(CurateConfig, REPO / "configs" / "curate_countdown_offline.yaml",

@@ -345,7 +345,7 @@ def test_eval_and_curate_refuse_a_directory_held_by_another_run(tmp_path, capsys
     import subprocess
     import sys
 
-    from sprint_jax.curation.types import Task
+    from sprint_jax.tasks.types import Task
     from sprint_jax.eval.evaluate import evaluate
     from sprint_jax.outlock import DirectoryLocked
     from test_orchestrator import ScriptedEngine

@@ -43,7 +43,7 @@ def merge_rows(b: int, t: int, seed: int = 0):
     trajectories (1-3 stages of 1-3 prompts, random content lengths) laid out by layout_merge with a
     tag-per-token tokenizer, packed by RowStream (several examples per row, then padding)."""
     from sprint_jax import format as fmt
-    from sprint_jax.curation.types import Example
+    from sprint_jax.schema import Example
 
     rng = np.random.default_rng(seed)
     word = lambda: "".join(rng.choice(list("abcxyz12 "), int(rng.integers(1, 6))))  # noqa: E731
@@ -169,7 +169,7 @@ def _long_branch_rows():
     """One real example with long executions (3 x ~90 tokens), packed after a short one: the
     shape where the merge rule empties whole tiles (a branch's queries vs a sibling's keys)."""
     from sprint_jax import format as fmt
-    from sprint_jax.curation.types import Example
+    from sprint_jax.schema import Example
 
     tok = D.byte_tokenizer()
     execs = [f"step {j}: " + " ".join(f"{j * n}" for n in range(1, 30)) for j in (1, 2, 3)]

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from sprint_jax import format as fmt
-from sprint_jax.curation.types import Example
+from sprint_jax.schema import Example
 from sprint_jax.model import Qwen2Config, forward, init_params
 from sprint_jax.model.attention import span_mask
 from sprint_jax.train import data as D

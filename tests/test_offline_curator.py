@@ -6,7 +6,7 @@ import pytest
 from sprint_jax import format as sf
 from sprint_jax.curation import offline, packing, reformat
 from sprint_jax.tasks import countdown
-from sprint_jax.curation.types import Example, Step
+from sprint_jax.schema import Example, Step
 from sprint_jax.tasks import grade
 
 TRACE = """We need the area of two rooms.

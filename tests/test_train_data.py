@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from sprint_jax import format as fmt
-from sprint_jax.curation.types import Example
+from sprint_jax.schema import Example
 from sprint_jax.model import Qwen2Config, forward, init_params
 from sprint_jax.train import data as D
 from sprint_jax.train.config import SPAN_WEIGHTS_DEFAULT

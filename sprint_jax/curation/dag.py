@@ -17,7 +17,7 @@ import networkx as nx
 import pydantic
 
 from sprint_jax.curation.llm import CachedChat, structured
-from sprint_jax.curation.types import Step
+from sprint_jax.schema import Step
 
 SCHEMA_NAME = "step_dependencies"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pydantic
 
 from sprint_jax.curation.llm import CachedChat, structured
-from sprint_jax.curation.types import Step
+from sprint_jax.schema import Step
 
 SCHEMA_NAME = "reasoning_steps"
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from sprint_jax.curation.types import Step
+from sprint_jax.schema import Step
 
 _PARAGRAPH = re.compile(r"\n[ \t\r\f\v]*\n")
 _FIRST_SENTENCE = re.compile(r"^(.*?[.!?:])(?:\s+|$)", re.S)

@@ -29,7 +29,8 @@ from sprint_jax.curation.extract import ExtractFailed, extract_llm, extract_offl
 from sprint_jax.curation.llm import CachedChat, CallStats, EndpointRefused, LLMCallError
 from sprint_jax.curation.store import STAGES, Store
 from sprint_jax.curation.teacher import TeacherRejected, check_answer, make_teacher, task_prompt
-from sprint_jax.curation.types import Example, Task
+from sprint_jax.schema import Example
+from sprint_jax.tasks.types import Task
 from sprint_jax.fsutil import write_atomic
 
 DB_NAME = "curation.sqlite"

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 from sprint_jax import format as sf
 from sprint_jax.curation.packing import stage_numbers, stages
-from sprint_jax.curation.types import Example, Step
+from sprint_jax.schema import Example, Step
 
 
 def to_sprint(task_or_query_prompt: str, steps: Sequence[Step], edges: Sequence[tuple[int, int]],

@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from sprint_jax.curation.types import Example, Step, Task, Trace
+from sprint_jax.schema import Example, Step
+from sprint_jax.tasks.types import Task, Trace
 from sprint_jax.errors import UserError
 
 STAGES = ("tasks", "teacher", "filter", "extract", "dag", "pack", "reformat")

@@ -16,7 +16,7 @@ import zlib
 from sprint_jax.curation.config import CurateConfig
 from sprint_jax.format import contains_tag
 from sprint_jax.curation.llm import CachedChat
-from sprint_jax.curation.types import Task, Trace
+from sprint_jax.tasks.types import Task, Trace
 from sprint_jax.tasks import final_answer_of, grade_result, task_prompt
 
 SYSTEM_PROMPT = (

@@ -45,7 +45,7 @@ import numpy as np
 from sprint_jax.jsonl import iter_objects, require_fields
 from sprint_jax import format as fmt
 from sprint_jax.errors import UserError
-from sprint_jax.curation.types import Example
+from sprint_jax.schema import Example
 
 LABEL_IDS = {k: i for i, k in enumerate(fmt.SPAN_KINDS)}
 EOS_LABEL = "tag"   # EOS ends the model's output like a closing tag; it is written, so it is learnt
