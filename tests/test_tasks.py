@@ -212,3 +212,18 @@ def test_nothing_refers_to_a_directory_beside_the_repo():
             for n, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
             if pattern.search(line)]
     assert hits == []
+
+
+def test_chains_token_vocabulary_covers_every_demo_text_once():
+    """Every chain word and every tag of the SPRINT bodies a chains model writes is one token; no
+    string twice (a VocabTokenizer maps strings to ids)."""
+    from sprint_jax import format as fmt
+    from sprint_jax.tasks import chains
+
+    vocab = chains.token_vocabulary(max_prompts=4)
+    assert vocab[:2] == ["<pad>", "<eos>"] and len(set(vocab)) == len(vocab)
+    assert set(chains.vocabulary()) <= set(vocab)
+    for tag in fmt.tag_vocabulary(max_stages=3, max_prompts=4):
+        assert tag in vocab
+        assert (" " + tag if tag.startswith("</") else tag if tag.startswith("<execution") else tag + " ") in vocab
+    assert "<Plan_4>" not in vocab and "<Plan_4>" in chains.token_vocabulary(4, max_stages=4)

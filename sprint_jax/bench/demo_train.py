@@ -93,8 +93,9 @@ def _child(spec: dict) -> None:
     code = Path(sprint_jax.__file__).resolve().parent
     if code.parent != Path(spec["tree"]).resolve():
         raise SystemExit(f"imported sprint_jax from {code}, not from {spec['tree']}")
-    from sprint_jax.config import from_dict
-    from sprint_jax.demo import DemoConfig, _vocabulary, to_dict
+    from sprint_jax.config import from_dict, to_dict
+    from sprint_jax.demo import DemoConfig
+    from sprint_jax.tasks.chains import token_vocabulary
     from sprint_jax.model.tokenizer import VocabTokenizer
     from sprint_jax.train.config import TrainConfig
     from sprint_jax.train.trainer import train
@@ -102,7 +103,7 @@ def _child(spec: dict) -> None:
     cfg = DemoConfig()
     seq_len = spec["seq_len"] or cfg.seq_len
     batch = spec["batch_size"] or cfg.batch_size
-    tok = VocabTokenizer(_vocabulary(cfg), eos_token="<eos>", pad_token="<pad>")
+    tok = VocabTokenizer(token_vocabulary(max_prompts=cfg.chains), eos_token="<eos>", pad_token="<pad>")
     vocab_size = (len(tok) + 7) // 8 * 8
     model = {"model_type": "qwen2", "vocab_size": vocab_size, **to_dict(cfg.model),
              "max_position_embeddings": seq_len, "tie_word_embeddings": False, "eos_token_id": tok.eos_token_id}

@@ -289,7 +289,9 @@ def from_pretrained(path: str | Path, *, param_dtype=None, compute_dtype=None, c
     return Qwen2(config, params=params)
 
 
-def _parse_size(s: int | str) -> int:
+def parse_size(s: int | str) -> int:
+    """A byte count: an int as is, or a string such as "5GB", "500MB", "64KB", "10B" or "1234"
+    (decimal units, HF's `max_shard_size` convention). A malformed string raises ValueError."""
     if isinstance(s, int):
         return s
     s = s.strip().upper()
@@ -299,12 +301,15 @@ def _parse_size(s: int | str) -> int:
     return int(s)
 
 
+_parse_size = parse_size   # temporary: bench/serve_memory.py imports the old private name
+
+
 def save_params(config: Qwen2Config, params: Params, path: str | Path, max_shard_size: int | str = "5GB",
                 dtype=None, progress: bool = False) -> None:
     """Write params as an HF checkpoint directory that `transformers` loads."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    limit = _parse_size(max_shard_size)
+    limit = parse_size(max_shard_size)
     out_dtype = np.dtype(dtype_of(dtype)) if dtype is not None else None
     hf_cfg = config.to_hf_config()
     current: dict[str, np.ndarray] = {}       # the shard being filled

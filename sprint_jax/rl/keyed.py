@@ -214,8 +214,7 @@ def vocabulary(n_chains: int = 4) -> list[str]:
     """The demo's vocabulary (one token per tag and word; the key needs only ':' and digits) with
     tags for up to MAX_STAGES plans (one chain per stage, then the combining stage)."""
     from sprint_jax import format as fmt
-    from sprint_jax.demo import DemoConfig, _vocabulary
-    vocab = _vocabulary(DemoConfig(chains=n_chains)) + [LAST_DIGITS]
+    vocab = chains.token_vocabulary(max_prompts=n_chains) + [LAST_DIGITS]
     for tag in fmt.tag_vocabulary(max_stages=MAX_STAGES, max_prompts=n_chains):
         for v in ([tag, " " + tag] if tag.startswith("</") else [tag] if tag.startswith("<execution") else
                   [tag, tag + " "]):

@@ -91,3 +91,21 @@ def grade(task: Task, final_answer_text: str) -> bool:
 def vocabulary() -> list[str]:
     """Every string the family's texts use, for a tokenizer with one token per tag or word."""
     return ["Chain ", ":", QUERY_PREFIX, COMBINE] + [str(d) for d in range(10)]
+
+
+def token_vocabulary(max_prompts: int, max_stages: int = 3) -> list[str]:
+    """The vocabulary of a word-level tokenizer for this family (the demo's): pad, EOS, space and
+    newline, every string of `vocabulary()`, and each SPRINT tag of up to `max_stages` plans with
+    `max_prompts` prompts each, with the single space the format writes beside it. The order is
+    the token ids: a trained model depends on it."""
+    from sprint_jax import format as fmt
+
+    vocab = ["<pad>", "<eos>", " ", "\n"] + vocabulary()
+    for tag in fmt.tag_vocabulary(max_stages=max_stages, max_prompts=max_prompts):
+        vocab.append(tag)
+        if tag.startswith("</"):
+            vocab.append(" " + tag)          # content, one space, closing tag
+        elif not tag.startswith("<execution"):
+            vocab.append(tag + " ")          # opening tag, one space, content
+        # an executor's opening is forced by the orchestrator as the bare tag, so no variant
+    return vocab

@@ -84,8 +84,10 @@ def _save_checked(ckpt, step: int, state, meta: dict, last_saved: int) -> None:
                                f"lower optim.lr or set optim.clip_norm > 0") from None
 
 
-class _Metrics:
-    """metrics.jsonl + TensorBoard, written by process 0 only."""
+class Metrics:
+    """A run's metrics log: OUT/metrics.jsonl (one JSON object per logged step) and, with
+    `tensorboard`, TensorBoard events under OUT/tb, written by process 0 only. On resume from
+    `resume_step` the records after it (a killed run's) are dropped from the file first."""
 
     def __init__(self, out: Path, tensorboard: bool, resume_step: int):
         self.enabled = _is_main()
@@ -123,6 +125,9 @@ class _Metrics:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+_Metrics = Metrics   # temporary: rl/trainer.py imports the old private name
 
 
 def _is_main() -> bool:
@@ -319,7 +324,7 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
         return {"rows": rows, "tokens": tokens_total, "epoch": stream.epoch_of(rows), "data_digest": digest}
 
     # ---- loop ------------------------------------------------------------------------------
-    metrics = _Metrics(out, cfg.tensorboard, start_step)
+    metrics = Metrics(out, cfg.tensorboard, start_step)
     bar = None
     if progress and main:
         from tqdm import tqdm
@@ -390,7 +395,7 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
     export_dir = None
     if cfg.export.enabled:
         export_dir = out / "hf"
-        from sprint_jax.infer.prompting import META_KEY, prompt_format_of
+        from sprint_jax.schema import META_KEY, prompt_format_of
         from sprint_jax.train.fingerprint import fingerprint
         # the prompt format travels with the model: inference applies it to a user's query (null
         # when the training prompts end differently: nothing to apply, and a stale value replaced)
