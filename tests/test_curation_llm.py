@@ -22,7 +22,7 @@ from sprint_jax.curation.llm import (CachedChat, CallStats, EndpointRefused, LLM
                                      retry_after_seconds, structured)
 from sprint_jax.curation.store import Store, request_hash
 from sprint_jax.curation.teacher import OpenAITeacher, final_answer_of
-from sprint_jax.curation.types import Task
+from sprint_jax.tasks.types import Task
 
 KEY_ENV = "SPRINT_JAX_TEST_KEY"
 SECRET = "sk-test-do-not-store-3141592653"
@@ -144,8 +144,10 @@ def test_429_honours_retry_after_seconds(server, store, monkeypatch):
 def test_retry_after_ms_and_http_date():
     assert retry_after_seconds({"retry-after-ms": "250"}) == pytest.approx(0.25)
     assert retry_after_seconds({"retry-after": "3"}) == 3.0
-    future = email.utils.formatdate(time.time() + 30, usegmt=True)
-    assert 25 <= retry_after_seconds({"retry-after": future}) <= 31
+    now = 1_750_000_000.0                                      # a whole second: HTTP dates have no fraction
+    in_30s = email.utils.formatdate(now + 30, usegmt=True)
+    assert retry_after_seconds({"retry-after": in_30s}, now=now) == 30.0
+    assert retry_after_seconds({"retry-after": in_30s}, now=now + 40) == 0.0   # a date already past
     assert retry_after_seconds({"retry-after": "soon"}) is None
     assert retry_after_seconds({}) is None
 

@@ -82,8 +82,10 @@ class CallStats:
                 "retries": self.retries, "failures": self.failures}
 
 
-def retry_after_seconds(headers) -> float | None:
-    """The wait a 429/503 asks for: `retry-after-ms`, then `retry-after` (seconds or an HTTP date)."""
+def retry_after_seconds(headers, now: float | None = None) -> float | None:
+    """The wait a 429/503 asks for: `retry-after-ms`, then `retry-after` (seconds or an HTTP date,
+    counted from `now`, a Unix time, by default the clock's); None when there is none or it is
+    unreadable. Never negative."""
     if headers is None:
         return None
     ms = headers.get("retry-after-ms")
@@ -103,7 +105,7 @@ def retry_after_seconds(headers) -> float | None:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError):
         return None
-    return max(0.0, when.timestamp() - time.time())
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
 def backoff_delay(attempt: int, base: float, cap: float, rng: random.Random) -> float:
