@@ -1,0 +1,200 @@
+"""`sprint-jax plan train ...`: compile the SFT step for TPU slices from this host, and print
+what each chip would hold, its headroom, and the step's roofline.
+"""
+from __future__ import annotations
+
+import os
+
+# Planning compiles for TPU chips that are not here; the process itself runs on the CPU. With
+# libtpu installed and JAX_PLATFORMS unset, JAX would first probe for a local TPU (seconds, and
+# warnings) before falling back. Set before jax is imported; a value the user set is kept.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from sprint_jax.errors import UserError  # noqa: E402
+
+DESCRIPTION = """Plan a run on TPU slices from this (CPU) host: the step is compiled by XLA's TPU
+compiler for the named slice (libtpu's compile-only topologies; nothing is allocated), and each
+row shows whether it compiled, the bytes one chip holds (memory_analysis), the chip's HBM and the
+headroom, the planner's own estimate, and FLOPs, HBM traffic and the roofline step time.
+
+Slices: libtpu topology names (v5p:2x2x2, v5e:2x4, v6e:4x4) or the accelerator types Cloud TPU
+books (v5p-16 = 8 chips: v5p counts TensorCores, two per chip; v5litepod-8 and v6e-8 = 8 chips).
+Needs libtpu: pip install -e '.[tpu]'.
+
+A step that does not fit exits 2 with one line on stderr: what does not fit, by how much, and a
+change that fits by the planner's estimate.
+
+examples:
+  sprint-jax plan train --model r1-distill-qwen-7b --batch 8 --seq-len 8192 --mesh fsdp=8 --topology v5p:2x2x2
+  sprint-jax plan train --config configs/sft_r1_distill_7b_sprint.yaml --topology v5p-16
+  sprint-jax plan train --model qwen3-8b --batch 8 --seq-len 32768 --topology v5p:4x4x4 --search
+"""
+
+PROGRAMS = ("train",)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("program", choices=PROGRAMS, help="what to plan (train: the SFT step)")
+    p.add_argument("--config", help="an SFT run config (configs/sft_*.yaml): model, batch, seq_len, layout, "
+                                    "remat, grad_accum and mesh from it; flags override")
+    p.add_argument("--model", help="model preset or HF config path (default: the config's model)")
+    p.add_argument("--batch", type=int, help="rows per optimizer step (global)")
+    p.add_argument("--seq-len", type=int, help="tokens per row")
+    p.add_argument("--layout", choices=("flat", "trie", "merge"),
+                   help="data layout: flat runs splash attention, trie and merge our Mosaic kernel (default flat)")
+    p.add_argument("--remat", choices=("none", "full", "dots"), help="rematerialisation policy (default full)")
+    p.add_argument("--grad-accum", type=int, help="microbatches per step (default 1)")
+    p.add_argument("--loss-chunk", type=int, help="tokens per vocab-projection chunk (default 1024; 0 = off)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default bfloat16)")
+    p.add_argument("--mesh", help="mesh sizes, e.g. fsdp=8,tensor=1 (default: fsdp takes every chip)")
+    p.add_argument("--topology", "--chips", dest="topology", required=True,
+                   help="slice(s), comma-separated: v5p:2x2x2, v5e:2x4, v5p-16, v5litepod-8, v6e-8")
+    p.add_argument("--search", action="store_true",
+                   help="find the smallest slice (up to each named one) and mesh that the compiler accepts")
+    p.add_argument("--json", dest="json_out", help="write the rows as a JSON list to this file")
+
+
+def _request(args: argparse.Namespace) -> tuple[str, dict]:
+    """(model name as shown, step fields) from --config and the flags."""
+    fields = {"batch": None, "seq_len": None, "layout": "flat", "remat": "full", "grad_accum": 1,
+              "loss_chunk": 1024, "dtype": "bfloat16", "mesh": None, "overrides": {}}
+    model = None
+    if args.config:
+        from sprint_jax.train.config import load_train_config
+        cfg = load_train_config(args.config)
+        model = cfg.model.name
+        fields.update(batch=cfg.optim.batch_size, seq_len=cfg.data.seq_len, layout=cfg.data.layout,
+                      remat=cfg.model.remat, grad_accum=cfg.optim.grad_accum, loss_chunk=cfg.model.loss_chunk,
+                      dtype=cfg.model.dtype, overrides=dict(cfg.model.overrides),
+                      mesh={"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor})
+    for key in ("batch", "seq_len", "layout", "remat", "grad_accum", "loss_chunk", "dtype"):
+        value = getattr(args, key)
+        if value is not None:
+            fields[key] = value
+    if args.model:
+        model = args.model
+    if model is None:
+        raise UserError("name a model: --model PRESET (or --config configs/sft_*.yaml)")
+    for key, flag in (("batch", "--batch"), ("seq_len", "--seq-len")):
+        if fields[key] is None:
+            raise UserError(f"{flag} is required (or --config)")
+        if fields[key] < 1:
+            raise UserError(f"{flag} must be >= 1, got {fields[key]}")
+    if fields["grad_accum"] < 1:
+        raise UserError(f"--grad-accum must be >= 1, got {fields['grad_accum']}")
+    if fields["loss_chunk"] < 0:
+        raise UserError(f"--loss-chunk must be >= 0, got {fields['loss_chunk']}")
+    return model, fields
+
+
+def _model_config(model, overrides: dict, dtype: str, progress):
+    """The model's config; a checkpoint directory that is not on this host is planned as the
+    preset its name ends with (a config written for the TPU host names its local checkpoint)."""
+    from sprint_jax.config import CONFIG_DIR, ConfigError
+    from sprint_jax.model.config import resolve_model_config
+
+    label = model if isinstance(model, str) else "config"
+    try:
+        cfg = resolve_model_config(model, **overrides)
+    except ConfigError:
+        if not isinstance(model, str) or Path(model).exists():
+            raise
+        presets = sorted((p.stem[len("model_"):] for p in CONFIG_DIR.glob("model_*.json")), key=len, reverse=True)
+        base = Path(model).name.lower()
+        match = next((p for p in presets if base == p or base.endswith("-" + p) or base.endswith(p)), None)
+        if match is None:
+            raise UserError(f"model {model!r} is neither a preset nor a checkpoint directory on this host; "
+                            f"pass --model PRESET (presets: {', '.join(sorted(presets))})") from None
+        progress(f"model {model} is not on this host: planning the preset {match}")
+        cfg, label = resolve_model_config(match, **overrides), match
+    return cfg.replace(param_dtype="float32", dtype=dtype), label
+
+
+def _progress(msg: str) -> None:
+    print(f"plan: {msg}", file=sys.stderr, flush=True)
+
+
+def _gib(x) -> str:
+    return "-" if x is None else f"{x / 2 ** 30:.2f}"
+
+
+def print_table(rows: list[dict], chips_used: list) -> None:
+    """The rows as one table, the chip figures it used under it."""
+    head = (f"{'program':<44} {'topology':<18} {'mesh':<22} {'compiled':<8} {'comp s':>7} {'GiB/chip':>9} "
+            f"{'HBM GiB':>8} {'headroom':>9} {'est GiB':>8} {'TFLOP/step':>11} {'HBM GB/chip':>12} "
+            f"{'roofline s':>11} {'MFU bound':>10} {'tokens/s':>10}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
+        total = r["per_chip_bytes"]["total"] if r["per_chip_bytes"] else None
+        head_s = "-" if r["headroom"] is None else f"{r['headroom'] * 100:.0f}%"
+        topo = f"{r['topology']} ({r['accelerator_type']})"
+        print(f"{r['program']:<44} {topo:<18} {mesh:<22} {'yes' if r['compiled'] else 'no':<8} "
+              f"{r['compile_s']:>7.0f} {_gib(total):>9} {r['hbm_bytes'] / 2 ** 30:>8.0f} {head_s:>9} "
+              f"{_gib(r['estimate_bytes']):>8} {r['flops'] / 1e12:>11.1f} {r['hbm_traffic_bytes'] / 1e9:>12.1f} "
+              f"{r['roofline_s']:>11.3f} {r['mfu_bound'] * 100:>9.0f}% {r['tokens_per_s']:>10.0f}")
+    for chip in chips_used:
+        print(f"{chip.name}: {chip.hbm_gib:g} GiB HBM, {chip.peak_flops / 1e12:g} TFLOP/s bf16, "
+              f"{chip.hbm_bandwidth / 1e9:g} GB/s per chip (published figures)")
+    print("GiB/chip: XLA's memory_analysis (arguments + outputs - aliased + temp); est: the planner's own "
+          "estimate; TFLOP/step: model FLOPs (6 x weights x tokens + causal attention); roofline: max of "
+          "compute (with remat's recompute) and HBM time per chip, communication not included")
+
+
+def run(args: argparse.Namespace) -> int:
+    from sprint_jax.plan import train as plan_train
+    from sprint_jax.plan.chips import parse_slices
+    from sprint_jax.plan.compile import libtpu_available
+    from sprint_jax.plan.estimate import StepShape
+
+    slices = parse_slices(args.topology)
+    model, f = _request(args)
+    sizes = plan_train.parse_mesh(args.mesh) if args.mesh else (f["mesh"] or plan_train.parse_mesh(None))
+    if sum(v == -1 for v in sizes.values()) > 1:
+        raise UserError(f"mesh {sizes}: at most one axis may be -1")
+    cfg, label = _model_config(model, f["overrides"], f["dtype"], _progress)
+    if not libtpu_available():
+        raise UserError("plan compiles with XLA's TPU compiler, which comes with libtpu: "
+                        "pip install -e '.[tpu]' (jax[tpu])")
+    rows, failures = [], []
+    for where in slices:
+        base = StepShape(cfg, f["batch"], f["seq_len"], f["grad_accum"], (1, 1, 1), f["remat"],
+                         f["loss_chunk"], f["layout"])
+        if args.search:
+            found, tried = plan_train.search(base, where, label, _progress)
+            rows.extend(tried)
+            if found is None:
+                biggest = base.__class__(**{**base.__dict__, "mesh": (1, where.chips, 1)})
+                failures.append(f"search: no {where.chip.name} slice up to {where.name} ({where.booking}) and "
+                                f"no mesh on it fits {plan_train.program_name(base, label)}; "
+                                f"{plan_train.way_out(biggest, where, 0)}")
+            else:
+                _progress(f"search: {found['topology']} ({found['accelerator_type']}) mesh "
+                          f"{','.join(f'{k}={v}' for k, v in found['mesh'].items())} fits "
+                          f"({found['headroom'] * 100:.0f}% headroom)")
+            continue
+        mesh = plan_train.resolve_mesh(sizes, where.chips, where.name)
+        shape = StepShape(cfg, f["batch"], f["seq_len"], f["grad_accum"], mesh, f["remat"], f["loss_chunk"],
+                          f["layout"])
+        plan_train.check_divisible(shape, where.name)
+        row = plan_train.plan_row(shape, where, label, _progress)
+        rows.append(row)
+        if not row["fits"]:
+            if row["compiled"] or row["compiler_oom"]:
+                failures.append(plan_train.not_fit_line(row, shape, where))
+            else:
+                failures.append(f"{row['program']} on {where.name} mesh "
+                                f"{','.join(f'{k}={v}' for k, v in row['mesh'].items())}: {row['error']}")
+    if rows:
+        print_table(rows, sorted({s.chip for s in slices}, key=lambda c: c.name))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rows, indent=2, default=str) + "\n")
+    for line in failures:
+        print(f"sprint-jax plan: error: {line}", file=sys.stderr)
+    return 2 if failures else 0

@@ -1,0 +1,297 @@
+"""Compile the train step for TPU chips that are not here.
+
+libtpu builds compile-only devices for a named slice (`jax.experimental.topologies`); the step is
+traced from ShapeDtypeStructs (nothing allocated), lowered for the "tpu" platform on a mesh of
+those devices, and compiled by XLA's TPU compiler, whose `memory_analysis()` is what one chip
+would hold. The process itself runs with JAX_PLATFORMS=cpu: the attention dispatch
+(`model.attention.resolve_impl`) would pick its CPU body, so while tracing it is told the backend
+is "tpu" (splash for the flat layout, our Mosaic kernel for trie and merge, as the trainer on a
+TPU runs them), and each Pallas call's name, block sizes and shapes are recorded so that a
+kernel that fails to lower is named with them.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import re
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+from sprint_jax.errors import UserError
+from sprint_jax.plan.chips import Slice
+from sprint_jax.plan.estimate import StepShape
+
+# Names of the Mosaic kernels in the compiled HLO (the pallas_call names, in op_name metadata).
+KERNEL_NAME = re.compile(r"(flash_span_(?:fwd|dq|dkdv)|splash_mha_\w+?)(?:[\"_)/.]|$)")
+
+
+@functools.lru_cache(maxsize=None)
+def slice_devices(name: str) -> tuple:
+    """The compile-only devices of a libtpu topology name (cached per process). libtpu writes
+    start-up warnings about the missing TPU host to the process's stderr; they are held back and
+    shown only in the error if the topology cannot be made."""
+    try:
+        from jax.experimental import topologies
+    except ImportError as e:   # pragma: no cover - jax is a dependency
+        raise UserError(f"jax.experimental.topologies is missing: {e}") from None
+    with _quiet_stderr() as held:
+        try:
+            topo = topologies.get_topology_desc(platform="tpu", topology_name=name)
+        except Exception as e:  # noqa: BLE001 - libtpu missing or the name refused: one line
+            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if "libtpu" in text.lower() or "no such" in text.lower() or "not found" in text.lower():
+                raise UserError(f"cannot make TPU topology {name}: {text}; install libtpu "
+                                f"(pip install 'jax[tpu]==<the jax version>', or the project's [tpu] extra)") from None
+            raise UserError(f"cannot make TPU topology {name}: {text}") from None
+    del held
+    return tuple(topo.devices)
+
+
+def libtpu_available() -> bool:
+    """libtpu is installed (the TPU compiler that compile-only topologies need)."""
+    import importlib.util
+    return importlib.util.find_spec("libtpu") is not None
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Redirect file descriptor 2 to a temporary file for the block (C++ logging bypasses
+    sys.stderr); yields the file, restored afterwards."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield held
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+@dataclasses.dataclass
+class KernelCall:
+    """One Pallas call traced into the step: its kernel, block sizes and operand shapes."""
+    kernel: str
+    blocks: str
+    shapes: str
+
+    def describe(self) -> str:
+        return f"{self.kernel} ({self.blocks}; {self.shapes})"
+
+
+@contextlib.contextmanager
+def tpu_attention(calls: list[KernelCall]):
+    """While tracing: attention resolves its body as on a TPU backend, and every Pallas
+    attention call is appended to `calls` (kernel, blocks, shapes of one shard)."""
+    from sprint_jax.kernels import flash_attention as kernel
+    from sprint_jax.kernels import splash
+    from sprint_jax.model import attention
+
+    resolve, fwd, bwd, spl = (attention.resolve_impl, kernel.flash_forward, kernel.flash_backward,
+                              splash.splash_attention)
+
+    def shapes(q, k, extra=""):
+        return f"q {list(q.shape)} {q.dtype}, k/v {list(k.shape)}{extra}"
+
+    def resolve_tpu(impl, layout=None, *, splash_ok=True, backend=None):
+        return resolve(impl, layout, splash_ok=splash_ok, backend="tpu")
+
+    def record_fwd(q, k, v, span_end, q_offset, tags=None, **kw):
+        calls.append(KernelCall("flash_span_fwd", f"block_q={kw.get('block_q')}, block_k={kw.get('block_k')}",
+                                shapes(q, k, "" if tags is None else ", merge tags")))
+        return fwd(q, k, v, span_end, q_offset, tags, **kw)
+
+    def record_bwd(q, k, v, span_end, q_offset, tags, *rest, **kw):
+        calls.append(KernelCall("flash_span_dq/flash_span_dkdv",
+                                f"block_q={kw.get('block_q')}, block_k={kw.get('block_k')}",
+                                shapes(q, k, "" if tags is None else ", merge tags")))
+        return bwd(q, k, v, span_end, q_offset, tags, *rest, **kw)
+
+    def record_splash(q, k, v, span_end, *, block=None, interpret=False):
+        calls.append(KernelCall("splash_mha", f"block={block or splash.splash_block(q.shape[1])}",
+                                shapes(q, k)))
+        return spl(q, k, v, span_end, block=block, interpret=interpret)
+
+    attention.resolve_impl, kernel.flash_forward, kernel.flash_backward = resolve_tpu, record_fwd, record_bwd
+    splash.splash_attention = record_splash
+    try:
+        yield calls
+    finally:
+        attention.resolve_impl, kernel.flash_forward, kernel.flash_backward = resolve, fwd, bwd
+        splash.splash_attention = spl
+
+
+@dataclasses.dataclass
+class Compiled:
+    """What compiling one step for one slice gave."""
+    compiled: bool
+    compile_s: float = 0.0
+    lower_s: float = 0.0
+    memory: dict[str, int] | None = None         # arguments, outputs, temp, alias, total (per chip)
+    kernels: list[str] = dataclasses.field(default_factory=list)   # Mosaic kernels in the HLO
+    custom_calls: int = 0                        # tpu_custom_call instructions in the HLO
+    error: str | None = None                     # why it did not compile (one line)
+    oom: dict[str, float] | None = None          # the compiler's memory verdict: used, limit, over
+    sharding_notes: list[str] = dataclasses.field(default_factory=list)
+
+
+_BYTES = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def _size(text: str) -> float:
+    m = re.fullmatch(r"([\d.]+)\s*([KMGT]?)i?B?", text.strip())
+    return float(m.group(1)) * _BYTES[m.group(2)] if m else float("nan")
+
+
+def parse_oom(message: str) -> dict[str, float] | None:
+    """The TPU compiler's out-of-memory verdict ("Used 113.20G of 95.74G hbm. Exceeded hbm
+    capacity by 17.46G."): {'used', 'limit', 'over'} in bytes, or None if it is not one."""
+    m = re.search(r"Used\s+([\d.]+\s*[KMGT]?i?B?)\s+of\s+([\d.]+\s*[KMGT]?i?B?)\s+hbm", message)
+    if not m:
+        if "RESOURCE_EXHAUSTED" in message or "Ran out of memory" in message:
+            return {"used": float("nan"), "limit": float("nan"), "over": float("nan")}
+        return None
+    used, limit = _size(m.group(1)), _size(m.group(2))
+    o = re.search(r"Exceeded hbm capacity by\s+([\d.]+\s*[KMGT]?i?B?)", message)
+    return {"used": used, "limit": limit, "over": _size(o.group(1)) if o else used - limit}
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+def kernel_error(e: BaseException, calls: list[KernelCall]) -> str | None:
+    """A one-line description of a Pallas / Mosaic failure naming the kernel, its blocks and
+    shapes; None if `e` is not one."""
+    import traceback
+
+    text = str(e) + "".join(traceback.format_exception(e))
+    mosaic = any(w in text for w in ("Mosaic", "mosaic", "pallas", "Pallas", "tpu_custom_call",
+                                     "flash_span_", "splash"))
+    if not mosaic:
+        return None
+    named = KERNEL_NAME.search(str(e))
+    call = None
+    if named:
+        base = named.group(1).split("_fwd")[0] if named.group(1).startswith("splash") else named.group(1)
+        call = next((c for c in reversed(calls) if base.split("/")[0] in c.kernel or
+                     c.kernel.startswith(base[:10])), None)
+    call = call or (calls[-1] if calls else None)
+    what = call.describe() if call else (named.group(1) if named else "a Pallas kernel")
+    return f"Mosaic kernel {what} failed to lower: {_first_line(e)}"
+
+
+def memory_of(compiled) -> dict[str, int]:
+    """Per-chip bytes from XLA's memory analysis; total = arguments + outputs - alias + temp."""
+    ma = compiled.memory_analysis()
+    get = lambda f: int(getattr(ma, f, 0) or 0)  # noqa: E731
+    mem = {"arguments": get("argument_size_in_bytes"), "outputs": get("output_size_in_bytes"),
+           "temp": get("temp_size_in_bytes"), "alias": get("alias_size_in_bytes"),
+           "generated_code": get("generated_code_size_in_bytes")}
+    mem["total"] = mem["arguments"] + mem["outputs"] - mem["alias"] + mem["temp"]
+    return mem
+
+
+_RESULTS: dict[tuple[StepShape, Slice], Compiled] = {}
+
+
+def compile_step(shape: StepShape, where: Slice, progress: Callable[[str], None] | None = None) -> Compiled:
+    """Trace, lower and compile the train step of `shape` for the slice `where` (its mesh from
+    `shape.mesh`, which must use all the slice's chips). Never raises for a step the compiler
+    refuses: the result says why. A (step, slice) compiled before in this process is not
+    compiled again (a search and the rows it reports share compiles)."""
+    key = (shape, where)
+    if key not in _RESULTS:
+        _RESULTS[key] = _compile_step(shape, where, progress)
+    elif progress:
+        progress("compiled before in this process: its result reused")
+    return _RESULTS[key]
+
+
+def _compile_step(shape: StepShape, where: Slice, progress: Callable[[str], None] | None) -> Compiled:
+    import jax
+
+    from sprint_jax.train import mesh as mesh_lib
+    from sprint_jax.train import step as step_lib
+    from sprint_jax.train.config import OptimSection
+
+    devices = slice_devices(where.name)
+    data, fsdp, tensor = shape.mesh
+    if data * fsdp * tensor != len(devices):
+        raise UserError(f"mesh data={data}, fsdp={fsdp}, tensor={tensor} uses {data * fsdp * tensor} "
+                        f"chips but {where.name} has {len(devices)}")
+    mesh = mesh_lib.make_mesh(data, fsdp, tensor, devices=devices)
+    cfg = shape.config
+    opt = OptimSection(lr=1e-5, batch_size=shape.batch, grad_accum=shape.grad_accum)
+    setup = step_lib.build_step(cfg, opt, 1000, mesh, shape.remat, shape.loss_chunk, "flash",
+                                layout=shape.layout, attention_layout=shape.layout)
+    out = Compiled(False, sharding_notes=list(setup.sharding_notes))
+    calls: list[KernelCall] = []
+    t = time.perf_counter()
+    try:
+        with tpu_attention(calls):
+            traced = setup.step.trace(setup.abstract_state(), setup.abstract_batch(shape.batch, shape.seq_len))
+            lowered = traced.lower(lowering_platforms=("tpu",))
+    except Exception as e:  # noqa: BLE001 - a refused program is a result, not a crash
+        out.lower_s = time.perf_counter() - t
+        out.error = kernel_error(e, calls) or f"lowering failed: {_first_line(e)}"
+        return out
+    out.lower_s = time.perf_counter() - t
+    if progress:
+        progress(f"lowered in {out.lower_s:.1f} s; compiling (XLA's TPU compiler: minutes for a 7B step)")
+    t = time.perf_counter()
+    log = ""
+    try:
+        with _quiet_stderr() as held:
+            try:
+                compiled = lowered.compile()
+            finally:
+                held.seek(0)
+                log = held.read().decode(errors="replace")
+    except Exception as e:  # noqa: BLE001
+        out.compile_s = time.perf_counter() - t
+        out.oom = parse_oom(str(e))
+        if out.oom is not None:
+            out.error = "out of memory: " + _first_line(e)
+        else:
+            out.error = kernel_error(e, calls) or f"compile failed: {_first_line(e)}"
+            hint = _log_hint(log)
+            if hint:
+                out.error += f" ({hint})"
+        return out
+    out.compile_s = time.perf_counter() - t
+    out.compiled = True
+    out.memory = memory_of(compiled)
+    hlo = compiled.as_text()
+    custom = [ln for ln in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in ln]
+    out.custom_calls = len(custom)
+    names = []
+    for ln in custom:
+        m = re.search(r'op_name="([^"]*)"', ln)
+        k = KERNEL_NAME.search(m.group(1) if m else ln)
+        names.append(k.group(1) if k else "unnamed")
+    out.kernels = names
+    del compiled, lowered, traced
+    jax.clear_caches()
+    return out
+
+
+def _log_hint(log: str) -> str:
+    """The last error line libtpu logged while compiling, if any."""
+    lines = [ln for ln in log.splitlines() if ln.startswith(("E", "F")) and "]" in ln]
+    return lines[-1].split("]", 1)[1].strip()[:300] if lines else ""
+
+
+def kernel_names(result: Compiled) -> list[str]:
+    """The distinct Mosaic kernels of a compiled step, sorted."""
+    return sorted(set(result.kernels))
+
+
+def as_dict(result: Compiled) -> dict[str, Any]:
+    return dataclasses.asdict(result)
