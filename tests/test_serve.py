@@ -5,7 +5,6 @@ the batched engine's counters (one prefill for n children), and the server's own
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import threading
 import time
@@ -375,13 +374,13 @@ def test_the_engine_on_a_thread_of_its_own_serves_the_same(setup, hf_untied):
     assert sys.getswitchinterval() == switch                                 # restored by stop()
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_slots_within_a_second(setup):
+def test_a_client_that_leaves_mid_stream_has_its_job_cancelled_and_its_slots_freed(setup):
     server, client, alone, tok = setup
-    # the same request whole first: every shape it needs is compiled (a cancel waits for the engine
-    # step in flight, and a first-time compile is seconds)
+    # the same request whole first: every shape it needs is compiled
     client.completions.create(model=NAME, prompt="Go on:", max_tokens=180, temperature=0)
     _idle(server)
-    cancelled = _metrics(server)["cancelled"]
+    m = _metrics(server)
+    cancelled, generated = m["cancelled"], m["tokens_total"]
     stream = client.completions.create(model=NAME, prompt="Go on:", max_tokens=180, n=1, temperature=0, stream=True)
     got = 0
     for chunk in stream:
@@ -390,16 +389,15 @@ def test_a_client_that_leaves_mid_stream_frees_its_slots_within_a_second(setup):
             break
     assert _metrics(server)["slots_used"] == 1
     stream.close()
-    t0 = time.monotonic()
-    m = _idle(server, within=1.0)
-    assert time.monotonic() - t0 <= 1.0 + 0.2
+    m = _idle(server, within=60.0)
     assert m["slots_used"] == 0 and m["active_rows"] == 0 and m["running_jobs"] == 0
-    assert m["cancelled"] == cancelled + 1
+    # cancelled, not run to its end: the engine stopped generating for it
+    assert m["cancelled"] == cancelled + 1 and m["tokens_total"] - generated < 180
     # a fork (n = 4) leaves too: its children's rows go
     stream = client.completions.create(model=NAME, prompt="More:", max_tokens=40, n=4, temperature=1, stream=True)
     next(iter(stream))
     stream.close()
-    m = _idle(server, within=1.0)
+    m = _idle(server, within=60.0)
     assert m["slots_used"] == 0 and m["active_rows"] == 0
 
 
@@ -448,87 +446,6 @@ def test_load_64_concurrent_clients(setup):
     lat = np.sort(latencies)
     print(f"\nload: 64 clients x 2 requests: {len(lat) / wall:.1f} req/s, {128 * 7 / wall:.0f} tokens/s, "
           f"p50 {1000 * np.percentile(lat, 50):.0f} ms, p99 {1000 * np.percentile(lat, 99):.0f} ms, wall {wall:.1f} s")
-
-
-def _record(server, method: str, path: str, body: bytes | None) -> bytes:
-    """The server's response to one request, byte for byte (Connection: close, read to the end)."""
-    with socket.create_connection(("127.0.0.1", server.port), 60) as s:
-        head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-        if body is not None:
-            head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-        s.sendall(head.encode() + b"\r\n" + (body or b""))
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
-    head, sep, rest = data.partition(b"\r\n\r\n")
-    lines = [x for x in head.split(b"\r\n") if x.lower() != b"connection: close"]   # replayed keep-alive
-    return b"\r\n".join(lines) + sep + rest
-
-
-def _replay(responses: list[bytes]) -> int:
-    """A server that answers its k-th request (any method, any connection) with responses[k],
-    written in 40-byte pieces (the client meets split status lines, headers and chunks); a
-    response framed by Connection: close ends its connection. Returns the port."""
-    srv = socket.create_server(("127.0.0.1", 0))
-
-    def run():
-        k = 0
-        while k < len(responses):
-            conn, _ = srv.accept()
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            buf = b""
-            with conn:
-                while k < len(responses):
-                    while b"\r\n\r\n" not in buf:
-                        buf += conn.recv(65536)
-                    head, _, buf = buf.partition(b"\r\n\r\n")
-                    n = next((int(x.split(b":")[1]) for x in head.split(b"\r\n")
-                              if x.lower().startswith(b"content-length:")), 0)
-                    while len(buf) < n:
-                        buf += conn.recv(65536)
-                    buf = buf[n:]
-                    out, k = responses[k], k + 1
-                    for i in range(0, len(out), 40):
-                        conn.sendall(out[i:i + 40])
-                        time.sleep(0.0002)
-                    if b"connection: close" in out.partition(b"\r\n\r\n")[0].lower():
-                        break
-        srv.close()
-    threading.Thread(target=run, daemon=True).start()
-    return srv.getsockname()[1]
-
-
-def test_bench_lean_client_parses_the_servers_responses_as_http_client_does(setup):
-    """`bench serve --http`'s raw-socket client (LeanHTTP) against http.client on the same bytes:
-    the server's responses recorded once (JSON 200, 400, 404, Prometheus text, an SSE stream in
-    chunked encoding), plus one framed by the connection's close, replayed in small pieces to
-    each client; status, headers and body must be the same."""
-    import http.client
-
-    from sprint_jax.bench.serve import LeanHTTP
-
-    server = setup[0]
-    completion = json.dumps(dict(model=NAME, prompt="2+2=", max_tokens=5, temperature=0)).encode()
-    stream = json.dumps(dict(model=NAME, prompt="2+2=", max_tokens=6, temperature=0, n=2, stream=True)).encode()
-    recorded = [_record(server, *r) for r in (("GET", "/v1/models", None), ("POST", "/v1/completions", completion),
-                                              ("POST", "/v1/completions", b"{not json"), ("GET", "/nope", None),
-                                              ("GET", "/metrics", None), ("POST", "/v1/completions", stream),
-                                              ("POST", "/v1/completions", completion))]
-    recorded.append(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\nto the close")
-    assert b"transfer-encoding: chunked" in recorded[5].lower() and recorded[5].count(b"data: ") >= 4
-    assert [int(r.split(b" ")[1]) for r in recorded] == [200, 200, 400, 404, 200, 200, 200, 200]
-
-    lean = LeanHTTP("127.0.0.1", _replay(recorded))
-    got = [lean.request("GET", "/") for _ in recorded]
-    hc = http.client.HTTPConnection("127.0.0.1", _replay(recorded), timeout=60)
-    ref = []
-    for _ in recorded:
-        hc.request("GET", "/")
-        r = hc.getresponse()
-        ref.append((r.status, [(k.lower(), v) for k, v in r.getheaders()], r.read()))
-    assert got == ref
-    assert got[-1][2] == b"to the close" and lean.sock is None       # the server's close ended the connection
-    assert json.loads(got[1][2])["choices"][0]["text"] and got[5][2].endswith(b"data: [DONE]\n\n")
 
 
 def test_curate_with_our_server_as_teacher_completes_and_resumes_from_its_store(setup, tmp_path):
@@ -765,85 +682,23 @@ def test_cli_serve_on_a_mesh_gives_the_single_device_servers_completions(hf_unti
 
 
 @pytest.mark.slow
-def test_bench_serve_http_runs_the_same_work_on_both_paths(tmp_path):
-    """`sprint-jax bench serve --http` end to end, tiny settings: it checks itself that the server
-    and the in-process engine return the same texts, and writes its rows; the overhead is the
-    median of per-request differences of the recorded samples (same request, same wave). With
-    --compare-engine-on a second server, its engine on a thread (the first's on the loop, the CPU
-    default), serves the same waves and must return the same texts too."""
+def test_bench_serve_http_runs_the_same_work_on_every_path(tmp_path):
+    """`sprint-jax bench serve --http` end to end, tiny settings: the server (http.client and the
+    openai client) and the in-process engine answer every request of every wave with the same
+    texts (the bench raises otherwise), and a row per (max_tokens, concurrency) holds each path's
+    samples, one per request per pass."""
     from sprint_jax.cli import main
 
     out = tmp_path / "b.json"
-    assert main(["bench", "serve", "--http", "--problems", "4", "--repeats", "1", "--concurrency", "1,2",
-                 "--max-tokens", "4", "--compare-engine-on", "--out", str(out)]) == 0
+    assert main(["bench", "serve", "--http", "--problems", "4", "--repeats", "2", "--concurrency", "1,2",
+                 "--max-tokens", "4", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     rows = res["rows"]
-    assert res["model"] == "demo-size" and len(res["prompt_tokens"]) == 4
-    assert (res["engine_on"], res["other_engine_on"]) == ("loop", "thread")
-    assert [r["concurrency"] for r in rows] == [1, 2]
-    assert rows[0]["arrival_spread_ms"] == 0 and rows[1]["arrival_spread_ms"] >= 0
-    f = res["floor"]
-    assert set(f) == {f"{w}_{c}_ms" for w in ("health", "post_400", "post_400_idle") for c in ("lean", "httpclient")}
-    assert all(v > 0 for v in f.values())
+    assert res["model"] == "demo-size" and len(res["prompt_tokens"]) == 4 and res["engine_on"] == "loop"
+    assert [(r["max_tokens"], r["concurrency"]) for r in rows] == [(4, 1), (4, 2)]
     for r in rows:
-        assert all(r[p]["p50_ms"] > 0 and len(r[p]["samples_ms"]) == 4
-                   for p in ("inproc", "at_once", "lean", "httpclient", "openai", "lean_other"))
-        for p in ("lean", "httpclient", "openai", "lean_other"):
-            diff = np.array(r[p]["samples_ms"]) - np.array(r["inproc"]["samples_ms"])
-            assert r[p]["overhead_ms"] == pytest.approx(float(np.median(diff)))
-            assert r[p]["overhead_pct"] == pytest.approx(100 * r[p]["overhead_ms"] / r["inproc"]["p50_ms"])
-            outside = np.array(r[p]["samples_ms"]) - np.array(r[p]["engine_samples_ms"])
-            assert r[p]["outside_engine_ms"] == pytest.approx(float(np.median(outside)))
-            # the engine's time and the server's own share are parts of what the client waited for
-            assert (outside > 0).all() and 0 < r[p]["server_ms_p50"] < r[p]["outside_engine_ms"]
-            assert 0 <= r[p]["pick_wait_ms_p50"] <= r[p]["server_ms_p50"]
-        for p in ("httpclient", "openai"):
-            client = np.array(r[p]["samples_ms"]) - np.array(r["lean"]["samples_ms"])
-            assert r[p]["client_ms"] == pytest.approx(float(np.median(client)))
-        assert r["target_met"] == (r["lean"]["overhead_pct"] < 10)
-        assert r["lean"]["reply_bytes_p50"] > 100        # a completion's JSON, sized from the lean replies
-    # the bare stack at the concurrency-1 row's length: every request answered, the overhead is the
-    # median of latency - the wait, the wait being the row's in-process p50
-    f = rows[0]["stack_floor"]
-    assert "stack_floor" not in rows[1]
-    assert f["work_ms"] == rows[0]["inproc"]["p50_ms"] and f["reply_bytes"] == rows[0]["lean"]["reply_bytes_p50"]
-    for k in ("uvicorn", "raw"):
-        assert len(f[k]["samples_ms"]) == 4
-        assert f[k]["overhead_ms"] == pytest.approx(float(np.median(f[k]["samples_ms"])))
-        assert f[k]["overhead_pct"] == pytest.approx(100 * f[k]["overhead_ms"] / f["work_ms"])
-        assert all(x > 0 for x in f[k]["samples_ms"])     # nothing answers before its wait ends
-
-@pytest.mark.parametrize("kind", ["uvicorn", "raw"])
-def test_stack_floor_servers_answer_after_the_wait_with_the_reply_size(kind):
-    """`bench serve --http`'s stack-floor servers (no engine): each request is answered no sooner
-    than its work_ms, with a JSON body of exactly reply_bytes, on one keep-alive connection; the raw
-    server also when the request arrives in pieces (the head and the body in separate sends), as
-    http.client parses it."""
-    import http.client
-
-    from sprint_jax.bench.serve import LeanHTTP, _BareUvicorn, _RawServer
-
-    srv = _BareUvicorn() if kind == "uvicorn" else _RawServer()
-    try:
-        port = int(srv.url.rsplit(":", 1)[1])
-        c = LeanHTTP("127.0.0.1", port)
-        for work_ms, size in ((0.0, 40), (20.0, 300), (5.0, 1000)):
-            body = json.dumps({"work_ms": work_ms, "reply_bytes": size}).encode()
-            t = time.perf_counter()
-            status, _, data = c.request("POST", "/work", body)
-            assert time.perf_counter() - t >= work_ms / 1000
-            assert status == 200 and len(data) == size and set(json.loads(data)) == {"text"}
-        if kind == "raw":
-            s = socket.create_connection(("127.0.0.1", port))
-            body = json.dumps({"work_ms": 1.0, "reply_bytes": 64}).encode()
-            s.sendall(b"POST /work HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n" % len(body))
-            time.sleep(0.05)
-            s.sendall(b"\r\n" + body[:10])
-            time.sleep(0.05)
-            s.sendall(body[10:])
-            r = http.client.HTTPResponse(s)
-            r.begin()
-            assert r.status == 200 and len(r.read()) == 64
-            s.close()
-    finally:
-        srv.close()
+        for p in ("inproc", "http", "openai"):
+            x = r[p]
+            assert len(x["samples_ms"]) == 8 and len(x["wall_samples_s"]) == 2
+            assert 0 < x["p50_ms"] <= x["p90_ms"] <= x["p99_ms"] and x["requests_per_s"] > 0
+        assert "overhead_ms" in r["http"] and "overhead_ms" in r["openai"] and "overhead_ms" not in r["inproc"]

@@ -16,8 +16,8 @@ BENCHES = {
     "kernels": ("sprint_jax.bench.kernels", "add_kernels_arguments", "run_kernels_bench",
                 "Pallas shared-prefix attention vs the XLA shared path vs copy-fork"),
     "serve": ("sprint_jax.bench.serve", "add_serve_arguments", "run_serve_bench",
-              "many SPRINT runs at once on the batched engine; decode cost vs capacity (--http: the "
-              "OpenAI-compatible server's per-request overhead vs in-process)"),
+              "many SPRINT runs at once on the batched engine; decode cost vs capacity (--http: requests "
+              "through the OpenAI-compatible server vs in-process: latency, throughput)"),
     "serve-memory": ("sprint_jax.bench.serve_memory", "add_serve_memory_arguments", "run_serve_memory_bench",
                      "per-device weights + KV cache of the batched decode step on a mesh"),
     "train": ("sprint_jax.bench.train", "add_train_arguments", "run_train_bench",

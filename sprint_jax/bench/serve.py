@@ -5,18 +5,17 @@ Model: random weights in the demo's model shape (`demo-size`: sprint_jax.demo.De
 demo's model exactly (configs/demo.yaml, its tokenizer's vocabulary; random weights) unless --preset.
 
 Rows, all measured in one run:
-  throughput   problems/s and generated tokens/s at each --concurrency on `BatchEngine`, and the
-               same problems one after another on the single-run `Engine` (the single-run API,
-               a layer over the same slot core with one slot: one run at a time), on identical work. A problem is a SPRINT run with scripted stage lengths:
+  throughput   problems/s and generated tokens/s at each --concurrency on `BatchEngine`, on
+               identical work (concurrency 1: one problem at a time). A problem is a SPRINT run
+               with scripted stage lengths:
                prompt (--prompt-len tokens) -> planner call (--planner-tokens) -> fork of
                --executors executors (forced 4-token opening, --executor-tokens each) -> sync
                (the executors' tokens prefilled onto the planner) -> final planner call
-               (--final-tokens). Lengths are exact: the engines run with no EOS and no stop
+               (--final-tokens). Lengths are exact: the engine runs with no EOS and no stop
                strings, greedy. Random weights, so what a model would write does not matter.
   capacity     one sequence's decode step at used length --used (256) in a cache of capacity 512
-               vs 8192, for the batched engine (attends over the bucketed used length) and the
-               single-run engine (the same core through the single-run API). The sequence is prefilled once;
-               each timed call decodes N tokens and rolls back (truncate), and
+               vs 8192 (the engine attends over the bucketed used length). The sequence is
+               prefilled once; each timed call decodes N tokens and rolls back (truncate), and
                step_ms = (wall(8 chunks) - wall(1 chunk)) / (7 chunks) cancels per-call set-up.
   latency      (the latency model) the decode step of one row vs of a fork of --executors children
                (the same context, --model-context tokens), and an engine call's fixed cost: each
@@ -35,27 +34,17 @@ Rows, all measured in one run:
   fork bytes   a fork of --executors children on a fresh engine: the KV bytes written, read off the
                cache arrays (slots whose K or V is non-zero), against prefix + n x suffix (the
                prefix stored once) and against what per-child prefix copies would hold.
-  --http       instead: plain greedy requests through `sprint-jax serve` vs in-process
-               on an identical BatchEngine. Model: the demo's (configs/demo.yaml: its shape, its
+  --http       instead: plain greedy requests through `sprint-jax serve` vs in-process on an
+               identical BatchEngine. Model: the demo's (configs/demo.yaml: its shape, its
                tokenizer, its held-out queries as prompts; random weights) unless --preset. Per
-               (--max-tokens, --concurrency): waves of `concurrency` requests submitted at once
-               on every path (in-process: opened together; HTTP: one client process and keep-alive
-               connection each, sent at one instant), the paths alternating wave by wave, each
-               wave on every path the same short idle lead after the last (`wave_lead`). Clients:
-               lean (`LeanHTTP`, a raw-socket HTTP/1.1 client as load generators use: what HTTP
-               and the server cost), http.client and the openai client (what each adds over lean
-               is reported as its own column). HTTP overhead per request = its lean latency
-               through the server minus the same request's in-process latency in the same wave
-               (median over requests); target: < 10% of the in-process p50 latency. A floor row
-               times requests that reach no engine (GET /health, a POST answered 400). Every path
-               must return the same texts. Beside each concurrency-1 row, the stack floor: the
-               same lean requests to two servers that run none of our code and no engine, each
-               answering after a busy wait of the row's in-process p50 with a reply of the row's
-               size: a bare ASGI app on uvicorn as `sprint-jax serve` configures it (what the
-               issue's stack costs by itself) and a blocking-socket server with no framework
-               (Python and the loopback alone). --engine-on picks where the server's engine steps;
-               --compare-engine-on adds a second server with it on the other place (lean client,
-               same waves): the two side by side in one run.
+               (--max-tokens, --concurrency): waves of `concurrency` requests, the paths
+               alternating wave by wave after the same short idle lead: http.client and the
+               openai client (one client process and keep-alive connection per request of a
+               wave, sent at one instant), and in-process (each request submitted at the offset
+               at which http.client sent it). Per path: latency p50 / p90 / p99 and throughput
+               (requests/s, tokens/s); per client, what HTTP adds: the median per-request
+               difference to the same request's in-process latency. Every path must return the
+               same texts. --engine-on picks where the server's engine steps.
 Every point runs once untimed first (compiles every shape it meets; checks that every concurrency
 generates identical tokens: the same work), then --repeats times interleaved; the best is reported
 and every sample is kept in the JSON. Each sample also records this process's CPU seconds (all its
@@ -97,7 +86,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacities", default="512,8192", help="capacity row: cache capacities")
     parser.add_argument("--repeats", type=int, default=2, help="timed passes per point (best reported)")
     parser.add_argument("--decode-chunk", type=int, default=16, help="decode steps per host round trip")
-    parser.add_argument("--no-single", action="store_true", help="skip the single-run Engine rows")
     m = parser.add_argument_group("latency model: when can parallel executors cut wall clock on this machine?")
     m.add_argument("--no-latency-model", action="store_true", help="skip the latency-model rows")
     m.add_argument("--model-context", type=int, default=64,
@@ -108,9 +96,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     h = parser.add_argument_group("--http: the same plain requests through `sprint-jax serve` vs in-process")
     h.add_argument("--http", action="store_true",
-                   help="measure the HTTP server's per-request overhead instead (model: the demo's size "
-                        "unless --preset), with the stack floor beside each concurrency-1 row: what a bare "
-                        "uvicorn app and a no-framework socket server add to a request of that length")
+                   help="measure requests through the HTTP server instead, beside the same requests in-process "
+                        "(model: the demo's unless --preset): latency percentiles, throughput, what HTTP adds")
     h.add_argument("--max-tokens", default="32,80",
                    help="--http: tokens generated per request, comma-separated (default 32,80: a short request "
                         "(the demo's planner calls stay within 48 tokens), and about a whole answer of the demo's "
@@ -118,9 +105,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--engine-on", choices=("auto", "loop", "thread"), default="auto",
                    help="--http: where the server's engine steps, as `sprint-jax serve --engine-on` (default auto: "
                         "the server's default, loop on CPU)")
-    h.add_argument("--compare-engine-on", action="store_true",
-                   help="--http: also a second server with its engine on the other place (thread if the first is on "
-                        "the loop, and back), the lean client, in the same waves: the two side by side in one run")
 
 
 DEMO_NAME = "demo-size"   # the demo's model shape (sprint_jax.demo.DemoModel), vocabulary 512
@@ -197,19 +181,6 @@ def run_batched(engine, prompts: list[list[int]], s: dict, concurrency: int, out
             advance(i)
             while i in live and live[i]["op"].done:
                 advance(i)
-    return tokens
-
-
-def run_single(engine, prompts: list[list[int]], s: dict) -> int:
-    """The same problems one after another on the single-run Engine."""
-    tokens = 0
-    for p in prompts:
-        state = engine.prefill(p)
-        g = engine.generate(state, s["planner_tokens"])
-        gens = engine.decode_branches(state, _openings(s), s["executor_tokens"], mode="shared")
-        engine.extend(state, [t for o, b in zip(_openings(s), gens) for t in o + b.tokens])
-        f = engine.generate(state, s["final_tokens"])
-        tokens += len(g.tokens) + sum(len(b.tokens) for b in gens) + len(f.tokens)
     return tokens
 
 
@@ -315,119 +286,18 @@ def _inproc_wave(engine, prompts: list[list[int]], max_new: int,
     return lat, texts
 
 
-class LeanHTTP:
-    """A minimal keep-alive HTTP/1.1 client on a raw socket, the kind a load generator uses (as
-    wrk does): one request at a time on one connection, the request written in one send, the
-    status line and headers split by hand, the body framed by Content-Length, chunked transfer
-    encoding or the connection's close. What http.client adds on top (email.parser headers, a
-    buffered file per response) is the client's cost, not the server's; `bench serve --http`
-    times both. `request` returns (status, [(lower-case name, value)], body)."""
-
-    def __init__(self, host: str, port: int, timeout: float = 600.0):
-        import socket
-
-        self._socket = socket
-        self.host, self.port, self.timeout = host, port, timeout
-        self.sock = None
-        self._buf = b""
-        self._host_line = f"Host: {host}:{port}\r\n".encode()
-
-    def connect(self) -> None:
-        self.close()
-        s = self._socket.create_connection((self.host, self.port), self.timeout)
-        s.setsockopt(self._socket.IPPROTO_TCP, self._socket.TCP_NODELAY, 1)
-        self.sock, self._buf = s, b""
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-
-    def request(self, method: str, path: str, body: bytes | None = None,
-                content_type: str = "application/json") -> tuple[int, list[tuple[str, str]], bytes]:
-        if self.sock is None:
-            self.connect()
-        head = f"{method} {path} HTTP/1.1\r\n".encode() + self._host_line
-        if body is not None:
-            head += f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n".encode()
-        try:
-            self.sock.sendall(head + b"\r\n" + (body or b""))
-            return self._response(method)
-        except BaseException:
-            self.close()                          # a half-read response: the connection is unusable
-            raise
-
-    def _recv(self) -> None:
-        data = self.sock.recv(65536)
-        if not data:
-            raise ConnectionError("the server closed the connection before the response ended")
-        self._buf += data
-
-    def _response(self, method: str) -> tuple[int, list[tuple[str, str]], bytes]:
-        while (end := self._buf.find(b"\r\n\r\n")) < 0:
-            self._recv()
-        lines = self._buf[:end].decode("latin-1").split("\r\n")
-        self._buf = self._buf[end + 4:]
-        version, status, *_ = lines[0].split(" ", 2) + [""]
-        if not version.startswith("HTTP/1.") or not status.isdigit():
-            raise ConnectionError(f"not an HTTP/1.x status line: {lines[0]!r}")
-        headers = []
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep:
-                raise ConnectionError(f"malformed header line: {line!r}")
-            headers.append((name.strip().lower(), value.strip()))
-        h = dict(headers)
-        code = int(status)
-        if method == "HEAD" or code in (204, 304) or code < 200:
-            if code < 200:
-                raise ConnectionError(f"an interim {code} response (this client sends no Expect header)")
-            body = b""
-        elif "chunked" in h.get("transfer-encoding", "").lower():
-            body = self._chunked()
-        elif "content-length" in h:
-            n = int(h["content-length"])
-            while len(self._buf) < n:
-                self._recv()
-            body, self._buf = self._buf[:n], self._buf[n:]
-        else:                                     # framed by the connection's close
-            while data := self.sock.recv(65536):
-                self._buf += data
-            body, self._buf = self._buf, b""
-            self.close()
-        if h.get("connection", "").lower() == "close":
-            self.close()
-        return code, headers, body
-
-    def _chunked(self) -> bytes:
-        parts = []
-        while True:
-            while (i := self._buf.find(b"\r\n")) < 0:
-                self._recv()
-            size = int(self._buf[:i].split(b";")[0], 16)
-            end = i + 2 + size + 2
-            while len(self._buf) < end:
-                self._recv()
-            if self._buf[end - 2:end] != b"\r\n":
-                raise ConnectionError("a chunk does not end with CRLF (or the last chunk has trailers)")
-            if size == 0:
-                self._buf = self._buf[end:]
-                return b"".join(parts)
-            parts.append(self._buf[i + 2:i + 2 + size])
-            self._buf = self._buf[end:]
+HTTP_CLIENTS = ("http", "openai")       # http.client (a plain HTTP client), the openai package
+HTTP_PATHS = ("inproc",) + HTTP_CLIENTS
 
 
 class _ClientPool:
     """The HTTP clients, one process per connection (as load generators run them: in the server's
-    process they would share its GIL, as threads of one process each other's), kept for the whole
-    bench. Each process holds, per server, one keep-alive connection of each client kind: lean
-    (`LeanHTTP`), httpclient (http.client) and openai. `wave` hands request j of a wave to process
-    j with one start instant for all; each sends at that instant (or as soon as it is scheduled:
-    the send times come back and the in-process replay uses them) and returns its latency and
-    text. `work_urls`: stack-floor servers (`_BareUvicorn`, `_RawServer`), reached by `work`
-    with the lean client alone."""
+    process they would share its GIL), kept for the whole bench. Each process holds one
+    keep-alive connection of each client kind (`HTTP_CLIENTS`). `wave` hands request j of a wave
+    to process j with one start instant for all; each sends at that instant (or as soon as it is
+    scheduled: the send times come back, and the in-process wave replays them)."""
 
-    def __init__(self, urls: list[str], model: str, width: int, work_urls: tuple[str, ...] = ()):
+    def __init__(self, url: str, model: str, width: int):
         import subprocess
         import sys
 
@@ -436,8 +306,7 @@ class _ClientPool:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for _ in range(width)]
         for p in self.procs:
-            self._write(p, dict(urls=urls, model=model, work_urls=list(work_urls)))
-        self.last_bytes: list[int | None] = []       # the last wave's reply sizes (lean, http.client)
+            self._write(p, dict(url=url, model=model))
         for p in self.procs:
             self._read(p)
 
@@ -456,27 +325,15 @@ class _ClientPool:
             raise RuntimeError(f"HTTP request failed: {r['error']}")
         return r
 
-    def wave(self, kind: str, server: int, prompts: list[list[int]], max_new: int,
+    def wave(self, kind: str, prompts: list[list[int]], max_new: int,
              at: float) -> tuple[list[float], list[str], list[float]]:
         """Latencies, texts, and when each request went out (s after the wave's first); the
         requests go out at perf_counter() == at (`wave_lead`: every process has its line by then)."""
         for p, prompt in zip(self.procs, prompts):
-            self._write(p, dict(kind=kind, server=server, prompt=prompt, max_new=max_new, at=at))
+            self._write(p, dict(kind=kind, prompt=prompt, max_new=max_new, at=at))
         rs = [self._read(p) for p in self.procs[:len(prompts)]]
-        self.last_bytes = [r["bytes"] for r in rs]
         sent = [r["sent"] for r in rs]
         return [r["lat"] for r in rs], [r["text"] for r in rs], [t - min(sent) for t in sent]
-
-    def work(self, server: int, work_ms: float, reply_bytes: int, at: float) -> float:
-        """One request to stack-floor server `work_urls[server]` (process 0, lean client), sent
-        at perf_counter() == at: its latency (s)."""
-        self._write(self.procs[0], dict(kind="work", server=server, work_ms=work_ms, reply_bytes=reply_bytes, at=at))
-        return self._read(self.procs[0])["lat"]
-
-    def floor(self, server: int, n: int) -> dict:
-        """Round trips of requests that reach no engine (process 0, one at a time)."""
-        self._write(self.procs[0], dict(kind="floor", server=server, n=n))
-        return self._read(self.procs[0])
 
     def close(self) -> None:
         for p in self.procs:
@@ -487,9 +344,9 @@ class _ClientPool:
 
 
 def _client_main() -> None:
-    """A client process of `_ClientPool`: the first stdin line sets it up (urls, model); then each
-    line is a request (or a floor job), answered by one JSON line. A request is timed from just
-    before it is sent to its parsed reply (the JSON decoded, the text taken out)."""
+    """A client process of `_ClientPool`: the first stdin line sets it up (url, model); then each
+    line is a request, answered by one JSON line. A request is timed from just before it is sent
+    to its parsed reply (the JSON decoded, the text taken out)."""
     import http.client
     import sys
     from urllib.parse import urlsplit
@@ -497,76 +354,43 @@ def _client_main() -> None:
     import openai
 
     setup = json.loads(sys.stdin.readline())
-    model = setup["model"]
-    where = [urlsplit(u) for u in setup["urls"]]
-    lean = [LeanHTTP(w.hostname, w.port) for w in where]
-    hc = [http.client.HTTPConnection(w.hostname, w.port, timeout=600) for w in where]
-    oa = [openai.OpenAI(base_url=u + "/v1", api_key="none", max_retries=0, timeout=600) for u in setup["urls"]]
-    work = [LeanHTTP(w.hostname, w.port) for w in map(urlsplit, setup["work_urls"])]
+    model, where = setup["model"], urlsplit(setup["url"])
+    hc = http.client.HTTPConnection(where.hostname, where.port, timeout=600)
+    oa = openai.OpenAI(base_url=setup["url"] + "/v1", api_key="none", max_retries=0, timeout=600)
 
-    def get_hc(s: int, path: str, body: bytes | None = None) -> tuple[int, bytes]:
-        hc[s].request("POST" if body is not None else "GET", path, body, {"Content-Type": "application/json"})
-        r = hc[s].getresponse()
-        return r.status, r.read()
-
-    def touch(kind: str, s: int) -> None:
+    def touch(kind: str) -> None:
         """Not timed: the connection is open when the timed request goes out (the server closes
-        connections idle for 5 s, e.g. while the in-process waves run). lean / http.client: a
-        look at the socket (closed by the server: reconnect), no request; openai (its own pool):
-        a GET /v1/models."""
+        connections idle for 5 s, e.g. while the in-process waves run). http.client: a look at the
+        socket (closed by the server: reconnect); openai (its own pool): a GET /v1/models."""
         if kind == "openai":
-            oa[s].models.list()
-            return
-        c = {"lean": lean, "httpclient": hc, "work": work}[kind][s]
-        if c.sock is None or _closed_by_peer(c.sock):
-            c.close()
-            c.connect()
+            oa.models.list()
+        elif hc.sock is None or _closed_by_peer(hc.sock):
+            hc.close()
+            hc.connect()
 
-    def ask(kind: str, s: int, prompt: list[int], max_new: int) -> tuple[str, int | None]:
-        """The reply's text and its body's size in bytes (None from the openai client)."""
+    def ask(kind: str, prompt: list[int], max_new: int) -> str:
         if kind == "openai":
-            return oa[s].completions.create(model=model, prompt=prompt, max_tokens=max_new,
-                                            temperature=0).choices[0].text, None
+            return oa.completions.create(model=model, prompt=prompt, max_tokens=max_new,
+                                         temperature=0).choices[0].text
         body = json.dumps(dict(model=model, prompt=prompt, max_tokens=max_new, temperature=0)).encode()
-        if kind == "lean":
-            status, _, data = lean[s].request("POST", "/v1/completions", body)
-        else:
-            status, data = get_hc(s, "/v1/completions", body)
-        reply = json.loads(data)
-        if status != 200:
-            raise RuntimeError(f"HTTP {status}: {reply}")
-        return reply["choices"][0]["text"], len(data)
+        hc.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        r = hc.getresponse()
+        reply = json.loads(r.read())
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {reply}")
+        return reply["choices"][0]["text"]
 
-    for s in range(len(where)):
-        for kind in ("lean", "httpclient", "openai"):
-            touch(kind, s)
-    for s in range(len(work)):
-        touch("work", s)
+    for kind in HTTP_CLIENTS:
+        touch(kind)
     print(json.dumps({}), flush=True)
     for line in sys.stdin:
         job = json.loads(line)
-        s = job["server"]
         try:
-            if job["kind"] == "floor":
-                print(json.dumps(_floor(lean[s], get_hc, s, job["n"])), flush=True)
-                continue
-            if job["kind"] == "work":
-                touch("work", s)
-                body = json.dumps(dict(work_ms=job["work_ms"], reply_bytes=job["reply_bytes"])).encode()
-                _until(job["at"])
-                t = time.perf_counter()
-                status, _, data = work[s].request("POST", "/work", body)
-                json.loads(data)
-                lat = time.perf_counter() - t
-                if status != 200:
-                    raise RuntimeError(f"stack floor: HTTP {status}")
-                print(json.dumps(dict(lat=lat)), flush=True)
-                continue
-            touch(job["kind"], s)
+            touch(job["kind"])
             _until(job["at"])
             t = time.perf_counter()
-            text, nbytes = ask(job["kind"], s, job["prompt"], job["max_new"])
-            out = dict(lat=time.perf_counter() - t, text=text, sent=t, bytes=nbytes)
+            text = ask(job["kind"], job["prompt"], job["max_new"])
+            out = dict(lat=time.perf_counter() - t, text=text, sent=t)
         except Exception as e:                   # noqa: BLE001  (reported to the bench)
             out = dict(error=f"{type(e).__name__}: {e}")
         print(json.dumps(out), flush=True)
@@ -596,160 +420,18 @@ def _until(t: float) -> None:
         pass
 
 
-def _floor(lean: LeanHTTP, get_hc, s: int, n: int) -> dict:
-    """Median round trip (ms) of `n` requests the engine never sees, per client: GET /health (a
-    starlette route) and a POST /v1/completions that the handler answers 400 at once (the
-    completion route's own path: the body read, JSON decoded, validated, a JSON reply), back to
-    back; and the same POST sent 5 ms after the last reply (the client awake: `_until`), what a
-    request pays when it finds the server idle (its thread asleep in the poll)."""
-    out = {}
-    for label, method, path, body, want, gap in (("health", "GET", "/health", None, 200, 0.0),
-                                                ("post_400", "POST", "/v1/completions", b"{}", 400, 0.0),
-                                                ("post_400_idle", "POST", "/v1/completions", b"{}", 400, 0.005)):
-        for kind in ("lean", "httpclient"):
-            lat = []
-            for _ in range(n + 1):                 # the first one is not counted (a warm connection)
-                if gap:
-                    _until(time.perf_counter() + gap)
-                t = time.perf_counter()
-                if kind == "lean":
-                    status, _, data = lean.request(method, path, body)
-                else:
-                    status, data = get_hc(s, path, body)
-                json.loads(data)
-                lat.append(time.perf_counter() - t)
-                if status != want:
-                    raise RuntimeError(f"{method} {path}: HTTP {status}, expected {want}")
-            out[f"{label}_{kind}_ms"] = 1000 * float(np.median(lat[1:]))
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# --http: what the HTTP stack alone costs at a request's length (no engine, no sprint-jax code)
-# ---------------------------------------------------------------------------------------------
-def _work_reply(body: bytes) -> bytes:
-    """A stack-floor request: body {"work_ms": W, "reply_bytes": N}. Busy until W ms after this
-    call (the engine's time on a request, the thread awake as the in-process caller is), then a
-    JSON reply of N bytes (the size of the real completion it stands for)."""
-    t_in = time.perf_counter()
-    job = json.loads(body)
-    end = t_in + job["work_ms"] / 1000
-    while time.perf_counter() < end:
-        pass
-    return b'{"text":"' + b"x" * max(0, int(job["reply_bytes"]) - 11) + b'"}'
-
-
-async def _stack_floor_app(scope, receive, send) -> None:
-    """The smallest ASGI app: the whole body read, `_work_reply`, one response (as the server's
-    completion route answers: start, then the body)."""
-    from sprint_jax.serve.app import _read_body
-
-    if scope["type"] != "http":
-        return
-    reply = _work_reply(await _read_body(receive))
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(reply)).encode())]})
-    await send({"type": "http.response.body", "body": reply})
-
-
-class _BareUvicorn:
-    """`_stack_floor_app` on uvicorn configured by the function `sprint-jax serve` uses
-    (`serve.server.uvicorn_server`: the same HTTP parser and event loop, no access log, no proxy
-    headers), on a thread: what the server's ASGI stack costs a request before any of our code
-    runs."""
-
-    def __init__(self):
-        from sprint_jax.serve.server import run_in_thread, uvicorn_server
-
-        self._uv = uvicorn_server(_stack_floor_app, "127.0.0.1", 0, lifespan="off")
-        self._thread, port = run_in_thread(self._uv, "stack-floor-uvicorn")
-        self.url = f"http://127.0.0.1:{port}"
-
-    def close(self) -> None:
-        self._uv.should_exit = True
-        self._thread.join(10)
-
-
-class _RawServer:
-    """No framework: HTTP/1.1 on blocking sockets, a thread per connection, the request split by
-    hand (Content-Length framing), `_work_reply`, the response written in one send. What Python and
-    this machine's loopback cost a request (the two processes' wake-ups included)."""
-
-    def __init__(self):
-        import socket
-        import threading
-
-        self._socket = socket
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, name="stack-floor-raw", daemon=True).start()
-
-    def _accept(self) -> None:
-        import threading
-
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:                      # closed
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn) -> None:
-        conn.setsockopt(self._socket.IPPROTO_TCP, self._socket.TCP_NODELAY, 1)
-        buf = b""
-        try:
-            with conn:
-                while True:
-                    while (end := buf.find(b"\r\n\r\n")) < 0:
-                        if not (data := conn.recv(65536)):
-                            return
-                        buf += data
-                    n = 0
-                    for line in buf[:end].split(b"\r\n")[1:]:
-                        name, _, value = line.partition(b":")
-                        if name.strip().lower() == b"content-length":
-                            n = int(value)
-                    while len(buf) < end + 4 + n:
-                        if not (data := conn.recv(65536)):
-                            return
-                        buf += data
-                    body, buf = buf[end + 4:end + 4 + n], buf[end + 4 + n:]
-                    reply = _work_reply(body)
-                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
-                                 % len(reply) + reply)
-        except OSError:                          # the client went away
-            return
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 def wave_lead(n: int) -> float:
     """Seconds from the end of one wave to the start of the next, on every path: long enough for
     n client processes to get their request before it goes out (one that is late sends late: its
     send time is recorded and replayed in-process). The engine is idle that long before every
-    wave, HTTP or in-process: a request that finds it idle pays the wake-up of its threads
-    (measured: ~2 ms more in-process latency for 32 tokens after 5 ms idle at load 8) on both
-    paths alike; short, so that it stays small."""
+    wave, HTTP or in-process, so a request that finds it idle pays the same wake-up on both."""
     return 0.001 + 0.0005 * n
 
 
-HTTP_PATHS = ("inproc", "at_once", "lean", "httpclient", "openai")
-HTTP_CLIENTS = ("lean", "httpclient", "openai")
-
-
-def http_bench(args: argparse.Namespace) -> dict[str, Any]:
-    """Per (max_tokens, concurrency): the same requests in waves of `concurrency` submitted at
-    once, in-process and through the server (a minimal client and the openai client), the paths
-    alternating wave by wave; the HTTP overhead per request is its HTTP latency minus the
-    in-process latency of the same request in the same wave position (median over requests)."""
-    import os
-
-    import jax
-
+def _http_settings(args: argparse.Namespace) -> tuple[list[int], list[int], int]:
+    """(concurrencies, max_tokens values, requests per point) from the flags; a bad value is a
+    UserError."""
     from sprint_jax.errors import UserError
-    from sprint_jax.infer.batch import BatchEngine
-    from sprint_jax.serve import Server
 
     try:
         conc = [int(x) for x in (args.concurrency or "1,8").split(",")]
@@ -759,221 +441,168 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
     n = args.problems or (16 if args.quick else 32)
     if min(conc) < 1 or n < 1 or args.repeats < 1 or min(lengths) < 1:
         raise UserError("--concurrency, --problems, --repeats and --max-tokens must be >= 1")
+    return conc, lengths, n
+
+
+class _Waves:
+    """One (max_tokens, concurrency) point: the requests in waves of `concurrency`, on every path
+    (`HTTP_PATHS`). An in-process wave replays the send offsets of the last http.client wave of
+    the same requests, so both paths see the same arrivals."""
+
+    def __init__(self, local, clients: _ClientPool, prompts: list[list[int]], max_new: int, concurrency: int):
+        self.local, self.clients, self.prompts, self.max_new = local, clients, prompts, max_new
+        n = len(prompts)
+        self.waves = [list(range(i, min(i + concurrency, n))) for i in range(0, n, concurrency)]
+        self.arrivals: dict[int, list[float]] = {}      # wave -> http.client's send offsets
+
+    def run(self, path: str, w: int) -> tuple[list[float], list[str], float]:
+        """Wave `w` on `path`, after the idle lead: (latencies, texts, the wave's wall clock: its
+        start to its last reply)."""
+        ps = [self.prompts[i] for i in self.waves[w]]
+        at = time.perf_counter() + wave_lead(len(ps))
+        if path == "inproc":
+            _until(at)                                # the same idle time before it as an HTTP wave
+            offsets = self.arrivals.get(w, [0.0] * len(ps))
+            lat, texts = _inproc_wave(self.local, ps, self.max_new, offsets)
+        else:
+            lat, texts, offsets = self.clients.wave(path, ps, self.max_new, at)
+            if path == "http":
+                self.arrivals[w] = offsets
+        return lat, texts, max(o + x for o, x in zip(offsets, lat))
+
+    def warm(self) -> None:
+        """Untimed, twice: compiles every shape (HTTP arrivals spread over a few ms, so their steps
+        meet more row counts than an in-process wave all at once); http.client first, so the
+        in-process waves have arrivals to replay."""
+        for _ in range(2):
+            for path in HTTP_PATHS[1:] + HTTP_PATHS[:1]:
+                for w in range(len(self.waves)):
+                    self.run(path, w)
+
+    def timed(self, repeats: int) -> tuple[dict, dict, dict]:
+        """`repeats` passes, the paths alternating wave by wave (their order rotating, so no path
+        always goes first): per path the latencies [repeat, request], the walls [repeat] (the
+        sum of its waves') and the texts of the last pass."""
+        n = len(self.prompts)
+        lat = {p: np.zeros((repeats, n)) for p in HTTP_PATHS}
+        wall = {p: np.zeros(repeats) for p in HTTP_PATHS}
+        texts = {p: [""] * n for p in HTTP_PATHS}
+        for r in range(repeats):
+            for w, idx in enumerate(self.waves):
+                k = (w + r) % len(HTTP_PATHS)
+                for path in HTTP_PATHS[k:] + HTTP_PATHS[:k]:
+                    lw, tw, ww = self.run(path, w)
+                    lat[path][r, idx] = lw
+                    wall[path][r] += ww
+                    for i, t in zip(idx, tw):
+                        texts[path][i] = t
+        return lat, wall, texts
+
+
+def _http_row(waves: _Waves, repeats: int, concurrency: int) -> dict[str, Any]:
+    """A point's row: per path the latency percentiles (ms, over every request of every pass) and
+    the throughput of its best pass (requests/s, generated tokens/s); per HTTP client, what it
+    adds over in-process: the median per-request difference to the same request's in-process
+    latency (ms, and % of the in-process p50). RuntimeError when a path's texts differ from the
+    in-process engine's (not the same work)."""
+    waves.warm()
+    lat, wall, texts = waves.timed(repeats)
+    for path in HTTP_CLIENTS:
+        if texts[path] != texts["inproc"]:
+            raise RuntimeError(f"{path}'s texts differ from the in-process engine's: not the same work")
+    n = len(waves.prompts)
+    row: dict[str, Any] = dict(max_tokens=waves.max_new, concurrency=concurrency)
+    for path in HTTP_PATHS:
+        x = 1000 * lat[path].ravel()
+        best = float(wall[path].min())
+        row[path] = dict(p50_ms=float(np.median(x)), p90_ms=float(np.percentile(x, 90)),
+                         p99_ms=float(np.percentile(x, 99)), mean_ms=float(x.mean()), samples_ms=x.tolist(),
+                         requests_per_s=n / best, tokens_per_s=n * waves.max_new / best,
+                         wall_samples_s=wall[path].tolist())
+    for path in HTTP_CLIENTS:
+        over = 1000 * float(np.median(lat[path] - lat["inproc"]))
+        row[path].update(overhead_ms=over, overhead_pct=100 * over / row["inproc"]["p50_ms"])
+    return row
+
+
+def http_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Per (max_tokens, concurrency): the same greedy requests in waves of `concurrency`, in-process
+    on a BatchEngine and through `sprint-jax serve` (http.client and the openai client), the paths
+    alternating wave by wave; latency percentiles, throughput, and what HTTP adds per request."""
+    import os
+
+    import jax
+
+    from sprint_jax.infer.batch import BatchEngine
+    from sprint_jax.serve import Server
+    from sprint_jax.serve.cli import ENGINE_ON
+
+    conc, lengths, n = _http_settings(args)
     if args.preset:
         model, tok, name = _model(args.preset, args.seed)
         prompts = _problems(n, dict(prompt_len=args.prompt_len), model.config.vocab_size, args.seed)
     else:
         model, tok, name, prompts = _demo_model(args.seed, n)
-    prompt_len = max(len(p) for p in prompts)
-    caps = dict(max_seqs=max(conc), max_children=1, max_seq_len=prompt_len + max(lengths) + 8,
+    caps = dict(max_seqs=max(conc), max_children=1, max_seq_len=max(map(len, prompts)) + max(lengths) + 8,
                 max_branch_tokens=8, decode_chunk=args.decode_chunk, prefill_chunk=128, eos_token_ids=[])
     local = BatchEngine(model, tok, **caps)
-    served = BatchEngine(model, tok, **caps)          # its own cache; the jitted steps are shared
-    from sprint_jax.serve.cli import ENGINE_ON
-    server = Server(served, name, engine_on_loop=ENGINE_ON[args.engine_on]).start()
-    paths, client_paths = HTTP_PATHS, HTTP_CLIENTS
-    other = None
-    if args.compare_engine_on:                        # lean_other: the lean client, the other engine place
-        other = Server(BatchEngine(model, tok, **caps), name, engine_on_loop=not server.engine_on_loop).start()
-        paths, client_paths = HTTP_PATHS + ("lean_other",), HTTP_CLIENTS + ("lean_other",)
-    # the HTTP stack alone (no engine, no sprint-jax code), at the length of each concurrency-1 row
-    floors = {"uvicorn": _BareUvicorn(), "raw": _RawServer()} if 1 in conc else {}
-    clients = _ClientPool([server.url] + ([other.url] if other is not None else []), name, max(conc),
-                          work_urls=tuple(f.url for f in floors.values()))
+    server = Server(BatchEngine(model, tok, **caps), name,     # its own cache; the jitted steps are shared
+                    engine_on_loop=ENGINE_ON[args.engine_on]).start()
+    clients = _ClientPool(server.url, name, max(conc))
     out: dict[str, Any] = dict(model=name, backend=jax.default_backend(), requests=n,
                                prompt_tokens=[len(p) for p in prompts], http_impl=server.http_impl,
                                loop_impl=server.loop_impl, engine_on="loop" if server.engine_on_loop else "thread",
                                decode_chunk=args.decode_chunk, rows=[])
-    if other is not None:
-        out["other_engine_on"] = "loop" if other.engine_on_loop else "thread"
-
-    arrivals: dict[tuple, list[float]] = {}      # (tokens, conc, wave) -> the lean client's send offsets
-    reply_bytes: dict[int, list[int]] = {}       # tokens -> the lean client's reply sizes
-
-    def wave(path: str, key: tuple, idx: list[int], m: int):
-        """(latencies, texts, the server's timings of each request: engine / server / wait)"""
-        ps = [prompts[i] for i in idx]
-        at = time.perf_counter() + wave_lead(len(ps))
-        if path in ("at_once", "inproc"):
-            _until(at)                                # the same idle time before it as an HTTP wave
-            # inproc: the HTTP clients' arrival pattern, replayed; at_once: all at one instant
-            return (*_inproc_wave(local, ps, m, arrivals.get(key) if path == "inproc" else None), [])
-        srv = other if path == "lean_other" else server
-        srv.worker.timings.clear()
-        lat, texts, sent = clients.wave("lean" if path == "lean_other" else path, int(path == "lean_other"), ps, m,
-                                        at)
-        if path == "lean":
-            arrivals[key] = sent
-            reply_bytes.setdefault(m, []).extend(clients.last_bytes)
-        by_prompt = {tuple(t["prompt"]): t for t in srv.worker.timings}
-        return lat, texts, [by_prompt[tuple(p)] for p in ps]
-
     try:
         load_before = os.getloadavg()
-        # the floor: round trips of requests that reach no engine, per client (no wave running)
-        out["floor"] = clients.floor(0, 200)
         for m in lengths:
             for c in conc:
-                waves = [list(range(i, min(i + c, n))) for i in range(0, n, c)]
-                # untimed: compile every shape; HTTP arrivals spread over a few ms, so their steps
-                # meet more row counts than the in-process waves (every bucket up to c)
-                for _ in range(2):
-                    for path in ("lean",) + tuple(p for p in paths if p != "lean"):
-                        for w, idx in enumerate(waves):
-                            wave(path, (m, c, w), idx, m)
-                lat = {p: np.zeros((args.repeats, n)) for p in paths}
-                timing = {p: {k: np.zeros((args.repeats, n)) for k in ("engine", "server", "wait")}
-                          for p in client_paths}
-                spread: list[float] = []
-                texts: dict[str, list[str]] = {p: [""] * n for p in paths}
-                for r in range(args.repeats):
-                    for w, idx in enumerate(waves):
-                        k = (w + r) % len(paths)   # rotate the order: no path always goes first
-                        for path in paths[k:] + paths[:k]:
-                            l, t, tm = wave(path, (m, c, w), idx, m)
-                            lat[path][r, idx] = l
-                            for i, x in zip(idx, t):
-                                texts[path][i] = x
-                            for i, x in zip(idx, tm):
-                                for key in ("engine", "server", "wait"):
-                                    timing[path][key][r, i] = x[key]
-                            if path == "lean":
-                                spread.append(max(arrivals[(m, c, w)]))
-                for path in paths[1:]:
-                    if texts[path] != texts["inproc"]:
-                        raise RuntimeError(f"{path}'s texts differ from the in-process engine's: not the same work")
-                row: dict[str, Any] = dict(max_tokens=m, concurrency=c,
-                                           arrival_spread_ms=1000 * float(np.median(spread)))
-                for path in paths:
-                    x = 1000 * lat[path].ravel()
-                    row[path] = dict(p50_ms=float(np.median(x)), mean_ms=float(x.mean()), min_ms=float(x.min()),
-                                     p99_ms=float(np.percentile(x, 99)), samples_ms=x.tolist())
-                inproc_p50 = row["inproc"]["p50_ms"]
-                for path in client_paths:
-                    # end to end, per request: HTTP latency - the same request's in-process latency
-                    # (same wave, submitted at the same offset in it)
-                    over = 1000 * float(np.median(lat[path] - lat["inproc"]))
-                    # per request: HTTP latency - the engine's time on that request: what HTTP,
-                    # the server and the client add; the engine's step times, which the machine's
-                    # load moves run to run, cancel out
-                    outside = 1000 * float(np.median(lat[path] - timing[path]["engine"]))
-                    row[path].update(overhead_ms=over, overhead_pct=100 * over / inproc_p50,
-                                     outside_engine_ms=outside, outside_engine_pct=100 * outside / inproc_p50,
-                                     engine_ms_p50=1000 * float(np.median(timing[path]["engine"])),
-                                     engine_samples_ms=(1000 * timing[path]["engine"].ravel()).tolist(),
-                                     server_ms_p50=1000 * float(np.median(timing[path]["server"])),
-                                     pick_wait_ms_p50=1000 * float(np.median(timing[path]["wait"])))
-                # what http.client / the openai package add over the lean client: clients' costs, not the server's
-                for path in ("httpclient", "openai"):
-                    row[path]["client_ms"] = 1000 * float(np.median(lat[path] - lat["lean"]))
-                row["target_met"] = row["lean"]["overhead_pct"] < 10
-                row["lean"]["reply_bytes_p50"] = int(np.median(reply_bytes[m]))
-                if c == 1 and floors:
-                    row["stack_floor"] = _stack_floor(clients, list(floors), inproc_p50,
-                                                      row["lean"]["reply_bytes_p50"], args.repeats * n)
-                out["rows"].append(row)
+                out["rows"].append(_http_row(_Waves(local, clients, prompts, m, c), args.repeats, c))
         out["loadavg"] = dict(before=load_before, after=os.getloadavg())
     finally:
         clients.close()
-        for f in floors.values():
-            f.close()
         server.stop()
-        if other is not None:
-            other.stop()
     _http_report(out, args.repeats)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
-        print(f"written: {args.out}")
+    _write_json(out, args.out)
     return out
-
-
-def _stack_floor(clients: _ClientPool, kinds: list[str], work_ms: float, reply_bytes: int,
-                 samples: int) -> dict[str, Any]:
-    """Per stack-floor server (`kinds`, in `clients`' work_urls order): `samples` requests one at a
-    time, each after the waves' idle lead, the servers taking turns, each answered after a busy wait
-    of `work_ms` (the row's in-process p50) with a `reply_bytes` reply. Overhead = latency -
-    work_ms: what that stack and this machine add to a request of this length before any of the
-    server's own code runs. Median ms and % of work_ms."""
-    for s in range(len(kinds)):                   # untimed: warm connections and code paths
-        for _ in range(5):
-            clients.work(s, 0.0, reply_bytes, time.perf_counter() + wave_lead(1))
-    over: dict[str, list[float]] = {k: [] for k in kinds}
-    for i in range(samples):
-        for j in range(len(kinds)):
-            s = (i + j) % len(kinds)
-            lat = clients.work(s, work_ms, reply_bytes, time.perf_counter() + wave_lead(1))
-            over[kinds[s]].append(1000 * lat - work_ms)
-    return {k: dict(overhead_ms=float(np.median(v)), overhead_pct=100 * float(np.median(v)) / work_ms,
-                    samples_ms=v) for k, v in over.items()} | dict(work_ms=work_ms, reply_bytes=reply_bytes)
 
 
 def _http_report(out: dict, repeats: int) -> None:
     print(f"model {out['model']} on {out['backend']}; {out['requests']} requests x {repeats} repeats, prompts of "
           f"{min(out['prompt_tokens'])}-{max(out['prompt_tokens'])} tokens, greedy, decode chunk "
           f"{out['decode_chunk']}; uvicorn http={out['http_impl']} loop={out['loop_impl']}, engine on the "
-          f"{out['engine_on']}; load average "
-          f"{out['loadavg']['before'][0]:.1f} -> {out['loadavg']['after'][0]:.1f}")
-    f = out["floor"]
-    print(f"floor (no engine, one request at a time, p50 ms): GET /health lean {f['health_lean_ms']:.3f}, http.client "
-          f"{f['health_httpclient_ms']:.3f}; POST /v1/completions answered 400 lean {f['post_400_lean_ms']:.3f}, "
-          f"http.client {f['post_400_httpclient_ms']:.3f}; the same POST 5 ms after the last reply (the server "
-          f"idle) lean {f['post_400_idle_lean_ms']:.3f}, http.client {f['post_400_idle_httpclient_ms']:.3f}")
-    print("Waves of `conc` requests, the paths alternating wave by wave; latency = submission -> parsed reply, p50 "
-          "ms. Clients: one process per connection, a keep-alive connection each; lean = a raw-socket HTTP/1.1 "
-          "client (LeanHTTP), http.client = the standard library's, openai = the openai package's. inproc: the "
-          "same requests on an identical engine in-process, each submitted at the offset in its wave at which the "
-          "lean client sent it (spread: the last one's offset, p50); at once: a wave in-process all at the same "
-          "instant. Per request, median: e2e over = the lean client's latency - the same request's inproc latency; "
-          "outside = lean latency - the engine's time on it (what HTTP, the server and the client add, the "
-          "engine's step times cancelled out); % = of the inproc p50. srv: the server's time per request outside "
-          "the engine, timed inside it; wait: of that, until the engine took it (a step was running). http.client "
-          "and openai: e2e over as for lean, and client = their latency - lean's (the client's own cost).")
-    print(f"{'':<11}{'':>7}{'':>8}{'':>8}{'--- lean client':<47}{'--- http.client':<23}{'--- openai':<10}")
-    print(f"{'tokens':>6}{'conc':>5}{'spread':>7}{'at once':>8}{'inproc':>8}{'p50':>7}{'e2e over':>9}{'%':>6}"
-          f"{'outside':>8}{'%':>6}{'srv':>6}{'wait':>5}{'p50':>8}{'e2e over':>9}{'client':>7}{'p50':>8}{'client':>7}")
+          f"{out['engine_on']}; load average {out['loadavg']['before'][0]:.1f} -> {out['loadavg']['after'][0]:.1f}")
+    print("Waves of `conc` requests, the paths alternating wave by wave; latency = submission -> parsed reply, ms "
+          "over every request; req/s: the best pass. inproc: the same requests on an identical engine in this "
+          "process, each submitted at the offset in its wave at which http.client sent it. http = http.client, "
+          "openai = the openai package, one client process and keep-alive connection per request of a wave; "
+          "over = median per request of its latency - the same request's inproc latency (% of the inproc p50).")
+    print(f"{'':>11}{'--- inproc':<28}{'--- http':<41}{'--- openai':<41}")
+    head = f"{'p50':>7}{'p90':>7}{'p99':>7}{'req/s':>7}"
+    print(f"{'tokens':>6}{'conc':>5}{head}{head}{'over':>7}{'%':>6}{head}{'over':>7}{'%':>6}")
     for r in out["rows"]:
-        i, z, a, h, o = r["inproc"], r["at_once"], r["lean"], r["httpclient"], r["openai"]
-        print(f"{r['max_tokens']:>6}{r['concurrency']:>5}{r['arrival_spread_ms']:>7.2f}{z['p50_ms']:>8.2f}"
-              f"{i['p50_ms']:>8.2f}{a['p50_ms']:>7.2f}{a['overhead_ms']:>9.2f}{a['overhead_pct']:>6.1f}"
-              f"{a['outside_engine_ms']:>8.2f}{a['outside_engine_pct']:>6.1f}{a['server_ms_p50']:>6.2f}"
-              f"{a['pick_wait_ms_p50']:>5.2f}{h['p50_ms']:>8.2f}{h['overhead_ms']:>9.2f}{h['client_ms']:>7.2f}"
-              f"{o['p50_ms']:>8.2f}{o['client_ms']:>7.2f}")
-    if out.get("other_engine_on"):
-        print(f"The same waves through a second server with its engine on the {out['other_engine_on']} (lean client):")
-        print(f"{'tokens':>6}{'conc':>5}{'inproc':>8}{'p50':>8}{'e2e over':>9}{'%':>6}{'outside':>8}{'%':>6}{'srv':>6}"
-              f"{'wait':>6}")
-        for r in out["rows"]:
-            i, a = r["inproc"], r["lean_other"]
-            print(f"{r['max_tokens']:>6}{r['concurrency']:>5}{i['p50_ms']:>8.2f}{a['p50_ms']:>8.2f}{a['overhead_ms']:>9.2f}"
-                  f"{a['overhead_pct']:>6.1f}{a['outside_engine_ms']:>8.2f}{a['outside_engine_pct']:>6.1f}"
-                  f"{a['server_ms_p50']:>6.2f}{a['pick_wait_ms_p50']:>6.2f}")
-    sf = [r for r in out["rows"] if "stack_floor" in r]
-    if sf:
-        print("The HTTP stack alone at concurrency 1, no engine and none of our code: a request answered after a busy "
-              "wait of the row's inproc p50, with a reply of the same size, lean client, the same idle lead; p50 "
-              "latency - the wait, ms (% of the inproc p50). uvicorn: a bare ASGI app on uvicorn configured as the "
-              "server is; raw: a blocking-socket server, no framework (Python and the loopback alone):")
-        for r in sf:
-            f = r["stack_floor"]
-            print(f"{r['max_tokens']:>6} tokens: uvicorn {f['uvicorn']['overhead_ms']:.2f} "
-                  f"({f['uvicorn']['overhead_pct']:.1f}%), raw {f['raw']['overhead_ms']:.2f} ({f['raw']['overhead_pct']:.1f}%)"
-                  f"; the server (lean) {r['lean']['overhead_ms']:.2f} ({r['lean']['overhead_pct']:.1f}%)")
-    met = [r for r in out["rows"] if r["target_met"]]
-    print(f"target: HTTP overhead per request (lean client, e2e over) < 10% of the in-process p50 "
-          f"latency: met in {len(met)} of {len(out['rows'])} rows")
-    beyond = [r for r in sf if r["stack_floor"]["uvicorn"]["overhead_pct"] >= 10]
-    if beyond:
-        print("  out of reach on this stack and machine where the bare stack alone is >= 10%: "
-              + ", ".join(f"{r['max_tokens']}/1" for r in beyond))
+        line = f"{r['max_tokens']:>6}{r['concurrency']:>5}"
+        for path in HTTP_PATHS:
+            x = r[path]
+            line += f"{x['p50_ms']:>7.2f}{x['p90_ms']:>7.2f}{x['p99_ms']:>7.2f}{x['requests_per_s']:>7.1f}"
+            if path != "inproc":
+                line += f"{x['overhead_ms']:>7.2f}{x['overhead_pct']:>6.1f}"
+        print(line)
+
+
+def _write_json(out: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=2, default=str)
+        print(f"written: {path}")
 
 
 def serve_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """The rows of the module docstring (throughput, capacity, fork bytes, latency model), printed
+    and written to --out."""
     import jax
 
     from sprint_jax.errors import UserError
-    from sprint_jax.infer import Engine
-    from sprint_jax.infer.batch import BatchEngine
 
     conc = [int(x) for x in (args.concurrency or ("1,4,16" if args.quick else "1,4,16,64")).split(",")]
     n_problems = args.problems or (32 if args.quick else 128)
@@ -990,69 +619,10 @@ def serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         s["final_tokens"] + 8
     common = dict(max_seq_len=seq_len, max_branch_tokens=4 + 1 + s["executor_tokens"],
                   decode_chunk=args.decode_chunk, prefill_chunk=128, eos_token_ids=[])
-    out: dict[str, Any] = dict(model=name, backend=jax.default_backend(), settings=dict(s, problems=n_problems),
-                               throughput=[], capacity=[])
-    engines = {c: BatchEngine(model, tok, max_seqs=c, max_children=max(s["executors"], 1), **common) for c in conc}
-    single = None if args.no_single else Engine(model, tok, max_branches=max(s["executors"], 1), **common)
-    # compile every shape once: an untimed pass over the same work (the scheduler meets the same
-    # batch shapes again in the timed passes), then interleave the timed repeats. The untimed pass
-    # also checks that every concurrency does the same work: identical generations (greedy).
-    works = {}
-    for c, e in engines.items():
-        works[c] = []
-        run_batched(e, prompts, s, c, works[c])
-    out["same_work"] = all(sorted(w) == sorted(works[conc[0]]) for w in works.values())
-    if single is not None:
-        run_single(single, prompts[:1], s)
-    # each sample: wall s, generated tokens, this process's CPU s (all threads; on a shared machine
-    # the CPU time is what the run itself cost: other processes' load stretches the wall, not it)
-    samples: dict[str, list[tuple[float, int, float]]] = {}
-    out["loadavg_start"] = _loadavg()
-    for _ in range(args.repeats):
-        for c, e in engines.items():
-            t0, c0 = time.perf_counter(), time.process_time()
-            n_tok = run_batched(e, prompts, s, c)
-            samples.setdefault(f"batched@{c}", []).append((time.perf_counter() - t0, n_tok, time.process_time() - c0))
-        if single is not None:
-            t0, c0 = time.perf_counter(), time.process_time()
-            n_tok = run_single(single, prompts, s)
-            samples.setdefault("single", []).append((time.perf_counter() - t0, n_tok, time.process_time() - c0))
-    out["loadavg_end"] = _loadavg()
-    for key, xs in samples.items():
-        wall, n_tok, _ = min(xs)
-        cpu = min(x[2] for x in xs)
-        out["throughput"].append(dict(path=key, problems=n_problems, best_wall_s=wall, problems_per_s=n_problems / wall,
-                                      tokens_per_s=n_tok / wall, samples_s=[x[0] for x in xs], best_cpu_s=cpu,
-                                      cpu_samples_s=[x[2] for x in xs]))
-    # capacity row
-    used_prompt = [int(x) for x in np.random.default_rng(1).integers(2, model.config.vocab_size, args.used)]
-    n_new = 8 * args.decode_chunk
-    for cap in caps:
-        kw = dict(common, max_seq_len=cap, max_branch_tokens=16)
-        row = dict(capacity=cap, used=args.used)
-        be = BatchEngine(model, tok, max_seqs=1, max_children=1, **kw)
-        op = be.open(used_prompt)
-        be.run([op])
-        seq = op.result
-
-        def batched(n, be=be, seq=seq):
-            g = be.generate(seq, n)
-            be.run([g])
-            be.truncate(seq, len(used_prompt))       # back to the used length for the next call
-        paths = [("batched", batched)]
-        if single is not None:
-            se = Engine(model, tok, max_branches=1, **kw)
-            state = se.prefill(used_prompt)
-
-            def one(n, se=se, state=state):
-                se.generate(state, n)
-                se.truncate(state, len(used_prompt))
-            paths.append(("single", one))
-        for label, fn in paths:
-            step, walls = _difference_timing(fn, args.decode_chunk, n_new, args.repeats)
-            row[f"{label}_step_ms"] = 1000 * step if step > 0 else None
-            row[f"{label}_samples_s"] = walls
-        out["capacity"].append(row)
+    out: dict[str, Any] = dict(model=name, backend=jax.default_backend(), settings=dict(s, problems=n_problems))
+    out.update(throughput(model, tok, prompts, s, conc, common, args.repeats))
+    out["capacity"] = [capacity_row(model, tok, cap, args.used, common, args.decode_chunk, args.repeats)
+                       for cap in caps]
     out["fork_bytes"] = fork_bytes(model, tok, prompts[0], s, common)
     if not args.no_latency_model:
         # the demo's model exactly (its vocabulary too: the unembedding is part of a row's work)
@@ -1062,11 +632,60 @@ def serve_bench(args: argparse.Namespace) -> dict[str, Any]:
                                              args.sequential_tokens)
         out["latency_model"]["model"] = name if args.preset else "the demo's (configs/demo.yaml, its vocabulary)"
     _report(out, conc, caps)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2, default=str)
-        print(f"written: {args.out}")
+    _write_json(out, args.out)
     return out
+
+
+def throughput(model, tok, prompts: list[list[int]], s: dict, conc: list[int], common: dict,
+               repeats: int) -> dict[str, Any]:
+    """The throughput rows: the problems on a BatchEngine at each concurrency (`run_batched`), one
+    untimed pass each (compiles every shape the timed passes meet; `same_work`: every concurrency
+    generated the same tokens), then `repeats` timed passes interleaved. A row keeps the best pass
+    and every sample, with this process's CPU seconds (all its threads: on a shared machine other
+    processes stretch the wall clock, not it) and the load average around the passes."""
+    from sprint_jax.infer.batch import BatchEngine
+
+    engines = {c: BatchEngine(model, tok, max_seqs=c, max_children=max(s["executors"], 1), **common) for c in conc}
+    works = {}
+    for c, e in engines.items():
+        works[c] = []
+        run_batched(e, prompts, s, c, works[c])
+    out: dict[str, Any] = dict(same_work=all(sorted(w) == sorted(works[conc[0]]) for w in works.values()),
+                               loadavg_start=_loadavg(), throughput=[])
+    samples: dict[int, list[tuple[float, int, float]]] = {c: [] for c in conc}   # (wall s, tokens, CPU s)
+    for _ in range(repeats):
+        for c, e in engines.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            n_tok = run_batched(e, prompts, s, c)
+            samples[c].append((time.perf_counter() - t0, n_tok, time.process_time() - c0))
+    out["loadavg_end"] = _loadavg()
+    for c, xs in samples.items():
+        wall, n_tok, _ = min(xs)
+        out["throughput"].append(dict(path=f"batched@{c}", problems=len(prompts), best_wall_s=wall,
+                                      problems_per_s=len(prompts) / wall, tokens_per_s=n_tok / wall,
+                                      samples_s=[x[0] for x in xs], best_cpu_s=min(x[2] for x in xs),
+                                      cpu_samples_s=[x[2] for x in xs]))
+    return out
+
+
+def capacity_row(model, tok, cap: int, used: int, common: dict, chunk: int, repeats: int) -> dict[str, Any]:
+    """One sequence's decode step at used length `used` in a BatchEngine of capacity `cap`: the
+    sequence is prefilled once; each timed call decodes `chunk` or 8 x `chunk` tokens and rolls
+    back (truncate); the step is their difference per token (`_difference_timing`)."""
+    from sprint_jax.infer.batch import BatchEngine
+
+    prompt = [int(x) for x in np.random.default_rng(1).integers(2, model.config.vocab_size, used)]
+    be = BatchEngine(model, tok, max_seqs=1, max_children=1, **dict(common, max_seq_len=cap, max_branch_tokens=16))
+    op = be.open(prompt)
+    be.run([op])
+    seq = op.result
+
+    def decode(n):
+        g = be.generate(seq, n)
+        be.run([g])
+        be.truncate(seq, used)                   # back to the used length for the next call
+    step, walls = _difference_timing(decode, chunk, 8 * chunk, repeats)
+    return dict(capacity=cap, used=used, batched_step_ms=1000 * step if step > 0 else None, batched_samples_s=walls)
 
 
 MODEL_LO, MODEL_HI = 8, 64        # the latency model's two call lengths (one decode call each)
@@ -1222,18 +841,15 @@ def _report(out: dict, conc: list[int], caps: list[int]) -> None:
         r = rows.get(f"batched@{c}")
         if one and r and c != min(conc):
             targets[f"  the same in process CPU time ({c} / {min(conc)})"] = one["best_cpu_s"] / r["best_cpu_s"]
-    if "single" in rows and one:
-        targets[f"batched@{min(conc)} / single (latency path)"] = one["problems_per_s"] / rows["single"]["problems_per_s"]
-    print(f"\n{'capacity':<10}{'used':>6}{'batched step ms':>18}{'single step ms':>16}")
+    print(f"\n{'capacity':<10}{'used':>6}{'batched step ms':>18}")
     for r in out["capacity"]:
-        b, s = r.get("batched_step_ms"), r.get("single_step_ms")
-        print(f"{r['capacity']:<10}{r['used']:>6}{(f'{b:.3f}' if b else 'n/a'):>18}{(f'{s:.3f}' if s else 'n/a'):>16}")
+        b = r["batched_step_ms"]
+        print(f"{r['capacity']:<10}{r['used']:>6}{(f'{b:.3f}' if b else 'n/a'):>18}")
     cap_rows = {r["capacity"]: r for r in out["capacity"]}
     lo, hi = min(caps), max(caps)
-    for label in ("batched", "single"):
-        a, b = cap_rows[lo].get(f"{label}_step_ms"), cap_rows[hi].get(f"{label}_step_ms")
-        if a and b:
-            targets[f"{label} step capacity {hi} / {lo}"] = b / a
+    a, b = cap_rows[lo]["batched_step_ms"], cap_rows[hi]["batched_step_ms"]
+    if a and b:
+        targets[f"batched step capacity {hi} / {lo}"] = b / a
     out["ratios"] = targets
     fb = out.get("fork_bytes")
     if fb:

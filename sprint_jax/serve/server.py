@@ -20,8 +20,7 @@ def uvicorn_server(app, host: str, port: int, log_level: str = "warning", header
     where it is installed (the HTTP part of a request took ~0.8 ms instead of ~1.5 ms with the
     pure-Python h11; the `serve` extra installs it), uvloop (libuv; orbax-checkpoint installs it)
     runs the event loop (asyncio's if it is missing), no access log line per request, no
-    proxy-headers layer (nothing here reads the client's address). `bench serve --http` runs its
-    bare stack-floor app through this too, so the two are configured alike.
+    proxy-headers layer (nothing here reads the client's address).
 
     uvicorn bounds neither how long a client may take to send a request's head nor the number of
     connections (its limit_concurrency answers over-limit requests only once their headers are in,
