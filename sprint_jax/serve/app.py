@@ -2,9 +2,7 @@
 server-sent events, metrics. Every engine interaction goes through `EngineWorker`.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, GET /health,
-GET /metrics (Prometheus text format). The two POST routes are plain ASGI handlers, reached before
-starlette (its middleware, routing, Request and Response objects cost ~0.1 ms a request, which is
-what a request's whole HTTP overhead may be on the demo model); the rest is a starlette app.
+GET /metrics (Prometheus text format), all routes of one starlette app (`make_app`).
 """
 from __future__ import annotations
 
@@ -21,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -72,7 +71,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.payload(), status_code=self.status, headers=self.headers)
+        return _JSON(self.payload(), status_code=self.status, headers=self.headers)
 
 
 def internal_error(exc: Exception) -> APIError:
@@ -657,65 +656,116 @@ class _StreamText:
 # ---------------------------------------------------------------------------------------------
 # Handlers
 # ---------------------------------------------------------------------------------------------
-def make_app(state: ServeState):
-    worker = state.worker
+class _JSON(JSONResponse):
+    """A JSON response as OpenAI writes one: compact, UTF-8 (non-ASCII as is)."""
 
-    async def models(request: Request) -> Response:
-        data = [{"id": m, "object": "model", "created": state.created, "owned_by": "sprint-jax"}
-                for m in (state.model_name, state.model_name + SPRINT_SUFFIX)]
-        return JSONResponse({"object": "list", "data": data})
+    def render(self, content) -> bytes:
+        # backslashreplace: a lone surrogate (never valid UTF-8) goes out as its JSON escape, not a 500
+        return json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
 
-    async def health(request: Request) -> Response:
+
+class _EventStream(StreamingResponse):
+    """A server-sent event stream of one job. However the response ends (finished, the client
+    gone, a bug), its event generator is closed (a job still running is cancelled) and `on_close`
+    runs."""
+
+    def __init__(self, events, on_close, on_bug):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.events, self.on_close, self.on_bug = events, on_close, on_bug
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except (ClientDisconnect, OSError):     # the client left mid-stream
+            pass
+        except Exception:                       # a bug: counted; starlette logs it (the stream has begun)
+            self.on_bug()
+            raise
+        finally:
+            await self.events.aclose()
+            self.on_close()
+
+
+class _RequireKey:
+    """ASGI middleware: every HTTP route but /health needs `Authorization: Bearer <key>` (401 first,
+    before routing, so an unknown path tells nothing to a client without the key)."""
+
+    def __init__(self, app, key: bytes):
+        self.app, self.key = app, key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health" and not _authorized(scope, self.key):
+            e = APIError(401, "missing or incorrect API key: send it as the header 'Authorization: Bearer KEY'",
+                         code="invalid_api_key", headers={"WWW-Authenticate": "Bearer", "Connection": "close"})
+            await e.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class _Endpoints:
+    """The routes of one server (its `ServeState`), as starlette endpoints."""
+
+    def __init__(self, state: ServeState):
+        self.state, self.worker = state, state.worker
+
+    async def models(self, request: Request) -> Response:
+        data = [{"id": m, "object": "model", "created": self.state.created, "owned_by": "sprint-jax"}
+                for m in (self.state.model_name, self.state.model_name + SPRINT_SUFFIX)]
+        return _JSON({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        worker = self.worker
         if not worker.alive:
-            return JSONResponse({"status": "error", "error": worker.error or "the engine is not running"},
-                                status_code=503)
-        mesh = getattr(state.engine, "mesh", None)
+            return _JSON({"status": "error", "error": worker.error or "the engine is not running"}, status_code=503)
+        mesh = getattr(self.state.engine, "mesh", None)
         shape = {k: int(v) for k, v in mesh.shape.items()} if mesh is not None else None
-        return JSONResponse({"status": "ok", "model": state.model_name, "mesh": shape, **worker.metrics})
+        return _JSON({"status": "ok", "model": self.state.model_name, "mesh": shape, **worker.metrics})
 
-    async def metrics(request: Request) -> Response:
-        m = worker.metrics
-        lines = []
+    async def metrics(self, request: Request) -> Response:
+        return PlainTextResponse(_prometheus(self.worker), media_type="text/plain; version=0.0.4")
 
-        def metric(name, kind, help_text, value, labels=""):
-            lines.extend([f"# HELP sprint_serve_{name} {help_text}", f"# TYPE sprint_serve_{name} {kind}",
-                          f"sprint_serve_{name}{labels} {value}"])
-        metric("queue_depth", "gauge", "Requests waiting for a sequence slot.", m["queue_depth"])
-        metric("active_rows", "gauge", "Decoding rows (requests' sequences and their fork children).", m["active_rows"])
-        metric("slots_used", "gauge", "Parent sequence slots in use.", m["slots_used"])
-        metric("slots_total", "gauge", "Parent sequence slots.", m["slots_total"])
-        metric("running_requests", "gauge", "Requests held by the engine.", m["running_jobs"])
-        metric("generated_tokens_total", "counter", "Tokens generated since start.", m["tokens_total"])
-        metric("tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.",
-               f"{m['tokens_per_s']:.3f}")
-        metric("cancelled_total", "counter", "Requests cancelled because their client went away.", m["cancelled"])
-        with worker._lock:
-            counts, total, reqs = list(worker.latency_counts), worker.latency_sum, dict(worker.requests)
-        lines += ["# HELP sprint_serve_requests_total HTTP requests to the completion endpoints by status.",
-                  "# TYPE sprint_serve_requests_total counter"]
-        lines += [f'sprint_serve_requests_total{{status="{k}"}} {v}' for k, v in sorted(reqs.items())]
-        lines += ["# HELP sprint_serve_request_latency_seconds Latency of served completion requests.",
-                  "# TYPE sprint_serve_request_latency_seconds histogram"]
-        acc = 0
-        for b, c in zip(list(LATENCY_BUCKETS) + ["+Inf"], counts):
-            acc += c
-            lines.append(f'sprint_serve_request_latency_seconds_bucket{{le="{b}"}} {acc}')
-        lines += [f"sprint_serve_request_latency_seconds_sum {total:.6f}",
-                  f"sprint_serve_request_latency_seconds_count {acc}"]
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=False)
 
-    async def receive_body(scope, receive) -> bytes:
-        """The request body, at most state.max_request_bytes (413 as soon as it is known to be
-        more: by its Content-Length, before anything is read) within state.body_timeout_s (408)."""
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=True)
+
+    async def _complete(self, request: Request, chat: bool) -> Response:
+        """A completion request: read and validate it, submit its job, answer it (one JSON reply,
+        or a stream of server-sent events). A refused request is answered with its APIError."""
+        t0 = time.perf_counter()
+        try:
+            body = await self._read_json(request)
+            job, n_prompt, include_usage = await self._submit(body, chat)
+        except APIError as e:
+            self.worker.observe(e.status, None)
+            return e.response()
+        head = _Head(chat, body["model"], job.stream)
+        inflight = self.state.inflight
+        inflight.add(job.channel)               # a shutdown ends it at the grace's end
+        if job.stream:
+            return _EventStream(self._events(job, head, n_prompt, t0, include_usage),
+                                on_close=lambda: inflight.discard(job.channel),
+                                on_bug=lambda: self.worker.observe(500, None))
+        try:
+            return await self._answer(request, job, head, n_prompt, t0)
+        finally:
+            inflight.discard(job.channel)
+
+    async def _read_json(self, request: Request) -> dict:
+        """The request body parsed (`parse_body`): at most state.max_request_bytes (413 as soon as
+        it is known to be more: by its Content-Length, before anything is read), all of it within
+        state.body_timeout_s (408); a big body is parsed on the worker threads."""
+        state = self.state
         limit = state.max_request_bytes
-        for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > limit:
-                raise _too_large(limit)
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise _too_large(limit)
         try:
             async with asyncio.timeout(state.body_timeout_s) as timeout:
                 state.reading.add(timeout)        # a shutdown ends the wait early
                 try:
-                    return await _read_body(receive, limit)
+                    raw = await _read_body(request.receive, limit)
                 finally:
                     state.reading.discard(timeout)
         except TimeoutError:
@@ -723,106 +773,67 @@ def make_app(state: ServeState):
                 raise _shutting_down() from None
             raise APIError(408, f"the request body did not arrive within {state.body_timeout_s:g} s",
                            code="request_timeout", headers={"Connection": "close"}) from None
+        if len(raw) <= INLINE_BYTES:
+            return parse_body(raw)
+        return await asyncio.get_running_loop().run_in_executor(state.pool, parse_body, raw)
 
-    async def post(scope, receive, send, chat: bool) -> None:
-        """POST /v1/completions (chat False) and /v1/chat/completions (chat True), plain ASGI."""
-        t0 = time.perf_counter()
-        started = False
+    async def _submit(self, body: dict, chat: bool) -> tuple[Job, int, bool]:
+        """The request's job (`build_job`), queued on the engine: 503 while the engine is down or the
+        server drains, 429 when the queue is full."""
+        state, worker = self.state, self.worker
+        if not worker.alive:
+            raise APIError(503, worker.error or "the engine is not running", headers={"Retry-After": "5"})
+        if state.draining:
+            raise _shutting_down()
+        job, n_prompt, include_usage = await build_job(body, state, chat, Channel(asyncio.get_running_loop()))
+        if state.draining:                    # began while the prompt was tokenized
+            raise _shutting_down()
+        if not worker.try_submit(job):
+            raise APIError(429, f"the server holds {worker.capacity} requests (its queue is full); retry later",
+                           code="queue_full", headers={"Retry-After": "1"})
+        return job, n_prompt, include_usage
 
-        async def reply(status: int, obj: dict, headers: dict | None = None) -> None:
-            nonlocal started
-            started = True
-            await _send_json(send, status, obj, headers)
-
-        try:
-            try:
-                raw = await receive_body(scope, receive)
-                body = parse_body(raw) if len(raw) <= INLINE_BYTES else \
-                    await asyncio.get_running_loop().run_in_executor(state.pool, parse_body, raw)
-                if not worker.alive:
-                    raise APIError(503, worker.error or "the engine is not running", headers={"Retry-After": "5"})
-                if state.draining:
-                    raise _shutting_down()
-                channel = Channel(asyncio.get_running_loop())
-                job, n_prompt, include_usage = await build_job(body, state, chat, channel)
-                if state.draining:             # began while the prompt was tokenized
-                    raise _shutting_down()
-                if not worker.try_submit(job):
-                    raise APIError(429, f"the server holds {worker.capacity} requests (its queue is full); retry later",
-                                   code="queue_full", headers={"Retry-After": "1"})
-            except APIError as e:
-                worker.observe(e.status, None)
-                await reply(e.status, e.payload(), e.headers)
-                return
-            state.inflight.add(job.channel)
-            try:
-                await run(scope, receive, send, chat, body, job, n_prompt, include_usage, t0, reply)
-            finally:
-                state.inflight.discard(job.channel)
-        except Exception as exc:               # noqa: BLE001  (a bug: the client gets a 500, the log the traceback)
-            worker.observe(500, None)
-            if started:
-                raise
-            await reply(500, internal_error(exc).payload())
-            raise
-
-    async def run(scope, receive, send, chat, body, job, n_prompt, include_usage, t0, reply) -> None:
-        """A submitted job until its response is sent."""
-        head = _Head(chat, body["model"], job.stream)
-        if job.stream:
-            events = _stream(job, head, n_prompt, t0, include_usage)
-            try:
-                await StreamingResponse(events, media_type="text/event-stream",
-                                        headers={"Cache-Control": "no-cache"})(scope, receive, send)
-            except (ClientDisconnect, OSError):   # the client left mid-stream
-                pass
-            finally:
-                await events.aclose()             # a job still running is cancelled now
-            return
-        gone = asyncio.ensure_future(_until_disconnect(receive, job.channel))
+    async def _answer(self, request: Request, job: Job, head: _Head, n_prompt: int, t0: float) -> Response:
+        """A submitted non-streaming job's reply, once it ends. A client that leaves first has its
+        job cancelled (and gets nothing); a shutdown ends it with a 503."""
+        worker = self.worker
+        gone = asyncio.ensure_future(_until_disconnect(request.receive, job.channel))
         try:
             kind, value = await job.channel.get()
         finally:
             gone.cancel()
             if not job.finished:           # the client went away, or the server is shutting down
                 worker.cancel(job)
-        if kind == "gone":                 # nobody to answer
-            return
-        if kind == "shutdown":
-            e = _shutting_down()
+        if kind == "gone":                 # nobody to answer (uvicorn drops a reply to a gone client)
+            return Response()
+        if kind in ("shutdown", "error"):  # an error: the worker's verdict, the request's fault or ours
+            e = _shutting_down() if kind == "shutdown" else APIError(getattr(value, "status", 500), str(value))
             worker.observe(e.status, None)
-            await reply(e.status, e.payload(), e.headers)
-            return
-        if kind == "error":
-            status = getattr(value, "status", 500)     # the worker's verdict: the request's fault or ours
-            worker.observe(status, None)
-            await reply(status, APIError(status, str(value)).payload())
-            return
+            return e.response()
         worker.observe(200, time.perf_counter() - t0)
+        chat = head.chat
         if job.kind == "sprint":
             rec = value
-            await reply(200, head.body(choices=[_choice(chat, 0, rec.text, _sprint_finish(rec))],
-                                       usage=_usage(n_prompt, rec.total_tokens), sprint=_sprint_json(rec)))
-            return
+            return _JSON(head.body(choices=[_choice(chat, 0, rec.text, _sprint_finish(rec))],
+                                   usage=_usage(n_prompt, rec.total_tokens), sprint=_sprint_json(rec)))
         choices, completion = [], 0
         for i, g in enumerate(value):
             text, finish = _finish(g, job.stop)
             choices.append(_choice(chat, i, text, finish))
             completion += len(g.tokens)
-        obj = head.body(choices=choices, usage=_usage(n_prompt, completion))
-        engine_s = job.t_end - job.t_pick       # recorded before the reply goes out (a client that
-        worker.timings.append(dict(prompt=job.prompt, engine=engine_s,    # has it may read them)
-                                   server=time.perf_counter() - t0 - engine_s, wait=job.t_pick - job.t0))
-        await reply(200, obj)
+        return _JSON(head.body(choices=choices, usage=_usage(n_prompt, completion)))
 
-    async def _stream(job: Job, head: _Head, n_prompt: int, t0: float, include_usage: bool = True):
+    async def _events(self, job: Job, head: _Head, n_prompt: int, t0: float, include_usage: bool):
+        """A streaming job's server-sent events until [DONE]: text deltas as the engine reports
+        tokens (SPRINT: its events and progress), a comment every KEEPALIVE_S while nothing comes,
+        the final chunk(s) with finish reasons, then the usage chunk unless the client declined
+        it. An error or a shutdown ends the stream with an error event."""
+        worker, state = self.worker, self.state
         texts = [_StreamText(state.engine.decode_text, job.stop) for _ in range(job.n)]
         sprint_text = SprintText(state.engine.decode_text)      # SPRINT: the completion as it is decoded
-        first = [True] * job.n
         try:
-            if chat_of(head):
+            if head.chat:
                 yield _sse(head.body(choices=[_delta(True, i, "", first=True) for i in range(job.n)]))
-                first = [False] * job.n
             while True:
                 try:
                     kind, value = await asyncio.wait_for(job.channel.get(), KEEPALIVE_S)
@@ -842,50 +853,80 @@ def make_app(state: ServeState):
                 elif kind == "progress":
                     for d in sprint_text.progress(value):
                         yield _sprint_delta(head, *d)
-                elif kind == "error":
-                    status = getattr(value, "status", 500)     # the worker's verdict, as in post()
-                    worker.observe(status, None)
-                    yield _sse(APIError(status, str(value)).payload())
-                    yield b"data: [DONE]\n\n"
-                    return
-                elif kind == "shutdown":
-                    e = _shutting_down()
+                elif kind in ("error", "shutdown"):
+                    e = _shutting_down() if kind == "shutdown" else APIError(getattr(value, "status", 500), str(value))
                     worker.observe(e.status, None)
                     yield _sse(e.payload())
                     yield b"data: [DONE]\n\n"
                     return
                 else:
-                    if job.kind == "sprint":
-                        rec = value
-                        yield _sse(head.body(choices=[_delta(head.chat, 0, sprint_text.rest(rec.text),
-                                                             _sprint_finish(rec))], sprint=_sprint_json(rec)))
-                        completion = rec.total_tokens
-                    else:
-                        completion = 0
-                        for i, g in enumerate(value):
-                            text, finish = _finish(g, job.stop)
-                            yield _sse(head.body(choices=[_delta(head.chat, i, texts[i].rest(text), finish)]))
-                            completion += len(g.tokens)
-                    if include_usage:
-                        yield _sse(head.body(choices=[], usage=_usage(n_prompt, completion)))
-                    yield b"data: [DONE]\n\n"
+                    for chunk in _final_chunks(job, head, value, texts, sprint_text, n_prompt, include_usage):
+                        yield chunk
                     worker.observe(200, time.perf_counter() - t0)
                     return
         finally:
             if not job.finished:
                 worker.cancel(job)
 
-    def chat_of(head: _Head) -> bool:
-        return head.chat
 
-    class Post:                                # an ASGI app (starlette's Route calls it as one)
-        def __init__(self, chat: bool):
-            self.chat = chat
+def _final_chunks(job: Job, head: _Head, value, texts: list, sprint_text: SprintText, n_prompt: int,
+                  include_usage: bool):
+    """The events that end a finished stream: each choice's rest of text with its finish reason
+    (SPRINT: with the run's record), the usage chunk, [DONE]."""
+    if job.kind == "sprint":
+        rec = value
+        yield _sse(head.body(choices=[_delta(head.chat, 0, sprint_text.rest(rec.text), _sprint_finish(rec))],
+                             sprint=_sprint_json(rec)))
+        completion = rec.total_tokens
+    else:
+        completion = 0
+        for i, g in enumerate(value):
+            text, finish = _finish(g, job.stop)
+            yield _sse(head.body(choices=[_delta(head.chat, i, texts[i].rest(text), finish)]))
+            completion += len(g.tokens)
+    if include_usage:
+        yield _sse(head.body(choices=[], usage=_usage(n_prompt, completion)))
+    yield b"data: [DONE]\n\n"
 
-        async def __call__(self, scope, receive, send) -> None:
-            await post(scope, receive, send, self.chat)
 
-    posts = {"/v1/completions": Post(False), "/v1/chat/completions": Post(True)}
+def _prometheus(worker: EngineWorker) -> str:
+    """The worker's metrics in Prometheus text format."""
+    m = worker.metrics
+    lines = []
+
+    def metric(name, kind, help_text, value):
+        lines.extend([f"# HELP sprint_serve_{name} {help_text}", f"# TYPE sprint_serve_{name} {kind}",
+                      f"sprint_serve_{name} {value}"])
+    metric("queue_depth", "gauge", "Requests waiting for a sequence slot.", m["queue_depth"])
+    metric("active_rows", "gauge", "Decoding rows (requests' sequences and their fork children).", m["active_rows"])
+    metric("slots_used", "gauge", "Parent sequence slots in use.", m["slots_used"])
+    metric("slots_total", "gauge", "Parent sequence slots.", m["slots_total"])
+    metric("running_requests", "gauge", "Requests held by the engine.", m["running_jobs"])
+    metric("generated_tokens_total", "counter", "Tokens generated since start.", m["tokens_total"])
+    metric("tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.", f"{m['tokens_per_s']:.3f}")
+    metric("cancelled_total", "counter", "Requests cancelled because their client went away.", m["cancelled"])
+    with worker._lock:
+        counts, total, reqs = list(worker.latency_counts), worker.latency_sum, dict(worker.requests)
+    lines += ["# HELP sprint_serve_requests_total HTTP requests to the completion endpoints by status.",
+              "# TYPE sprint_serve_requests_total counter"]
+    lines += [f'sprint_serve_requests_total{{status="{k}"}} {v}' for k, v in sorted(reqs.items())]
+    lines += ["# HELP sprint_serve_request_latency_seconds Latency of served completion requests.",
+              "# TYPE sprint_serve_request_latency_seconds histogram"]
+    acc = 0
+    for b, c in zip(list(LATENCY_BUCKETS) + ["+Inf"], counts):
+        acc += c
+        lines.append(f'sprint_serve_request_latency_seconds_bucket{{le="{b}"}} {acc}')
+    lines += [f"sprint_serve_request_latency_seconds_sum {total:.6f}",
+              f"sprint_serve_request_latency_seconds_count {acc}"]
+    return "\n".join(lines) + "\n"
+
+
+def make_app(state: ServeState) -> Starlette:
+    """The server's starlette app: the routes of `_Endpoints`, the API key check (`_RequireKey`)
+    when state.api_key is set, OpenAI-shaped 404 / 405 / 500 replies, and a lifespan that starts
+    the engine task (engine on the loop) and stops the worker at shutdown."""
+    worker = state.worker
+    ep = _Endpoints(state)
 
     async def not_found(request: Request, exc) -> Response:
         return APIError(404, f"no route {request.method} {request.url.path}").response()
@@ -893,7 +934,7 @@ def make_app(state: ServeState):
     async def bad_method(request: Request, exc) -> Response:
         return APIError(405, f"{request.method} is not allowed on {request.url.path}").response()
 
-    async def internal(request: Request, exc) -> Response:
+    async def internal(request: Request, exc) -> Response:     # a bug: the client gets a 500, the log the traceback
         worker.observe(500, None)
         return internal_error(exc).response()
 
@@ -904,31 +945,13 @@ def make_app(state: ServeState):
         worker.stop()
         state.pool.shutdown(wait=False, cancel_futures=True)
 
-    routes = [Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
-              Route("/metrics", metrics, methods=["GET"])]
-    routes += [Route(path, handler, methods=["POST"]) for path, handler in posts.items()]
-    rest = Starlette(routes=routes, exception_handlers={404: not_found, 405: bad_method, Exception: internal},
-                     lifespan=lifespan)
-
-    key = state.api_key.encode() if state.api_key else None
-
-    async def app(scope, receive, send) -> None:
-        """The completion POSTs straight to their handler; everything else to starlette. With an API
-        key, every route but /health needs it first."""
-        if scope["type"] == "http":
-            if key is not None and scope["path"] != "/health" and not _authorized(scope, key):
-                e = APIError(401, "missing or incorrect API key: send it as the header 'Authorization: Bearer KEY'",
-                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer", "Connection": "close"})
-                await _send_json(send, e.status, e.payload(), e.headers)
-                return
-            if scope["method"] == "POST":
-                handler = posts.get(scope["path"])
-                if handler is not None:
-                    await handler(scope, receive, send)
-                    return
-        await rest(scope, receive, send)
-
-    return app
+    routes = [Route("/v1/models", ep.models, methods=["GET"]), Route("/health", ep.health, methods=["GET"]),
+              Route("/metrics", ep.metrics, methods=["GET"]),
+              Route("/v1/completions", ep.completions, methods=["POST"]),
+              Route("/v1/chat/completions", ep.chat_completions, methods=["POST"])]
+    middleware = [Middleware(_RequireKey, key=state.api_key.encode())] if state.api_key else []
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                     exception_handlers={404: not_found, 405: bad_method, Exception: internal})
 
 
 async def _read_body(receive, limit: int | None = None) -> bytes:
@@ -974,16 +997,6 @@ def _authorized(scope, key: bytes) -> bool:
             scheme, _, token = value.partition(b" ")
             return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
     return False
-
-
-async def _send_json(send, status: int, obj, headers: dict | None = None) -> None:
-    # backslashreplace: a lone surrogate (never valid UTF-8) goes out as its JSON escape, not a 500
-    data = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
-    h = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-    for k, v in (headers or {}).items():
-        h.append((k.lower().encode("latin-1"), str(v).encode("latin-1")))
-    await send({"type": "http.response.start", "status": status, "headers": h})
-    await send({"type": "http.response.body", "body": data})
 
 
 def _sprint_finish(rec) -> str:
