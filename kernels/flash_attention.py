@@ -19,9 +19,9 @@ per call) is <= the query block's first row.
     so the index map clamps the inner block to the causal range (no DMA past it: a repeated block
     index is not re-fetched) and `pl.when` skips the compute of every empty tile. Row statistics
     (lse, delta) travel replicated across the 128 lanes, as in jax's TPU flash attention.
-The (stage, branch) form (merge layout; rule and tile test in `sprint_jax.model.attention`): with
-`tags` [B, 2, S] every kernel also ANDs `merge_visible` into the tile mask and `merge_tile_visible`
-into the skip test. gpu: the kernels read the query rows' and keys' tags ([2, N] refs) and reduce
+The (stage, branch) form (merge layout; the rule in `sprint_jax.model.attention`, its tile test in
+`reference`): with `tags` [B, 2, S] every kernel also ANDs `merge_visible` into the tile mask and
+`merge_tile_visible` into the skip test. gpu: the kernels read the query rows' and keys' tags ([2, N] refs) and reduce
 the block summaries in the kernel. tpu: query tags come as [B, Tp, 2] (a block's rows read as
 [bq, 1] columns), key tags as [B, 2, Sp], and the block summaries are scalar-prefetched
 (ksum [B*nk*4], qsum [B*nq*3]); `pl.when` skips a tile either test empties.
@@ -42,8 +42,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from sprint_jax.model.attention import (NEG_INF, key_summary, merge_summaries, merge_tile_visible,
-                                        merge_visible, pad_query_tags, query_summary, query_tags)
+from .reference import (NEG_INF, key_summary, merge_summaries, merge_tile_visible, merge_visible,
+                        pad_query_tags, query_summary, query_tags)
 
 _M_INIT = -1e30
 _LANES = 128
@@ -623,9 +623,3 @@ def flash_backward(q, k, v, span_end, q_offset, tags, o, lse, do, dlse, *, platf
     dq = pp.unrows(dq, pp.h)
     group = lambda x: pp.unkeys(x, pp.h).reshape(pp.b, pp.s, pp.hkv, pp.g, pp.d).sum(3)  # noqa: E731
     return dq.astype(q.dtype), group(dk).astype(k.dtype), group(dv).astype(v.dtype)
-
-
-def flash_reference(q, k, v, span_end, q_offset=0, stage=None, branch=None):
-    """The dense reference: `attend_partial` under the explicit span mask ([T, S] scores)."""
-    from sprint_jax.model.attention import attend_partial, span_mask
-    return attend_partial(q, k, v, span_mask(span_end, q.shape[1], q_offset, stage, branch))

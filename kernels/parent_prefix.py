@@ -56,11 +56,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from sprint_jax.model.attention import attend_partial, attend_partial_heads, merge_partials
-
-from .shared_prefix import (_GPU_MIN_DIM, _LOG2E, _M_INIT, _TPU_LANES, _TPU_MAX_BLOCK_Q, BlockSizes,
-                            Platform, _auto_splits, _finish, _next_pow2, _resolve_platform,
-                            _round_up)
+from .reference import attend_partial, attend_partial_heads, merge_partials
+from .shared_prefix import (GPU_MIN_DIM, LOG2E, M_INIT, TPU_LANES, TPU_MAX_BLOCK_Q, BlockSizes,
+                            Platform, auto_splits, finish, next_pow2, resolve_platform, round_up)
 
 
 def default_group_block_sizes(platform: Platform, groups: int, width: int, num_heads: int,
@@ -74,13 +72,13 @@ def default_group_block_sizes(platform: Platform, groups: int, width: int, num_h
     """
     rows = width * (num_heads // num_kv_heads)
     if platform == "tpu":
-        block_q = _round_up(rows, 16) if rows <= _TPU_MAX_BLOCK_Q else 512
+        block_q = round_up(rows, 16) if rows <= TPU_MAX_BLOCK_Q else 512
         return BlockSizes(block_q=block_q, block_k=max(1, min(512, capacity)), num_splits=1)
-    block_q = min(128, max(_GPU_MIN_DIM, _next_pow2(rows)))
-    block_k = min(64 if block_q >= 128 else 128, max(_GPU_MIN_DIM, _next_pow2(capacity)))
+    block_q = min(128, max(GPU_MIN_DIM, next_pow2(rows)))
+    block_k = min(64 if block_q >= 128 else 128, max(GPU_MIN_DIM, next_pow2(capacity)))
     programs = groups * num_kv_heads * -(-rows // block_q)
     return BlockSizes(block_q=block_q, block_k=block_k,
-                      num_splits=_auto_splits(programs, -(-capacity // block_k)),
+                      num_splits=auto_splits(programs, -(-capacity // block_k)),
                       num_warps=8 if block_q >= 128 else 4, num_stages=2)
 
 
@@ -88,7 +86,7 @@ def lowers_for(platform: Platform, head_dim: int, num_kv_heads: int, heads_first
     """Whether the real (non-interpret) body of `platform` takes this head layout."""
     if platform == "tpu":
         return heads_first or head_dim % 128 == 0 or num_kv_heads == 1
-    return head_dim >= _GPU_MIN_DIM and not head_dim & (head_dim - 1)
+    return head_dim >= GPU_MIN_DIM and not head_dim & (head_dim - 1)
 
 
 def _step(q, k, v, row0, row_end, end, m, l, acc, *, scale_log2: float, precision):
@@ -130,10 +128,10 @@ def _gpu_kernel(row_ref, glen_ref, rlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref
         return _step(q, k, v, row0, row_end, end, *carry, scale_log2=scale_log2,
                      precision=precision)
 
-    init = (jnp.full((bq, 1), _M_INIT, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
+    init = (jnp.full((bq, 1), M_INIT, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
             jnp.zeros((bq, d), jnp.float32))
     m, l, acc = lax.fori_loop(0, pl.cdiv(jnp.maximum(end - start, 0), block_k), body, init)
-    o, lse = _finish(m, l, acc)
+    o, lse = finish(m, l, acc)
     o_ref[...] = o
     lse_ref[...] = lse.reshape(bq)
 
@@ -146,7 +144,7 @@ def _tpu_kernel(rows_ref, glens_ref, rlen_ref, q_ref, k_ref, v_ref, o_ref, lse_r
 
     @pl.when(kb == 0)
     def _init():
-        m_ref[...] = jnp.full(m_ref.shape, _M_INIT, jnp.float32)
+        m_ref[...] = jnp.full(m_ref.shape, M_INIT, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
@@ -167,7 +165,7 @@ def _tpu_kernel(rows_ref, glens_ref, rlen_ref, q_ref, k_ref, v_ref, o_ref, lse_r
     @pl.when(kb == pl.num_programs(3) - 1)
     def _store():
         m, l = stats()
-        o, lse = _finish(m, l, acc_ref[...])
+        o, lse = finish(m, l, acc_ref[...])
         o_ref[...] = o
         lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
 
@@ -216,7 +214,7 @@ def grouped_prefix_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
     if not interpret and platform is None and jax.default_backend() == "cpu":
         raise ValueError("Pallas has no CPU lowering: call grouped_prefix_attention with "
                          "interpret=True on CPU")
-    plat = _resolve_platform(platform)
+    plat = resolve_platform(platform)
     if not interpret and not lowers_for(plat, d, hkv, heads_first):
         raise ValueError(
             f"the TPU kernel needs head_dim a multiple of 128 (got {d}) when Hkv > 1: a (rows, D) "
@@ -231,12 +229,12 @@ def grouped_prefix_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
         if not isinstance(getattr(sizes, name), int) or getattr(sizes, name) < 1:
             raise ValueError(f"block_sizes.{name} must be a positive int, got {getattr(sizes, name)!r}")
     bq, bk = sizes.block_q, sizes.block_k
-    if plat == "gpu" and not interpret and any(x < _GPU_MIN_DIM or x & (x - 1) for x in (bq, bk)):
+    if plat == "gpu" and not interpret and any(x < GPU_MIN_DIM or x & (x - 1) for x in (bq, bk)):
         raise ValueError(f"block_sizes {bq}x{bk}: Triton needs powers of two >= 16")
     g = h // hkv
     rows = w * g
-    m_pad = _round_up(rows, bq)
-    scale_log2 = _LOG2E / math.sqrt(d)
+    m_pad = round_up(rows, bq)
+    scale_log2 = LOG2E / math.sqrt(d)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
     # queries per (group, KV head): member-major rows [w0 heads.., w1 heads.., ..], padded
@@ -262,21 +260,21 @@ def grouped_prefix_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
         q_map = lambda gi, hi, qi, kb, *_: (gi, hi, qi, 0)  # noqa: E731
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(gr, hkv, m_pad // bq, key_blocks),
-            in_specs=[pl.BlockSpec((None, bq, _TPU_LANES), lambda gi, hi, qi, kb, *_: (gi, qi, 0)),
+            in_specs=[pl.BlockSpec((None, bq, TPU_LANES), lambda gi, hi, qi, kb, *_: (gi, qi, 0)),
                       pl.BlockSpec(q_shape, q_map),
                       pl.BlockSpec(kv_block, kv_map),
                       pl.BlockSpec(kv_block, kv_map)],
             out_specs=[pl.BlockSpec(q_shape, q_map),
-                       pl.BlockSpec((None, None, bq, _TPU_LANES), q_map)],
-            scratch_shapes=[pltpu.VMEM((bq, _TPU_LANES), jnp.float32),
-                            pltpu.VMEM((bq, _TPU_LANES), jnp.float32),
+                       pl.BlockSpec((None, None, bq, TPU_LANES), q_map)],
+            scratch_shapes=[pltpu.VMEM((bq, TPU_LANES), jnp.float32),
+                            pltpu.VMEM((bq, TPU_LANES), jnp.float32),
                             pltpu.VMEM((bq, d), jnp.float32)])
-        rlen = jnp.broadcast_to(row_len.astype(jnp.float32)[..., None], (gr, m_pad, _TPU_LANES))
+        rlen = jnp.broadcast_to(row_len.astype(jnp.float32)[..., None], (gr, m_pad, TPU_LANES))
         o, lse = pl.pallas_call(
             functools.partial(_tpu_kernel, block_k=bk, scale_log2=scale_log2, precision=precision),
             grid_spec=grid_spec,
             out_shape=[jax.ShapeDtypeStruct((gr, hkv, m_pad, d), jnp.float32),
-                       jax.ShapeDtypeStruct((gr, hkv, m_pad, _TPU_LANES), jnp.float32)],
+                       jax.ShapeDtypeStruct((gr, hkv, m_pad, TPU_LANES), jnp.float32)],
             compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
             interpret=interpret, name="grouped_prefix_attention",

@@ -13,7 +13,7 @@ attention) meet each prefix block once.
 What. `shared_prefix_attention` runs two passes of one ragged multi-query Pallas kernel
   prefix: batch 1, rows = the n x G queries of each KV head, keys = prefix[:prefix_len]
   suffix: batch n, rows = the G queries of each KV head,     keys = suffix[b, :suffix_lens[b]]
-and merges them, and any split-K partials, with `sprint_jax.model.qwen2.merge_partials` (the
+and merges them, and any split-K partials, with `reference.merge_partials` (the
 engine's own merge, natural-log lse). Inside the kernel logits are in base 2 (exp2, the scale
 carries log2 e); the lse is converted back to base e before it leaves the kernel.
 
@@ -51,19 +51,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from sprint_jax.model.qwen2 import NEG_INF, attend_partial, merge_partials
+from .reference import NEG_INF, attend_partial, merge_partials
 
 Platform = Literal["gpu", "tpu"]
 
-_LOG2E = math.log2(math.e)
+LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 # Running max (base-2 logits) before any key: finite, so exp2(m_prev - m_next) is 0 or 1, never NaN.
-_M_INIT = -1e30
-_TPU_LANES = 128              # TPU row statistics are kept replicated across the 128 lanes
+M_INIT = -1e30
+TPU_LANES = 128              # TPU row statistics are kept replicated across the 128 lanes
 _GPU_TARGET_PROGRAMS = 264    # 2 programs per SM on H100 / H200 (132 SMs): split-K fills the rest
 _GPU_MIN_BLOCKS_PER_SPLIT = 2  # a split shorter than this costs more in partials than it saves
-_GPU_MIN_DIM = 16             # Triton's dot needs every dimension >= 16
-_TPU_MAX_BLOCK_Q = 1024       # TPU keeps all n*G prefix queries in one block up to this many
+GPU_MIN_DIM = 16             # Triton's dot needs every dimension >= 16
+TPU_MAX_BLOCK_Q = 1024       # TPU keeps all n*G prefix queries in one block up to this many
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,15 +77,17 @@ class BlockSizes:
     num_stages: int | None = None      # GPU: Triton software-pipelining stages
 
 
-def _next_pow2(x: int) -> int:
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1)."""
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-def _round_up(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
+    """x rounded up to a multiple of m."""
     return -(-int(x) // m) * m
 
 
-def _auto_splits(programs: int, key_blocks: int) -> int:
+def auto_splits(programs: int, key_blocks: int) -> int:
     """Split-K count bringing the GPU program count near its target, >= 2 key blocks a split."""
     want = -(-_GPU_TARGET_PROGRAMS // max(programs, 1))
     return max(1, min(want, key_blocks // _GPU_MIN_BLOCKS_PER_SPLIT))
@@ -103,18 +105,18 @@ def default_block_sizes(platform: Platform, n: int, num_heads: int, num_kv_heads
     """
     rows = n * (num_heads // num_kv_heads)
     if platform == "tpu":
-        block_q = _round_up(rows, 16) if rows <= _TPU_MAX_BLOCK_Q else 512
+        block_q = round_up(rows, 16) if rows <= TPU_MAX_BLOCK_Q else 512
         return BlockSizes(block_q=block_q,
                           block_k=max(1, min(512, prefix_capacity)),
                           block_k_suffix=max(1, min(512, suffix_capacity)),
                           num_splits=1, num_warps=None, num_stages=None)
-    block_q = min(128, max(_GPU_MIN_DIM, _next_pow2(rows)))
-    block_k = min(64 if block_q >= 128 else 128, max(_GPU_MIN_DIM, _next_pow2(prefix_capacity)))
+    block_q = min(128, max(GPU_MIN_DIM, next_pow2(rows)))
+    block_k = min(64 if block_q >= 128 else 128, max(GPU_MIN_DIM, next_pow2(prefix_capacity)))
     key_blocks = -(-prefix_capacity // block_k)
     return BlockSizes(
         block_q=block_q, block_k=block_k,
-        block_k_suffix=min(64, max(_GPU_MIN_DIM, _next_pow2(suffix_capacity))),
-        num_splits=_auto_splits(num_kv_heads * -(-rows // block_q), key_blocks),
+        block_k_suffix=min(64, max(GPU_MIN_DIM, next_pow2(suffix_capacity))),
+        num_splits=auto_splits(num_kv_heads * -(-rows // block_q), key_blocks),
         num_warps=8 if block_q >= 128 else 4, num_stages=2)
 
 
@@ -159,7 +161,7 @@ def _softmax_step(q, k, v, row0, end, m, l, acc, *, scale_log2: float, precision
     return m_next, alpha * l + jnp.sum(p, axis=1, keepdims=True), alpha * acc + pv
 
 
-def _finish(m, l, acc):
+def finish(m, l, acc):
     """Normalised output and natural-log lse; rows that saw no key give 0 and NEG_INF."""
     seen = l > 0.0
     l_safe = jnp.where(seen, l, 1.0)
@@ -185,10 +187,10 @@ def _gpu_kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_k: int, 
         return _softmax_step(q, k, v, row0, end, *carry, scale_log2=scale_log2,
                              precision=precision)
 
-    init = (jnp.full((bq, 1), _M_INIT, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
+    init = (jnp.full((bq, 1), M_INIT, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
             jnp.zeros((bq, d), jnp.float32))
     m, l, acc = lax.fori_loop(0, pl.cdiv(jnp.maximum(end - start, 0), block_k), body, init)
-    o, lse = _finish(m, l, acc)
+    o, lse = finish(m, l, acc)
     o_ref[...] = o
     lse_ref[...] = lse.reshape(bq)
 
@@ -201,7 +203,7 @@ def _tpu_kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc
 
     @pl.when(kb == 0)
     def _init():
-        m_ref[...] = jnp.full(m_ref.shape, _M_INIT, jnp.float32)
+        m_ref[...] = jnp.full(m_ref.shape, M_INIT, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
@@ -221,7 +223,7 @@ def _tpu_kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_ref, l_ref, acc
     @pl.when(kb == pl.num_programs(3) - 1)
     def _store():
         m, l = stats()
-        o, lse = _finish(m, l, acc_ref[...])
+        o, lse = finish(m, l, acc_ref[...])
         o_ref[...] = o
         lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
 
@@ -261,17 +263,17 @@ def _ragged_attention(platform: Platform, q, k, v, lens, *, block_q: int, block_
                       pl.BlockSpec((None, block_k, d), kv_map),
                       pl.BlockSpec((None, block_k, d), kv_map)],
             out_specs=[pl.BlockSpec(q_spec_shape, lambda bi, h, qi, kb, _: (bi, h, qi, 0)),
-                       pl.BlockSpec((None, None, block_q, _TPU_LANES),
+                       pl.BlockSpec((None, None, block_q, TPU_LANES),
                                     lambda bi, h, qi, kb, _: (bi, h, qi, 0))],
-            scratch_shapes=[pltpu.VMEM((block_q, _TPU_LANES), jnp.float32),
-                            pltpu.VMEM((block_q, _TPU_LANES), jnp.float32),
+            scratch_shapes=[pltpu.VMEM((block_q, TPU_LANES), jnp.float32),
+                            pltpu.VMEM((block_q, TPU_LANES), jnp.float32),
                             pltpu.VMEM((block_q, d), jnp.float32)])
         o, lse = pl.pallas_call(
             functools.partial(_tpu_kernel, block_k=block_k, scale_log2=scale_log2,
                               precision=precision),
             grid_spec=grid_spec,
             out_shape=[jax.ShapeDtypeStruct((b, hkv, m_rows, d), jnp.float32),
-                       jax.ShapeDtypeStruct((b, hkv, m_rows, _TPU_LANES), jnp.float32)],
+                       jax.ShapeDtypeStruct((b, hkv, m_rows, TPU_LANES), jnp.float32)],
             compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
             interpret=interpret, name="shared_prefix_ragged_attention",
@@ -330,7 +332,9 @@ def _check_inputs(q, prefix_k, prefix_v, prefix_len, suffix_k, suffix_v, suffix_
     return n, h, hkv, d, p, suffix_k.shape[1]
 
 
-def _resolve_platform(platform: str | None) -> Platform:
+def resolve_platform(platform: str | None) -> Platform:
+    """The kernel body to lower: `platform` ("gpu" or "tpu"), or by default "tpu" on a TPU backend
+    and "gpu" elsewhere (CPU runs the GPU body with interpret=True); anything else is ValueError."""
     plat = platform or ("tpu" if jax.default_backend() == "tpu" else "gpu")
     if plat not in ("gpu", "tpu"):
         raise ValueError(f"platform must be 'gpu' or 'tpu', got {platform!r}")
@@ -351,7 +355,7 @@ def _resolve_block_sizes(plat: Platform, user: BlockSizes | None, n: int, h: int
     if plat == "gpu" and not interpret:
         for name in ("block_q", "block_k", "block_k_suffix"):
             value = getattr(sizes, name)
-            if value < _GPU_MIN_DIM or value & (value - 1):
+            if value < GPU_MIN_DIM or value & (value - 1):
                 raise ValueError(f"block_sizes.{name}={value}: Triton needs a power of two >= 16")
     return sizes
 
@@ -382,15 +386,15 @@ def shared_prefix_attention(q: jax.Array, prefix_k: jax.Array, prefix_v: jax.Arr
     if not interpret and platform is None and jax.default_backend() == "cpu":
         raise ValueError("Pallas has no CPU lowering: call shared_prefix_attention with "
                          "interpret=True on CPU")
-    plat = _resolve_platform(platform)
+    plat = resolve_platform(platform)
     if plat == "tpu" and not interpret and d % 128 and hkv > 1:
         raise ValueError(f"the TPU kernel needs head_dim a multiple of 128 (got {d}) when "
                          f"Hkv > 1: a (rows, D) block of the [L, Hkv*D] cache view is lane-tiled")
     sizes = _resolve_block_sizes(plat, block_sizes, n, h, hkv, p, s, interpret)
     g = h // hkv
-    scale_log2 = _LOG2E / math.sqrt(d)
+    scale_log2 = LOG2E / math.sqrt(d)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    dp = max(_GPU_MIN_DIM, _next_pow2(d)) if plat == "gpu" else d
+    dp = max(GPU_MIN_DIM, next_pow2(d)) if plat == "gpu" else d
     q, prefix_k, prefix_v, suffix_k, suffix_v = (
         _pad_axis(a, a.ndim - 1, dp) for a in (q, prefix_k, prefix_v, suffix_k, suffix_v))
     run = functools.partial(_ragged_attention, plat, num_warps=sizes.num_warps,
@@ -401,16 +405,16 @@ def shared_prefix_attention(q: jax.Array, prefix_k: jax.Array, prefix_v: jax.Arr
     if p > 0:
         rows = n * g
         q_pre = _pad_axis(qg.transpose(1, 0, 2, 3).reshape(1, hkv, rows, dp), 2,
-                          _round_up(rows, sizes.block_q))
+                          round_up(rows, sizes.block_q))
         lens = jnp.clip(jnp.asarray(prefix_len, jnp.int32), 0, p).reshape(1)
         for o, lse in run(q_pre, prefix_k[None], prefix_v[None], lens, block_q=sizes.block_q,
                           block_k=sizes.block_k, num_splits=sizes.num_splits):
             o = o[0, :, :rows, :d].reshape(hkv, n, g, d).transpose(1, 0, 2, 3).reshape(n, h, d)
             parts.append((o, lse[0, :, :rows].reshape(hkv, n, g).transpose(1, 0, 2).reshape(n, h)))
     if s > 0:
-        g_pad = max(_GPU_MIN_DIM, _next_pow2(g)) if plat == "gpu" else _round_up(g, 8)
+        g_pad = max(GPU_MIN_DIM, next_pow2(g)) if plat == "gpu" else round_up(g, 8)
         lens = jnp.clip(jnp.asarray(suffix_lens, jnp.int32), 0, s)
-        splits = 1 if plat == "tpu" else _auto_splits(n * hkv, -(-s // sizes.block_k_suffix))
+        splits = 1 if plat == "tpu" else auto_splits(n * hkv, -(-s // sizes.block_k_suffix))
         for o, lse in run(_pad_axis(qg, 2, g_pad), suffix_k, suffix_v, lens, block_q=g_pad,
                           block_k=sizes.block_k_suffix, num_splits=splits):
             parts.append((o[:, :, :g, :d].reshape(n, h, d), lse[:, :, :g].reshape(n, h)))
@@ -434,7 +438,7 @@ def shared_prefix_attention_reference(q: jax.Array, prefix_k: jax.Array, prefix_
 
     The prefix part treats the n branch queries as n positions of one sequence, so XLA computes
     it as one product over the prefix (read once, Hydragen's inter-sequence batching); the suffix
-    part is per branch; both use `qwen2.attend_partial` and merge with `qwen2.merge_partials`.
+    part is per branch; both use `reference.attend_partial` and merge with `reference.merge_partials`.
     The keyword arguments only mirror the kernel's signature (nothing here is tiled).
     """
     del interpret, block_sizes, platform
