@@ -17,7 +17,6 @@ from sprint_jax.schema import Example
 from sprint_jax.model import Qwen2Config, forward, init_params
 from sprint_jax.train import data as D
 from sprint_jax.train.config import SPAN_WEIGHTS_DEFAULT
-from sprint_jax.train.step import attention_mask
 
 DATA = Path(__file__).parent / "data"
 W = dict(SPAN_WEIGHTS_DEFAULT)
@@ -112,7 +111,8 @@ def test_units_are_the_inference_calls():
     p = D.split_pieces(ex.prompt, ex.completion, traj)
     kinds = p.unit_kinds
     assert kinds == ["planner", "executor", "executor", "planner", "planner", "executor", "planner"]
-    units = [p.unit_text(u) for u in range(len(p.units))]
+    # (context, completion) text of each unit: all pieces of its path but the last, and the last
+    units = [("".join(p.texts[i] for i in path[:-1]), p.texts[path[-1]]) for path in p.units]
     plan1 = units[0][1]
     assert units[0][0] == ex.prompt and plan1.startswith(fmt.plan_open(1)) and plan1.endswith(fmt.plan_close(1))
     # executor 1.2 sees the plan and its own opening, never its sibling's execution

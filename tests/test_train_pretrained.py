@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from sprint_jax.model.tokenizer import pad_id
 from sprint_jax.train import data as D
 from sprint_jax.train.config import SPAN_WEIGHTS_DEFAULT, load_train_config
 from sprint_jax.train.trainer import train
@@ -38,7 +39,7 @@ def test_first_loss_equals_hf_loss(fixture, request, tmp_path):
     # the same two rows, rebuilt independently of the trainer: one example per row at this length
     tok = D.byte_tokenizer()
     items, _ = D.build_items(D.read_examples([DATA]), tok, "flat", 96, "drop", SPAN_WEIGHTS_DEFAULT)
-    stream = D.RowStream(items, 96, seed=cfg.data.seed, pad_token=D.pad_id(tok))
+    stream = D.RowStream(items, 96, seed=cfg.data.seed, pad_token=pad_id(tok))
     rows = [stream.row_items(r) for r in range(2)]
     assert all(len(r) == 1 for r in rows)
     model = load_hf(hf_dir)

@@ -26,13 +26,14 @@ import json, sys
 import jax, numpy as np
 from sprint_jax.model import Qwen2Config
 from sprint_jax.model.sharding import make_mesh
+from sprint_jax.model.tokenizer import pad_id
 from sprint_jax.train import data as D, distributed, mesh as M, step as S
 from sprint_jax.train.config import OptimSection, SPAN_WEIGHTS_DEFAULT
 
 assert jax.device_count() == 8, jax.devices()
 tok = D.byte_tokenizer()
 items, _ = D.build_items(D.read_examples([sys.argv[1]]), tok, "flat", 256, "truncate", SPAN_WEIGHTS_DEFAULT)
-stream = D.RowStream(items, 256, seed=0, pad_token=D.pad_id(tok))
+stream = D.RowStream(items, 256, seed=0, pad_token=pad_id(tok))
 cfg = Qwen2Config.preset("tiny")
 
 def run(mesh, grad_accum):

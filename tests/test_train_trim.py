@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from sprint_jax.model.tokenizer import pad_id
 from sprint_jax.train import data as D
 from sprint_jax.train.config import SPAN_WEIGHTS_DEFAULT, load_train_config
 
@@ -31,7 +32,7 @@ def test_trim_bucket_is_a_quarter_of_seq_len_rounded_to_the_loss_chunk():
 def test_cut_rows_are_the_full_rows_without_trailing_padding():
     tok = D.byte_tokenizer()
     items, _ = D.build_items(D.read_examples([DATA]), tok, "trie", SEQ, "drop", SPAN_WEIGHTS_DEFAULT)
-    stream = D.RowStream(items, SEQ, seed=0, pad_token=D.pad_id(tok), open_rows=OPEN)
+    stream = D.RowStream(items, SEQ, seed=0, pad_token=pad_id(tok), open_rows=OPEN)
     bucket = D.trim_bucket(SEQ)
     widths = set()
     for first in range(0, 40, 2):

@@ -1,4 +1,6 @@
-"""Tokenizers: from a checkpoint directory, or the Qwen2 BPE the package carries.
+"""Tokenizers: from a checkpoint directory, the Qwen2 BPE the package carries, one token per byte
+(`byte_tokenizer`) or per listed string (`VocabTokenizer`); and what every tokenizer is asked
+through the HF call convention (`eos_id`, `pad_id`, `encode_with_offsets`).
 
 The Qwen2 vocab.json + merges.txt ship as package data (sprint_jax/data/qwen2_tokenizer, Apache-2.0;
 sprint_jax/data/SOURCES.md). transformers 5 silently ignores `vocab_file=`/`merges_file=`; we pass
@@ -48,6 +50,66 @@ def qwen2_tokenizer(extra_special_tokens: list[str] | tuple[str, ...] = ()):
     specials = [t for t in QWEN2_SPECIAL_TOKENS if t not in tok.get_vocab()]
     tok.add_special_tokens({"additional_special_tokens": specials + list(extra_special_tokens)})
     return tok
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (what a ByteLevel pre-tokenizer emits)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars = list(printable)
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+def byte_tokenizer():
+    """An HF fast tokenizer with one token per UTF-8 byte (id = byte value) + EOS 256 and PAD 257.
+
+    For tiny models trained from scratch (vocab >= 258) with real text: no merges, exact offsets,
+    and `save_pretrained` writes a directory that `AutoTokenizer` reloads.
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+    assert fast.eos_token_id == 256 and fast.pad_token_id == 257, (fast.eos_token_id, fast.pad_token_id)
+    return fast
+
+
+def eos_id(tokenizer) -> int:
+    """The tokenizer's EOS id; a tokenizer without one is a UserError (the trainer ends every
+    completion with EOS)."""
+    e = getattr(tokenizer, "eos_token_id", None)
+    if e is None:
+        raise UserError("the tokenizer has no eos_token_id; the trainer appends EOS after every completion")
+    return int(e)
+
+
+def pad_id(tokenizer) -> int:
+    """The tokenizer's padding id, or its EOS id when it has none."""
+    p = getattr(tokenizer, "pad_token_id", None)
+    return eos_id(tokenizer) if p is None else int(p)
+
+
+def encode_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids and (start, end) character offsets, through the HF call convention."""
+    if not text:
+        return [], []
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    offsets = [tuple(map(int, o)) for o in enc["offset_mapping"]]
+    if len(ids) != len(offsets):
+        raise UserError("tokenizer returned a different number of ids and offsets")
+    return ids, offsets
 
 
 VOCAB_TOKENIZER_FILE = "vocab_tokenizer.json"

@@ -45,6 +45,9 @@ import numpy as np
 from sprint_jax.jsonl import iter_objects, require_fields
 from sprint_jax import format as fmt
 from sprint_jax.errors import UserError
+from sprint_jax.model.tokenizer import byte_tokenizer, encode_with_offsets, eos_id
+# Temporary re-export: rl/trainer.py takes pad_id from here; its home is sprint_jax.model.tokenizer.
+from sprint_jax.model.tokenizer import pad_id  # noqa: F401
 from sprint_jax.schema import Example
 
 LABEL_IDS = {k: i for i, k in enumerate(fmt.SPAN_KINDS)}
@@ -56,41 +59,8 @@ class DataError(UserError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenizers
+# The configured tokenizer (the helpers every tokenizer shares are in sprint_jax.model.tokenizer)
 # ---------------------------------------------------------------------------------------------
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (what a ByteLevel pre-tokenizer emits)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    chars = list(printable)
-    n = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(printable, chars)}
-
-
-def byte_tokenizer():
-    """An HF fast tokenizer with one token per UTF-8 byte (id = byte value) + EOS 256 and PAD 257.
-
-    For tiny models trained from scratch (vocab >= 258) with real text: no merges, exact offsets,
-    and `save_pretrained` writes a directory that `AutoTokenizer` reloads.
-    """
-    from tokenizers import Tokenizer, decoders, models
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
-    assert fast.eos_token_id == 256 and fast.pad_token_id == 257, (fast.eos_token_id, fast.pad_token_id)
-    return fast
-
-
 def resolve_tokenizer(spec: str, model_name: Any = None, pretrained: bool = False):
     """`data.tokenizer`: auto (the checkpoint's own tokenizer when fine-tuning one, else Qwen2's),
     qwen2, bytes, or a directory."""
@@ -112,30 +82,6 @@ def resolve_tokenizer(spec: str, model_name: Any = None, pretrained: bool = Fals
     if not Path(spec).exists():
         raise DataError(f"data.tokenizer: {spec!r} is not auto/qwen2/bytes nor an existing directory")
     return load_tokenizer(spec)
-
-
-def eos_id(tokenizer) -> int:
-    e = getattr(tokenizer, "eos_token_id", None)
-    if e is None:
-        raise DataError("the tokenizer has no eos_token_id; the trainer appends EOS after every completion")
-    return int(e)
-
-
-def pad_id(tokenizer) -> int:
-    p = getattr(tokenizer, "pad_token_id", None)
-    return eos_id(tokenizer) if p is None else int(p)
-
-
-def encode_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """Token ids and (start, end) character offsets, through the HF call convention."""
-    if not text:
-        return [], []
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = list(enc["input_ids"])
-    offsets = [tuple(map(int, o)) for o in enc["offset_mapping"]]
-    if len(ids) != len(offsets):
-        raise DataError("tokenizer returned a different number of ids and offsets")
-    return ids, offsets
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,11 +132,6 @@ class Pieces:
     unit_kinds: list[str]        # "planner" | "executor" per unit
     stage: list[int]             # per piece: the stage it belongs to (prompt 0, final answer last + 1)
     branch: list[int]            # per piece: 0 = planner text, j = executor j of its stage
-
-    def unit_text(self, u: int) -> tuple[str, str]:
-        """(context, completion) text of unit u."""
-        path = self.units[u]
-        return "".join(self.texts[i] for i in path[:-1]), self.texts[path[-1]]
 
 
 def split_pieces(prompt: str, completion: str, trajectory: fmt.Trajectory) -> Pieces:
