@@ -212,18 +212,42 @@ def train(config: TrainConfig, out_dir: str | Path, tokenizer=None, progress: bo
         outlock.release(lock)
 
 
+@dataclasses.dataclass
+class _Data:
+    """The training set as the step loop sees it."""
+    items: list                     # laid-out examples (train.data.Item)
+    stats: Any                      # train.data.DataStats of reading and laying them out
+    stream: Any                     # train.data.RowStream: packed rows in a seeded order
+    bucket: int                     # data.trim_rows width bucket (0: rows are never trimmed)
+    digest: str                     # identifies the items and their packing (`_data_digest`)
+
+
+@dataclasses.dataclass
+class _Position:
+    """How far a run is: optimizer steps done, rows and tokens of the data stream consumed."""
+    step: int
+    rows: int
+    tokens: int
+
+
+@dataclasses.dataclass
+class _Steps:
+    """What the step loop leaves: the final state and what the summary reports."""
+    state: Any
+    pos: _Position
+    records: list[dict]             # the logged metrics (process 0)
+    last_loss: float | None         # loss of the last logged step
+    steady_tokens: int              # tokens of the steps after the first (compiling) one ...
+    steady_s: float                 # ... and their wall time (0 when there was no such step)
+
+
 def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
            callbacks: Sequence[Callable[[StepEvent], None]]) -> dict:
+    """`train` inside the output lock: set up, run the steps, write the outputs."""
     distributed.initialize(config.distributed)
     import jax
 
-    from sprint_jax.config import to_dict
-    from sprint_jax.model import load_params, param_count
-    from sprint_jax.model.sharding import make_mesh
-    from sprint_jax.train import checkpoint as ckpt_lib
-    from sprint_jax.train import data as data_lib
-    from sprint_jax.train import mesh as mesh_lib
-    from sprint_jax.train import step as step_lib
+    from sprint_jax.model import param_count
 
     t_start = time.time()
     cfg = config
@@ -234,34 +258,78 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
     main = _is_main()
     if main:
         import yaml
+        from sprint_jax.config import to_dict
         (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
     def say(msg: str) -> None:
         if main and progress:
             print(msg, file=sys.stderr, flush=True)
 
-    # ---- model, tokenizer, data ------------------------------------------------------------
+    model_cfg, tokenizer, tokenizer_name = _model_and_tokenizer(cfg, tokenizer)
+    data = _load_data(cfg, tokenizer, model_cfg.vocab_size, out, say)
+    mesh, setup = _build_step(cfg, model_cfg, say)
+    ckpt = _open_checkpoints(cfg, out)
+    state, start, resumed = _restore_or_init(cfg, ckpt, setup, model_cfg, data, out, progress and main, say)
+    done = _run_steps(cfg, setup, ckpt, data, state, start, resumed, out, t_start, progress and main,
+                      callbacks)
+    t_end = time.time()
+
+    if cfg.plot and main and done.records:
+        plot_loss(done.records, out / "loss.png")
+    export_dir = None
+    if cfg.export.enabled:
+        export_dir = out / "hf"
+        _export(cfg, model_cfg, done.state["params"], tokenizer, tokenizer_name, data.stats, export_dir)
+        say(f"exported HF safetensors to {export_dir}")
+    summary = {
+        "final_loss": done.last_loss if done.last_loss is not None else (done.records[-1]["loss"] if done.records else None),
+        "steps": cfg.steps, "start_step": start.step, "resumed": resumed,
+        "tokens": done.pos.tokens,
+        "tokens_per_s": (done.steady_tokens / done.steady_s) if done.steady_s > 0 and done.steady_tokens else None,
+        "wall_s": t_end - t_start, "params": param_count(model_cfg), "layout": cfg.data.layout,
+        "data": data.stats.as_dict(), "out_dir": str(out), "export_dir": str(export_dir) if export_dir else None,
+        "processes": jax.process_count(), "devices": jax.device_count(), "mesh": dict(mesh.shape),
+    }
+    if main:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _model_and_tokenizer(cfg: TrainConfig, tokenizer):
+    """(model config, tokenizer, the tokenizer's name for the export), checked to fit each other
+    and data.seq_len before any example is read. `tokenizer` None: from data.tokenizer."""
+    from sprint_jax.model.capacity import check_positions
+    from sprint_jax.model.tokenizer import check_tokenizer_fits
+    from sprint_jax.train import data as data_lib
+
     if cfg.model.init == "pretrained" and not (Path(cfg.model.name) / "config.json").exists():
         raise ConfigError(f"model.name: init is pretrained but {cfg.model.name!r} is not an HF checkpoint "
                           "directory (no config.json)")
     model_cfg = _resolve_model(cfg)
     tokenizer_name = _tokenizer_name(cfg, tokenizer is not None, tokenizer)
-    from sprint_jax.model.capacity import check_positions
     check_positions(model_cfg, cfg.data.seq_len, "data.seq_len")     # before any row is built
     if tokenizer is None:
         tokenizer = data_lib.resolve_tokenizer(cfg.data.tokenizer, cfg.model.name, cfg.model.init == "pretrained")
-    from sprint_jax.model.tokenizer import check_tokenizer_fits
     check_tokenizer_fits(tokenizer, model_cfg.vocab_size, "the model",
                          "model.name and data.tokenizer must belong together")
+    return model_cfg, tokenizer, tokenizer_name
+
+
+def _load_data(cfg: TrainConfig, tokenizer, vocab_size: int, out: Path, say) -> _Data:
+    """Read data.train (and data.paired), lay the examples out as items, write OUT/data_stats.json,
+    report what was used and why the rest was not, and pack the items into a row stream."""
+    from sprint_jax.model.tokenizer import pad_id
+    from sprint_jax.train import data as data_lib
+
     examples = data_lib.read_examples(cfg.data.train, cfg.data.max_examples)
     paired = None
     if cfg.data.paired.train:
         p = cfg.data.paired
         paired = data_lib.Paired(data_lib.read_examples(p.train), p.layout, p.trie_whole_trajectory, list(p.train))
     items, stats = data_lib.build_items(examples, tokenizer, cfg.data.layout, cfg.data.seq_len,
-                                        cfg.data.overlong, cfg.data.span_weights, model_cfg.vocab_size,
+                                        cfg.data.overlong, cfg.data.span_weights, vocab_size,
                                         cfg.data.trie_whole_trajectory, paired)
-    if main:
+    if _is_main():
         (out / "data_stats.json").write_text(json.dumps(stats.as_dict(), indent=2))
     say(f"data: {stats.read} read, {stats.used} used, {stats.skipped_unparsable} skipped (unparsable), "
         f"{stats.dropped_overlong} dropped (over {cfg.data.seq_len} tokens), "
@@ -271,13 +339,25 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
         f"({cfg.data.layout} layout)")
     for why in stats.first_skip_reasons:
         say(f"  skipped {why}")
-    stream = data_lib.RowStream(items, cfg.data.seq_len, cfg.data.seed, data_lib.pad_id(tokenizer),
+    stream = data_lib.RowStream(items, cfg.data.seq_len, cfg.data.seed, pad_id(tokenizer),
                                 cfg.data.pack_open_rows)
     # data.trim_rows: a batch whose rows all end in padding is cut to a narrower width (at most 4
     # widths, each compiled once); the loss and every real token's gradient are unchanged
     bucket = data_lib.trim_bucket(cfg.data.seq_len, cfg.model.loss_chunk) if cfg.data.trim_rows else 0
+    return _Data(items, stats, stream, bucket, _data_digest(items, cfg))
 
-    # ---- mesh, step, state -----------------------------------------------------------------
+
+def _build_step(cfg: TrainConfig, model_cfg, say):
+    """(mesh, step setup): the configured mesh, checked to split a microbatch's rows evenly, and
+    the jitted step over it; reports sharding notes, the model's size and the attention body."""
+    import jax
+
+    from sprint_jax.model import param_count
+    from sprint_jax.model.attention import resolve_impl
+    from sprint_jax.model.sharding import make_mesh
+    from sprint_jax.train import mesh as mesh_lib
+    from sprint_jax.train import step as step_lib
+
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     micro = cfg.optim.batch_size // cfg.optim.grad_accum
     div = mesh_lib.batch_divisor(mesh)
@@ -288,67 +368,91 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
                                 layout=cfg.data.layout, attention_layout=cfg.data.layout)
     for note in setup.sharding_notes:
         say(f"sharding: {note}")
-    n_params = param_count(model_cfg)
-    say(f"model: {n_params / 1e6:.2f}M params, mesh {dict(mesh.shape)}, {jax.process_count()} process(es), "
-        f"{jax.device_count()} device(s)")
-    from sprint_jax.model.attention import resolve_impl
+    say(f"model: {param_count(model_cfg) / 1e6:.2f}M params, mesh {dict(mesh.shape)}, "
+        f"{jax.process_count()} process(es), {jax.device_count()} device(s)")
     say(f"attention: {resolve_impl(None, cfg.data.layout)} body ({cfg.data.layout} layout on "
         f"{jax.default_backend()}; model/attention.py resolve_impl)")
+    return mesh, setup
+
+
+def _open_checkpoints(cfg: TrainConfig, out: Path):
+    """OUT/checkpoints' Checkpointer; refuses a directory with checkpoints when not resuming."""
+    from sprint_jax.train import checkpoint as ckpt_lib
 
     ckpt_dir = out / "checkpoints"
     if not cfg.checkpoint.resume and ckpt_dir.exists() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
         raise ConfigError(f"{ckpt_dir} already holds checkpoints and checkpoint.resume is false: "
                           "use a new --out, or resume")
-    ckpt = ckpt_lib.Checkpointer(ckpt_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
-    digest = _data_digest(items, cfg)
+    return ckpt_lib.Checkpointer(ckpt_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+
+
+def _restore_or_init(cfg: TrainConfig, ckpt, setup, model_cfg, data: _Data, out: Path, progress: bool,
+                     say) -> tuple[Any, _Position, bool]:
+    """(train state, position, resumed): the latest checkpoint's when resuming finds one (warning
+    when the data changed since), else a fresh state (pretrained weights when model.init says so)
+    at step 0."""
+    from sprint_jax.model import load_params
+    from sprint_jax.train import checkpoint as ckpt_lib
+
     restored = ckpt.restore_latest(setup.abstract_state()) if cfg.checkpoint.resume else None
     if restored is not None:
         state, meta = restored
-        start_step, rows, tokens_total = int(meta["step"]), int(meta["rows"]), int(meta.get("tokens", 0))
-        if meta.get("data_digest") != digest:
+        pos = _Position(int(meta["step"]), int(meta["rows"]), int(meta.get("tokens", 0)))
+        if meta.get("data_digest") != data.digest:
             ckpt_lib.warn("the training data or its layout changed since this checkpoint was written: "
                           "the run continues at the saved row position but not on the same batches")
-        say(f"resumed from step {start_step} (row {rows} of the data stream)")
-    else:
-        quarantine = out / "checkpoints_quarantine"
-        if cfg.checkpoint.resume and quarantine.exists() and any(quarantine.iterdir()):
-            ckpt_lib.warn(f"starting from step 0: no valid checkpoint, and {quarantine} holds bad ones")
-        params = None
-        if cfg.model.init == "pretrained":
-            _, params = load_params(cfg.model.name, config=model_cfg, param_dtype="float32",
-                                    shardings=setup.param_shardings, progress=progress and main)
-        state = setup.init_state(cfg.seed, params=params, init_seed=cfg.model.init_seed)
-        start_step, rows, tokens_total = 0, 0, 0
+        say(f"resumed from step {pos.step} (row {pos.rows} of the data stream)")
+        return state, pos, True
+    quarantine = out / "checkpoints_quarantine"
+    if cfg.checkpoint.resume and quarantine.exists() and any(quarantine.iterdir()):
+        ckpt_lib.warn(f"starting from step 0: no valid checkpoint, and {quarantine} holds bad ones")
+    params = None
+    if cfg.model.init == "pretrained":
+        _, params = load_params(cfg.model.name, config=model_cfg, param_dtype="float32",
+                                shardings=setup.param_shardings, progress=progress)
+    return setup.init_state(cfg.seed, params=params, init_seed=cfg.model.init_seed), _Position(0, 0, 0), False
+
+
+def _run_steps(cfg: TrainConfig, setup, ckpt, data: _Data, state, start: _Position, resumed: bool,
+               out: Path, t_start: float, progress: bool, callbacks) -> _Steps:
+    """Steps start.step .. cfg.steps: each on the next batch of rows, NaN-checked one step late,
+    logged every log_every steps, checkpointed every checkpoint.every steps and at the end (the
+    checkpoint records the data position); callbacks run after every step. Closes the
+    checkpointer and the metrics log, also on an error."""
+    import jax
+
+    stream = data.stream
+    pos = dataclasses.replace(start)
+    metrics = Metrics(out, cfg.tensorboard, start.step)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=cfg.steps, initial=start.step, desc="train", unit="step", dynamic_ncols=True)
 
     def meta_now() -> dict:
-        return {"rows": rows, "tokens": tokens_total, "epoch": stream.epoch_of(rows), "data_digest": digest}
+        return {"rows": pos.rows, "tokens": pos.tokens, "epoch": stream.epoch_of(pos.rows),
+                "data_digest": data.digest}
 
-    # ---- loop ------------------------------------------------------------------------------
-    metrics = Metrics(out, cfg.tensorboard, start_step)
-    bar = None
-    if progress and main:
-        from tqdm import tqdm
-        bar = tqdm(total=cfg.steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
     t_log, tok_log = time.time(), 0
     t_first = None                      # wall time when the first (compiling) step finished
     tok_after_first = 0
-    last_saved = start_step if restored is not None else -1
+    last_saved = start.step if resumed else -1
     last_loss = None
     pending = None                      # (step, metrics) still to be checked for NaN: one step late
     try:
-        for step in range(start_step, cfg.steps):
-            row_ids = range(rows, rows + cfg.optim.batch_size)
-            width = stream.width(row_ids, bucket)
-            batch = distributed.put_batch(lambda ids: stream.rows(ids, width).as_dict(), rows,
+        for step in range(start.step, cfg.steps):
+            row_ids = range(pos.rows, pos.rows + cfg.optim.batch_size)
+            width = stream.width(row_ids, data.bucket)
+            batch = distributed.put_batch(lambda ids: stream.rows(ids, width).as_dict(), pos.rows,
                                           cfg.optim.batch_size, width, setup.batch_shardings)
             state, m = setup.step(state, batch)
             if pending is not None:
                 _check_finite(*pending, last_saved)
             n_tok = sum(len(stream.items[i]) for r in row_ids for i in stream.row_items(r))
-            rows += cfg.optim.batch_size
-            tokens_total += n_tok
+            pos.rows += cfg.optim.batch_size
+            pos.tokens += n_tok
             tok_log += n_tok
-            done = step + 1
+            done = pos.step = step + 1
             pending = (done, m)
             if t_first is None:
                 jax.block_until_ready(m)
@@ -360,9 +464,9 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
                 mv = {k: float(v) for k, v in jax.device_get(m).items()}
                 now = time.time()
                 rec = {"step": done, "loss": mv["loss"], "lr": mv["lr"], "grad_norm": mv["grad_norm"],
-                       "tokens": tokens_total, "loss_tokens": int(mv["loss_tokens"]),
+                       "tokens": pos.tokens, "loss_tokens": int(mv["loss_tokens"]),
                        "tokens_per_s": tok_log / max(now - t_log, 1e-9), "row_width": width,
-                       "epoch": stream.epoch_of(rows),
+                       "epoch": stream.epoch_of(pos.rows),
                        "wall_s": now - t_start}
                 t_log, tok_log = now, 0
                 last_loss = mv["loss"]
@@ -387,36 +491,20 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
             bar.close()
         ckpt.close()
         metrics.close()
-    t_end = time.time()
-
-    # ---- outputs ---------------------------------------------------------------------------
-    if cfg.plot and main and metrics.records:
-        plot_loss(metrics.records, out / "loss.png")
-    export_dir = None
-    if cfg.export.enabled:
-        export_dir = out / "hf"
-        from sprint_jax.schema import META_KEY, prompt_format_of
-        from sprint_jax.train.fingerprint import fingerprint
-        # the prompt format travels with the model: inference applies it to a user's query (null
-        # when the training prompts end differently: nothing to apply, and a stale value replaced)
-        export_hf(model_cfg, state["params"], tokenizer, export_dir, cfg.export.dtype,
-                  meta={"layout": cfg.data.layout, "tokenizer": tokenizer_name,
-                        "train_fingerprint": fingerprint(stats.used_prompts),
-                        META_KEY: prompt_format_of(stats.used_prompts)})
-        say(f"exported HF safetensors to {export_dir}")
     # tokens/s of the steps after the first (compiling) one; the final checkpoint write (in the
     # first run of a process it includes orbax's and the checksum's one-time setup, several
     # seconds) and the export count in wall_s only
     steady = (t_steps_end - t_first) if t_first is not None else 0.0
-    summary = {
-        "final_loss": last_loss if last_loss is not None else (metrics.records[-1]["loss"] if metrics.records else None),
-        "steps": cfg.steps, "start_step": start_step, "resumed": restored is not None,
-        "tokens": tokens_total,
-        "tokens_per_s": (tok_after_first / steady) if steady > 0 and tok_after_first else None,
-        "wall_s": t_end - t_start, "params": n_params, "layout": cfg.data.layout,
-        "data": stats.as_dict(), "out_dir": str(out), "export_dir": str(export_dir) if export_dir else None,
-        "processes": jax.process_count(), "devices": jax.device_count(), "mesh": dict(mesh.shape),
-    }
-    if main:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+    return _Steps(state, pos, metrics.records, last_loss, tok_after_first, steady)
+
+
+def _export(cfg: TrainConfig, model_cfg, params, tokenizer, tokenizer_name: str, stats, export_dir: Path) -> None:
+    """The final model as an HF directory, with what inference must know about the training."""
+    from sprint_jax.schema import META_KEY, prompt_format_of
+    from sprint_jax.train.fingerprint import fingerprint
+    # the prompt format travels with the model: inference applies it to a user's query (null
+    # when the training prompts end differently: nothing to apply, and a stale value replaced)
+    export_hf(model_cfg, params, tokenizer, export_dir, cfg.export.dtype,
+              meta={"layout": cfg.data.layout, "tokenizer": tokenizer_name,
+                    "train_fingerprint": fingerprint(stats.used_prompts),
+                    META_KEY: prompt_format_of(stats.used_prompts)})
