@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from sprint_jax.errors import UserError
 from sprint_jax.tasks import Task, TaskFileError, extract_boxed, grade, load_math500, load_task_file
 from sprint_jax.tasks.choice import extract_choice, grade_choice, load_choice
-from sprint_jax.tasks.countdown import countdown_equation, countdown_score, grade_countdown
+from sprint_jax.tasks.countdown import countdown_equation, grade_countdown
 from sprint_jax.tasks.math import grade_math
 from sprint_jax.tasks.sources import read_file_records
 
@@ -85,52 +85,11 @@ def test_math500_reference_solutions_grade_correct():
 # Countdown
 # ---------------------------------------------------------------------------------------------
 
-PREFIX = "A conversation ... User: Using the numbers [44, 19, 35] ...\nAssistant: Let me solve this step by step.\n"
-
-
-@pytest.mark.parametrize("response, score", [
-    ("<think> 44 + 19 = 63, 63 + 35 = 98 </think>\n<answer> (44 + 19) + 35 </answer>", 1.0),
-    ("<think>x</think> <answer>44+19+35</answer>", 1.0),
-    ("<think>x</think> <answer> 44 + 19 + 35 + 1 </answer>", 0.1),       # extra literal
-    ("<think>x</think> <answer> 44 + 19 </answer>", 0.1),                # number missing
-    ("<think>x</think> <answer> 44 + 19 - 35 </answer>", 0.1),           # wrong value
-    ("<think>x</think> <answer> 44 + 19 + 35 </answer> trailing", 1.0),  # tag anywhere on the last line
-    ("<answer> 44 + 19 + 35 </answer>\nmore text", 0),                   # answer not on the last line
-    ("<think>x</think>", 0),                                             # no answer tag
-    ("<answer> 1 </answer> <answer> 44 + 19 + 35 </answer>", 1.0),      # last match wins
-    ("<answer> abs(44) + 19 + 35 </answer>", 0.1),                       # whitelist: letters
-    ("<answer> 44 + 19 + 35 == 98 </answer>", 0.1),                      # '=' not whitelisted
-    ("<answer> (44 + 19 + 35 </answer>", 0.1),                           # syntax error
-    ("<answer> 44 + 19 + 35.0 </answer>", 0.1),                          # '35.0' has an extra 0
-    ("<answer> 44 // 19 + 35 </answer>", 0.1),                           # Python // evaluates to 37
-    ("<answer> 35 ** 44 / 19 </answer>", 0.1),                           # huge power: format score
-])
-def test_countdown_score_tinyzero_rules(response, score):
-    assert countdown_score(PREFIX + response, 98, [44, 19, 35]) == score
-
-
-def test_countdown_score_details():
-    # no "Assistant:" (and no qwen marker) -> 0 even with a correct answer
-    assert countdown_score("<answer> 44 + 19 + 35 </answer>", 98, [44, 19, 35]) == 0
-    assert countdown_score("<|im_start|>assistant\n<answer> 44 + 19 + 35 </answer>", 98, [44, 19, 35]) == 1.0
-    assert countdown_score(PREFIX + "<answer> 44 + 19 + 35 </answer>", 98, [44, 19, 35],
-                           format_score=0.25, score=2.0) == 2.0
-    # true division and the 1e-5 tolerance
-    assert countdown_score("Assistant: <answer> 1 / 3 * 3 </answer>", 1, [1, 3, 3]) == 1.0
-    assert countdown_score("Assistant: <answer> 10 / 4 </answer>", 2.5, [10, 4]) == 1.0
-    assert countdown_score("Assistant: <answer> 10 / 4 </answer>", 2, [10, 4]) == 0.1
-    assert countdown_score("Assistant: <answer> 5 / (3 - 3) </answer>", 1, [5, 3, 3]) == 0.1
-    # unbounded powers neither hang nor crash
-    assert countdown_score("Assistant: <answer>99**99**99</answer>", 1, [99, 99, 99]) == 0.1
-
-
 @given(st.text(max_size=80))
 @settings(max_examples=100, deadline=None)
-def test_countdown_graders_are_total(text):
-    assert countdown_score("Assistant: " + text, 10, [1, 2, 3]) in (0, 0.1, 1.0)
-    one_line = text.replace("\n", " ")
-    assert countdown_score("Assistant: <answer>" + one_line + "</answer>", 10, [1, 2, 3]) in (0.1, 1.0)
+def test_countdown_grader_is_total(text):
     assert grade_countdown(text, 10, [1, 2, 3]) in (True, False)
+    assert grade_countdown("<answer>" + text.replace("\n", " ") + "</answer>", 10, [1, 2, 3]) in (True, False)
 
 
 @pytest.mark.parametrize("answer, ok", [
@@ -153,19 +112,18 @@ def test_grade_countdown(answer, ok):
 
 
 def test_grade_countdown_is_binary_only():
-    assert countdown_score("Assistant: <answer>-44 + 19 + 35</answer>", 10, [44, 19, 35]) == 1.0   # Python semantics
-    assert not grade_countdown("-44 + 19 + 35", 10, [44, 19, 35])                                 # ours: no unary
+    assert not grade_countdown("-44 + 19 + 35", 10, [44, 19, 35])     # Python would say 10: no unary minus
     assert grade_countdown("19 + 35 - 44", 10, [44, 19, 35])
+    assert not grade_countdown("99**99**99", 1, [99, 99, 99])          # no powers, and no hang on them
 
 
-def test_grade_countdown_latex_operators_and_shared_core():
+def test_grade_countdown_latex_operators_and_tolerance():
     assert grade_countdown(r"\boxed{(6 \times 4) \div 2}", 12, [6, 4, 2])
     assert grade_countdown("(6 × 4) ÷ 2", 12, [6, 4, 2])
     assert countdown_equation(r"\boxed{(6 \times 4) \div 2 = 12}") == "(6 * 4) / 2"
-    # the same equation scored by both paths
-    eq = "(6 * 4) / 2"
-    assert grade_countdown(eq, 12, [6, 4, 2]) and countdown_score(f"Assistant: <answer>{eq}</answer>", 12, [6, 4, 2]) == 1
-    assert not grade_countdown(eq, 13, [6, 4, 2]) and countdown_score(f"Assistant: <answer>{eq}</answer>", 13, [6, 4, 2]) == 0.1
+    assert grade_countdown("(6 * 4) / 2", 12, [6, 4, 2]) and not grade_countdown("(6 * 4) / 2", 13, [6, 4, 2])
+    assert grade_countdown("1 / 3 * 3", 1, [1, 3, 3]) and grade_countdown("10 / 4", 2.5, [10, 4])   # true division
+    assert not grade_countdown("5 / (3 - 3)", 1, [5, 3, 3])                                          # x / 0
 
 
 # ---------------------------------------------------------------------------------------------

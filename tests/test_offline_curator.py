@@ -84,13 +84,10 @@ def test_rft_completion_and_examples():
     assert set(sf.span_labels("Q?", completion)[2:2 + len("think hard.")]) == {"plan"}
     with pytest.raises(ValueError, match="SPRINT tag"):
         reformat.to_rft("Q?", "oops <Plan_1>", "7")
-    ex = reformat.rft_example("id1", "Q?", "think.", "7", answer="7", meta={"rho": 1.0})
-    assert isinstance(ex, Example) and ex.kind == "rft" and ex.prompt == "Q?"
+    ex = Example("id1", "rft", "Q?", reformat.to_rft("Q?", "think.", "7"), answer="7", meta={"rho": 1.0})
     assert Example.from_json(ex.to_json()) == ex
     traj = reformat.to_sprint("Q?", [Step("A.", "a"), Step("B.", "b")], [], "7")
-    sx = reformat.sprint_example("id1", "Q?", traj, answer="7")
-    assert sx.kind == "sprint" and sx.completion == sf.render_completion(traj)
-    assert sf.parse_completion(sx.completion) == (sf.Trajectory("", traj.stages, "7"), [])
+    assert sf.parse_completion(sf.render_completion(traj)) == (sf.Trajectory("", traj.stages, "7"), [])
 
 
 def test_countdown_end_to_end_offline():
@@ -115,6 +112,5 @@ def test_countdown_end_to_end_offline():
         assert all("does not work" in e or "works" in e for e in first.executions)
         # the check depends on the successful attempt, the conclusion on the check
         assert [len(s.executions) for s in traj.stages[1:]] == [1, 0]
-        ex = reformat.sprint_example(task.id, query, traj, answer=task.answer)
-        assert sf.parse_completion(ex.completion)[1] == []
+        assert sf.parse_completion(sf.render_completion(traj))[1] == []
     assert sum(r >= 1.5 for r in rhos) >= 0.9 * len(rhos)

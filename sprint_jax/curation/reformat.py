@@ -7,11 +7,11 @@ RFT baseline (paper §6) trains on the same correct traces as one serial complet
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 from sprint_jax import format as sf
 from sprint_jax.curation.packing import stage_numbers, stages
-from sprint_jax.schema import Example, Step
+from sprint_jax.schema import Step
 
 
 def to_sprint(task_or_query_prompt: str, steps: Sequence[Step], edges: Sequence[tuple[int, int]],
@@ -53,17 +53,4 @@ def to_rft(prompt: str, trace_text: str, final_answer: str) -> str:
     return f"{trace}\n{block}" if trace else block
 
 
-def sprint_example(example_id: str, prompt: str, trajectory: sf.Trajectory, answer: Any = None,
-                   meta: dict | None = None) -> Example:
-    """An Example: `prompt` exactly as the model sees it, completion = the rendered body."""
-    return Example(id=example_id, kind="sprint", prompt=prompt,
-                   completion=sf.render_completion(trajectory), answer=answer, meta=dict(meta or {}))
-
-
-def rft_example(example_id: str, prompt: str, trace_text: str, final_answer: str, answer: Any = None,
-                meta: dict | None = None) -> Example:
-    return Example(id=example_id, kind="rft", prompt=prompt, completion=to_rft(prompt, trace_text, final_answer),
-                   answer=answer, meta=dict(meta or {}))
-
-
-__all__ = ["to_sprint", "to_rft", "sprint_example", "rft_example"]
+__all__ = ["to_sprint", "to_rft"]

@@ -177,9 +177,6 @@ class Store:
             out = [t for t in out if t.id in wanted]
         return out
 
-    def task_order(self) -> dict[str, int]:
-        return {r[0]: r[1] for r in self._query("SELECT id, ord FROM tasks")}
-
     # ---- LLM calls -----------------------------------------------------------------------------
     def get_call(self, key: str) -> dict | None:
         rows = self._query("SELECT content, finish_reason, prompt_tokens, completion_tokens, total_tokens,"

@@ -120,17 +120,6 @@ def _tags(stage, branch, shape) -> jax.Array:
     return jnp.stack([stage, branch], axis=1).astype(jnp.int32)
 
 
-def span_segments(segment_ids: jax.Array) -> jax.Array:
-    """[B, T] segment ids of contiguous segments -> span_end [B, T] (the end of j's segment):
-    `span_mask(span_segments(s))` == `segment_causal_mask(s)` when each id is one contiguous run."""
-    b, t = segment_ids.shape
-    idx = jnp.arange(t, dtype=jnp.int32)
-    starts_next = jnp.concatenate([segment_ids[:, 1:] != segment_ids[:, :-1],
-                                   jnp.ones((b, 1), bool)], axis=1)          # last of its run
-    ends = jnp.where(starts_next, idx + 1, t)
-    return lax.cummin(ends, axis=1, reverse=True).astype(jnp.int32)
-
-
 # ---------------------------------------------------------------------------------------------
 # Flash attention: tiling
 # ---------------------------------------------------------------------------------------------

@@ -296,58 +296,33 @@ def solve_trace(task: Task, seed: int = 0, max_failed_attempts: int = 3) -> Trac
 
 
 # ---------------------------------------------------------------------------------------------
-# Grading: one core for TinyZero's reward and for our strict equation check
+# Grading
 # ---------------------------------------------------------------------------------------------
-_TINYZERO_CHARS = re.compile(r"^[\d+\-*/().\s]+$")
-_STRICT_CHARS = re.compile(r"^[0-9+\-*/()\s]+$")
-_TOLERANCE = 1e-5
-# Python would compute 99**99**99 for ever; TinyZero's `eval` hangs on it. A power whose result
-# would exceed this many bits is an evaluation error instead (score: format_score, the same score
-# any finite value that large gets since it cannot equal a Countdown target).
-_MAX_POW_BITS = 1 << 16
-
+_EQUATION_CHARS = re.compile(r"^[0-9+\-*/()\s]+$")
+_TOLERANCE = 1e-5                    # TinyZero's
 _BINOPS: dict[type, Callable[[Any, Any], Any]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv, ast.Pow: operator.pow,
 }
-_STRICT_BINOPS = (ast.Add, ast.Sub, ast.Mult, ast.Div)
 
 
 class _EvalError(Exception):
     pass
 
 
-def _pow(a: Any, b: Any) -> Any:
-    if isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1:
-        if b * a.bit_length() > _MAX_POW_BITS:
-            raise _EvalError("power too large")
-    return operator.pow(a, b)
-
-
-def _evaluate(node: ast.AST, strict: bool) -> Any:
-    """Python's own arithmetic on the parsed expression (identical results to `eval` with no
-    builtins for everything the character whitelist admits), minus unbounded powers. `strict`:
-    only integer literals and binary + - * /."""
+def _evaluate(node: ast.AST) -> Any:
+    """Python's own arithmetic on the parsed expression, admitting only integer literals and
+    binary + - * / (no unary minus, no ** or //: not Countdown moves)."""
     if isinstance(node, ast.Expression):
-        return _evaluate(node.body, strict)
+        return _evaluate(node.body)
     if isinstance(node, ast.Constant):
-        if strict and not (type(node.value) is int):
+        if type(node.value) is not int:
             raise _EvalError(f"literal {node.value!r} not allowed")
         return node.value
     if isinstance(node, ast.BinOp):
-        if strict and not isinstance(node.op, _STRICT_BINOPS):
-            raise _EvalError(f"operator {type(node.op).__name__} not allowed")
-        fn = _pow if isinstance(node.op, ast.Pow) else _BINOPS.get(type(node.op))
+        fn = _BINOPS.get(type(node.op))
         if fn is None:
             raise _EvalError(f"operator {type(node.op).__name__} not allowed")
-        return fn(_evaluate(node.left, strict), _evaluate(node.right, strict))
-    if isinstance(node, ast.UnaryOp) and not strict:
-        if isinstance(node.op, ast.USub):
-            return -_evaluate(node.operand, strict)
-        if isinstance(node.op, ast.UAdd):
-            return +_evaluate(node.operand, strict)
-    if isinstance(node, ast.Tuple) and not strict:
-        return tuple(_evaluate(e, strict) for e in node.elts)
+        return fn(_evaluate(node.left), _evaluate(node.right))
     raise _EvalError(f"{type(node).__name__} not allowed")
 
 
@@ -361,13 +336,12 @@ def _numbers_match(equation: str, numbers: list[int]) -> bool:
         return False
 
 
-def _equation_value(equation: str, strict: bool) -> Any:
+def _equation_value(equation: str) -> Any:
     """The value of the equation, or None when it does not pass the whitelist or fails to evaluate."""
-    allowed = _STRICT_CHARS if strict else _TINYZERO_CHARS
-    if not allowed.match(equation):
+    if not _EQUATION_CHARS.match(equation):
         return None
     try:
-        return _evaluate(ast.parse(equation, mode="eval"), strict)
+        return _evaluate(ast.parse(equation, mode="eval"))
     except (SyntaxError, ValueError, ArithmeticError, TypeError, RecursionError, MemoryError, _EvalError):
         return None
 
@@ -375,41 +349,8 @@ def _equation_value(equation: str, strict: bool) -> Any:
 def _hits_target(value: Any, target: float) -> bool:
     try:
         return bool(abs(value - target) < _TOLERANCE)
-    except Exception:  # a tuple, Ellipsis: TinyZero's bare except gives the format score
+    except Exception:
         return False
-
-
-def _tinyzero_equation(solution_str: str) -> str | None:
-    """TinyZero's extraction: after the first "Assistant:" (else "<|im_start|>assistant"), the
-    last line, the last non-greedy <answer>...</answer> on it, stripped."""
-    for marker in ("Assistant:", "<|im_start|>assistant"):
-        if marker in solution_str:
-            rest = solution_str.split(marker, 1)[1]
-            break
-    else:
-        return None
-    last_line = rest.split("\n")[-1]
-    matches = re.findall(r"<answer>(.*?)</answer>", last_line)
-    return matches[-1].strip() if matches else None
-
-
-def countdown_score(solution_str: str, target: float, numbers: list[int],
-                    format_score: float = 0.1, score: float = 1.0) -> float:
-    """TinyZero's Countdown reward (verl/utils/reward_score/countdown.py), see
-    TinyZero's verl/utils/reward_score/countdown.py: 0 without an extractable <answer>; `format_score` when the numbers
-    do not match or the equation fails the whitelist / evaluation / target check; `score` when
-    it evaluates to the target within 1e-5. `solution_str` is prompt + response."""
-    if not isinstance(solution_str, str):
-        return 0
-    equation = _tinyzero_equation(solution_str)
-    if equation is None:
-        return 0
-    if not _numbers_match(equation, numbers):
-        return format_score
-    value = _equation_value(equation, strict=False)
-    if value is None:
-        return format_score
-    return score if _hits_target(value, target) else format_score
 
 
 _LATEX_OPS = [(r"\times", "*"), (r"\cdot", "*"), (r"\div", "/"), ("×", "*"), ("÷", "/"), ("−", "-"),
@@ -436,14 +377,13 @@ def countdown_equation(text: str) -> str:
 
 def grade_countdown(equation_or_text: str, target: float, numbers: list[int]) -> bool:
     """Our own final answers: every number exactly once, only integer literals, binary + - * / and
-    parentheses (no unary minus, no ** or //), value equal to the target within TinyZero's 1e-5.
-    Same core as `countdown_score` (number check, evaluator, tolerance), stricter whitelist."""
+    parentheses (no unary minus, no ** or //), value equal to the target within TinyZero's 1e-5."""
     if not isinstance(equation_or_text, str):
         return False
     eq = countdown_equation(equation_or_text)
     if not eq or not _numbers_match(eq, numbers):
         return False
-    value = _equation_value(eq, strict=True)
+    value = _equation_value(eq)
     return value is not None and _hits_target(value, target)
 
 
@@ -452,5 +392,5 @@ def grade(task: Task, text: str) -> bool:
     return grade_countdown(text, answer["target"], answer["numbers"])
 
 
-__all__ = ["TEMPLATES", "instruction", "prompt_for", "generate", "solve_trace", "countdown_score", "countdown_equation",
+__all__ = ["TEMPLATES", "instruction", "prompt_for", "generate", "solve_trace", "countdown_equation",
            "grade_countdown", "grade"]
