@@ -18,7 +18,7 @@ from sprint_jax.config import ConfigError, load_config
 from sprint_jax.curation.config import CurateConfig
 from sprint_jax.curation.pipeline import DB_NAME, run_pipeline, status
 from sprint_jax.curation.store import Store
-from sprint_jax.format import Prompt, parse_completion
+from sprint_jax.format import parse_completion
 
 KEY_ENV = "SPRINT_JAX_FAKE_KEY"
 SECRET = "sk-fake-never-written-2718281828"
@@ -150,7 +150,10 @@ def test_rft_from_every_correct_trace(server, tmp_path):
 def test_faults_are_retried_and_change_nothing(server, tmp_path, monkeypatch):
     expected = happy_outputs(tmp_path, monkeypatch)
     srv, script = server, server.script
-    is_ = lambda purpose, tid: (lambda b: script.purpose(b) == purpose and script.task_id(b) == tid)
+
+    def is_(purpose, tid):
+        return lambda b: script.purpose(b) == purpose and script.task_id(b) == tid
+
     srv.add_fault(Fault(status=429, headers={"Retry-After": "1"}), is_("teacher", "t1"))
     srv.add_fault(Fault(kind="drop"), is_("teacher", "t3"))
     srv.add_fault(Fault(status=500), is_("extract", "t2"), times=2)

@@ -342,8 +342,6 @@ def test_eval_compare_uses_complete_lines_of_a_cut_results_file(tmp_path, capsys
 def test_eval_and_curate_refuse_a_directory_held_by_another_run(tmp_path, capsys):
     import os
     import signal
-    import subprocess
-    import sys
 
     from sprint_jax.tasks.types import Task
     from sprint_jax.eval.evaluate import evaluate

@@ -101,7 +101,6 @@ def test_choice_loader_rejects_duplicate_ids(tmp_path):
 
 
 def test_non_utf8_file_under_auto_is_one_line(tmp_path):
-    from sprint_jax.cli import main
     p = tmp_path / "latin1.jsonl"
     p.write_bytes('{"problem": "caf\u00e9?", "answer": "1"}\n'.encode("latin-1"))
     with pytest.raises(TaskFileError, match="not UTF-8"):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from sprint_jax.errors import UserError
 from sprint_jax.curation.store import STAGES
