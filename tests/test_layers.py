@@ -74,8 +74,9 @@ def is_command(module: str) -> bool:
 
 
 def place(module: str) -> tuple[int, str] | None:
-    """(layer index, component) of a module, None if in no layer: the longest matching prefix decides (a prefix names a
-    module and everything under it; the root "sprint_jax" names only the package's __init__)."""
+    """(layer index, component) of a module, None if in no layer. The longest matching prefix
+    decides: a prefix names a module and everything under it, except the root "sprint_jax", which
+    names only the package's own __init__."""
     if is_command(module):
         return len(LAYERS), COMMANDS
     best = None
@@ -98,7 +99,12 @@ def imports_of(module: str) -> list[tuple[int, str, str | None]]:
     """(line, imported module, imported name or None) for every import of `module` into the package,
     outside `if __name__ == "__main__":` blocks. `from pkg import sub` names the submodule."""
     path = MODULES[module]
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    return imports_in(path.read_text(), module, path.name == "__init__.py", str(path))
+
+
+def imports_in(source: str, module: str, is_package: bool = False, filename: str = "<source>"):
+    """`imports_of` for the text of `module` (a package's __init__ when `is_package`)."""
+    package = module if is_package else module.rpartition(".")[0]
     found = []
 
     def visit(node):
@@ -118,7 +124,7 @@ def imports_of(module: str) -> list[tuple[int, str, str | None]]:
                                  (child.lineno, target, a.name))
             visit(child)
 
-    visit(ast.parse(path.read_text(), str(path)))
+    visit(ast.parse(source, filename))
     return [(line, target, name) for line, target, name in found
             if target == "sprint_jax" or target.startswith("sprint_jax.")]
 
@@ -129,6 +135,27 @@ def _where(module: str, line: int) -> str:
 
 def _layer_name(index: int) -> str:
     return COMMANDS if index == len(LAYERS) else LAYERS[index][0]
+
+
+def test_the_reader_sees_deferred_relative_and_package_imports():
+    source = """
+import sprint_jax.errors
+from . import data
+from ..model import sharding
+from sprint_jax.model.hf import parse_size
+def f():
+    from sprint_jax.infer import engine
+    if True:
+        import numpy
+if __name__ == "__main__":
+    from sprint_jax.cli import main
+"""
+    assert imports_in(source, "sprint_jax.train.trainer") == [
+        (2, "sprint_jax.errors", None), (3, "sprint_jax.train.data", None),
+        (4, "sprint_jax.model.sharding", None), (5, "sprint_jax.model.hf", "parse_size"),
+        (7, "sprint_jax.infer.engine", None)]
+    assert place("sprint_jax.infer.engine") == (place("sprint_jax.train.trainer")[0], "infer")
+    assert place("sprint_jax.eval.cli")[1] == COMMANDS and place("sprint_jax.kernels.splash")[1] == "kernels"
 
 
 def test_every_module_has_a_layer():
@@ -164,14 +191,35 @@ def test_imports_point_down():
         pytrace=False)
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_attribute_uses(module: str) -> list[tuple[int, str, str]]:
+    """(line, other module, name) for every `alias._name` where `alias` is another module of the
+    package imported under that name (`import sprint_jax.x as alias`, `from sprint_jax import x`)."""
+    tree = ast.parse(MODULES[module].read_text())
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update({a.asname: a.name for a in node.names if a.asname and a.name in MODULES})
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            aliases.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names
+                            if f"{node.module}.{a.name}" in MODULES})
+    return [(node.lineno, aliases[node.value.id], node.attr) for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id in aliases and aliases[node.value.id] != module and _private(node.attr)]
+
+
 def test_no_private_names_across_modules():
     bad: dict[tuple[str, int, str], list[str]] = {}
     for module in sorted(MODULES):
         for line, target, name in imports_of(module):
-            privates = [p for p in target.split(".") + ([name] if name else [])
-                        if p.startswith("_") and not p.startswith("__")]
+            privates = [p for p in target.split(".") + ([name] if name else []) if _private(p)]
             if target != module and privates:
                 bad.setdefault((module, line, target), []).extend(privates)
+        for line, target, name in private_attribute_uses(module):
+            bad.setdefault((module, line, target), []).append(name)
     if bad:
         pytest.fail(
             "imports of another module's private names:\n  "
