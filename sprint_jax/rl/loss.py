@@ -13,7 +13,7 @@ none); `kl_coef > 0` adds the k3 estimator against a frozen reference (the start
 
 Log-probs are those of the sampling distribution: logits / temperature (top-k / top-p are not
 modelled; keep them off for RL). Shardings, optimizer and train state are the SFT trainer's
-(train/step.py `build_step`, train/mesh.py rules table), so checkpoints are the same orbax layout.
+(train/step.py `build_step`, the model/sharding.py rules table), so checkpoints are the same orbax layout.
 """
 from __future__ import annotations
 
