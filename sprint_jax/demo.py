@@ -123,7 +123,7 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
     from sprint_jax.curation.pipeline import run_pipeline
     from sprint_jax.eval.evaluate import evaluate
     from sprint_jax.infer import OrchestratorConfig
-    from sprint_jax.infer.batch import BatchEngine
+    from sprint_jax.infer.engine import Engine
     from sprint_jax.model.convert import load_model
     from sprint_jax.model.hf import read_export_meta
     from sprint_jax.model.tokenizer import VocabTokenizer
@@ -200,13 +200,13 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
     for k, (run_name, (model_name, mode)) in enumerate(evals.items()):
         _say(f"{_stage('evaluation')} of {run_name} on {len(test_tasks)} held-out problems "
              f"(run {k + 1} of {len(evals)})")
-        # every mode on the batched engine (serial: its executors one after another, as forks of one)
+        # every mode on the engine (serial: its executors one after another, as forks of one)
         key = model_name
         if key not in engines:
             model = load_model(trained[model_name]["export_dir"])
             kw = dict(max_seq_len=512, max_branch_tokens=cfg.max_branch_tokens + 8, decode_chunk=16,
                       prefill_chunk=128)
-            engines[key] = BatchEngine(model, tok, max_seqs=cfg.concurrency, max_children=cfg.chains, **kw)
+            engines[key] = Engine(model, tok, max_seqs=cfg.concurrency, max_children=cfg.chains, **kw)
         layout = read_export_meta(trained[model_name]["export_dir"]).get("layout", "flat")
         run_orch = dataclasses.replace(orch, layout=layout,
                                        join=cfg.join if model_name.startswith("sprint") else None)
@@ -358,19 +358,15 @@ def _warm(engine, tasks, orch, mode) -> None:
     measure decoding: a few problems (their outputs are discarded) meet the used-length buckets
     and row shapes the evaluation meets; one problem alone leaves SPRINT's later stages to compile
     inside the timed run. A merge join's shapes (parent / child length buckets) are compiled
-    ahead as well (`BatchEngine.warm_merge`): a few problems do not meet them all, and a compile
+    ahead as well (`Engine.warm_merge`): a few problems do not meet them all, and a compile
     would land in a stage's timed sync."""
-    from sprint_jax.infer.orchestrator import Orchestrator, run_many
+    from sprint_jax.infer.orchestrator import run_many
     from sprint_jax.tasks import chains
 
     prompts = [chains.prompt_for(t) for t in tasks]
-    if hasattr(engine, "max_seqs"):
-        if orch.resolved_join == "merge":      # every merge shape of a stage of `chains` executors
-            engine.warm_merge()
-        run_many(engine, prompts, mode, orch)
-    else:
-        for p in prompts:
-            Orchestrator(engine, orch).run(p, mode)
+    if orch.resolved_join == "merge":          # every merge shape of a stage of `chains` executors
+        engine.warm_merge()
+    run_many(engine, prompts, mode, orch)
 
 
 # the summary's columns: (header, width, what it means); the legend under the table is written from it

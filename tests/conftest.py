@@ -146,16 +146,100 @@ def greedy_by_full_forward(model, tokens, n: int, width: int = 64) -> list[int]:
     return seq[len(tokens):]
 
 
+# Engines shared by the test modules (one compile of each program shape for the whole session):
+# the tiny untied checkpoint at a few fixed capacities. A test leaves its engine idle: every
+# sequence it opened closed (`SingleRun.close`, `Engine.close`), which the fixtures check.
+SHARED_ENGINES = {
+    # short contexts, many children per fork (16 branches), four sequences at once
+    "engine_96": dict(max_seqs=4, max_children=16, max_seq_len=96, max_branch_tokens=48, decode_chunk=8,
+                      prefill_chunk=32, eos_token_ids=[]),
+    # SPRINT runs of the orchestrator / eval tests: two sequences, two executors per stage
+    "engine_224": dict(max_seqs=2, max_children=2, max_seq_len=224, max_branch_tokens=40, decode_chunk=8,
+                       prefill_chunk=32, eos_token_ids=[]),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(hf_untied):
+    """The tiny untied Qwen2 checkpoint, loaded once."""
+    from sprint_jax.model import from_pretrained
+
+    return from_pretrained(hf_untied)
+
+
+def _shared_engine(name: str, tiny_model):
+    from sprint_jax.infer.engine import Engine
+
+    engine = Engine(tiny_model, tiny_vocab_tokenizer(), **SHARED_ENGINES[name])
+    yield engine
+
+
+@pytest.fixture(scope="session")
+def _engine_96(tiny_model):
+    yield from _shared_engine("engine_96", tiny_model)
+
+
+@pytest.fixture(scope="session")
+def _engine_224(tiny_model):
+    yield from _shared_engine("engine_224", tiny_model)
+
+
+def _idle_after(engine):
+    yield engine
+    assert engine.free_slots == engine.max_seqs and not engine.busy, "a test left sequences open on a shared engine"
+
+
+@pytest.fixture
+def engine_96(_engine_96):
+    """The shared Engine of SHARED_ENGINES["engine_96"] (checked idle after the test)."""
+    yield from _idle_after(_engine_96)
+
+
+@pytest.fixture
+def engine_224(_engine_224):
+    """The shared Engine of SHARED_ENGINES["engine_224"] (checked idle after the test)."""
+    yield from _idle_after(_engine_224)
+
+
+@pytest.fixture
+def alone_96(engine_96):
+    """Single-run calls on the shared engine_96 (its sequence closed after the test)."""
+    from sprint_jax.infer.single import SingleRun
+
+    run = SingleRun(engine_96)
+    yield run
+    run.close()
+
+
+@pytest.fixture
+def alone_224(engine_224):
+    """Single-run calls on the shared engine_224 (its sequence closed after the test)."""
+    from sprint_jax.infer.single import SingleRun
+
+    run = SingleRun(engine_224)
+    yield run
+    run.close()
+
+
+def _map_count() -> int:
+    try:
+        with open(f"/proc/{os.getpid()}/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_code():
-    """After each test module, drop jax's compiled executables. XLA CPU keeps every executable's
-    JIT code in its own memory mappings; an xdist worker that runs many modules reached ~59,000 of
-    the kernel's default 65,530 (vm.max_map_count) and then crashed inside a compile (segfault or
-    abort). Modules compile their own shapes anyway, so nothing is shared across them."""
+    """After a test module, drop jax's compiled executables once the process holds many memory
+    mappings. XLA CPU keeps every executable's JIT code in its own mappings; an xdist worker that
+    ran many modules reached ~59,000 of the kernel's default 65,530 (vm.max_map_count) and then
+    crashed inside a compile (segfault or abort). Clearing only past half of that keeps the shared
+    engines' programs (SHARED_ENGINES) compiled across modules."""
     yield
     import gc
     import sys
 
-    if "jax" in sys.modules:
+    if "jax" in sys.modules and _map_count() > 30_000:
         sys.modules["jax"].clear_caches()
-    gc.collect()
+        gc.collect()

@@ -16,16 +16,16 @@ from hypothesis import HealthCheck, given, settings
 
 from sprint_jax import format as fmt
 from sprint_jax.config import ConfigError, load_config
-from sprint_jax.infer.engine import EngineError, Generation
+from sprint_jax.infer.requests import EngineError, Generation
 from sprint_jax.infer.orchestrator import TERMINATIONS, OrchestratorConfig, execution_opening, run_query
 
 
 # ---------------------------------------------------------------------------------------------
 # A scripted stand-in for the engine (also used by test_eval.py)
 # ---------------------------------------------------------------------------------------------
-# It offers the engine's public interface and applies the real engine's rules: stop strings cut
-# the output after the token that completes them, token limits, EOS, the same capacity checks
-# (raising the real EngineError). Tokenization is easy to count by hand: a SPRINT tag is one token,
+# It offers the engine's public interface (operations that are done when submitted, so `run_many`
+# never steps it) and applies the real engine's rules: stop strings cut the output after the token
+# that completes them, token limits, EOS, the same capacity checks (raising the real EngineError). Tokenization is easy to count by hand: a SPRINT tag is one token,
 # `<eos>` is EOS, each whitespace character is one token, every other maximal run of characters
 # without whitespace or `<` is one token, a lone `<` is one token.
 EOS = "<eos>"
@@ -61,6 +61,16 @@ class WordTokenizer:
 @dataclasses.dataclass
 class State:
     tokens: list[int]
+    closed: bool = False
+
+
+@dataclasses.dataclass
+class Done:
+    """An engine operation finished when it was submitted."""
+    kind: str
+    seq: object
+    result: object
+    done: bool = True
 
 
 class ScriptedEngine:
@@ -75,6 +85,7 @@ class ScriptedEngine:
         self.max_seq_len = max_seq_len
         self.max_branches = max_branches
         self.max_branch_tokens = max_branch_tokens
+        self.max_seqs = 64
         self.eos_token_ids = [0]
         self.calls: list[dict] = []        # what each call saw (for assertions)
         self.generated = 0                 # every token any call generated
@@ -86,20 +97,27 @@ class ScriptedEngine:
     def decode_text(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def prefill(self, ids: Sequence[int]) -> State:
+    def open(self, ids: Sequence[int], tag=None) -> Done:
         if not ids:
-            raise EngineError("prefill needs at least one token (got an empty input)")
+            raise EngineError("open needs at least one token (got an empty input)")
         if len(ids) > self.max_seq_len:
             raise EngineError("input exceeds max_seq_len")
         self.calls.append({"kind": "prefill", "tokens": len(ids)})
-        return State(list(ids))
+        state = State(list(ids))
+        return Done("open", state, state)
 
-    def extend(self, state: State, ids: Sequence[int]) -> State:
+    def extend(self, state: State, ids: Sequence[int], tag=None) -> Done:
         if len(state.tokens) + len(ids) > self.max_seq_len:
             raise EngineError("extend exceeds max_seq_len")
         self.calls.append({"kind": "extend", "text": self.decode_text(ids)})
         state.tokens = state.tokens + list(ids)
-        return state
+        return Done("extend", state, state)
+
+    def close(self, state: State) -> None:
+        state.closed = True
+
+    def step(self) -> bool:
+        return False                       # every operation is done when submitted
 
     def truncate(self, state: State, n: int) -> State:
         if not 1 <= n <= len(state.tokens):
@@ -129,7 +147,7 @@ class ScriptedEngine:
         self.generated += len(out)
         return Generation(tokens=out, text=self.decode_text(out), stop_reason=reason, steps=len(out))
 
-    def generate(self, state: State, max_new_tokens: int, stop: Sequence[str] = (), sampling=None) -> Generation:
+    def generate(self, state: State, max_new_tokens: int, stop: Sequence[str] = (), sampling=None, tag=None) -> Done:
         if max_new_tokens <= 0:
             raise EngineError(f"max_new_tokens must be positive, got {max_new_tokens}")
         if len(state.tokens) + max_new_tokens > self.max_seq_len:
@@ -139,14 +157,12 @@ class ScriptedEngine:
                            "stop": list(stop), "seed": getattr(sampling, "seed", None)})
         g = self._emit(script, max_new_tokens, stop)
         state.tokens = state.tokens + g.tokens
-        g.state = state
-        return g
+        return Done("generate", state, g)
 
-    def decode_branches(self, state: State, prefixes: Sequence[Sequence[int]], max_new_tokens,
-                        stop=(), sampling=None, mode: str = "shared") -> list[Generation]:
+    def fork(self, state: State, prefixes: Sequence[Sequence[int]], max_new_tokens, stop=(), sampling=None,
+             tag=None, serial: bool = False, join: bool = False) -> Done:
         n = len(prefixes)
-        if mode not in ("shared", "copy", "serial"):
-            raise EngineError(f"bad mode {mode!r}")
+        mode = "serial" if serial else "shared"
         if n == 0 or n > self.max_branches:
             raise EngineError(f"{n} branches (max_branches={self.max_branches})")
         limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -166,7 +182,7 @@ class ScriptedEngine:
         self.calls.append({"kind": "branches", "mode": mode, "context": self.decode_text(state.tokens),
                            "prefixes": [self.decode_text(p) for p in prefixes], "limits": limits,
                            "stop": stops, "seed": getattr(sampling, "seed", None)})
-        return gens
+        return Done("fork", state, gens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -521,24 +537,20 @@ class ForcedPlanner:
                 return self._encode(a) + [t for ch in word for t in self.engine.encode(ch)] + self._encode(b)
         return self.engine.encode(text)
 
-    def generate(self, state, max_new_tokens, stop=(), sampling=None):
+    def generate(self, state, max_new_tokens, stop=(), sampling=None, tag=None):
         self.contexts.append(list(state.tokens))
         if not self.scripts:
-            return self.engine.generate(state, max_new_tokens, stop=stop, sampling=sampling)
+            return self.engine.generate(state, max_new_tokens, stop, sampling)
         ids = self._encode(self.scripts.pop(0))[:max_new_tokens]
         self.engine.extend(state, ids)
         text = self.engine.decode_text(ids)
-        return Generation(ids, text, "stop" if any(s in text for s in stop) else "length", state=state)
+        return Done("generate", state, Generation(ids, text, "stop" if any(s in text for s in stop) else "length"))
 
 
-@pytest.fixture(scope="module")
-def real_engine(hf_untied):
-    from conftest import tiny_vocab_tokenizer
-    from sprint_jax.infer import Engine
-    from sprint_jax.model import from_pretrained
-
-    return Engine(from_pretrained(hf_untied), tiny_vocab_tokenizer(), max_seq_len=224, max_branches=2,
-                  max_branch_tokens=40, decode_chunk=8, prefill_chunk=32, eos_token_ids=[])
+@pytest.fixture
+def real_engine(engine_224, alone_224):
+    """The shared engine (runs) and single-run calls on it (references): two sequence slots."""
+    return engine_224, alone_224
 
 
 REAL_QUERY = "Q: 2+3=?"
@@ -547,6 +559,7 @@ REAL_PLANNER = ["<Plan_1> split <prompt_1.1> a </prompt_1.1> <prompt_1.2> b </pr
 
 
 def test_real_engine_parallel_equals_serial_and_counts_match_an_independent_decode(real_engine):
+    real_engine, alone = real_engine
     cfg = OrchestratorConfig(max_branch_tokens=9)
     par = run_query(ForcedPlanner(real_engine, REAL_PLANNER), REAL_QUERY, "parallel", cfg)
     ser = run_query(ForcedPlanner(real_engine, REAL_PLANNER), REAL_QUERY, "serial", cfg)
@@ -559,7 +572,7 @@ def test_real_engine_parallel_equals_serial_and_counts_match_an_independent_deco
     context = real_engine.encode(REAL_QUERY + REAL_PLANNER[0])
     for j, ex in enumerate(par.stages[0].executions, start=1):
         opening = real_engine.encode(execution_opening(1, j))
-        ref = real_engine.generate(real_engine.prefill(context + opening), 9, stop=[fmt.execution_close(1, j)])
+        ref = alone.generate(alone.prefill(context + opening), 9, stop=[fmt.execution_close(1, j)])
         assert ex.text == ref.text and ex.tokens == len(ref.tokens) and ex.stop_reason == ref.stop_reason
         assert ex.forced_tokens == len(opening) + (len(real_engine.encode(" " + fmt.execution_close(1, j)))
                                                    if ex.repaired else 0)
@@ -569,7 +582,6 @@ def test_real_engine_parallel_equals_serial_and_counts_match_an_independent_deco
     # flat (the default layout): the sync also prefills the block gap that follows the last execution
     assert par.stages[0].sync_tokens == sum(e.forced_tokens + e.tokens for e in par.stages[0].executions) + \
         len(real_engine.encode(fmt.BLOCK_GAP))
-    assert par.stages[0].branch_cache_bytes > 0
 
 
 @pytest.mark.parametrize("mode", ["parallel", "serial"])
@@ -578,6 +590,7 @@ def test_real_engine_rolls_back_to_the_layout_tokens_at_fork_and_sync(real_engin
     fork rolls the real engine's state back to before it, every executor starts from the flat
     tokenization of its context (checked against a decode alone from a fresh prefill of exactly
     that), and the planner holds the flat tokenization after the sync."""
+    real_engine, alone = real_engine
     planner = ["<Plan_1> <prompt_1.1> a </prompt_1.1> <prompt_1.2> b </prompt_1.2> see <t5> </Plan_1>",
                "<Final Answer> 5 </Final Answer>"]
     forced = ForcedPlanner(real_engine, planner, spell=["<t5>"])
@@ -587,7 +600,7 @@ def test_real_engine_rolls_back_to_the_layout_tokens_at_fork_and_sync(real_engin
     enc = real_engine.encode
     for j, ex in enumerate(rec.stages[0].executions, start=1):
         context = enc(REAL_QUERY) + enc(planner[0] + execution_opening(1, j))
-        ref = real_engine.generate(real_engine.prefill(context), 6, stop=[fmt.execution_close(1, j)])
+        ref = alone.generate(alone.prefill(context), 6, stop=[fmt.execution_close(1, j)])
         assert ex.tokens == len(ref.tokens) and ex.text == ref.text[:len(ex.text)]
     after_sync = forced.contexts[1]
     assert after_sync == enc(REAL_QUERY) + enc(real_engine.decode_text(after_sync[len(enc(REAL_QUERY)):]))
@@ -597,22 +610,25 @@ def test_real_engine_rolls_back_to_the_layout_tokens_at_fork_and_sync(real_engin
 def test_real_engine_truncate_then_extend_equals_a_fresh_prefill(real_engine):
     """The orchestrator's roll-back at a token boundary: keep a prefix, prefill a different tail;
     the next-token logits are those of a fresh prefill of the same tokens."""
-    ids = real_engine.encode(REAL_QUERY + REAL_PLANNER[0])
-    state = real_engine.prefill(ids)
-    real_engine.truncate(state, len(ids) - 5)
-    tail = real_engine.encode(" x y")
-    real_engine.extend(state, tail)
-    ref = real_engine.prefill(ids[:-5] + tail)
-    assert state.tokens == ref.tokens
-    np.testing.assert_allclose(real_engine.step_logits(state), real_engine.step_logits(ref), rtol=1e-5, atol=1e-5)
+    _, alone = real_engine
+    ids = alone.encode(REAL_QUERY + REAL_PLANNER[0])
+    state = alone.prefill(ids)
+    alone.truncate(state, len(ids) - 5)
+    tail = alone.encode(" x y")
+    alone.extend(state, tail)
+    got = alone.step_logits(state)
     with pytest.raises(EngineError, match="truncate"):
-        real_engine.truncate(state, 0)
+        alone.truncate(state, 0)
+    ref = alone.prefill(ids[:-5] + tail)
+    assert state.tokens == ref.tokens
+    np.testing.assert_allclose(got, alone.step_logits(ref), rtol=1e-5, atol=1e-5)
 
 
 def test_real_engine_unscripted_planner_ends_on_its_budget(real_engine):
+    real_engine, alone = real_engine
     cfg = OrchestratorConfig(max_planner_tokens=12)
     rec = run_query(real_engine, REAL_QUERY, "parallel", cfg)
-    ref = real_engine.generate(real_engine.prefill(real_engine.encode(REAL_QUERY)), 12, stop=fmt.planner_stop_strings(1))
+    ref = alone.generate(alone.prefill(alone.encode(REAL_QUERY)), 12, stop=fmt.planner_stop_strings(1))
     assert rec.termination == "planner_token_limit"
     assert rec.stages[0].planner_text == ref.text == rec.text and rec.total_tokens == len(ref.tokens) == 12
     seq = run_query(real_engine, REAL_QUERY, "sequential", OrchestratorConfig(max_total_tokens=12))

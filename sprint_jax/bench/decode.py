@@ -3,9 +3,9 @@
 Why. A SPRINT stage (paper §10) runs its executors at the same time: the engine forks the
 planner's cache and decodes every branch in one batched step. This benchmark measures, in one
 run, what that buys:
-  shared   `decode_branches(mode="shared")`: the slot core's fork: the prefix KV stored once and
+  shared   `decode_branches(mode="shared")`: the engine's fork: the prefix KV stored once and
            read in place once per step for all branches, a child slot per branch,
-  copy     the prefix copied into every branch (the baseline to beat: `infer/copy_fork.py`),
+  copy     the prefix copied into every branch (the baseline to beat: `bench/copy_fork.py`),
   serial   the same child slots, one branch after another (what a non-parallel runtime does),
 for each branch count and context (prefix) length, plus single-sequence `engine.generate` vs
 HF transformers `generate` (PyTorch, `Qwen2ForCausalLM` or `Qwen3ForCausalLM`, eager attention)
@@ -322,11 +322,13 @@ def kv_bytes_per_token(config) -> int:
 
 
 def _make_engine(model, tokenizer, p: int, s: dict[str, Any]):
-    from sprint_jax.infer import Engine
+    """A one-sequence engine sized for context p, driven by single-run calls."""
+    from sprint_jax.infer.engine import Engine
+    from sprint_jax.infer.single import SingleRun
     bp, n_new = s["branch_prefix_len"], s["new_tokens"]
-    return Engine(model, tokenizer, max_seq_len=p + bp + n_new, max_branches=max(s["branches"]),
-                  max_branch_tokens=bp + 1 + n_new, decode_chunk=s["decode_chunk"],
-                  prefill_chunk=s["prefill_chunk"], attention_impl=s["attention_impl"], eos_token_ids=[])
+    return SingleRun(Engine(model, tokenizer, max_seqs=1, max_seq_len=p + bp + n_new, max_children=max(s["branches"]),
+                            max_branch_tokens=bp + 1 + n_new, decode_chunk=s["decode_chunk"],
+                            prefill_chunk=s["prefill_chunk"], attention_impl=s["attention_impl"], eos_token_ids=[]))
 
 
 def _bench_context(engine, state, prefix_sets: dict[int, list[list[int]]],
@@ -339,8 +341,13 @@ def _bench_context(engine, state, prefix_sets: dict[int, list[list[int]]],
     """
     n_new = s["new_tokens"]
 
+    from sprint_jax.bench.copy_fork import decode_branches_copy
+
     def call(n: int, mode: str, m: int):
-        engine.decode_branches(state, prefix_sets[n], m, mode=mode)
+        if mode == "copy":
+            decode_branches_copy(engine, state, prefix_sets[n], m)
+        else:
+            engine.decode_branches(state, prefix_sets[n], m, mode=mode)
         return engine.last_branch_stats
 
     keys = [(n, mode, m) for n in prefix_sets for mode in MODES for m in (n_new, 1)]
@@ -456,7 +463,7 @@ def _bench_hf(engine, hf, device: str, context: list[int], s: dict[str, Any]) ->
 # ---------------------------------------------------------------------------------------------
 def bench_join(model, tokenizer, s: dict[str, Any], rng) -> list[dict[str, Any]]:
     """Re-prefill vs merge join, per stage: --join-executors executors of N tokens each
-    forked from a --join-context-token planner, on the batched engine (`BatchEngine`: what the
+    forked from a --join-context-token planner, on the engine (`Engine`: what the
     orchestrator's demo, eval and server run), timed from the join's call until the cache holds its
     result (block_until_ready). reprefill = `extend` of all executors' tokens onto the planner,
     then the steps that write them (what the sync of a trie model costs: an extend only queues its
@@ -469,15 +476,15 @@ def bench_join(model, tokenizer, s: dict[str, Any], rng) -> list[dict[str, Any]]
     XLA's threads included; it moves less with machine load than wall clock)."""
     import jax
 
-    from sprint_jax.infer.batch import BatchEngine
+    from sprint_jax.infer.engine import Engine
 
     rows = []
     config = model.config
     k, ctx = s["join_executors"], s["join_context"]
     for n in s["join_tokens"]:
-        engine = BatchEngine(model, tokenizer, max_seqs=1, max_children=k, max_seq_len=ctx + k * n + 8,
-                             max_branch_tokens=n + 2, decode_chunk=s["decode_chunk"],
-                             prefill_chunk=JOIN_PREFILL_CHUNK, eos_token_ids=[])
+        engine = Engine(model, tokenizer, max_seqs=1, max_children=k, max_seq_len=ctx + k * n + 8,
+                        max_branch_tokens=n + 2, decode_chunk=s["decode_chunk"],
+                        prefill_chunk=JOIN_PREFILL_CHUNK, eos_token_ids=[])
         context = [int(x) for x in rng.integers(0, config.vocab_size, ctx)]
         forced = [[int(x) for x in rng.integers(0, config.vocab_size, n - 1)] for _ in range(k)]
         ran = {}
@@ -510,56 +517,13 @@ def bench_join(model, tokenizer, s: dict[str, Any], rng) -> list[dict[str, Any]]
 
             def join():
                 t0 = time.perf_counter()
-                engine.merge(seq, branches)         # the orchestrator's sync: the copy left pending
+                engine.merge(seq, branches)         # the orchestrator's sync (the copy dispatched)
                 host.append(time.perf_counter() - t0)
-            dt = timed(join)                        # reading engine.cache runs the copy as a call of its own
+            dt = timed(join)
             hosts.append(host[0])
             ran["merge"] = engine.last_join_tokens
             engine.close(seq)
             return dt, fork_dt
-
-        def copy_in_decode(pairs: int = 200) -> tuple[float, float]:
-            """What the merge's copy costs inside the planner's next decode call, where it runs
-            (`BatchEngine.merge` leaves it pending; a cond at the start of `_decode` runs it): that
-            call's arguments captured once, then the call repeated with the join's meta and with
-            no join, alternated (both idempotent: the same rows copied, the same slots written),
-            each call waited for. Returns (median with - median without, median without), s."""
-            from sprint_jax.infer import batch as batch_mod
-
-            seq, branches, _ = planner_and_fork(True)
-            engine.merge(seq, branches)
-            captured = {}
-            real = batch_mod._decode
-
-            def capture(*a, **kw):
-                captured.setdefault("call", (a, dict(kw)))
-                return real(*a, **kw)
-
-            batch_mod._decode = capture
-            try:
-                op = engine.generate(seq, 2)
-                engine.run([op])
-            finally:
-                batch_mod._decode = real
-            args, kw = captured["call"]
-            if not np.any(np.asarray(kw["join_meta"])[:, 3::2] > 0):       # else this would time nothing
-                raise RuntimeError("the merge's copy did not ride the planner's next decode call")
-            cache = engine.cache
-            args = (args[0], args[1], cache) + tuple(args[3:])
-            with_join, without = dict(kw), dict(kw, join_meta=np.zeros_like(kw["join_meta"]))
-            times: dict[str, list[float]] = {"with": [], "without": []}
-            for i in range(2 * pairs + 2):
-                name, k = (("with", with_join), ("without", without))[i % 2]
-                t0 = time.perf_counter()
-                res = real(*args, **k)
-                jax.block_until_ready(res)
-                if i >= 2:                                  # the first pair compiles / warms
-                    times[name].append(time.perf_counter() - t0)
-                args = args[:2] + (res[0],) + args[3:]
-            engine.cache = args[2]
-            engine.close(seq)
-            med = {n: float(np.median(v)) for n, v in times.items()}
-            return med["with"] - med["without"], med["without"]
 
         hosts: list[float] = []
         first = {"reprefill": reprefill()[0][0], "merge": merge()[0][0]}
@@ -573,8 +537,7 @@ def bench_join(model, tokenizer, s: dict[str, Any], rng) -> list[dict[str, Any]]
                 forks[m].append(fork_dt[0])
         best = {m: _best([w for w, _ in v]) for m, v in samples.items()}
         cpu = {m: min(c for _, c in v) for m, v in samples.items()}
-        in_call, decode_call = copy_in_decode()
-        row = dict(executors=k, tokens_per_executor=n, context=ctx, engine="BatchEngine",
+        row = dict(executors=k, tokens_per_executor=n, context=ctx, engine="Engine",
                    reprefill_ms=best["reprefill"] * 1e3, merge_ms=best["merge"] * 1e3,
                    merge_over_reprefill=best["merge"] / best["reprefill"],
                    reprefill_cpu_ms=cpu["reprefill"] * 1e3, merge_cpu_ms=cpu["merge"] * 1e3,
@@ -584,36 +547,22 @@ def bench_join(model, tokenizer, s: dict[str, Any], rng) -> list[dict[str, Any]]
                    samples_ms={m: [w * 1e3 for w, _ in v] for m, v in samples.items()},
                    samples_cpu_ms={m: [c * 1e3 for _, c in v] for m, v in samples.items()},
                    fork_ms={m: _best(v) * 1e3 for m, v in forks.items()},
-                   # the orchestrator's merge leaves its copy to the planner's next decode call:
-                   # merge_ms above runs it on its own (a call of its own: an upper bound); this is
-                   # its cost inside that decode call (median difference, 200 alternated pairs)
-                   copy_in_decode_ms=in_call * 1e3, decode_call_ms=decode_call * 1e3,
-                   # the join as the orchestrator runs it: merge's host side + the copy in that call
-                   merge_host_ms=_best(hosts) * 1e3, samples_merge_host_ms=[h * 1e3 for h in hosts],
-                   merge_fused_ms=(_best(hosts) + in_call) * 1e3,
-                   merge_fused_over_reprefill=(_best(hosts) + in_call) / best["reprefill"])
+                   # merge's host side alone (the copy is dispatched, not waited for)
+                   merge_host_ms=_best(hosts) * 1e3, samples_merge_host_ms=[h * 1e3 for h in hosts])
         rows.append(row)
         _print_join(row)
         del engine
     return rows
 
 
-def _as_run(r: dict) -> float:
-    """A join row's merge / re-prefill ratio as the orchestrator runs the merge (older rows: merge_ms's)."""
-    return r.get("merge_fused_over_reprefill", r["merge_over_reprefill"])
-
-
 JOIN_HEADER = (f"{'exec':>4} {'N':>5} {'reprefill_ms':>12} {'merge_ms':>9} {'merge/reprefill':>15} "
-               f"{'cpu ratio':>9} {'tokens run (re/merge)':>21} {'copy in decode ms':>17} {'as run ms':>9} "
-               f"{'as run/reprefill':>16}")
+               f"{'cpu ratio':>9} {'tokens run (re/merge)':>21}")
 
 
 def _print_join(r: dict) -> None:
     print(f"{r['executors']:>4} {r['tokens_per_executor']:>5} {r['reprefill_ms']:>12.1f} {r['merge_ms']:>9.2f} "
           f"{r['merge_over_reprefill']:>15.3f} {r['merge_over_reprefill_cpu']:>9.3f} "
-          f"{str(r['reprefill_tokens']) + ' / ' + str(r['merge_tokens_run']):>21} "
-          f"{r['copy_in_decode_ms']:>17.3f} {r['merge_fused_ms']:>9.3f} {r['merge_fused_over_reprefill']:>16.3f}",
-          flush=True)
+          f"{str(r['reprefill_tokens']) + ' / ' + str(r['merge_tokens_run']):>21}", flush=True)
 
 
 def _fmt(x: float | None, spec: str = ".2f") -> str:
@@ -671,10 +620,9 @@ def evaluate_targets(ratios: list[dict], hf_rows: list[dict], join_rows: list[di
         else "HF row not run (--hf off, or auto on an accelerator)"))
     targets.append(dict(
         name="merge join <= 0.1x re-prefill time per stage (each join row)",
-        met=(all(_as_run(r) <= 0.1 for r in join_rows) if join_rows else None),
-        figures={f"N={r['tokens_per_executor']}": round(_as_run(r), 4) for r in join_rows},
-        detail=("the merge as the orchestrator runs it (host side + its copy inside the next decode call) / "
-                "reprefill_ms per tokens-per-executor; merge_ms (the copy as a call of its own) in the table"
+        met=(all(r["merge_over_reprefill"] <= 0.1 for r in join_rows) if join_rows else None),
+        figures={f"N={r['tokens_per_executor']}": round(r["merge_over_reprefill"], 4) for r in join_rows},
+        detail=("merge_ms / reprefill_ms per tokens-per-executor, each until the cache holds the join"
                 if join_rows else "join rows off")))
     return targets
 
@@ -782,9 +730,8 @@ def run_decode_bench(args: argparse.Namespace) -> int:
             print()
             print(f"join per stage: {s['join_executors']} executors x N tokens after a "
                   f"{s['join_context']}-token planner; "
-                  f"reprefill = extend of all executor tokens + the steps writing them, merge = BatchEngine.merge with "
-                  f"its copy as a call of its own; as run = merge's host side + its copy inside the planner's next "
-                  f"decode call, where the orchestrator's merge leaves it (best of {s['repeats']})")
+                  f"reprefill = extend of all executor tokens + the steps writing them, merge = Engine.merge "
+                  f"(best of {s['repeats']})")
             print(JOIN_HEADER)
             print("-" * len(JOIN_HEADER))
             join_rows = bench_join(model, tokenizer, s, rng)

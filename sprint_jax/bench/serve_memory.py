@@ -1,6 +1,6 @@
 """`sprint-jax bench serve-memory`: per-device memory of the batched engine's decode step on a mesh.
 
-The decode step (`sprint_jax.infer.batch._decode`: every parent and child slot decoding at once,
+The decode step (`sprint_jax.infer.programs.decode`: every parent and child slot decoding at once,
 attention over the full capacity) is lowered and compiled from ShapeDtypeStructs carrying the
 engine's NamedShardings (parameters by the trainer's rules table, KV slots over data / KV heads
 over tensor) on fake CPU devices: nothing is allocated, so the 7B preset's step is planned on a
@@ -55,7 +55,8 @@ def compile_decode_step(preset: str, mesh_spec: str, max_seqs: int, max_children
     from jax import ShapeDtypeStruct as SDS
 
     from sprint_jax.infer import sharding as sh
-    from sprint_jax.infer.batch import SlotCache, _decode, decode_rows
+    from sprint_jax.infer.programs import DecodeRows, decode
+    from sprint_jax.infer.slot_cache import SlotCache
     from sprint_jax.model.config import resolve_model_config
     from sprint_jax.model.qwen2 import abstract_params, param_count
 
@@ -82,14 +83,12 @@ def compile_decode_step(preset: str, mesh_spec: str, max_seqs: int, max_children
                       SDS(c_shape, kv_dt, sharding=kvc), SDS(c_shape, kv_dt, sharding=kvc))
     # the largest row set the scheduler can build: every bucket full (generate rows and fork groups)
     na, nf, w = max_seqs, max_seqs, max_children
-    b = na + nf * w
-    i32, f32 = jnp.int32, jnp.float32
-    ints, floats, _ = decode_rows(b, decode_chunk)       # the per-row arrays as the engine packs them
-    rows = dict(a_slot=SDS((na,), i32), b_pslot=SDS((nf,), i32), b_fork=SDS((nf,), i32), b_cslot=SDS((nf * w,), i32),
-                ints=SDS(ints.shape, i32), floats=SDS(floats.shape, f32))
+    # the per-row arrays as the engine builds them, abstract
+    packed, layout = DecodeRows.empty(na, nf, w, decode_chunk, 0, 0).pack()
+    rows = tuple(SDS(a.shape, a.dtype) for a in packed)
     t = time.perf_counter()
-    lowered = _decode.lower(params, cfg, cache, **rows, w=w, chunk=decode_chunk, s_b=pc, c_b=cc,
-                            kv=(kvp, kvc))
+    lowered = decode.lower(params, cfg, cache, rows, layout=layout, chunk=decode_chunk, s_b=pc, c_b=cc,
+                           kv=(kvp, kvc))
     lower_s = time.perf_counter() - t
     t = time.perf_counter()
     compiled = lowered.compile()

@@ -46,7 +46,7 @@ Contamination guard: `sprint-jax train` writes the hashes of its training proble
 trained on and refuses to report (exit 2) unless --allow-overlap is given. Grader failures are
 counted (report.json grader_errors) and logged, never silently graded "wrong".
 
---concurrency N (default 8): N problems run at once on the batched engine (sprint_jax.infer.batch):
+--concurrency N (default 8): N problems run at once on the batched engine (sprint_jax.infer.engine):
 one decode step serves every planner and executor of them. Results are written in problem order
 and, under greedy decoding, do not depend on N (timings aside); wall clock per problem at N=1 is
 the latency, problems per second at N the throughput.
@@ -246,24 +246,18 @@ def model_prompt_fn(model: str):
     """task -> the text the model sees: the task as curation wrote it into training prompts, in
     the prompt format the model's export records (sprint_jax.infer.prompting; unchanged for a
     model trained on these prompts, which already end as the format says)."""
-    from sprint_jax.errors import UserError
     from sprint_jax.eval.evaluate import default_prompt
     from sprint_jax.infer.infer_cli import export_meta
     from sprint_jax.infer.prompting import apply_prompt_format
-    from sprint_jax.model.hf import EXPORT_META_FILE
 
     meta = export_meta(model)
-    try:
-        apply_prompt_format("x", meta)
-    except ValueError as e:
-        raise UserError(f"--model {model}: {EXPORT_META_FILE}: {e}") from None
     return lambda task: apply_prompt_format(default_prompt(task), meta)
 
 
 def run(args) -> int:
     from sprint_jax.errors import UserError
     from sprint_jax.eval.evaluate import evaluate
-    from sprint_jax.infer.infer_cli import build_batch_engine, config_from_args
+    from sprint_jax.infer.infer_cli import build_engine, config_from_args
 
     if args.compare and args.compare[0] == "merge":
         return _merge(args)
@@ -287,7 +281,7 @@ def run(args) -> int:
         if not tasks:
             raise UserError(f"--shard {args.shard}: no problems in this shard ({shard['total']} in all)")
     overlap = check_overlap(args.model, tasks, args.allow_overlap)
-    engine = build_batch_engine(args, config, args.concurrency)
+    engine = build_engine(args, config, args.concurrency)
     prompt_fn = model_prompt_fn(args.model)
     for task in tasks:   # a tokenizer that cannot read the data is a setup mistake, caught up front
         try:

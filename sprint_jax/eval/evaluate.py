@@ -43,7 +43,7 @@ from typing import Any, Callable, Sequence
 
 from sprint_jax.tasks import Task, extract_answer, grade_result, task_prompt
 from sprint_jax.eval.report import TIMING_FIELDS, check_result_row, make_report, union_length, untimed, write_plots
-from sprint_jax.infer.orchestrator import MODES, Orchestrator, OrchestratorConfig, RunRecord, run_many
+from sprint_jax.infer.orchestrator import MODES, OrchestratorConfig, RunRecord, run_many
 from sprint_jax.fsutil import write_atomic
 
 RESULTS_FILE = "results.jsonl"
@@ -196,10 +196,9 @@ def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
              answer_from: str = "final_answer", concurrency: int | None = None) -> tuple[list[dict], dict]:
     """Run every task in `mode` and grade it. Returns (results, report); writes them to out_dir.
 
-    On a `BatchEngine` up to `concurrency` problems run at once (default: its sequence slots), every
+    Up to `concurrency` problems run at once on the engine (default: its sequence slots), every
     planner and executor of them decoding in one batched step; results are written in task order
-    either way, so results.jsonl does not depend on the concurrency (timings aside). On the
-    single-run `Engine` problems run one after another.
+    either way, so results.jsonl does not depend on the concurrency (timings aside).
     `meta` (e.g. model and data names) is copied into the report. With `out_dir`, problems already
     finished there by the same run are skipped and every finished problem on disk is kept (see the
     module docstring); `overwrite` starts afresh. The report covers `tasks`.
@@ -237,8 +236,7 @@ def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
 def _evaluate(engine, tasks, mode, prompt_fn, config, out: Path | None, progress: bool, meta: dict | None,
               done: dict[str, tuple[dict, dict]], on_disk: list[dict], answer_from: str,
               concurrency: int | None) -> tuple[list[dict], dict]:
-    batched = hasattr(engine, "max_seqs")
-    concurrency = (concurrency or engine.max_seqs) if batched else 1
+    concurrency = concurrency or engine.max_seqs
     results_by_id: dict[str, dict] = {i: r for i, (r, _) in done.items()}
     todo = [t for t in tasks if str(t.id) not in done]
     # this invocation's number: the problems' intervals are on its own clock (report.run_wall_clock)
@@ -280,13 +278,8 @@ def _evaluate(engine, tasks, mode, prompt_fn, config, out: Path | None, progress
                     bar.set_postfix(acc=f"{sum(r['correct'] for r in done_) / len(done_):.3f}",
                                     seq=f"{sum(r['sequential_tokens'] for r in done_) / len(done_):.0f}")
 
-        if batched:
-            run_many(engine, [prompt_fn(t) for t in todo], mode, config, concurrency=concurrency,
-                     on_record=on_record)
-        else:
-            orchestrator = Orchestrator(engine, config)
-            for i, task in enumerate(todo):
-                on_record(i, orchestrator.run(prompt_fn(task), mode))
+        run_many(engine, [prompt_fn(t) for t in todo], mode, config, concurrency=concurrency,
+                 on_record=on_record)
         compile_s = clock.within(t0, time.time())
     finally:
         clock.stop()

@@ -1,519 +1,398 @@
-"""The single-run engine: one sequence's prefill / extend / generate / decode_branches / merge, as a
-thin layer over the batched slot core (`sprint_jax.infer.batch.BatchEngine`; docs/design.md
-"The engine").
+"""The engine: many sequences, one decode step, over a two-level slot cache.
 
-`Engine` holds a `BatchEngine(max_seqs=1, max_children=max_branches)`: the sequence lives in its one
-parent slot, a fork's branches in that slot's children, and every call is the core's operation
-run to completion (`BatchEngine.run`). So the single-run API and the scheduler share one decode
-step, one cache layout and one sampling key stream (a request gives the same tokens on both), and
-the single-run engine gets the core's mesh path (`mesh=`: parameters by the rules table, KV heads
-copied where `tensor` exceeds them, the Pallas parent-prefix kernel per shard).
-
-State. A `DecodeState` is a value-like handle on the sequence: its tokens (the last one pending:
-not yet run through the model) and a merge join's fields. The KV lives in the engine's slot;
-each call first checks that the slot holds the state's tokens. A state that is a prefix of what
-the slot holds (an older handle after a rollback) truncates the slot; a state whose slot was
-taken by a later `prefill` is prefilled again from its tokens (same results, that prefill's
-cost); a merge join's KV cannot be rebuilt from tokens, so such a state raises EngineError.
-
-Fork modes of `decode_branches` (paper §10: every executor of a stage decodes at once):
-- shared: the slot core's fork: each branch is a child slot that reads the planner's prefix in
-  place (read once per step for all branches) plus its own suffix (Hydragen-style merge).
-- serial: the same children, one after another (each alone on the planner's context).
-- copy: the prefix copied into every branch (`sprint_jax.infer.copy_fork`): a baseline for
-  `bench decode` only, not a serving path.
+Requests are operations on sequences (`sprint_jax.infer.requests`): open (prefill a prompt into a
+parent slot; queued while every slot is taken), extend (prefill more tokens), generate (decode on
+the parent), fork (k children with forced prefixes, decoded together, each a child slot reading
+the parent's prefix in place), merge (join a finished fork's children into the parent without
+re-running them), truncate, close. `Engine.step()` serves the queued work of every sequence at
+once (`scheduler.Scheduler`); the jitted programs it calls are in `sprint_jax.infer.programs`, the
+cache in `sprint_jax.infer.slot_cache`, merge joins and teacher forcing in `sprint_jax.infer.joins`.
+A single run is an engine with one sequence slot (`max_seqs=1`); `sprint_jax.infer.single.SingleRun`
+drives one with blocking calls.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
-import inspect
-import time
+from collections import deque
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from sprint_jax.infer.copy_fork import KVCache
-from sprint_jax.infer.sampling import GREEDY, Sampling, mask_padded, sample_tokens, valid_vocab
-
-
-class EngineError(ValueError):
-    """A request the engine cannot serve (capacity, empty input): the message says which limit."""
-
-
-@dataclasses.dataclass
-class DecodeState:
-    """A handle on the single-run engine's sequence: `tokens` is the whole sequence so far,
-    including the pending last token. Engine calls update the handle in place and return it.
-    The KV lives in the engine's slot (`cache` reads it); see the module docstring for how a
-    state the slot no longer holds is treated."""
-    tokens: list[int]
-    # merge join: position of cache slot s is s + pos_offset (a join places k branches
-    # side by side in the cache but continues at fork + the longest, so slots run ahead of
-    # positions); the first `joined` tokens are fixed by the last join (no rollback into them).
-    # Right after a join (`after_join`) the last token's KV is already in the cache (computed in
-    # its branch) and `join_logits` are its logits, from which the next token is sampled.
-    pos_offset: int = 0
-    joined: int = 0
-    join_logits: jax.Array | None = None
-    _engine: "Engine | None" = dataclasses.field(default=None, repr=False, compare=False)
-    _seq: object = dataclasses.field(default=None, repr=False, compare=False)
-
-    @property
-    def after_join(self) -> bool:
-        return self.join_logits is not None and len(self.tokens) == self.joined
-
-    @property
-    def length(self) -> int:          # tokens whose KV is in the cache
-        return len(self.tokens) - (0 if self.after_join else 1)
-
-    @property
-    def pending(self) -> int:         # the last token, not yet run through the model
-        return self.tokens[-1]
-
-    @property
-    def cache(self) -> KVCache:
-        """The sequence's KV: the engine's parent slot, k, v [L, 1, capacity, Hkv, D] (a copy;
-        slots past `length` hold nothing meaningful)."""
-        return self._engine._slot_cache(self)
+from sprint_jax.infer import sharding as sh
+from sprint_jax.infer.joins import Joins
+from sprint_jax.infer.programs import STOP_WIDTH
+from sprint_jax.infer.requests import (EngineError, Generation, Op, Row, Seq, checked_sampling, decode_tokens,
+                                       sample_first)
+from sprint_jax.infer.sampling import Sampling, valid_vocab
+from sprint_jax.infer.scheduler import Scheduler
+from sprint_jax.infer.slot_cache import SlotCache
+from sprint_jax.infer.stops import StopScanner
+from sprint_jax.model.config import Qwen2Config
+from sprint_jax.model.qwen2 import UNROLL_MAX_LAYERS, per_layer
 
 
-@dataclasses.dataclass
-class Generation:
-    tokens: list[int]                 # generated tokens only, up to and including the stop
-    text: str
-    stop_reason: str                  # "stop" | "eos" | "length"
-    overshoot: int = 0                # tokens decoded past a stop within a chunk and discarded
-    state: DecodeState | None = None  # generate(): the updated state
-    steps: int = 0                    # decode steps that ran for this row (its tokens + overshoot)
+class Engine(Scheduler, Joins):
+    """Many sequences, one decode step: the two-level slot cache and its scheduler. A single run
+    is an engine with max_seqs=1.
 
+    Capacities:
+      max_seqs           parent slots (sequences held at once; more opens queue)    (default 16)
+      max_children       child slots per parent (executors of a stage, n of n>1)     (default 8)
+      max_seq_len        tokens one parent sequence may hold                         (default 2048)
+      max_branch_tokens  forced prefix + generated tokens per child                   (default 512)
+      decode_chunk       decode steps per host round trip                             (default 16)
+      prefill_chunk      tokens per sequence per prefill call                         (default 256)
 
-@dataclasses.dataclass
-class BranchStats:
-    """What the last decode_branches call cost (read by benchmarks and tests)."""
-    mode: str
-    branches: int
-    cache_bytes: int                  # bytes of KV the fork held (prefix as read + branch slots / copies)
-    steps: int
-    wall_s: float
+    mesh: a (data, fsdp, tensor) Mesh (`sprint_jax.infer.sharding.mesh_from_flag`): parameters
+    placed by the trainer's rules table, parent and child slots over data, KV heads over tensor
+    (replicated, with a logged note, where they do not divide); None = one device.
+    `sharding_notes` lists what was replicated.
 
+    attention_impl: "xla" or "pallas" for the parent-prefix attention of a decode step ("pallas":
+    `sprint_jax.kernels.grouped_prefix_attention`, all groups in one call, per shard on a mesh;
+    interpret mode on CPU, where it is slow and only a correctness check).
 
-@functools.lru_cache(maxsize=None)
-def _takes_skip_flag(tokenizer_type: type) -> bool:
-    try:
-        params = inspect.signature(tokenizer_type.decode).parameters
-    except (AttributeError, TypeError, ValueError):
-        return False
-    return "skip_special_tokens" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
-def decode_tokens(tokenizer, tokens: Sequence[int], skip_special_tokens: bool = True) -> str:
-    """tokenizer.decode(tokens), special tokens left out when asked (a minimal tokenizer whose
-    decode takes no such flag has none to leave out)."""
-    if not _takes_skip_flag(type(tokenizer)):
-        return tokenizer.decode(list(tokens))
-    return tokenizer.decode(list(tokens), skip_special_tokens=skip_special_tokens)
-
-
-def checked_sampling(sampling: Sampling | None) -> Sampling:
-    """`sampling` (GREEDY for None) with its values checked again: a request's values reach the
-    decode step's int32 / float32 row arrays, where an out-of-range one would fail the whole step
-    of every request sharing it; here it fails only its own call (EngineError naming the field)."""
-    from sprint_jax.infer.sampling import SamplingError
-
-    if sampling is None:
-        return GREEDY
-    try:
-        return sampling.checked()
-    except SamplingError as e:
-        raise EngineError(f"sampling: {e}") from None
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens a and b share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def check_merge_branches(branches: Sequence[Sequence[int]], n: int, n_tokens: int,
-                         max_seq_len: int) -> list[list[int]]:
-    """A merge join's branches as int lists, or an EngineError naming what does not fit (both
-    engines' `merge`): one non-empty branch per fork child, the merged length within max_seq_len."""
-    branches = [[int(t) for t in b] for b in branches]
-    if len(branches) != n:
-        raise EngineError(f"merge of {len(branches)} branches; the fork has {n}")
-    if any(not b for b in branches):
-        raise EngineError("merge: a branch has no tokens")
-    total = n_tokens + sum(len(b) for b in branches)
-    if total > max_seq_len:
-        raise EngineError(f"merging to {total} tokens exceeds max_seq_len={max_seq_len}")
-    return branches
-
-
-@functools.partial(jax.jit, static_argnames=("n_valid",))
-def _sample_first_fn(logits, seed, temperature, top_k, top_p, n_valid: int | None):
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 0), 0)   # row 0, step 0
-    return sample_tokens(mask_padded(logits, n_valid)[None], key[None], temperature, top_k, top_p, False)[0]
-
-
-def _sample_first(logits, sampling: Sampling, n_valid: int | None = None) -> int:
-    """The token a one-row decode would sample at step 0 from `logits` [V] (same key stream), never
-    a padded id (>= n_valid). Greedy: the argmax of the logits brought to the host (one small
-    transfer, no device op: this runs on the latency path, once per merge join); else one jitted
-    call with host scalars."""
-    if sampling.greedy:
-        host = np.asarray(logits, np.float32)
-        return int(np.argmax(host[:n_valid] if n_valid is not None else host))
-    return int(_sample_first_fn(logits, np.int32(sampling.seed), np.float32(sampling.temperature),
-                                np.int32(sampling.top_k), np.float32(sampling.top_p), n_valid=n_valid))
-
-
-def _bucket(n: int, lo: int = 16) -> int:
-    b = lo
-    while b < n:
-        b *= 2
-    return b
-
-
-MODES = ("shared", "copy", "serial")
-
-
-class Engine:
-    """Prefill / extend / generate / decode_branches / merge over a Qwen2 model, one sequence at a
-    time, on the batched slot core (`BatchEngine(max_seqs=1, max_children=max_branches)`).
-
-    Capacities (all optional):
-      max_seq_len        tokens one sequence (the planner) may hold            (default 2048)
-      max_branches       executor branches decoded together                     (default 8)
-      max_branch_tokens  forced prefix + generated tokens per branch            (default 512)
-      decode_chunk       decode steps per host round trip                       (default 16)
-      prefill_chunk      longest piece prefilled in one call                    (default 512)
-      attention_impl     "xla" | "pallas" for the fork's parent-prefix attention (default "xla")
-
-    mesh: a (data, fsdp, tensor) Mesh: the core's mesh path (parameters by the trainer's rules
-    table, KV heads over tensor, copied where tensor exceeds them, with a logged note; the Pallas
-    kernel per shard). One sequence has one parent slot, so `data` replicates it (noted).
-    `core` is the BatchEngine; `sharding_notes` what the mesh replicated or copied.
+    per_layer_weights: run the programs on a second, per-layer copy of the layer weights
+    (`qwen2.per_layer`, a `lax.switch` over the layers) instead of the stacked form, whose layer
+    scan XLA CPU runs by copying every weight out of the stack at every step. None (default): on
+    for a model of at most `UNROLL_MAX_LAYERS` layers on one device (the copy is small there and
+    the demo's model decodes faster with it), off for deep models and meshes. `params` stays the
+    stacked form; setting it (the RL trainer's update) renews the copy.
     """
 
-    def __init__(self, model, tokenizer, *, max_seq_len: int = 2048, max_branches: int = 8,
-                 max_branch_tokens: int = 512, decode_chunk: int = 16, prefill_chunk: int = 512,
-                 attention_impl: str = "xla", eos_token_ids: Sequence[int] | None = None, mesh=None):
-        from sprint_jax.infer.batch import BatchEngine
-
+    def __init__(self, model, tokenizer, *, max_seqs: int = 16, max_children: int = 8, max_seq_len: int = 2048,
+                 max_branch_tokens: int = 512, decode_chunk: int = 16, prefill_chunk: int = 256,
+                 eos_token_ids: Sequence[int] | None = None, min_bucket: int = 64, mesh=None,
+                 attention_impl: str = "xla", per_layer_weights: bool | None = None):
         if attention_impl not in ("xla", "pallas"):
             raise EngineError(f"attention_impl must be 'xla' or 'pallas', got {attention_impl!r}")
-        for name, v in (("max_seq_len", max_seq_len), ("max_branches", max_branches),
+        self.attention_impl = attention_impl
+        for name, v in (("max_seqs", max_seqs), ("max_children", max_children), ("max_seq_len", max_seq_len),
                         ("max_branch_tokens", max_branch_tokens), ("decode_chunk", decode_chunk),
                         ("prefill_chunk", prefill_chunk)):
             if v <= 0:
                 raise EngineError(f"{name} must be positive, got {v}")
-        self.core = BatchEngine(model, tokenizer, max_seqs=1, max_children=max_branches, max_seq_len=max_seq_len,
-                                max_branch_tokens=max_branch_tokens, decode_chunk=decode_chunk,
-                                prefill_chunk=prefill_chunk, eos_token_ids=eos_token_ids, mesh=mesh,
-                                attention_impl=attention_impl)
-        self.model = model
+        self.config: Qwen2Config = model.config
+        self.model_config: Qwen2Config = model.config   # as trained (on a mesh `config` is the serving layout's)
+        if per_layer_weights is None:
+            per_layer_weights = mesh is None and self.config.num_hidden_layers <= UNROLL_MAX_LAYERS
+        self.per_layer_weights = bool(per_layer_weights)
         self.mesh = mesh
-        self.sharding_notes = self.core.sharding_notes
         self.tokenizer = tokenizer
-        self.n_valid = valid_vocab(tokenizer, model.config.vocab_size)   # padded ids are never sampled
-        self.max_seq_len = max_seq_len
-        self.max_branches = max_branches
-        self.max_branch_tokens = max_branch_tokens
-        self.decode_chunk = decode_chunk
-        self.prefill_chunk = prefill_chunk
-        self.attention_impl = attention_impl
-        self.eos_token_ids = self.core.eos_token_ids
-        self.last_branch_stats: BranchStats | None = None
-        self._seq = None                          # the core's sequence (the slot's content)
-        self._fork: tuple[DecodeState, int] | None = None   # the last shared fork, kept for merge
-
-    @property
-    def config(self):
-        """The config the core runs (on a mesh: the serving layout's, e.g. copied KV heads)."""
-        return self.core.config
+        self.n_valid = valid_vocab(tokenizer, self.config.vocab_size)   # padded ids are never sampled
+        self.max_seqs, self.max_children = max_seqs, max_children
+        self.max_seq_len, self.max_branch_tokens = max_seq_len, max_branch_tokens
+        self.decode_chunk, self.prefill_chunk = decode_chunk, prefill_chunk
+        self.min_bucket = min_bucket
+        if eos_token_ids is None:
+            eos_token_ids = list(self.config.eos_token_ids)
+            tok_eos = getattr(tokenizer, "eos_token_id", None)
+            if tok_eos is not None and tok_eos not in eos_token_ids:
+                eos_token_ids.append(tok_eos)
+        self.eos_token_ids = [int(e) for e in eos_token_ids][:STOP_WIDTH]
+        # the decode chunk may run past a row's last token before the host sees the stop
+        self.parent_capacity = max_seq_len + decode_chunk
+        self.child_capacity = max_branch_tokens + decode_chunk
+        self.sharding_notes: list[str] = []
+        self._kv = None
+        if mesh is None:
+            self.params = model.params
+            self.cache = SlotCache.zeros(self.config, max_seqs, max_children, self.parent_capacity,
+                                         self.child_capacity)
+        else:
+            notes = self.sharding_notes
+            self.config, params = sh.shard_model(self.config, model.params, mesh, notes)
+            self._set_params(params)
+            self._kv = (sh.kv_sharding(self.config, mesh, max_seqs, notes, "parent slots"),
+                        sh.kv_sharding(self.config, mesh, max_seqs * max_children, notes, "child slots"))
+            if not sh.slot_axes(self._kv[:1]) and sh.slot_axes(self._kv[1:]):
+                # too few parent slots to split (a single run's one): children stay with
+                # their parent on every device rather than split apart from it (no per-step gathers)
+                self._kv = (self._kv[0], sh.whole_slots(self._kv[1]))
+                notes.append("child slots: replicated like the parent slots (too few parent slots to split)")
+            sh.log_notes(notes, "Engine on mesh " + ",".join(f"{k}={v}" for k, v in mesh.shape.items()))
+            p, c = self._kv
+            self.cache = jax.jit(SlotCache.zeros, static_argnums=(0, 1, 2, 3, 4),
+                                 out_shardings=SlotCache(p, p, c, c))(
+                self.config, max_seqs, max_children, self.parent_capacity, self.child_capacity)
+        self._parts = sh.slot_parts(self._kv)          # slot shards (data > 1): rows placed per shard
+        self._free = sh.slot_order(max_seqs, self._parts)
+        self._waiting: deque[Op] = deque()             # opens waiting for a slot
+        # seq id -> [seq, run, done, base]: tokens run[done:] still to write at slot positions
+        # base + done.. (an open's prompt, extends; queued when submitted, written by the next step)
+        self._prefill_work: dict[int, list] = {}
+        self._groups: dict[int, list[Row | None]] = {}                  # slot -> [parent row, children...]
+        self._single_token: dict[str, list[int]] = {}     # stop string -> tokens whose text holds it
+        self._texts: list[str] | None = None
+        self.stats = dict(steps=0, decode_calls=0, prefill_calls=0, tokens=0, join_copies=0)
+        self.last_join_tokens = 0           # tokens the last merge ran (in the children's slots)
 
     @property
     def params(self):
-        return self.core.params
+        """The weights, stacked on a leading layers axis (as the model and the trainer hold them)."""
+        return self._params
 
     @params.setter
-    def params(self, params) -> None:
-        """New weights (the RL trainer's in-process update): the core decodes with them from the next
-        call on (on a mesh placed as the core placed the first ones)."""
-        if self.mesh is None:
-            self.core.params = params
-        else:
-            from sprint_jax.infer import sharding as sh
-            self.core.params = sh.shard_model(self.model.config, params, self.mesh, [])[1]
+    def params(self, value) -> None:
+        """New weights (the RL trainer's in-process update), used from the next call on; on a mesh
+        placed as the first ones were."""
+        if self.mesh is not None:
+            value = sh.shard_model(self.model_config, value, self.mesh, [])[1]
+        self._set_params(value)
 
-    @property
-    def seq_capacity(self) -> int:
-        """Slots of the sequence's parent slot (max_seq_len + decode-chunk slack)."""
-        return self.core.parent_capacity
-
-    @property
-    def suffix_capacity(self) -> int:
-        """Slots of one branch's child slot."""
-        return self.core.child_capacity
-
-    @property
-    def stats(self) -> dict:
-        """The core's counters (steps, decode_calls, prefill_calls, tokens)."""
-        return self.core.stats
-
-    @property
-    def last_join_tokens(self) -> int:
-        """Tokens the last merge ran (in their branches)."""
-        return self.core.last_join_tokens
+    def _set_params(self, value) -> None:
+        self._params = value
+        # what the engine's calls run (see the class docstring)
+        self._step_params = per_layer(value) if self.per_layer_weights else value
 
     # ---- tokens <-> text ------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode_text(self, tokens: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """The text of tokens; special tokens (EOS, padding) are left out unless asked for."""
+        """The text of tokens; special tokens (EOS, padding) are left out unless asked for, so
+        no reply ends in the EOS token's text."""
         return decode_tokens(self.tokenizer, tokens, skip_special_tokens)
 
-    def stop_ids(self, stops: Sequence[str]) -> list[int]:
-        """The device stop ids of a row with these stop strings (EOS first; the core's rule)."""
-        return self.core._stop_ids(list(stops))
+    # ---- submitting operations ------------------------------------------------------------
+    def open(self, tokens: Sequence[int], tag=None) -> Op:
+        """A new sequence holding `tokens` (queued until a parent slot is free)."""
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise EngineError("open needs at least one token (got an empty input)")
+        if len(tokens) > self.max_seq_len:
+            raise EngineError(f"input of {len(tokens)} tokens exceeds max_seq_len={self.max_seq_len}")
+        seq = Seq([])
+        op = Op("open", seq, tokens=tokens, tag=tag)
+        seq.op = op
+        self._waiting.append(op)
+        self._admit()                     # a free slot: done now (its prompt is written by the next step)
+        return op
 
-    # ---- the state <-> the slot -------------------------------------------------------------
-    def _open(self, state: DecodeState):
-        """Put the state's tokens in the slot (a new core sequence; the previous one is closed)."""
-        if self._seq is not None and not self._seq.closed:
-            self.core.close(self._seq)
-        self._seq = self.core.open(state.tokens).result
-        self._fork = None
-        state._seq = self._seq
-        return self._seq
+    def _admit(self) -> None:
+        while self._waiting and self._free:
+            op = self._waiting.popleft()
+            seq = op.seq
+            seq.slot = self._free.pop(0)
+            seq.tokens = op.tokens
+            self._groups.pop(seq.slot, None)
+            if len(op.tokens) > 1:
+                self._queue_prefill(seq, op.tokens[:-1], 0)
+            self._finish(op, seq)
 
-    def _bind(self, state: DecodeState):
-        """The core sequence holding exactly `state`'s tokens (see the module docstring)."""
-        if not isinstance(state, DecodeState) or state._engine is not self:
-            raise EngineError("the state was not made by this engine's prefill")
-        seq = state._seq
-        if (seq is self._seq and seq is not None and not seq.closed and seq.join_logits is state.join_logits
-                and (seq.pos_offset, seq.joined) == (state.pos_offset, state.joined)):
-            n = len(state.tokens)
-            if seq.tokens == state.tokens:
-                return seq
-            if 1 <= n <= len(seq.tokens) and seq.tokens[:n] == state.tokens:
-                self.core.truncate(seq, n)        # an older handle: roll the slot back (refused into a join)
-                return seq
-        if state.joined or state.pos_offset or state.join_logits is not None:
-            raise EngineError("this state holds a merge join whose KV is no longer in the engine's slot (a later "
-                              "prefill or a diverging state replaced it); the single-run engine holds one sequence")
-        return self._open(state)
+    def _check_idle(self, seq: Seq, what: str):
+        if seq.closed:
+            raise EngineError(f"{what}: sequence {seq.id} is closed")
+        if seq.op is not None:
+            raise EngineError(f"{what}: sequence {seq.id} still runs a {seq.op.kind} (one operation at a time)")
 
-    def _sync(self, state: DecodeState, seq) -> DecodeState:
-        state.tokens = list(seq.tokens)
-        state.pos_offset, state.joined, state.join_logits = seq.pos_offset, seq.joined, seq.join_logits
-        return state
-
-    def _slot_cache(self, state: DecodeState) -> KVCache:
-        seq = self._bind(state)
-        self.core.flush(seq)
-        c, s = self.core.cache, seq.slot
-        # KVCache is [L, B, C, Hkv, D]; the slot cache [L, N, Hkv, C, D] (a copy of the one slot)
-        return KVCache(jnp.swapaxes(c.pk[:, s: s + 1], 2, 3), jnp.swapaxes(c.pv[:, s: s + 1], 2, 3))
-
-    # ---- prefill / extend -----------------------------------------------------------------
-    def prefill(self, token_ids: Sequence[int]) -> DecodeState:
-        """A new state holding token_ids (the last one pending). It takes the engine's slot."""
-        token_ids = [int(t) for t in token_ids]
-        if not token_ids:
-            raise EngineError("prefill needs at least one token (got an empty input)")
-        if len(token_ids) > self.max_seq_len:
-            raise EngineError(f"input of {len(token_ids)} tokens exceeds max_seq_len={self.max_seq_len}")
-        state = DecodeState(token_ids, _engine=self)
-        return self._sync(state, self._open(state))
-
-    def extend(self, state: DecodeState, token_ids: Sequence[int]) -> DecodeState:
-        """Append token_ids, prefilling only them onto the existing cache (the orchestrator's sync)."""
-        token_ids = [int(t) for t in token_ids]
-        if len(state.tokens) + len(token_ids) > self.max_seq_len:
-            raise EngineError(f"extending to {len(state.tokens) + len(token_ids)} tokens exceeds "
+    def extend(self, seq: Seq, tokens: Sequence[int], tag=None) -> Op:
+        """Append tokens to a sequence, prefilling only them (the orchestrator's sync)."""
+        self._check_idle(seq, "extend")
+        tokens = [int(t) for t in tokens]
+        if len(seq.tokens) + len(tokens) > self.max_seq_len:
+            raise EngineError(f"extending to {len(seq.tokens) + len(tokens)} tokens exceeds "
                               f"max_seq_len={self.max_seq_len}")
-        seq = self._bind(state)
-        self.core.extend(seq, token_ids)          # written by the next core step (or flush)
-        return self._sync(state, seq)
+        if seq.after_join and tokens:
+            # the last token is already in the slot: the first new one is what its logits sampled
+            seq.tokens = seq.tokens + tokens[:1]
+            tokens = tokens[1:]
+        op = Op("extend", seq, tokens=tokens, tag=tag)
+        seq.op = op
+        if tokens:
+            self._queue_prefill(seq, [seq.tokens[-1]] + tokens[:-1], seq.length)
+            seq.tokens = seq.tokens + tokens
+        self._finish(op, seq)
+        return op
 
-    def truncate(self, state: DecodeState, n: int) -> DecodeState:
-        """Keep the first n tokens of state (1 <= n <= its length): the orchestrator rolls a state
-        back to where its tokens agree with the training layout's tokenization. Nothing moves on
-        device: the KV past the new length is never read and the next write overwrites it."""
-        if not 1 <= n <= len(state.tokens):
-            raise EngineError(f"truncate to {n} tokens: the state holds {len(state.tokens)}")
-        if n < state.joined:
-            raise EngineError(f"truncate to {n} tokens: the first {state.joined} are fixed by a merge join "
-                              "(its branches' KV cannot be rolled back)")
-        seq = self._bind(state)
-        self.core.truncate(seq, n)
-        return self._sync(state, seq)
+    def _queue_prefill(self, seq: Seq, run: list[int], base: int) -> None:
+        """Tokens to write into the sequence's slot after what it holds. The op that queued them
+        ends at once: the next step writes them (in a prefill call, or as forced tokens of the
+        sequence's next decode chunk when few), before anything of the sequence decodes."""
+        work = self._prefill_work.setdefault(seq.id, [seq, [], 0, base])
+        work[1] = work[1] + run
 
-    def step_logits(self, state: DecodeState) -> np.ndarray:
-        """Next-token logits [V] after state's tokens (runs the pending token; state unchanged)."""
-        if state.after_join:
-            return np.asarray(state.join_logits)
-        return self.core.forced_logits(self._bind(state), [])[0]
-
-    def extend_logits(self, state: DecodeState, token_ids: Sequence[int]) -> np.ndarray:
-        """Teacher forcing: append token_ids and return the logits [T, V] that predict each of them
-        (row t: the logits after state's tokens + token_ids[:t]). One pass for the pending token and
-        token_ids[:-1]; token_ids[-1] stays pending. Used by exactness tests."""
-        token_ids = [int(t) for t in token_ids]
-        if not token_ids:
-            return np.zeros((0, self.model.config.vocab_size), np.float32)
-        first = []
-        if state.after_join:
-            first = [np.asarray(state.join_logits)]
-            self.extend(state, token_ids[:1])
-            token_ids = token_ids[1:]
-            if not token_ids:
-                return np.stack(first)
-        if len(state.tokens) + len(token_ids) > self.max_seq_len:
-            raise EngineError(f"extending to {len(state.tokens) + len(token_ids)} tokens exceeds "
-                              f"max_seq_len={self.max_seq_len}")
-        seq = self._bind(state)
-        rows = self.core.forced_logits(seq, token_ids)
-        self._sync(state, seq)
-        return np.concatenate([np.stack(first), rows]) if first else rows
-
-    # ---- generate -------------------------------------------------------------------------
-    def generate(self, state: DecodeState, max_new_tokens: int, stop: Sequence[str] = (),
-                 sampling: Sampling | None = None) -> Generation:
-        """Decode one sequence from `state` until EOS, a stop string, or max_new_tokens.
-
-        The returned Generation carries the updated state (also updated in place): it holds the
-        generated tokens up to the stop; anything decoded past it is discarded (overshoot).
-        """
+    def generate(self, seq: Seq, max_new_tokens: int, stop: Sequence[str] = (), sampling: Sampling | None = None,
+                 tag=None) -> Op:
+        """Decode on the sequence itself until EOS, a stop string or max_new_tokens; the
+        generated tokens (up to the stop) are appended to it."""
+        self._check_idle(seq, "generate")
         if max_new_tokens <= 0:
             raise EngineError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        if len(state.tokens) + max_new_tokens > self.max_seq_len:
-            raise EngineError(f"{len(state.tokens)} tokens + max_new_tokens={max_new_tokens} exceeds "
+        if len(seq.tokens) + max_new_tokens > self.max_seq_len:
+            raise EngineError(f"{len(seq.tokens)} tokens + max_new_tokens={max_new_tokens} exceeds "
                               f"max_seq_len={self.max_seq_len}")
-        seq = self._bind(state)
-        op = self.core.generate(seq, max_new_tokens, stop, sampling)
-        self.core.run([op])
-        g = op.result
-        g.state = self._sync(state, seq)
-        return g
+        op = Op("generate", seq, limits=[max_new_tokens], stops=[list(stop)], sampling=checked_sampling(sampling),
+                tag=tag)
+        seq.op = op
+        row = Row(op, 0, [], max_new_tokens, list(stop), StopScanner(self.decode_text, stop))
+        self._groups.setdefault(seq.slot, [None] * (1 + self.max_children))[0] = row
+        if seq.after_join:
+            # step 0 samples from the join logits (the key that step would use); the row then
+            # decodes from that token, whose slot is the one after the join
+            first = sample_first(seq.join_logits, op.sampling, self.n_valid)   # no padded ids
+            row.gen.append(first)
+            if row.scanner.feed([first]) is not None:
+                row.reason = "stop"
+            elif first in self.eos_token_ids:
+                row.reason = "eos"
+            elif max_new_tokens <= 1:
+                row.reason = "length"
+            if row.reason is not None:
+                self._row_done(row, False)
+        return op
 
-    # ---- branches -------------------------------------------------------------------------
-    def decode_branches(self, state: DecodeState, prefixes: Sequence[Sequence[int]],
-                        max_new_tokens: int | Sequence[int], stop: Sequence[Sequence[str]] | Sequence[str] = (),
-                        sampling: Sampling | None = None, mode: str = "shared", join: bool = False) -> list[Generation]:
-        """Fork `state` into len(prefixes) branches, force each branch's prefix tokens, decode all.
-
-        Branch j continues state's sequence with prefixes[j] (e.g. the tokens of
-        `<execution_2.j>`) and then decodes until its own stop strings / EOS / token limit, with
-        key stream j. Returns one Generation per branch (generated tokens only). `state` keeps
-        its content. A shared fork is kept for `merge`; join=True (a merge follows): each branch
-        also runs its last token (`BatchEngine.fork`), so the merge runs no model call.
-        """
-        sampling = checked_sampling(sampling)
+    def fork(self, seq: Seq, prefixes: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
+             stop: Sequence[Sequence[str]] | Sequence[str] = (), sampling: Sampling | None = None, tag=None,
+             serial: bool = False, join: bool = False) -> Op:
+        """len(prefixes) children of `seq`: child j continues seq with prefixes[j] (forced) and
+        decodes until its own stops / EOS / limit. Result: one Generation per child (generated
+        tokens only); `seq` keeps its content and is read-only until the fork finishes.
+        serial: the children run one after another (child j starts when child j-1 ends), each
+        alone on the parent's context: SPRINT's `serial` mode, the same tokens as together.
+        join: the fork will be merged (`merge`): a child that ends on device (a one-token stop,
+        EOS, its limit) runs one more step feeding its last token, so its slot holds that token's
+        KV and the last child keeps its logits: a join whose branches are what the children
+        generated runs no model call. The same tokens either way."""
+        self._check_idle(seq, "fork")
+        if seq.after_join:
+            raise EngineError("fork right after a merge join: the planner must write a token first")
         n = len(prefixes)
-        if mode not in MODES:
-            raise EngineError(f"mode must be 'shared', 'copy' or 'serial', got {mode!r}")
         if n == 0:
-            raise EngineError("decode_branches needs at least one branch prefix")
-        if n > self.max_branches:
-            raise EngineError(f"{n} branches exceed max_branches={self.max_branches}")
-        if state.after_join:
-            raise EngineError("decode_branches right after a merge join: the planner must write a token first")
+            raise EngineError("fork needs at least one child prefix")
+        if n > self.max_children:
+            raise EngineError(f"{n} children exceed max_children={self.max_children}")
         limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else [int(m) for m in max_new_tokens]
-        if len(limits) != n:
-            raise EngineError(f"max_new_tokens has {len(limits)} entries for {n} branches")
         if stop and isinstance(stop[0], str):
-            stops = [list(stop)] * n  # the same stop strings for every branch
+            stops = [list(stop)] * n
         else:
             stops = [list(s) for s in stop] if stop else [[] for _ in range(n)]
-        if len(stops) != n:
-            raise EngineError(f"stop has {len(stops)} entries for {n} branches")
+        if len(limits) != n or len(stops) != n:
+            raise EngineError(f"fork of {n} children got {len(limits)} limits and {len(stops)} stop lists")
         prefixes = [[int(t) for t in p] for p in prefixes]
         for j, (p, m) in enumerate(zip(prefixes, limits)):
             if m <= 0:
-                raise EngineError(f"branch {j}: max_new_tokens must be positive, got {m}")
+                raise EngineError(f"child {j}: max_new_tokens must be positive, got {m}")
             if len(p) + 1 + m > self.max_branch_tokens:
-                raise EngineError(f"branch {j}: prefix of {len(p)} tokens + max_new_tokens={m} exceeds "
+                raise EngineError(f"child {j}: prefix of {len(p)} tokens + max_new_tokens={m} exceeds "
                                   f"max_branch_tokens={self.max_branch_tokens}")
-            if mode == "copy" and len(state.tokens) + len(p) + m > self.max_seq_len:
-                raise EngineError(f"branch {j}: context + prefix + max_new_tokens exceeds max_seq_len="
-                                  f"{self.max_seq_len}")
-        seq = self._bind(state)
-        t0 = time.perf_counter()
-        self._fork = None
-        if mode == "copy":
-            gens, nbytes, steps = self._branches_copy(seq, prefixes, limits, stops, sampling)
-        else:
-            op = self.core.fork(seq, prefixes, limits, stops, sampling, serial=mode == "serial",
-                                join=join and mode == "shared")
-            self.core.run([op])
-            gens = list(op.result)
-            nbytes = self._fork_bytes(seq.length, n)
-            # decode steps that produced a token: branches step together (shared) or in turn (serial)
-            steps = (sum if mode == "serial" else max)(g.steps for g in gens)
-            if mode == "shared":
-                self._fork = (state, len(state.tokens))
-        self.last_branch_stats = BranchStats(mode, n, nbytes, steps, time.perf_counter() - t0)
-        self._sync(state, seq)
-        return gens
+        op = Op("fork", seq, prefixes=prefixes, limits=limits, stops=stops, sampling=checked_sampling(sampling),
+                tag=tag, join=join)
+        seq.op = op
+        group = self._groups.setdefault(seq.slot, [None] * (1 + self.max_children))
+        rows = [Row(op, j, [seq.tokens[-1]] + p, m, st, StopScanner(self.decode_text, st))
+                for j, (p, m, st) in enumerate(zip(prefixes, limits, stops))]
+        if serial:
+            rows, op.queued = rows[:1], rows[1:]
+        for row in rows:
+            group[1 + row.j] = row
+        op.result = [None] * n
+        seq.last_fork = (len(seq.tokens), [None] * n)
+        return op
 
-    def _fork_bytes(self, p0: int, n: int) -> int:
-        """KV bytes a slot fork of n branches holds, from the cache arrays: the planner's prefix as
-        a step reads it (its p0 used slots, bucketed) + each branch's child slot (the prefix is never
-        copied)."""
-        c = self.core.cache
-        per_slot = 2 * c.pk.shape[0] * c.pk.shape[2] * c.pk.shape[4] * c.pk.dtype.itemsize   # K + V, every layer
-        prefix = min(_bucket(max(p0, 1), self.core.min_bucket), c.pk.shape[3])
-        return (prefix + n * c.ck.shape[3]) * per_slot
+    def truncate(self, seq: Seq, n: int) -> Seq:
+        """Keep the first n tokens (1 <= n <= its length), at once: the KV past the new length is
+        never read and the next write overwrites it (the orchestrator's token-boundary rollback)."""
+        self._check_idle(seq, "truncate")
+        if not 1 <= n <= len(seq.tokens):
+            raise EngineError(f"truncate to {n} tokens: the sequence holds {len(seq.tokens)}")
+        if n < seq.joined:
+            raise EngineError(f"truncate to {n} tokens: the first {seq.joined} are fixed by a merge join "
+                              "(its branches' KV cannot be rolled back)")
+        work = self._prefill_work.get(seq.id)
+        if work is not None:                  # queued tokens past the new length are not written
+            keep = n - 1 - work[3]
+            if work[2] >= keep:
+                del self._prefill_work[seq.id]
+            else:
+                work[1] = work[1][:keep]
+        seq.tokens = seq.tokens[:n]
+        return seq
 
-    def _branches_copy(self, seq, prefixes, limits, stops, sampling):
-        """The copy-fork baseline (`copy_fork`): the planner's used slots copied into every branch."""
-        from sprint_jax.infer.copy_fork import copy_fork_branches
 
-        self.core.flush(seq)
-        p0 = seq.length
-        pb = min(_bucket(max(p0, 1), self.core.min_bucket), self.core.parent_capacity)   # as a shared fork reads it
-        # [L, Hkv, pb, D] slices of the slot cache, as the baseline's [L, pb, Hkv, D]
-        pk = jnp.swapaxes(self.core.cache.pk[:, seq.slot, :, :pb], 1, 2)
-        pv = jnp.swapaxes(self.core.cache.pv[:, seq.slot, :, :pb], 1, 2)
-        return copy_fork_branches(self, pk, pv, p0, seq.tokens[-1], prefixes, limits, stops, sampling,
-                                  seq.pos_offset, self.core.child_capacity, self.prefill_chunk)
+    @property
+    def max_branches(self) -> int:        # the orchestrator's name for children per parent
+        return self.max_children
 
-    # ---- merge join ----------------------------------------------------------------------
-    def merge(self, state: DecodeState, branches: Sequence[Sequence[int]]) -> DecodeState:
-        """Join the branches of the shared fork just decoded from `state` into it without re-running
-        them (`BatchEngine.merge`): branches[j] is branch j's final tokens after the fork (its forced
-        opening, body and any repair, as the layout tokenizes them). Each branch first runs, in its
-        child slot, only the tokens it never computed; then the branches' KV rows are copied after
-        the planner's prefix in branch order. Every branch keeps the positions it had (all start at
-        the fork), so the state continues at fork + the longest branch: `pos_offset` takes the
-        difference. The next token is sampled from the last branch's last logits (`join_logits`),
-        as the one-sequence merge layout predicts it (train/data.py)."""
-        if self._fork is None or self._fork[0] is not state or self._fork[1] != len(state.tokens):
-            raise EngineError("merge needs the shared fork just decoded from this state (decode_branches or "
-                              "fork_logits), with the state unchanged since")
-        seq = self._bind(state)
-        self.core.merge(seq, branches)
-        self._fork = None
-        return self._sync(state, seq)
+    def close(self, seq: Seq) -> None:
+        """Free the sequence's slot (immediately; the sequence must be idle)."""
+        self._check_idle(seq, "close")
+        seq.closed = True
+        self._prefill_work.pop(seq.id, None)
+        if seq.slot is not None:
+            self._groups.pop(seq.slot, None)
+            self._free.append(seq.slot)
+            self._free.sort(key=sh.slot_order(self.max_seqs, self._parts).index)
+            seq.slot = None
 
-    def fork_logits(self, state: DecodeState, branches: Sequence[Sequence[int]]) -> list[np.ndarray]:
-        """Teacher forcing over a fork: branch j continues `state` with branches[j] (all forced, in
-        the slot core's fork); returns per branch the logits [len(branches[j]), V] that predict each
-        of its tokens (row 0: the planner's pending token, run in the branch). The fork is kept for
-        `merge` (each branch's last token is left for the join to run), so a trajectory can be
-        checked token by token through fork, branches and merge."""
-        seq = self._bind(state)
-        out = self.core.fork_logits(seq, branches)       # the core checks the branches (same errors)
-        self._fork = (state, len(state.tokens))
-        return out
+    def abort(self, seq: Seq) -> None:
+        """Drop whatever operation the sequence has in flight (a queued open, a prefill, its
+        decoding rows) and free its slot at once: a server's client went away. The op ends with
+        `done` set and `result` None; the sequence is closed."""
+        op = seq.op
+        if op is not None:
+            self._waiting = deque(o for o in self._waiting if o is not op)
+            self._finish(op, None)
+        self.close(seq)
+
+    def progress(self, op: Op) -> list[list[int]]:
+        """Tokens generated so far by a generate (one list) or fork (one per child) op, for
+        streaming; a finished row's tokens are final (cut at its stop)."""
+        if op.kind not in ("generate", "fork"):
+            return []
+        if op.done:
+            return [op.result.tokens] if op.kind == "generate" else [g.tokens for g in op.result]
+        rows = self._groups.get(op.seq.slot, [])
+        if op.kind == "generate":
+            return [list(rows[0].gen) if rows and rows[0] is not None else []]
+        return [list(g.tokens) if g is not None else (list(rows[1 + j].gen) if rows and rows[1 + j] is not None else [])
+                for j, g in enumerate(op.result)]
+
+    # ---- state ----------------------------------------------------------------------------
+    @property
+    def live_rows(self) -> int:
+        """Rows decoding or waiting to decode (parents of generate ops and fork children)."""
+        return sum(r is not None for rows in self._groups.values() for r in rows)
+
+    @property
+    def waiting(self) -> int:
+        """Opens queued for a free slot."""
+        return len(self._waiting)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._waiting or self._prefill_work or any(
+            r is not None for rows in self._groups.values() for r in rows))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def _finish(self, op: Op, result) -> None:
+        op.done, op.result = True, result
+        op.seq.op = None
+
+    def _stop_ids(self, stops: list[str]) -> list[int]:
+        """The row's device stop ids: EOS, then every token whose own text contains one of the stop
+        strings (" </Plan_1>" for "</Plan_1>"): emitting it completes that stop, so the row ends on
+        device in the step it is written instead of at the end of the chunk. The host scanner
+        still finds the earliest stop and cuts there; ids past STOP_WIDTH are left to it."""
+        ids = list(self.eos_token_ids)
+        for s in stops:
+            if s not in self._single_token:
+                texts = self._token_texts()
+                self._single_token[s] = [i for i, t in enumerate(texts) if s and s in t]
+            for t in self._single_token[s]:
+                if len(ids) < STOP_WIDTH and t not in ids:
+                    ids.append(t)
+        return ids + [-2] * (STOP_WIDTH - len(ids))
+
+    def _token_texts(self) -> list[str]:
+        """Each token id's own text (once per engine; stop strings are matched against it)."""
+        if self._texts is None:
+            n = min(self.config.vocab_size, len(self.tokenizer))
+            self._texts = list(self.tokenizer.batch_decode([[i] for i in range(n)])) \
+                if hasattr(self.tokenizer, "batch_decode") else [self.decode_text([i]) for i in range(n)]
+        return self._texts
+
+
+__all__ = ["Engine", "EngineError", "Generation", "Op", "Seq"]

@@ -35,7 +35,9 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from sprint_jax.errors import UserError
-    from sprint_jax.infer import Engine, Sampling
+    from sprint_jax.infer.engine import Engine
+    from sprint_jax.infer.sampling import Sampling
+    from sprint_jax.infer.single import SingleRun
     from sprint_jax.eval.evaluate import CompileClock
     from sprint_jax.infer.infer_cli import formatted_prompt, load_model_arg, load_tokenizer_arg, split_seconds
 
@@ -89,9 +91,9 @@ def run(args) -> int:
         def encode(self, s, add_special_tokens=False):
             raise UserError("stop strings need a tokenizer")
 
-    # one sequence, no forks: the core's child slots are kept minimal
-    engine = Engine(model, tok or _IdsOnly(), max_seq_len=len(ids) + args.max_new_tokens + 1, max_branches=1,
-                    max_branch_tokens=1)
+    # one sequence, no forks: the child slots are kept minimal
+    engine = SingleRun(Engine(model, tok or _IdsOnly(), max_seqs=1, max_seq_len=len(ids) + args.max_new_tokens + 1,
+                              max_children=1, max_branch_tokens=1, prefill_chunk=512))
     clock = CompileClock().start()
     try:
         t0 = time.perf_counter()

@@ -99,16 +99,23 @@ def model_defaults(model: str | None) -> dict:
 
 def export_meta(model: str | None) -> dict:
     """The `--model` directory's sprint_jax.json ({} without one, or without a directory: the
-    model loader reports that); an unreadable file is a UserError."""
+    model loader reports that). An unreadable file, or a prompt format in it that cannot be
+    applied, is a UserError."""
     from sprint_jax.errors import UserError
-    from sprint_jax.model.hf import CheckpointError, read_export_meta
+    from sprint_jax.infer.prompting import apply_prompt_format
+    from sprint_jax.model.hf import EXPORT_META_FILE, CheckpointError, read_export_meta
 
     if not model or not Path(model).is_dir():
         return {}
     try:
-        return read_export_meta(model)
+        meta = read_export_meta(model)
     except CheckpointError as e:
         raise UserError(str(e)) from None
+    try:
+        apply_prompt_format("x", meta)          # the format checked once, before any prompt uses it
+    except ValueError as e:
+        raise UserError(f"--model {model}: {EXPORT_META_FILE}: {e}") from None
+    return meta
 
 
 def formatted_prompt(model: str | None, text: str, encode, what: str = "query") -> tuple[str, list[int]]:
@@ -119,10 +126,7 @@ def formatted_prompt(model: str | None, text: str, encode, what: str = "query") 
     from sprint_jax.infer.prompting import META_KEY, apply_prompt_format
     from sprint_jax.model.hf import EXPORT_META_FILE
 
-    try:
-        out = apply_prompt_format(text, export_meta(model))
-    except ValueError as e:
-        raise UserError(f"--model {model}: {EXPORT_META_FILE}: {e}") from None
+    out = apply_prompt_format(text, export_meta(model))
     try:
         ids = list(encode(out))
     except ValueError as e:          # e.g. a character outside a VocabTokenizer's vocabulary
@@ -219,39 +223,26 @@ def _checked_load(args, config, seqs: int = 1, mesh=None):
     return model, tok, max_seq_len, branch_tokens
 
 
-def build_engine(args, config):
-    """The model, its tokenizer and a single-run Engine sized for `config` (see `_checked_load`)."""
+def build_engine(args, config, concurrency: int = 1):
+    """The model, its tokenizer and an Engine with `concurrency` sequence slots, each sized for
+    `config` (children per slot = max_prompts; see `_checked_load`)."""
     from sprint_jax.errors import UserError
-    from sprint_jax.infer import Engine, EngineError
-
-    mesh = mesh_arg(args)
-    model, tok, max_seq_len, branch_tokens = _checked_load(args, config, mesh=mesh)
-    try:
-        return Engine(model, tok, max_seq_len=max_seq_len, max_branches=config.max_prompts,
-                      max_branch_tokens=branch_tokens, decode_chunk=args.decode_chunk,
-                      prefill_chunk=args.prefill_chunk, attention_impl=args.attention_impl, mesh=mesh)
-    except EngineError as e:
-        raise UserError(str(e)) from None
-
-
-def build_batch_engine(args, config, concurrency: int):
-    """The model, its tokenizer and a BatchEngine with `concurrency` sequence slots, each sized as
-    build_engine sizes its one sequence (children per slot = max_prompts)."""
-    from sprint_jax.errors import UserError
-    from sprint_jax.infer import EngineError
-    from sprint_jax.infer.batch import BatchEngine
+    from sprint_jax.infer.engine import Engine, EngineError
 
     if concurrency < 1:
         raise UserError(f"--concurrency must be >= 1, got {concurrency}")
     mesh = mesh_arg(args)
     model, tok, max_seq_len, branch_tokens = _checked_load(args, config, concurrency, mesh=mesh)
     try:
-        return BatchEngine(model, tok, max_seqs=concurrency, max_children=config.max_prompts,
-                           max_seq_len=max_seq_len, max_branch_tokens=branch_tokens,
-                           decode_chunk=args.decode_chunk, prefill_chunk=args.prefill_chunk, mesh=mesh,
-                           attention_impl=getattr(args, "attention_impl", "xla"))
+        return Engine(model, tok, max_seqs=concurrency, max_children=config.max_prompts,
+                      max_seq_len=max_seq_len, max_branch_tokens=branch_tokens,
+                      decode_chunk=args.decode_chunk, prefill_chunk=args.prefill_chunk, mesh=mesh,
+                      attention_impl=getattr(args, "attention_impl", "xla"))
     except EngineError as e:
         raise UserError(str(e)) from None
+
+
+build_batch_engine = build_engine     # temporary: the former name, for callers not yet moved
 
 
 # ---------------------------------------------------------------------------------------------

@@ -80,7 +80,7 @@ import time
 from typing import Any, Callable
 
 from sprint_jax import format as fmt
-from sprint_jax.infer.engine import EngineError, common_prefix
+from sprint_jax.infer.requests import EngineError, common_prefix
 from sprint_jax.infer.sampling import Sampling, SamplingError
 
 MODES = ("parallel", "serial", "sequential")
@@ -280,9 +280,10 @@ def _which_stop(text: str, stops: list[str]) -> str | None:
 
 
 class Orchestrator:
-    """Runs SPRINT stages over an engine. Only the engine's public interface is used: encode,
-    decode_text, prefill, extend, truncate, generate, decode_branches, max_seq_len, max_branches,
-    max_branch_tokens (and last_branch_stats when present), so a test double can stand in."""
+    """Runs SPRINT stages over an engine (`run_many` answers the stage loop's calls). Only the
+    engine's public interface is used: encode, decode_text, open, extend, truncate, generate, fork,
+    merge, close, step, max_seqs, max_seq_len, max_branches, max_branch_tokens (and flush_sync,
+    last_join_tokens, last_branch_stats when present), so a test double can stand in."""
 
     def __init__(self, engine: Any, config: OrchestratorConfig | None = None,
                  on_event: Callable[[Event], None] | None = None):
@@ -372,15 +373,14 @@ class Orchestrator:
 
     # -- entry --------------------------------------------------------------------------------
     def run(self, query: str, mode: str = "parallel") -> RunRecord:
-        """One run of `query` (the text the model sees before its completion) on the single-run
-        engine. Model output never raises; a bad mode, an empty query, or a query the tokenizer
-        cannot encode does."""
-        return drive_single(self.engine, self.steps(query, mode))
+        """One run of `query` (the text the model sees before its completion): `run_many` at
+        concurrency 1. Model output never raises; a bad mode, an empty query, or a query the
+        tokenizer cannot encode does."""
+        return run_many(self.engine, [query], mode, self.config, concurrency=1, on_event=self.on_event)[0]
 
     def steps(self, query: str, mode: str = "parallel"):
         """The run as a generator: it yields `EngineCall`s, receives each call's result (or has the
-        engine's EngineError thrown in), and returns the RunRecord. `drive_single` answers the calls
-        on `Engine`; `run_many` advances many runs at once on a `BatchEngine`."""
+        engine's EngineError thrown in), and returns the RunRecord. `run_many` answers the calls."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not query:
@@ -602,10 +602,8 @@ class Orchestrator:
                 self._mark = len(state.tokens)
             else:
                 state, stage.sync_tokens = yield from self._settle(state, w, sync)
-            if hasattr(self.engine, "flush_sync"):    # BatchEngine: the sync's queued tokens written now
+            if hasattr(self.engine, "flush_sync"):    # the sync's queued tokens written now
                 self.engine.flush_sync(state)
-            else:
-                _block(state)
             stage.sync_s = time.perf_counter() - t
             for j in range(1, k + 1):            # the planner's context holds them now
                 self._emit("text", record, stage, "".join(sync[2 * j - 1: 2 * j + 1]), executor=j)
@@ -626,22 +624,14 @@ def _problem(record: RunRecord, stage: StageRecord, message: str) -> None:
     record.problems.append(message)
 
 
-def _block(state: Any) -> None:
-    """Wait for the sync prefill to finish so its timing is honest (JAX dispatches asynchronously)."""
-    cache = getattr(state, "cache", None)
-    if cache is not None:
-        import jax
-        jax.block_until_ready(cache)
-
-
 # ---------------------------------------------------------------------------------------------
-# Engine calls and the two drivers
+# Engine calls and their driver
 # ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class EngineCall:
     """One request of the stage loop. prefill -> a state; generate -> a Generation; branches ->
-    one Generation per prefix; extend / truncate -> the state. `state` is the handle a prefill
-    returned (a `DecodeState` on `Engine`, a `Seq` on `BatchEngine`); both hold `.tokens`."""
+    one Generation per prefix; extend / truncate / merge -> the state. `state` is the `Seq` a
+    prefill returned."""
     kind: str                                   # prefill | generate | branches | extend | truncate | merge
     state: Any = None
     tokens: list[int] = dataclasses.field(default_factory=list)        # prefill / extend
@@ -650,42 +640,8 @@ class EngineCall:
     limits: list[int] = dataclasses.field(default_factory=list)
     stops: list[list[str]] = dataclasses.field(default_factory=list)
     sampling: Sampling | None = None
-    mode: str = "shared"                        # branches on Engine: shared | serial
+    mode: str = "shared"                        # branches: shared | serial
     join: bool = False                          # branches: a merge join follows (children feed their last token)
-
-
-def answer_single(engine: Any, call: EngineCall):
-    """Run one call on the single-run `Engine`."""
-    if call.kind == "prefill":
-        return engine.prefill(call.tokens)
-    if call.kind == "generate":
-        return engine.generate(call.state, call.limits[0], stop=call.stops[0], sampling=call.sampling)
-    if call.kind == "branches":
-        join = {"join": True} if call.join else {}         # engines without a join fork still re-prefill
-        return engine.decode_branches(call.state, call.prefixes, call.limits, stop=call.stops,
-                                      sampling=call.sampling, mode=call.mode, **join)
-    if call.kind == "extend":
-        return engine.extend(call.state, call.tokens)
-    if call.kind == "truncate":
-        return engine.truncate(call.state, call.n)
-    if call.kind == "merge":
-        return engine.merge(call.state, call.prefixes)
-    raise ValueError(f"unknown engine call {call.kind!r}")
-
-
-def drive_single(engine: Any, steps) -> RunRecord:
-    """Advance one run's generator to its end, answering every call on `engine` as it comes."""
-    value, error = None, None
-    while True:
-        try:
-            call = steps.throw(error) if error is not None else steps.send(value)
-        except StopIteration as done:
-            return done.value
-        value, error = None, None
-        try:
-            value = answer_single(engine, call)
-        except EngineError as e:
-            error = e
 
 
 def run_many(engine: Any, queries: list[str], mode: str = "parallel", config: OrchestratorConfig | None = None,
@@ -693,7 +649,7 @@ def run_many(engine: Any, queries: list[str], mode: str = "parallel", config: Or
              on_record: Callable[[int, RunRecord], None] | None = None,
              configs: list[OrchestratorConfig] | None = None,
              on_call: Callable[[int, EngineCall, list[int], Any], None] | None = None) -> list[RunRecord]:
-    """Many runs at once on a `BatchEngine`: up to `concurrency` runs (default: the engine's
+    """Many runs at once on an `Engine`: up to `concurrency` runs (default: the engine's
     sequence slots) advance together; each engine step serves the calls of all of them (prefill
     chunks, every planner and executor decoding in one batched step). A run's records, accounting
     and policies are those of `Orchestrator.run` (the same generator); its wall_s includes the
@@ -789,4 +745,4 @@ def run_query(engine: Any, query: str, mode: str = "parallel", config: Orchestra
 
 __all__ = ["MODES", "TERMINATIONS", "execution_opening", "OrchestratorConfig",
            "ExecutionRecord", "StageRecord", "RunRecord", "Event", "Orchestrator", "run_query",
-           "EngineCall", "answer_single", "drive_single", "run_many"]
+           "EngineCall", "run_many"]

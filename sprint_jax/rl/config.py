@@ -62,8 +62,7 @@ class RolloutSection:
     orchestrator: OrchestratorConfig = dataclasses.field(
         default_factory=lambda: OrchestratorConfig(temperature=1.0))   # budgets + sampling (seed is per run)
     layout: Literal["auto", "flat", "trie"] = "auto"   # token convention at fork/sync: auto = the policy export's (sprint_jax.json), flat without one
-    engine: Literal["batch", "single"] = "batch"   # batch: all runs of a step together on the BatchEngine
-    concurrency: int = 0                         # batch: runs at once (0 = prompts_per_step x group_size)
+    concurrency: int = 0                         # runs at once on the engine (0 = prompts_per_step x group_size)
     max_seq_len: int = 2048                      # engine: planner context capacity
     decode_chunk: int = 16                       # engine: decode steps per host round trip
     prefill_chunk: int = 512                     # engine: longest prefill piece
@@ -75,8 +74,6 @@ class RolloutSection:
             raise ConfigError("set rollout.layout (auto | flat | trie), not rollout.orchestrator.layout")
         # concurrency 0 = every run of a step at once; max_seq_len against the prompts: run_rl
         _at_least("rollout", self, prompts_per_step=1, concurrency=0, max_seq_len=2, decode_chunk=1, prefill_chunk=1)
-        if self.engine == "batch" and self.mode == "serial":
-            raise ConfigError("rollout.mode serial runs on the single-run engine: set rollout.engine: single")
         if self.orchestrator.temperature <= 0:
             raise ConfigError("rollout.orchestrator.temperature must be > 0 (policy-gradient rollouts sample)")
         if self.orchestrator.top_k or self.orchestrator.top_p < 1:
@@ -128,8 +125,6 @@ class RLConfig:
 
     def __post_init__(self) -> None:
         _at_least("", self, steps=1, seed=0)        # seed: numpy's seed sequences take no negative entropy
-        if self.rollout.engine == "batch" and self.eval.mode == "serial":
-            raise ConfigError("eval.mode serial runs on the single-run engine: set rollout.engine: single")
         if self.optim.grad_accum != 1:
             raise ConfigError("optim.grad_accum is not used by rl: set loss.rows_per_micro instead")
 

@@ -261,8 +261,7 @@ def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int 
     import yaml
 
     from sprint_jax.eval.evaluate import RECORDS_FILE, RESULTS_FILE, evaluate
-    from sprint_jax.infer import Engine
-    from sprint_jax.infer.batch import BatchEngine
+    from sprint_jax.infer.engine import Engine
     from sprint_jax.infer.sampling import valid_vocab
     from sprint_jax.model import load_params
     from sprint_jax.model.capacity import (BRANCH_TAG_ROOM, check_memory, check_positions, engine_cache_tokens,
@@ -271,7 +270,7 @@ def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int 
     from sprint_jax.model.tokenizer import load_tokenizer
     from sprint_jax.rl.layout import layout_units, pack_items
     from sprint_jax.rl.loss import LossSettings, build_rl_step, update
-    from sprint_jax.rl.rollout import BatchedRollouts, SingleRunRollouts, timed_run
+    from sprint_jax.rl.rollout import Rollouts, timed_run
     from sprint_jax.train import checkpoint as ckpt_lib
     from sprint_jax.train import data as data_lib
     from sprint_jax.train import mesh as mesh_lib
@@ -301,7 +300,7 @@ def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int 
     check_prompts_fit(train_tasks + held_tasks, query_of, tok, ro.max_seq_len)
     check_positions(model_cfg, cfg.loss.seq_len, "loss.seq_len")
     runs_per_step = ro.prompts_per_step * ro.group_size
-    seqs = (ro.concurrency or runs_per_step) if ro.engine == "batch" else 1
+    seqs = ro.concurrency or runs_per_step
     branch_tokens = ro.orchestrator.max_branch_tokens + BRANCH_TAG_ROOM
     # the engine's KV cache, sized as `sprint-jax eval` sizes it, before anything is allocated
     tokens = engine_cache_tokens(seqs, ro.max_seq_len, ro.orchestrator.max_prompts, ro.orchestrator.max_branch_tokens)
@@ -342,17 +341,13 @@ def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int 
 
     kw = dict(max_seq_len=ro.max_seq_len, max_branch_tokens=branch_tokens,
               decode_chunk=ro.decode_chunk, prefill_chunk=ro.prefill_chunk)
-    if ro.engine == "batch":
-        engine = BatchEngine(_Policy(model_cfg, state["params"]), tok,
-                             max_seqs=seqs, max_children=ro.orchestrator.max_prompts, **kw)
-    else:
-        engine = Engine(_Policy(model_cfg, state["params"]), tok, max_branches=ro.orchestrator.max_prompts,
-                        **kw)
+    engine = Engine(_Policy(model_cfg, state["params"]), tok, max_seqs=seqs, max_children=ro.orchestrator.max_prompts,
+                    **kw)
     from sprint_jax.model.hf import read_export_meta
     layout = read_export_meta(pol.path).get("layout", "flat") if ro.layout == "auto" else ro.layout
     orch = dataclasses.replace(ro.orchestrator, layout=layout)       # the policy's training convention
     say(f"rollouts use the {layout} token convention at forks and syncs")
-    rollouts = BatchedRollouts(engine, orch) if ro.engine == "batch" else SingleRunRollouts(engine, orch)
+    rollouts = Rollouts(engine, orch)
     greedy = dataclasses.replace(orch, temperature=0.0, seed=0)
     pad = data_lib.pad_id(tok)
 

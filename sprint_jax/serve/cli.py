@@ -101,9 +101,7 @@ def _loopback(host: str) -> bool:
 
 def run(args) -> int:
     from sprint_jax.errors import UserError
-    from sprint_jax.infer.infer_cli import build_batch_engine, config_from_args, export_meta
-    from sprint_jax.infer.prompting import apply_prompt_format
-    from sprint_jax.model.hf import EXPORT_META_FILE
+    from sprint_jax.infer.infer_cli import build_engine, config_from_args, export_meta
     try:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
@@ -132,11 +130,7 @@ def run(args) -> int:
               f"this port can use the model (set --api-key or ${API_KEY_ENV})", file=sys.stderr, flush=True)
     config = config_from_args(args)
     meta = export_meta(args.model)
-    try:
-        apply_prompt_format("x", meta)
-    except ValueError as e:
-        raise UserError(f"--model {args.model}: {EXPORT_META_FILE}: {e}") from None
-    engine = build_batch_engine(args, config, args.max_seqs)
+    engine = build_engine(args, config, args.max_seqs)
     name = args.served_model_name or Path(args.model).resolve().name
     server = Server(engine, name, config, host=args.host, port=args.port, max_queue=args.max_queue,
                     default_max_tokens=args.default_max_tokens, log_level="info",

@@ -1,4 +1,4 @@
-"""The engine's driver: one place owns the BatchEngine and steps it; requests arrive through a
+"""The engine's driver: one place owns the Engine and steps it; requests arrive through a
 queue and their tokens / events / results leave through per-request channels.
 
 Where the engine runs (`on_loop`):
@@ -16,11 +16,11 @@ Where the engine runs (`on_loop`):
 A job is one request:
   plain   open(prompt) -> generate (n = 1) or fork of n empty prefixes (n > 1: the n children
           share the prompt's one prefill) -> close. Streaming jobs get their new tokens after
-          every engine step (`BatchEngine.progress`).
+          every engine step (`Engine.progress`).
   sprint  the orchestrator's generator (`Orchestrator.steps`), driven here exactly as
           `orchestrator.run_many` drives it, so SPRINT runs and plain requests share every engine
           step; its stage events are forwarded as they happen.
-A job whose client went away is cancelled: `BatchEngine.abort` drops its rows and frees its slot
+A job whose client went away is cancelled: `Engine.abort` drops its rows and frees its slot
 before the next engine step. A job that raises ends alone (its client gets an "error" item whose
 `status` is 400 for input it should have refused, 500 for a bug, logged with its traceback); the
 engine serves on.
@@ -38,7 +38,7 @@ from collections import deque
 from typing import Any
 
 from sprint_jax.errors import UserError
-from sprint_jax.infer.engine import EngineError
+from sprint_jax.infer.requests import EngineError
 from sprint_jax.infer.sampling import Sampling
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ class Job:
 
 
 class EngineWorker:
-    """Owns `engine` (a BatchEngine) on its own thread (`start()`), or as a task on an event loop
+    """Owns `engine` (an Engine) on its own thread (`start()`), or as a task on an event loop
     (`on_loop=True`, `start_on_loop()` from that loop). `try_submit(job)` and `cancel(job)` may be
     called from any thread; everything else about the engine happens where the engine runs."""
 
@@ -431,7 +431,7 @@ class EngineWorker:
 
     def _release(self, job: Job) -> None:
         """Drop whatever the job holds in the engine, now: its operation in flight, its rows and its
-        slot (`BatchEngine.abort`), and a SPRINT run's generator."""
+        slot (`Engine.abort`), and a SPRINT run's generator."""
         job.op = None
         if job.steps is not None:
             try:

@@ -1,23 +1,29 @@
 """The copy-fork baseline: every branch decodes on its own copy of the planner's prefix KV.
 
-Used ONLY as a reference point, never to serve: `Engine.decode_branches(mode="copy")` (the
-`copy` row of `sprint-jax bench decode`, the baseline the slot core's shared prefix is measured
-against, paper §10) and the counterexample of tests/test_batch_engine.py's HLO test. It is the
+Used ONLY as a reference point, never to serve: `decode_branches_copy` is the `copy` row of
+`sprint-jax bench decode` (the baseline the engine's shared prefix is measured against, paper
+§10), and `_decode_fn` the counterexample of tests/test_batch_engine.py's HLO test. It is the
 pre-slot single-run path kept in its plainest form: the prefix [L, P, Hkv, D] is copied into a
 fresh [L, n, P + S, Hkv, D] cache, the branches' forced prefixes are prefilled onto it, and the
 layer scan carries the whole cache through each decode step, attending over the capacity (the
 prototype of the batched engine, measured at 0.64-0.82x). Serving (`shared` and `serial` forks,
-everything else) runs on the slot core (`sprint_jax.infer.batch`).
+everything else) runs on the engine (`sprint_jax.infer.engine`).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import time
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sprint_jax.infer.requests import EngineError, Generation, checked_sampling
 from sprint_jax.infer.sampling import advance_rows, mask_padded, sample_tokens
+from sprint_jax.infer.single import BranchStats, SingleRun
+from sprint_jax.infer.slot_cache import bucket
 from sprint_jax.infer.stops import StopScanner
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.model.qwen2 import attend_partial, decoder, dtype_of, embed, flash_attention, unembed
@@ -39,13 +45,6 @@ class KVCache:
         shape = (config.num_hidden_layers, batch, capacity, config.num_key_value_heads, config.head_dim)
         dt = dtype_of(config.dtype)
         return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
-
-
-def _bucket(n: int, lo: int = 16) -> int:
-    b = lo
-    while b < n:
-        b *= 2
-    return b
 
 
 def _write_rows(cache_layer: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
@@ -120,14 +119,12 @@ def _copy_fork(pk, pv, n: int, suffix_cap: int) -> KVCache:
     return KVCache(rep(pk), rep(pv))
 
 
-def copy_fork_branches(engine, pk, pv, p0: int, pending: int, prefixes: list[list[int]], limits: list[int],
+def _copy_fork_branches(engine, pk, pv, p0: int, pending: int, prefixes: list[list[int]], limits: list[int],
                        stops: list[list[str]], sampling, pos_offset: int, suffix_cap: int, prefill_chunk: int):
     """Decode branches on copies of the prefix (pk, pv: the planner's first slots, p0 used; its
     pending token not yet run). Branch j runs [pending] + prefixes[j] forced, then decodes with
-    key stream j (the slot core's). `engine`: the `Engine` (params, config, stop ids, text).
+    key stream j (the engine's). `engine`: the `Engine` (params, config, stop ids, text).
     Returns (Generations, bytes of the copied cache, decode steps)."""
-    from sprint_jax.infer.engine import Generation
-
     n = len(prefixes)
     cache = _copy_fork(pk, pv, n, suffix_cap)
     nbytes = cache.nbytes
@@ -137,7 +134,7 @@ def copy_fork_branches(engine, pk, pv, p0: int, pending: int, prefixes: list[lis
         pieces = [r[pos: pos + prefill_chunk] for r in runs]
         # padding past a row's piece lands in slots it has not used yet; never past the capacity
         # (a clamped write would move the whole piece)
-        width = min(_bucket(max(len(p) for p in pieces), lo=4), cache.k.shape[2] - p0 - pos)
+        width = min(bucket(max(len(p) for p in pieces), 4), cache.k.shape[2] - p0 - pos)
         toks = np.zeros((n, width), np.int32)
         for j, p in enumerate(pieces):
             toks[j, : len(p)] = p
@@ -150,7 +147,7 @@ def copy_fork_branches(engine, pk, pv, p0: int, pending: int, prefixes: list[lis
     scanners = [StopScanner(engine.decode_text, st) for st in stops]
     done = jnp.zeros((n,), bool)
     remaining = jnp.asarray(limits, jnp.int32)
-    stop_ids = jnp.asarray(np.stack([engine.stop_ids(st) for st in stops]))
+    stop_ids = jnp.asarray(np.stack([engine._stop_ids(list(st)) for st in stops]))
     base = jax.random.key(sampling.seed)
     keys = jax.vmap(lambda r: jax.random.fold_in(base, r))(jnp.arange(n, dtype=jnp.int32))
     pending_a = jnp.asarray(pend, jnp.int32)
@@ -185,3 +182,31 @@ def copy_fork_branches(engine, pk, pv, p0: int, pending: int, prefixes: list[lis
                            steps=steps) for r, g in enumerate(gens)]
     return out_gens, nbytes, steps
 
+
+def decode_branches_copy(run: SingleRun, seq, prefixes: Sequence[Sequence[int]], max_new_tokens: int,
+                         sampling=None) -> list[Generation]:
+    """`run.decode_branches(seq, prefixes, max_new_tokens)` on the copy-fork baseline: the
+    planner's used slots (as a shared fork reads them) copied into every branch, no stop strings.
+    Sets `run.last_branch_stats` (mode "copy")."""
+    engine = run.engine
+    sampling = checked_sampling(sampling)
+    prefixes = [[int(t) for t in p] for p in prefixes]
+    n = len(prefixes)
+    if not 1 <= n <= engine.max_children:
+        raise EngineError(f"{n} branches: 1..{engine.max_children}")
+    for p in prefixes:
+        if len(p) + 1 + max_new_tokens > engine.max_branch_tokens or \
+                len(seq.tokens) + len(p) + max_new_tokens > engine.max_seq_len:
+            raise EngineError("a branch exceeds max_branch_tokens or max_seq_len")
+    t0 = time.perf_counter()
+    engine.flush(seq)
+    p0 = seq.length
+    pb = min(bucket(max(p0, 1), engine.min_bucket), engine.parent_capacity)    # as a shared fork reads it
+    # [L, Hkv, pb, D] slices of the slot cache, as the baseline's [L, pb, Hkv, D]
+    pk = jnp.swapaxes(engine.cache.pk[:, seq.slot, :, :pb], 1, 2)
+    pv = jnp.swapaxes(engine.cache.pv[:, seq.slot, :, :pb], 1, 2)
+    gens, nbytes, steps = _copy_fork_branches(engine, pk, pv, p0, seq.tokens[-1], prefixes, [max_new_tokens] * n,
+                                              [[] for _ in range(n)], sampling, seq.pos_offset,
+                                              engine.child_capacity, engine.prefill_chunk)
+    run.last_branch_stats = BranchStats("copy", n, nbytes, steps, time.perf_counter() - t0)
+    return gens

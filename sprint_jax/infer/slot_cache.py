@@ -1,0 +1,119 @@
+"""The engine's two-level KV cache and the helpers that read and write it in place.
+
+`SlotCache` holds P parent slots (a planner, a prompt; capacity max_seq_len) and, for each
+parent slot, G child slots (an executor, one of n samples; capacity max_branch_tokens). Child
+slot g of parent p is row p*G + g of the child arrays. A child reads its parent's KV up to the
+fork point plus its own suffix; the prefix is never copied.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from sprint_jax.model.config import Qwen2Config
+from sprint_jax.model.qwen2 import dtype_of
+
+
+def bucket(n: int, lo: int) -> int:
+    """The smallest lo * 2^k >= n (few shapes compile)."""
+    b = lo
+    while b < n:
+        b *= 2
+    return b
+
+
+def bucket_fine(n: int, lo: int) -> int:
+    """The smallest of lo * 2^k and 1.5 * lo * 2^k >= n: prefill lengths and attention reads
+    (padding <= 1/3: 80 used slots read as 96, not 128)."""
+    b = lo
+    while b < n:
+        if b * 3 // 2 >= n and (b * 3) % 2 == 0:
+            return b * 3 // 2
+        b *= 2
+    return b
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SlotCache:
+    """Parent slots pk, pv [L, P, Hkv, Sp, D]; child slots ck, cv [L, P*G, Hkv, Sc, D].
+
+    Heads before positions: a slot's keys of one KV head are one contiguous [S, D] block, so the
+    decode step gathers a row's used slots as a whole [Hkv, S_b, D] slice (`gather_rows`) and its
+    attention (`attend_partial_heads`) multiplies them as they are: no transposed copy of the
+    gathered K / V per step (the [.., S, Hkv, D] layout needed one, fused with the gather: a large
+    part of a many-row step of the demo model on CPU). Prefill still transposes the rows it
+    gathers for `flash_attention` (`programs.prefix_partial`); prefill calls are few."""
+    pk: jax.Array
+    pv: jax.Array
+    ck: jax.Array
+    cv: jax.Array
+
+    @staticmethod
+    def zeros(config: Qwen2Config, parents: int, children: int, parent_cap: int, child_cap: int) -> "SlotCache":
+        dt = dtype_of(config.dtype)
+        hkv, d = config.num_key_value_heads, config.head_dim
+        p = (config.num_hidden_layers, parents, hkv, parent_cap, d)
+        c = (config.num_hidden_layers, parents * children, hkv, child_cap, d)
+        return SlotCache(jnp.zeros(p, dt), jnp.zeros(p, dt), jnp.zeros(c, dt), jnp.zeros(c, dt))
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(a.size * a.dtype.itemsize for a in (self.pk, self.pv, self.ck, self.cv)))
+
+
+def constrain(cache: SlotCache, kv) -> SlotCache:
+    """The cache pinned to its (parent, child) NamedShardings on a mesh (kv=None: one device)."""
+    if kv is None:
+        return cache
+    p, c = kv
+    wsc = jax.lax.with_sharding_constraint
+    return SlotCache(wsc(cache.pk, p), wsc(cache.pv, p), wsc(cache.ck, c), wsc(cache.cv, c))
+
+
+def gather_rows(cache: jax.Array, layer, rows: jax.Array, size: int) -> jax.Array:
+    """cache [L, N, Hkv, C, D] -> the first `size` slots of `rows` at `layer`: [R, Hkv, size, D].
+    Each row is one whole [1, 1, Hkv, size, D] slice (a vmapped dynamic_slice: one gather whose
+    slices keep the cache's layout; nothing is transposed)."""
+    def take(c):
+        shape = (1, 1, c.shape[2], size, c.shape[4])
+        zero = jnp.zeros((), jnp.int32)
+        return jax.vmap(lambda r: jax.lax.dynamic_slice(
+            c, (jnp.asarray(layer, jnp.int32), r.astype(jnp.int32), zero, zero, zero), shape)[0, 0])(rows)
+    return _as_bits(cache, take)
+
+
+def _on_bits(cache: jax.Array) -> bool:
+    """XLA CPU has no bf16 gather / scatter: it widens the whole operand to f32 and, the cache being
+    loop-invariant in the layer scan, hoists that copy out: a full f32 copy of the cache per decode
+    step (qwen3-0.6b, 2.7 GiB bf16 cache: temporaries 6.9 GiB, 3.7 as bits; 7B at tensor=4: 8.9 ->
+    7.4 GiB). On CPU a 16-bit cache is gathered and scattered as uint16 bits (GPU/TPU: as is)."""
+    return cache.dtype.itemsize == 2 and jax.default_backend() == "cpu"
+
+
+def _as_bits(cache: jax.Array, fn) -> jax.Array:
+    """fn(cache), run on the cache's uint16 bits on CPU (`_on_bits`); fn only moves elements."""
+    if not _on_bits(cache):
+        return fn(cache)
+    bits = jax.lax.bitcast_convert_type
+    return bits(fn(bits(cache, jnp.uint16)), cache.dtype)
+
+
+def _put(cache: jax.Array, index, new: jax.Array) -> jax.Array:
+    """cache.at[index].set(new, mode="drop") (as bits on CPU: `_on_bits`)."""
+    new = new.astype(cache.dtype)
+    if not _on_bits(cache):
+        return cache.at[index].set(new, mode="drop")
+    bits = jax.lax.bitcast_convert_type
+    return bits(bits(cache, jnp.uint16).at[index].set(bits(new, jnp.uint16), mode="drop"), cache.dtype)
+
+
+def put_slots(cache: jax.Array, slot: jax.Array, pos: jax.Array, new: jax.Array) -> jax.Array:
+    """Write new K or V into the cache [L, N, Hkv, C, D] in place (`_put`): new [L, R, T, Hkv, D] at
+    slot[r], positions pos[r, t] (prefill), or new [L, R, Hkv, D] at slot[r], position pos[r]
+    (a decode step); out-of-range positions are dropped (padding)."""
+    if new.ndim == 5:             # index (:, slot[R, 1], :, pos[R, T]): the update is [R, T, L, Hkv, D]
+        return _put(cache, (slice(None), slot[:, None], slice(None), pos), jnp.transpose(new, (1, 2, 0, 3, 4)))
+    return _put(cache, (slice(None), slot, slice(None), pos), jnp.swapaxes(new, 0, 1))    # [R, L, Hkv, D]
