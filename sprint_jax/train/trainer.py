@@ -413,6 +413,43 @@ def _restore_or_init(cfg: TrainConfig, ckpt, setup, model_cfg, data: _Data, out:
     return setup.init_state(cfg.seed, params=params, init_seed=cfg.model.init_seed), _Position(0, 0, 0), False
 
 
+class _Throughput:
+    """Tokens per second: of the window since the last logged step, and of the steady state (the
+    steps after the first, whose time includes compilation)."""
+
+    def __init__(self):
+        self.window_start, self.window_tokens = time.time(), 0
+        self.first_done: float | None = None    # wall time when the first (compiling) step finished
+        self.steady_tokens = 0
+
+    def add(self, n_tok: int, step_metrics) -> None:
+        """Count one step's tokens. The first step is waited for: the steady state starts there."""
+        import jax
+
+        self.window_tokens += n_tok
+        if self.first_done is None:
+            jax.block_until_ready(step_metrics)
+            self.first_done = time.time()
+        else:
+            self.steady_tokens += n_tok
+
+    def window_rate(self, now: float) -> float:
+        """Tokens per second of the window ending `now`, which starts the next window."""
+        rate = self.window_tokens / max(now - self.window_start, 1e-9)
+        self.window_start, self.window_tokens = now, 0
+        return rate
+
+
+def _record(m: dict, pos: _Position, width: int, epoch: int, speed: _Throughput, t_start: float) -> dict:
+    """The metrics.jsonl record of a logged step: `m` is the step's metrics on the host."""
+    mv = {k: float(v) for k, v in m.items()}
+    now = time.time()
+    return {"step": pos.step, "loss": mv["loss"], "lr": mv["lr"], "grad_norm": mv["grad_norm"],
+            "tokens": pos.tokens, "loss_tokens": int(mv["loss_tokens"]),
+            "tokens_per_s": speed.window_rate(now), "row_width": width, "epoch": epoch,
+            "wall_s": now - t_start}
+
+
 def _run_steps(cfg: TrainConfig, setup, ckpt, data: _Data, state, start: _Position, resumed: bool,
                out: Path, t_start: float, progress: bool, callbacks) -> _Steps:
     """Steps start.step .. cfg.steps: each on the next batch of rows, NaN-checked one step late,
@@ -433,9 +470,7 @@ def _run_steps(cfg: TrainConfig, setup, ckpt, data: _Data, state, start: _Positi
         return {"rows": pos.rows, "tokens": pos.tokens, "epoch": stream.epoch_of(pos.rows),
                 "data_digest": data.digest}
 
-    t_log, tok_log = time.time(), 0
-    t_first = None                      # wall time when the first (compiling) step finished
-    tok_after_first = 0
+    speed = _Throughput()
     last_saved = start.step if resumed else -1
     last_loss = None
     pending = None                      # (step, metrics) still to be checked for NaN: one step late
@@ -451,28 +486,16 @@ def _run_steps(cfg: TrainConfig, setup, ckpt, data: _Data, state, start: _Positi
             n_tok = sum(len(stream.items[i]) for r in row_ids for i in stream.row_items(r))
             pos.rows += cfg.optim.batch_size
             pos.tokens += n_tok
-            tok_log += n_tok
             done = pos.step = step + 1
             pending = (done, m)
-            if t_first is None:
-                jax.block_until_ready(m)
-                t_first = time.time()
-            else:
-                tok_after_first += n_tok
+            speed.add(n_tok, m)
             rec = None
             if done % cfg.log_every == 0 or done == cfg.steps:
-                mv = {k: float(v) for k, v in jax.device_get(m).items()}
-                now = time.time()
-                rec = {"step": done, "loss": mv["loss"], "lr": mv["lr"], "grad_norm": mv["grad_norm"],
-                       "tokens": pos.tokens, "loss_tokens": int(mv["loss_tokens"]),
-                       "tokens_per_s": tok_log / max(now - t_log, 1e-9), "row_width": width,
-                       "epoch": stream.epoch_of(pos.rows),
-                       "wall_s": now - t_start}
-                t_log, tok_log = now, 0
-                last_loss = mv["loss"]
+                rec = _record(jax.device_get(m), pos, width, stream.epoch_of(pos.rows), speed, t_start)
+                last_loss = rec["loss"]
                 metrics.log(rec)
                 if bar is not None:
-                    bar.set_postfix(loss=f"{mv['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                    bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
             if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != cfg.steps:
                 _check_finite(done, m, last_saved)
                 _save_checked(ckpt, done, state, meta_now(), last_saved)
@@ -494,8 +517,8 @@ def _run_steps(cfg: TrainConfig, setup, ckpt, data: _Data, state, start: _Positi
     # tokens/s of the steps after the first (compiling) one; the final checkpoint write (in the
     # first run of a process it includes orbax's and the checksum's one-time setup, several
     # seconds) and the export count in wall_s only
-    steady = (t_steps_end - t_first) if t_first is not None else 0.0
-    return _Steps(state, pos, metrics.records, last_loss, tok_after_first, steady)
+    steady = (t_steps_end - speed.first_done) if speed.first_done is not None else 0.0
+    return _Steps(state, pos, metrics.records, last_loss, speed.steady_tokens, steady)
 
 
 def _export(cfg: TrainConfig, model_cfg, params, tokenizer, tokenizer_name: str, stats, export_dir: Path) -> None:
