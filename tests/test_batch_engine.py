@@ -1,8 +1,8 @@
-"""The batched engine against independent references: each request decoded alone on
-the single-run `Engine` (a layer over this same slot core, run one request at a time, and itself
-tested against a plain full forward and HF generate; the greedy rows here are also checked against
-a plain full forward directly), each fork child decoded alone from a fresh prefill, and the
-compiled HLO of the decode step."""
+"""The engine's batching against independent references: each request decoded alone (one at a
+time, itself tested against a plain full forward and HF generate in test_engine.py; the greedy
+rows here are also checked against a plain full forward directly), each fork child decoded alone
+from a fresh prefill, the documented sampling key stream on a plain forward, and the compiled HLO
+of the decode step."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,25 +13,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import greedy_by_full_forward, tiny_vocab_tokenizer
-from sprint_jax.infer import Engine, EngineError, Sampling
-from sprint_jax.infer import copy_fork
-from sprint_jax.infer.batch import BatchEngine, _copy_join, _decode, decode_rows
-from sprint_jax.model import from_pretrained
-
-CAPS = dict(max_seq_len=96, max_branch_tokens=48, decode_chunk=8, prefill_chunk=32, eos_token_ids=[])
-
-
-@pytest.fixture(scope="module")
-def setup(hf_untied):
-    model = from_pretrained(hf_untied)
-    tok = tiny_vocab_tokenizer()
-    alone = Engine(model, tok, max_branches=16, **CAPS)
-    return model, tok, alone
+from conftest import SHARED_ENGINES, greedy_by_full_forward
+from sprint_jax.bench import copy_fork
+from sprint_jax.infer import programs
+from sprint_jax.infer.engine import Engine
+from sprint_jax.infer.programs import DecodeRows
+from sprint_jax.infer.requests import EngineError
+from sprint_jax.infer.sampling import Sampling
 
 
-def _batch(model, tok, slots=4):
-    return BatchEngine(model, tok, max_seqs=slots, max_children=4, **CAPS)
+@pytest.fixture
+def setup(tiny_model, engine_96, alone_96):
+    """(model, tokenizer, the shared 4-slot engine, single-run calls on it)."""
+    return tiny_model, engine_96.tokenizer, engine_96, alone_96
 
 
 def _ids(seed, n):
@@ -86,7 +80,7 @@ def _reasons(results):
 
 
 def test_mixed_batch_rows_equal_each_request_alone(setup):
-    model, tok, alone = setup
+    model, tok, engine, alone = setup
     free = alone.generate(alone.prefill(_ids(1, 9)), 16).tokens
     stop_a = tok.decode(free[5:7])            # a two-token stop reached mid-chunk
     s_hot = Sampling(temperature=1.0, seed=3)
@@ -102,13 +96,13 @@ def test_mixed_batch_rows_equal_each_request_alone(setup):
         (_ids(6, 5), [("fork", (([[20, 21], [22]], [11, 4]), dict(stop=[[stop_a], []]))),
                       ("generate", ((3,), {}))]),
     ]
-    engine = _batch(model, tok, slots=4)      # 6 runs on 4 slots: two wait in the queue
-    got = _drive(engine, scripts)
+    got = _drive(engine, scripts)             # 6 runs on 4 slots: two wait in the queue
     for i, (prompt, steps) in enumerate(scripts):
         ref = _alone(alone, prompt, steps)
         assert _toks(got[i]) == _toks(ref), i
         assert _reasons(got[i]) == _reasons(ref), i
     assert got[0][0].stop_reason == "stop" and got[0][0].overshoot > 0
+    alone.close()
     assert engine.free_slots == 4 and not engine.busy
     # engine-independent: the greedy fork children and the generate after extend of run 2 (no
     # stops, eos off: each runs to its limit) == a plain full forward, no cache
@@ -123,16 +117,14 @@ def test_sampled_rows_follow_the_documented_key_stream_on_a_plain_forward(setup)
     sample_tokens(logits of a plain full forward, no cache, padded ids masked; key
     fold_in(fold_in(key(seed), row), step)) as sprint_jax/infer/sampling.py documents it. Row = the
     child index of a fork (0 for a generate). This checks every sampling value a decode call carries
-    (seed, row, step, temperature, top_k, top_p) reaches the device where it belongs; the
-    engine-vs-Engine tests cannot, both running this core."""
+    (seed, row, step, temperature, top_k, top_p) reaches the device where it belongs."""
     import jax
 
     from sprint_jax.infer.sampling import mask_padded, sample_tokens
     from sprint_jax.model.qwen2 import forward
-    model, tok, _ = setup
+    model, tok, engine, _ = setup
     s = Sampling(temperature=0.9, top_k=7, top_p=0.85, seed=5)
     context, prefixes, n = _ids(21, 11), [[40], [41, 42], []], 9
-    engine = _batch(model, tok)
     op = engine.open(context)
     engine.run([op])
     fork = engine.fork(op.result, prefixes, n, sampling=s)
@@ -157,21 +149,21 @@ def test_sampled_rows_follow_the_documented_key_stream_on_a_plain_forward(setup)
         assert fork.result[j].tokens == reference(context + p, j, s.seed), j
     assert gen.result.tokens == reference(context, 0, 6)
     assert len({tuple(g.tokens) for g in fork.result}) > 1       # the streams differ per child
+    engine.close(op.result)
 
 
 def test_fork_children_equal_each_branch_decoded_alone_from_a_fresh_prefill(setup):
-    model, tok, alone = setup
+    model, tok, engine, _ = setup
     context = _ids(7, 23)
     prefixes = [[30], [31, 32], [33, 34, 35], []]
     limits = [6, 10, 8, 12]
-    engine = _batch(model, tok)
+    engine.cache = jax.tree.map(jnp.zeros_like, engine.cache)     # the shared engine's earlier writes gone
     op = engine.open(context)
     engine.run([op])
     fork = engine.fork(op.result, prefixes, limits)
     engine.run([fork])
     for j, (p, m) in enumerate(zip(prefixes, limits)):
-        ref = alone.generate(alone.prefill(context + p), m)
-        assert fork.result[j].tokens == ref.tokens, j
+        assert fork.result[j].tokens == greedy_by_full_forward(model, context + p, m), j
     # What the fork holds, read off the arrays (slots written = any non-zero K): the parent slot
     # still holds exactly the context (read-only while its children ran, nothing copied out of it)
     # and child j exactly its suffix: forced prefix + one entry per decode step.
@@ -181,32 +173,15 @@ def test_fork_children_equal_each_branch_decoded_alone_from_a_fresh_prefill(setu
     assert parent[slot].sum() == len(context) - 1 and parent.sum() == len(context) - 1
     child = written(engine.cache.ck)
     per_child = [int(child[slot * engine.max_children + j].sum()) for j in range(engine.max_children)]
-    assert per_child == [len(p) + m for p, m in zip(prefixes, limits)]
+    assert per_child[:4] == [len(p) + m for p, m in zip(prefixes, limits)] and not any(per_child[4:])
     assert child.sum() == sum(per_child)                   # no other slot was touched
-
-
-def test_n_samples_fork_from_one_prefill(setup):
-    model, tok, alone = setup
-    engine = _batch(model, tok)
-    prompt = _ids(8, 14)
-    one = engine.generate_one(prompt, 10)
-    assert one[0].tokens == alone.generate(alone.prefill(prompt), 10).tokens
-    greedy4 = engine.generate_one(prompt, 10, n=4)
-    assert [g.tokens for g in greedy4] == [one[0].tokens] * 4       # greedy n identical == one
-    hot = Sampling(temperature=1.0, seed=5)
-    a = engine.generate_one(prompt, 10, sampling=hot, n=4)
-    assert len({tuple(g.tokens) for g in a}) == 4                   # each its own key stream
-    assert [g.tokens for g in a] == [g.tokens for g in engine.generate_one(prompt, 10, sampling=hot, n=4)]
-    ref = alone.decode_branches(alone.prefill(prompt), [[]] * 4, 10, sampling=hot)
-    assert [g.tokens for g in a] == [g.tokens for g in ref]
-    assert engine.free_slots == 4
+    engine.close(op.result)
 
 
 def test_serial_fork_runs_children_one_after_another(setup):
     """`serial=True`: one child row at a time (the scheduler never holds two), each child's tokens
-    those of the single-run engine's serial branches (sampled: the same key streams)."""
-    model, tok, alone = setup
-    engine = _batch(model, tok)
+    those of the same fork decoded together (sampled: the same key streams)."""
+    model, tok, engine, alone = setup
     prompt, prefixes = _ids(9, 12), [_ids(30 + j, j) for j in range(3)]
     hot = Sampling(temperature=1.0, seed=3)
     op = engine.open(prompt)
@@ -218,29 +193,27 @@ def test_serial_fork_runs_children_one_after_another(setup):
         engine.step()
         live.append(engine.live_rows)
     assert max(live) == 1 and len(live) >= 3
-    ref = alone.decode_branches(alone.prefill(prompt), prefixes, [6, 9, 7], sampling=hot, mode="serial")
-    assert [g.tokens for g in fork.result] == [g.tokens for g in ref]
     engine.close(seq)
+    ref = alone.decode_branches(alone.prefill(prompt), prefixes, [6, 9, 7], sampling=hot, mode="shared")
+    assert [g.tokens for g in fork.result] == [g.tokens for g in ref]
 
 
 def test_a_token_holding_the_stop_ends_the_row_on_device(setup):
     """A stop string written inside a longer token ends the row in the step that writes it
-    (overshoot 0: nothing decoded past it), with the single-run engine's tokens and reason."""
-    model, tok, alone = setup
-    engine = _batch(model, tok)
+    (overshoot 0: nothing decoded past it), at the first token whose text completes it."""
+    model, tok, _, alone = setup
     prompt = _ids(11, 9)
-    free = alone.generate(alone.prefill(prompt), 24).tokens
+    free = greedy_by_full_forward(model, prompt, 24)
     k = next(i for i, t in enumerate(free) if i >= 3 and t not in free[:i] and len(tok.decode([t])) >= 3)
     stop = tok.decode([free[k]])[1:]                   # inside the token, never equal to it
-    ref = alone.generate(alone.prefill(prompt), 24, stop=[stop])
-    got = engine.generate_one(prompt, 24, stop=[stop])[0]
-    assert (got.tokens, got.stop_reason) == (ref.tokens, ref.stop_reason) and got.stop_reason == "stop"
+    got = alone.generate(alone.prefill(prompt), 24, stop=[stop])
+    end = next(i for i in range(1, 25) if stop in tok.decode(free[:i]))
+    assert got.tokens == free[:end] and got.stop_reason == "stop"
     assert got.overshoot == 0 and len(got.tokens) <= k + 1
 
 
-def test_full_pool_queues_then_serves(setup):
-    model, tok, alone = setup
-    engine = _batch(model, tok, slots=2)
+def test_full_pool_queues_then_serves(tiny_model, engine_224):
+    model, engine = tiny_model, engine_224               # two slots
     prompts = [_ids(20 + i, 6 + i) for i in range(5)]
     opens = [engine.open(p) for p in prompts]
     engine.step()
@@ -259,14 +232,13 @@ def test_full_pool_queues_then_serves(setup):
         engine.close(o.result)
     engine.run([opens[4]])
     engine.close(opens[4].result)
-    res = engine.generate_many(prompts, 6)         # 5 requests on 2 slots: they queue, then all finish
-    assert [r[0].tokens for r in res] == [alone.generate(alone.prefill(p), 6).tokens for p in prompts]
+    res = _drive(engine, [(p, [("generate", ((6,), {}))]) for p in prompts])   # 5 on 2 slots: queued, then all
+    assert [r[0].tokens for r in res] == [greedy_by_full_forward(model, p, 6) for p in prompts]
     assert engine.free_slots == 2 and not engine.busy
 
 
 def test_fuzz_runs_through_the_scheduler_end_and_free_every_slot(setup):
-    model, tok, _ = setup
-    engine = _batch(model, tok, slots=4)
+    model, tok, engine, _ = setup
     rng = np.random.default_rng(0)
     scripts = []
     for _ in range(200):
@@ -322,54 +294,45 @@ def _copies_of_the_cache(hlo: str, capacities: set[int]) -> list[str]:
 
 def test_decode_step_hlo_has_no_full_cache_copy(setup):
     """The compiled decode chunk updates the slot cache in place: nothing in it produces a fresh
-    array with a capacity axis. The same detector finds the copy in the copy-fork baseline, whose
-    layer scan carries the cache through its outputs (the prototype of the batched engine)."""
-    model, tok, alone = setup
-    engine = _batch(model, tok)
-    na, nf, w = 2, 2, engine.max_children                 # generate rows + fork groups of w children
-    b = na + nf * w
-    z = lambda n=b, dt=jnp.int32: jnp.zeros(n, dt)  # noqa: E731
-    ints, floats = (jnp.asarray(x) for x in decode_rows(b, 8)[:2])   # the packed per-row arrays
+    array with a capacity axis; nor does a merge join's copy. The same detector finds the copy in
+    the copy-fork baseline, whose layer scan carries the cache through its outputs (the prototype
+    of the engine)."""
+    model, tok, engine, _ = setup
+    na, nf, w = 2, 2, 4                                    # generate rows + fork groups of w children
+    packed, layout = DecodeRows.empty(na, nf, w, 8, engine.max_seqs, engine.max_seqs * engine.max_children).pack()
     caps = {engine.parent_capacity, engine.child_capacity}
     assert caps == {104, 56}
     # both forms of the weights: the stacked scan (deep models, meshes) and the per-layer form this
     # small model runs (`qwen2.per_layer`: a scan over the layer index, a switch picking its weights)
-    assert isinstance(engine._step_params["layers"], tuple)
+    assert engine.per_layer_weights and isinstance(engine._step_params["layers"], tuple)
     for params in (engine.params, engine._step_params):
-        hlo = _decode.lower(params, engine.config, engine.cache, z(na), z(nf), z(nf), z(nf * w), ints, floats, w=w,
-                            chunk=8, s_b=64, c_b=32).compile().as_text()   # used-length buckets below capacity
+        hlo = programs.decode.lower(params, engine.config, engine.cache, packed, layout=layout, chunk=8, s_b=64,
+                                    c_b=32).compile().as_text()   # used-length buckets below capacity
         assert _copies_of_the_cache(hlo, caps) == []
         assert "scatter" in hlo
-    # with a merge join's copy riding the call (a cond before the first step) and that copy run
-    # alone: still in place
-    joins = jnp.asarray(engine._no_join)
-    hlo_j = _decode.lower(engine._step_params, engine.config, engine.cache, z(na), z(nf), z(nf), z(nf * w), ints,
-                          floats, w=w, chunk=8, s_b=64, c_b=32, join_meta=joins,
-                          join_w=engine._fused_join_w).compile().as_text()
-    assert _copies_of_the_cache(hlo_j, caps) == []
-    alone_hlo = _copy_join.lower(engine.cache, joins, w=engine._fused_join_w).compile().as_text()
-    assert _copies_of_the_cache(alone_hlo, caps) == []
-    # the counterexample: the copy-fork baseline's decode (sprint_jax.infer.copy_fork) carries its
+    meta = np.zeros((1, 2 + 2 * engine.max_children), np.int32)
+    join_hlo = programs.copy_join.lower(engine.cache, meta, w=engine.child_capacity).compile().as_text()
+    assert _copies_of_the_cache(join_hlo, caps) == []
+    # the counterexample: the copy-fork baseline's decode (sprint_jax.bench.copy_fork) carries its
     # plain cache through the layer scan, so the detector must find the capacity copy there
-    old_cache = copy_fork.KVCache.zeros(model.config, 1, alone.seq_capacity)
+    old_cache = copy_fork.KVCache.zeros(model.config, 1, engine.parent_capacity)
     o = lambda dt=jnp.int32: jnp.zeros(1, dt)  # noqa: E731
     old = copy_fork._decode_fn.lower(
         model.params, model.config, old_cache, o(), o(), o(bool), o(), jnp.zeros((1, 1), jnp.int32),
         jax.vmap(jax.random.key)(o()), jnp.int32(0), jnp.float32(0), jnp.int32(0), jnp.float32(1),
         chunk=8, greedy=True).compile().as_text()
-    assert _copies_of_the_cache(old, {alone.seq_capacity}) != []
+    assert _copies_of_the_cache(old, {engine.parent_capacity}) != []
 
 
-def test_per_layer_weights_give_the_stacked_scans_results(setup, monkeypatch):
+def test_per_layer_weights_give_the_stacked_scans_results(setup):
     """A small model's engine runs its calls on per-layer weights (`qwen2.per_layer`; no copies out
-    of the stacked weights per step); deep models and meshes run the stacked layer scan. Both
-    are the same arithmetic: the same scripts (generate, fork, extend, sampling, stops) give the
-    same tokens and stop reasons, and the same logits to the bit. Setting `params` renews the
-    per-layer copy."""
-    from sprint_jax.infer import batch as batch_mod
+    of the stacked weights per step); `per_layer_weights=False` (and deep models, meshes) run the
+    stacked layer scan. Both are the same arithmetic: the same scripts (generate, fork, extend,
+    sampling, stops) give the same tokens and stop reasons, and the same logits to the bit.
+    Setting `params` renews the per-layer copy."""
     from sprint_jax.model.qwen2 import per_layer
 
-    model, tok, _ = setup
+    model, tok, shared, _ = setup
     s_hot = Sampling(temperature=1.0, seed=5)
     scripts = [
         (_ids(11, 13), [("generate", ((14,), {}))]),
@@ -377,34 +340,36 @@ def test_per_layer_weights_give_the_stacked_scans_results(setup, monkeypatch):
                         ("extend", (([50, 51],), {})), ("generate", ((7,), {}))]),
         (_ids(13, 8), [("generate", ((9,), dict(sampling=s_hot)))]),
     ]
+    stacked = Engine(model, tok, **SHARED_ENGINES["engine_96"], per_layer_weights=False)
     runs = {}
-    for name, limit in (("per_layer", batch_mod.UNROLL_MAX_LAYERS), ("stacked", 0)):
-        monkeypatch.setattr(batch_mod, "UNROLL_MAX_LAYERS", limit)
-        engine = _batch(model, tok)           # the other tests' shapes: the per-layer run reuses their compiles
+    for name, engine in (("per_layer", shared), ("stacked", stacked)):
         assert isinstance(engine._step_params["layers"], tuple) == (name == "per_layer")
         assert not isinstance(engine.params["layers"], tuple)          # `params` stays stacked
         out = _drive(engine, scripts)
         op = engine.open(_ids(14, 21))
         engine.run([op])
         logits = [engine.forced_logits(op.result, [5, 6]), *engine.fork_logits(op.result, [[9], [10, 11]])]
-        runs[name] = (_toks(sum(out, [])), _reasons(sum(out, [])), logits, engine)
+        engine.close(op.result)
+        runs[name] = (_toks(sum(out, [])), _reasons(sum(out, [])), logits)
     a, b = runs["per_layer"], runs["stacked"]
     assert a[0] == b[0] and a[1] == b[1]
     for x, y in zip(a[2], b[2]):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    engine = a[3]
-    scaled = jax.tree.map(lambda x: x * 2, engine.params)
-    engine.params = scaled
-    lay = engine._step_params["layers"]
-    assert isinstance(lay, tuple) and len(lay) == model.config.num_hidden_layers
-    np.testing.assert_array_equal(np.asarray(lay[1]["q_proj"]["kernel"]),
-                                  np.asarray(scaled["layers"]["q_proj"]["kernel"][1]))
-    assert per_layer(engine._step_params) is engine._step_params     # already per layer: as is
+    old = shared.params
+    scaled = jax.tree.map(lambda x: x * 2, old)
+    try:
+        shared.params = scaled
+        lay = shared._step_params["layers"]
+        assert isinstance(lay, tuple) and len(lay) == model.config.num_hidden_layers
+        np.testing.assert_array_equal(np.asarray(lay[1]["q_proj"]["kernel"]),
+                                      np.asarray(scaled["layers"]["q_proj"]["kernel"][1]))
+        assert per_layer(shared._step_params) is shared._step_params     # already per layer: as is
+    finally:
+        shared.params = old
 
 
 def test_errors_name_the_limit(setup):
-    model, tok, _ = setup
-    engine = _batch(model, tok)
+    model, tok, engine, _ = setup
     with pytest.raises(EngineError, match="empty"):
         engine.open([])
     with pytest.raises(EngineError, match="max_seq_len"):
@@ -412,7 +377,7 @@ def test_errors_name_the_limit(setup):
     op = engine.open(_ids(1, 5))
     engine.run([op])
     with pytest.raises(EngineError, match="max_children"):
-        engine.fork(op.result, [[1]] * 5, 4)
+        engine.fork(op.result, [[1]] * 17, 4)
     with pytest.raises(EngineError, match="max_branch_tokens"):
         engine.fork(op.result, [[1] * 40], 20)
     with pytest.raises(EngineError, match="max_seq_len"):

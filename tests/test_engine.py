@@ -2,50 +2,46 @@
 and each branch decoded alone from a fresh full prefill (docs/design.md "The engine")."""
 from __future__ import annotations
 
-import copy
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
-from conftest import greedy_by_full_forward, load_hf, tiny_vocab_tokenizer
-from sprint_jax.infer import Engine, EngineError, Sampling
+from conftest import SHARED_ENGINES, greedy_by_full_forward, load_hf, tiny_vocab_tokenizer
+from sprint_jax.bench.copy_fork import decode_branches_copy
+from sprint_jax.infer.engine import Engine
+from sprint_jax.infer.requests import EngineError
+from sprint_jax.infer.sampling import Sampling
+from sprint_jax.infer.single import SingleRun
 from sprint_jax.model import from_pretrained
 from sprint_jax.model.qwen2 import forward
 
 
-# One tiny checkpoint per family (few compiles): Qwen2 untied, Qwen3 tied with head_dim 20.
-CHECKPOINT = {"qwen2": "hf_untied", "qwen3": "hf_qwen3_tied"}
-
-
 @pytest.fixture(scope="module")
-def engines() -> dict:
-    return {}
+def qwen3_engine(hf_qwen3_tied):
+    """Qwen3 tied with head_dim 20, at the shared engine_96's capacities."""
+    model = from_pretrained(hf_qwen3_tied)
+    return model, Engine(model, tiny_vocab_tokenizer(), **SHARED_ENGINES["engine_96"])
 
 
-def _setup(family: str, request, engines: dict):
-    if family not in engines:
-        path = request.getfixturevalue(CHECKPOINT[family])
-        model = from_pretrained(path)
-        tok = tiny_vocab_tokenizer()
-        engine = Engine(model, tok, max_seq_len=96, max_branches=16, max_branch_tokens=48, decode_chunk=8,
-                        prefill_chunk=32, eos_token_ids=[])
-        engines[family] = (model, tok, engine, path)
-    return engines[family]
-
-
-@pytest.fixture(scope="module")
-def setup(request, engines):
+@pytest.fixture
+def setup(tiny_model, alone_96):
     """The Qwen2 engine (tests of engine mechanics that do not depend on the family)."""
-    return _setup("qwen2", request, engines)[:3]
+    return tiny_model, alone_96.tokenizer, alone_96
 
 
-@pytest.fixture(params=list(CHECKPOINT))
-def family_setup(request, engines):
+@pytest.fixture(params=["qwen2", "qwen3"])
+def family_setup(request, tiny_model, hf_untied):
     """The engine of each family (tests of numerics: cache == full forward, branches == alone)."""
-    return _setup(request.param, request, engines)
+    if request.param == "qwen2":
+        run = SingleRun(request.getfixturevalue("engine_96"))
+        model, path = tiny_model, hf_untied
+    else:
+        model, engine = request.getfixturevalue("qwen3_engine")
+        run, path = SingleRun(engine), request.getfixturevalue("hf_qwen3_tied")
+    yield model, run.tokenizer, run, path
+    run.close()
 
 
 def _context(seed=0, n=21):
@@ -75,10 +71,11 @@ def test_greedy_generate_matches_hf_generate(family_setup):
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
                           pad_token_id=0, min_new_tokens=20).numpy()[0, len(prompt):]
-    g = engine.generate(engine.prefill(prompt), 20)
+    state = engine.prefill(prompt)
+    g = engine.generate(state, 20)
     assert g.tokens == [int(t) for t in ref]
     assert g.stop_reason == "length"
-    assert g.state.tokens == prompt + g.tokens
+    assert state.tokens == prompt + g.tokens
 
 
 def _alone(engine, context, prefix, limit, stop):
@@ -88,7 +85,7 @@ def _alone(engine, context, prefix, limit, stop):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 8])
-def test_branch_modes_match_each_other_and_decoding_alone(family_setup, n):
+def test_branch_modes_match_decoding_alone(family_setup, n):
     _, tok, engine, _ = family_setup
     context = _context(3 + n, 17)
     rng = np.random.default_rng(n)
@@ -103,7 +100,7 @@ def test_branch_modes_match_each_other_and_decoding_alone(family_setup, n):
         stops.append([tok.decode(free.tokens[k - 2:k])] if j % 2 == 0 and len(free.tokens) >= k else [])
     refs = [_alone(engine, context, prefixes[j], limits[j], stops[j]) for j in range(n)]
     state = engine.prefill(context)
-    for mode in ("shared", "copy", "serial"):
+    for mode in ("shared", "serial"):
         gens = engine.decode_branches(state, prefixes, limits, stop=stops, mode=mode)
         for j, (g, r) in enumerate(zip(gens, refs)):
             assert g.tokens == r.tokens, (mode, j)
@@ -134,55 +131,51 @@ def test_identical_branches_greedy_and_sampling(setup):
     assert all(g.tokens == same[0].tokens[:6] for g in topp)  # tiny top_p keeps only the argmax
 
 
-def test_cache_bytes_shared_vs_copy(setup):
+def test_copy_fork_baseline_same_branches_more_bytes(setup):
+    """The bench's copy-fork baseline (bench/copy_fork.py) decodes the shared fork's greedy
+    branches, holding the prefix once per branch instead of once."""
     model, _, engine = setup
-    state = engine.prefill(_context(10, 40))
+    context = _context(10, 40)
+    state = engine.prefill(context)
     n = 8
-    engine.decode_branches(state, [[3]] * n, 4, mode="shared")
-    shared = engine.last_branch_stats.cache_bytes
-    engine.decode_branches(state, [[3]] * n, 4, mode="copy")
-    copy = engine.last_branch_stats.cache_bytes
+    prefixes = [[3 + j] for j in range(n)]
+    shared = engine.decode_branches(state, prefixes, 4, mode="shared")
+    shared_bytes = engine.last_branch_stats.cache_bytes
+    copied = decode_branches_copy(engine, state, prefixes, 4)
+    copy_bytes = engine.last_branch_stats.cache_bytes
+    assert [g.tokens for g in copied] == [g.tokens for g in shared] == \
+        [greedy_by_full_forward(model, context + p, 4) for p in prefixes]
     c = model.config
     per_tok = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4  # k+v, fp32
-    prefix, suffix = 64, engine.suffix_capacity   # the 40-token context is bucketed to 64 slots
-    assert shared == (prefix + n * suffix) * per_tok
-    assert copy == n * (prefix + suffix) * per_tok
+    prefix, suffix = 64, engine.child_capacity    # the 40-token context is bucketed to 64 slots
+    assert shared_bytes == (prefix + n * suffix) * per_tok
+    assert copy_bytes == n * (prefix + suffix) * per_tok
 
 
-def test_a_state_the_slot_no_longer_holds_is_restored_or_refused(setup):
-    """The engine holds one sequence (its core's one slot); a DecodeState is a value. A state whose
-    slot a later prefill took is prefilled again from its tokens; an older copy of a state (fewer
-    tokens) rolls the slot back; a joined state whose KV is gone raises. Every result is checked
-    against a plain full forward (no cache), so a stale slot could not pass."""
+def test_a_closed_sequence_is_refused(setup):
+    """A prefill closes the sequence the previous one opened: using it is refused (one line naming
+    the sequence), and the new one decodes as a plain full forward does."""
     model, _, engine = setup
     a_ctx, b_ctx = _context(30, 12), _context(31, 15)
     a = engine.prefill(a_ctx)
-    b = engine.prefill(b_ctx)                       # takes the slot from a
-    assert engine.generate(a, 6).tokens == greedy_by_full_forward(model, a_ctx, 6)
-    snap = copy.copy(b)
-    gb = engine.generate(b, 4)
-    assert gb.tokens == greedy_by_full_forward(model, b_ctx, 4)
-    assert engine.generate(snap, 5).tokens == greedy_by_full_forward(model, b_ctx, 5)   # slot rolled back
-    assert engine.generate(b, 3).tokens == greedy_by_full_forward(model, b_ctx + gb.tokens, 3)
-    gens = engine.decode_branches(a, [[5], [6]], 3)
-    engine.merge(a, [[5] + gens[0].tokens, [6] + gens[1].tokens])
-    engine.prefill(b_ctx)
-    with pytest.raises(EngineError, match="merge join whose KV is no longer"):
+    b = engine.prefill(b_ctx)
+    with pytest.raises(EngineError, match="closed"):
         engine.generate(a, 2)
+    assert engine.generate(b, 4).tokens == greedy_by_full_forward(model, b_ctx, 4)
 
 
-def test_new_params_reach_the_core(setup):
+def test_new_params_reach_the_engine(setup):
     """`engine.params = ...` (the RL trainer's in-process weight update) is what the next call
     decodes with: logits == a plain full forward with the new weights."""
-    model, _, engine = setup
-    old = engine.params
+    model, _, run = setup
+    old = run.engine.params
     new = jax.tree.map(lambda x: x * 1.25, old)
     seq = _context(32, 10)
     try:
-        engine.params = new
-        got = engine.step_logits(engine.prefill(seq))
+        run.engine.params = new
+        got = run.step_logits(run.prefill(seq))
     finally:
-        engine.params = old
+        run.engine.params = old
     full = np.asarray(jax.jit(forward, static_argnums=1)(new, model.config, jnp.asarray([seq])))[0, -1]
     assert np.abs(got - full).max() <= 1e-4
 
@@ -197,7 +190,7 @@ def test_stop_overshoot_and_errors(setup):
     assert g.overshoot == min(engine.decode_chunk, 12) - len(g.tokens)
     with pytest.raises(EngineError, match="empty"):
         engine.prefill([])
-    with pytest.raises(EngineError, match="max_branches"):
+    with pytest.raises(EngineError, match="max_children"):
         engine.decode_branches(engine.prefill(ctx), [[1]] * 17, 4)
     with pytest.raises(EngineError, match="max_branch_tokens"):
         engine.decode_branches(engine.prefill(ctx), [[1] * 40], 20)
@@ -205,13 +198,13 @@ def test_stop_overshoot_and_errors(setup):
         engine.prefill(list(range(3, 100)))
 
 
-def test_pallas_attention_gives_the_same_greedy_branches(setup, hf_untied):
+def test_pallas_attention_gives_the_same_greedy_branches(setup):
     """The fork's parent-prefix attention in the Pallas kernel (interpret mode on CPU) gives the
     XLA path's branches, and both equal each branch's greedy tokens from a plain full forward
     (the logits-level kernel check is tests/test_parent_prefix.py's)."""
     model, tok, xla_engine = setup
-    pallas = Engine(model, tok, max_seq_len=96, max_branches=16, max_branch_tokens=48, decode_chunk=8,
-                    prefill_chunk=32, eos_token_ids=[], attention_impl="pallas")
+    pallas = SingleRun(Engine(model, tok, **{**SHARED_ENGINES["engine_96"], "max_seqs": 1},
+                              attention_impl="pallas"))
     context = _context(21, 19)
     prefixes = [[7], [8, 9], [10, 11, 12]]
     limits = [5, 9, 7]
