@@ -11,6 +11,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -170,10 +171,10 @@ def run(args: argparse.Namespace) -> int:
             found, tried = plan_train.search(base, where, label, _progress)
             rows.extend(tried)
             if found is None:
-                biggest = base.__class__(**{**base.__dict__, "mesh": (1, where.chips, 1)})
+                biggest = dataclasses.replace(base, mesh=(1, where.chips, 1))
                 failures.append(f"search: no {where.chip.name} slice up to {where.name} ({where.booking}) and "
                                 f"no mesh on it fits {plan_train.program_name(base, label)}; "
-                                f"{plan_train.way_out(biggest, where, 0)}")
+                                f"{plan_train.way_out(biggest, where)}")
             else:
                 _progress(f"search: {found['topology']} ({found['accelerator_type']}) mesh "
                           f"{','.join(f'{k}={v}' for k, v in found['mesh'].items())} fits "

@@ -9,18 +9,22 @@ Memory per chip, as the step holds it (`memory_estimate`):
   * state: fp32 master weights + AdamW's two fp32 moments, each sharded by the rules table
     (train/mesh.py; a dimension that does not divide its mesh axis stays whole);
   * batch: the int32 / fp32 [B, T] rows, split over data x fsdp;
-  * gradients: fp32, sharded like the weights (twice with gradient accumulation: the running
-    sum and one microbatch's);
-  * gathered weights: FSDP gathers a layer's bf16 weights whole over fsdp (still split over
-    tensor) for its forward and backward, and its full fp32 weight gradient exists before the
-    reduce-scatter; the vocabulary projection and the embedding table likewise;
-  * activations: what the backward pass keeps per layer under the remat policy (full: the
-    layer's input; dots: also every projection's output; none: every intermediate), for all
-    layers, plus one layer's working set while its backward runs (recomputed intermediates,
-    their cotangents, the flash kernel's fp32 dq / dk / dv and lane-broadcast row statistics)
-    and the loss's working set (one chunk's fp32 logits and their cotangent).
-The working-set multipliers (`_LAYER_WORK`, `_LOSS_WORK`) are counts of [tokens, width] arrays
-read off XLA's TPU buffer assignment of the step; the rest is exact sizes.
+  * gradients: fp32, sharded like the weights (three copies with gradient accumulation: the
+    running sum, one microbatch's gradients and the next sum);
+  * saved activations: what the backward pass keeps per layer under the remat policy (full:
+    the layer's bf16 input; dots: also every projection's output; none: every intermediate),
+    for all layers;
+  * the backward pass's peak, the larger of two phases: the loss (the vocabulary projection
+    gathered whole over fsdp in bf16, its fp32 gradient before the reduce-scatter, one chunk's
+    fp32 logits, whose cotangent takes their place) or
+    one layer (its gathered bf16 weights and fp32 weight gradient, and the working set of its
+    recomputed forward and backward: [tokens, width] arrays and the flash kernel's fp32
+    gradients and lane-broadcast row statistics).
+The phase rule and the working-set counts (`_LAYER_WORK`, `_LOSS_WORK`) were read off XLA's TPU
+buffer assignment of the 7B step (a [3584, 152064] fp32 gradient, chunk logits, the stacked
+[28, 1, 8192, 3584] layer inputs); the rest is exact sizes. Small programs are not its subject:
+the TPU compiler keeps temporaries of tens of MiB in on-chip memory (VMEM), which
+`memory_analysis()` does not count as HBM.
 """
 from __future__ import annotations
 
@@ -102,9 +106,10 @@ def param_elements(config: Qwen2Config) -> dict[str, int]:
 
 # [tokens, width] arrays alive while one layer's backward runs (recomputed forward + cotangents),
 # in units of (tokens x E bf16, tokens x M bf16 per tensor shard, tokens x H*D fp32 per tensor
-# shard); and the loss chunk's fp32 [tokens, V] arrays alive at once (logits, their cotangent).
+# shard); and the loss chunk's fp32 [tokens, V] arrays alive at once (the logits, whose
+# cotangent takes their place).
 _LAYER_WORK = {"embed": 6.0, "mlp": 5.0, "heads_fp32": 4.0}
-_LOSS_WORK = 2.0
+_LOSS_WORK = 1.0
 
 
 def memory_estimate(s: StepShape) -> dict[str, float]:
@@ -117,7 +122,6 @@ def memory_estimate(s: StepShape) -> dict[str, float]:
     p_chip = sum(per_chip.values())
     layer_names = [k for k in gathered if k.startswith("layers/")]
     layer_gathered = sum(gathered[k] for k in layer_names) / c.num_hidden_layers
-    vocab_gathered = gathered["embed_tokens"] + gathered.get("lm_head/kernel", 0.0)
 
     rows = s.rows_per_chip
     n = rows * s.seq_len                                   # tokens per chip per microbatch
@@ -129,11 +133,8 @@ def memory_estimate(s: StepShape) -> dict[str, float]:
         "params": FP32 * p_chip,
         "adam": 2 * FP32 * p_chip,
         "batch": keys * INT32 * s.batch * s.seq_len / (mesh["data"] * mesh["fsdp"]),
-        "grads": FP32 * p_chip * (1 if s.grad_accum == 1 else 2),
-        # one layer's bf16 weights gathered, and its fp32 gradient before the reduce-scatter
-        "gathered_layer": (BF16 + FP32) * layer_gathered,
-        # the vocabulary projection gathered in bf16 + its fp32 gradient; the embedding's gradient
-        "gathered_vocab": (BF16 + FP32) * vocab_gathered,
+        # accumulating: the running sum, one microbatch's gradients and the sum's next value
+        "grads": FP32 * p_chip * (1 if s.grad_accum == 1 else 3),
     }
     # saved per layer for the backward pass
     if s.remat == "full":
@@ -143,14 +144,21 @@ def memory_estimate(s: StepShape) -> dict[str, float]:
     else:
         saved = BF16 * (4 * e + 3 * (hd + 2 * kvd) / tensor + 3 * m / tensor) + FP32 * 2 * e
     out["saved_activations"] = n * saved * c.num_hidden_layers
-    heads_local = c.num_attention_heads / (tensor if c.num_attention_heads % tensor == 0 else 1)
-    out["layer_working_set"] = n * (_LAYER_WORK["embed"] * BF16 * e
-                                   + _LAYER_WORK["mlp"] * BF16 * m / tensor
-                                   + _LAYER_WORK["heads_fp32"] * FP32 * hd / tensor
-                                   + 2 * FP32 * heads_local * LANES)
-    chunk = s.loss_chunk if 0 < s.loss_chunk < s.seq_len and s.seq_len % s.loss_chunk == 0 else s.seq_len
+    # The backward pass peaks either in the loss (vocabulary projection gathered in bf16, its
+    # fp32 gradient whole over fsdp, one chunk's fp32 logits; the embedding's own gradient
+    # stays sharded) or in a layer (its gathered weights and fp32 weight gradient, and its
+    # working set); only the larger of the two is counted.
+    chunked = 0 < s.loss_chunk < s.seq_len and s.seq_len % s.loss_chunk == 0
+    chunk = s.loss_chunk if chunked else s.seq_len
     vocab_local = c.vocab_size / (tensor if c.vocab_size % tensor == 0 else 1)
-    out["loss_working_set"] = rows * chunk * vocab_local * FP32 * _LOSS_WORK + n * e * (BF16 + FP32)
+    loss_phase = ((BF16 + FP32) * vocab_local * e
+                  + _LOSS_WORK * rows * chunk * vocab_local * FP32
+                  + n * e * (BF16 + FP32))
+    heads_local = c.num_attention_heads / (tensor if c.num_attention_heads % tensor == 0 else 1)
+    layer_phase = ((BF16 + FP32) * layer_gathered
+                   + n * (_LAYER_WORK["embed"] * BF16 * e + _LAYER_WORK["mlp"] * BF16 * m / tensor
+                          + _LAYER_WORK["heads_fp32"] * FP32 * hd / tensor + 2 * FP32 * heads_local * LANES))
+    out["peak_in_loss" if loss_phase >= layer_phase else "peak_in_layer"] = max(loss_phase, layer_phase)
     out["total"] = sum(out.values())
     return out
 

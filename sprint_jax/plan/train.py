@@ -148,10 +148,9 @@ def meshes(chips: int, shape: StepShape) -> list[tuple[int, int, int]]:
     return out
 
 
-def way_out(shape: StepShape, where: Slice, need: float) -> str:
+def way_out(shape: StepShape, where: Slice) -> str:
     """One concrete change that makes the step fit by the planner's estimate (several when
     cheap to name), in the CLI's own flags."""
-    limit = where.chip.hbm_bytes * SEARCH_FILL
     options: list[tuple[str, float]] = []
 
     def consider(label: str, s: StepShape, on: Slice = where):
@@ -208,7 +207,8 @@ def not_fit_line(row: dict, shape: StepShape, where: Slice) -> str:
     head = f"{row['program']} on {where.name} ({where.booking}, mesh {mesh})"
     if row["compiled"] and row["per_chip_bytes"]:
         used, limit = row["per_chip_bytes"]["total"], where.chip.hbm_bytes
-        what = f"needs {used / GIB:.1f} GiB per chip, {(used - limit) / GIB:.1f} GiB over the chip's {limit / GIB:g} GiB"
+        what = (f"needs {used / GIB:.1f} GiB per chip, {(used - limit) / GIB:.1f} GiB over the chip's "
+                f"{limit / GIB:g} GiB")
     elif oom and oom["used"] == oom["used"]:      # not NaN: the compiler gave its figures
         used, limit = oom["used"], oom["limit"]
         what = (f"does not fit: the TPU compiler needs {used / GIB:.1f} GiB per chip of {limit / GIB:.1f} GiB "
@@ -217,7 +217,7 @@ def not_fit_line(row: dict, shape: StepShape, where: Slice) -> str:
         used = row["estimate_bytes"]
         what = (f"does not fit: the compiler ran out of HBM (planner's estimate {used / GIB:.1f} GiB per chip "
                 f"of {where.chip.hbm_gib:g} GiB)")
-    return f"{head} {what}; {way_out(shape, where, used)}"
+    return f"{head} {what}; {way_out(shape, where)}"
 
 
 # ---------------------------------------------------------------------------------------------
