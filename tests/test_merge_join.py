@@ -12,22 +12,31 @@ import numpy as np
 import pytest
 
 from conftest import tiny_vocab_tokenizer
-from sprint_jax.infer import Engine, EngineError
-from sprint_jax.model import from_pretrained
+from sprint_jax.infer import programs
+from sprint_jax.infer.engine import Engine
+from sprint_jax.infer.requests import EngineError
+from sprint_jax.infer.single import SingleRun
+from sprint_jax.infer.slot_cache import SlotCache
 from sprint_jax.model.qwen2 import attend_partial, decoder, embed, unembed
 
 TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def model(hf_untied):
-    return from_pretrained(hf_untied)
+def model(tiny_model):
+    return tiny_model
 
 
 @pytest.fixture(scope="module")
 def engine(model):
-    return Engine(model, tiny_vocab_tokenizer(), max_seq_len=128, max_branches=4, max_branch_tokens=40,
-                  decode_chunk=4, prefill_chunk=16, eos_token_ids=[])
+    """Single-run calls on a one-sequence engine."""
+    return SingleRun(Engine(model, tiny_vocab_tokenizer(), max_seqs=1, max_children=4, max_seq_len=128,
+                            max_branch_tokens=40, decode_chunk=4, prefill_chunk=16, eos_token_ids=[]))
+
+
+def _slot_kv(engine: Engine, seq, n: int):
+    """The first n K and V rows of the sequence's parent slot, [L, n, Hkv, D] (the reference's layout)."""
+    return tuple(np.asarray(a)[:, seq.slot, :, :n].swapaxes(1, 2) for a in (engine.cache.pk, engine.cache.pv))
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -104,8 +113,7 @@ def test_merged_planner_cache_equals_a_dense_forward_with_the_merge_mask(model, 
     assert state.tokens == toks
     ref_logits, ref_k, ref_v = reference(model, toks, pos, mask)
     n = state.length
-    k = np.asarray(state.cache.k)[:, 0, :n]
-    v = np.asarray(state.cache.v)[:, 0, :n]
+    k, v = _slot_kv(engine.engine, state, n)
     np.testing.assert_allclose(k, ref_k[:, :n], atol=TOL, rtol=0)
     np.testing.assert_allclose(v, ref_v[:, :n], atol=TOL, rtol=0)
     # row t of extend_logits predicts plan[t]: the reference rows just before each plan token
@@ -139,60 +147,16 @@ def test_join_logits_sample_the_first_planner_token_and_rollback_is_bounded(engi
     assert state.after_join and engine.generate(state, 3).tokens == g.tokens
     with pytest.raises(EngineError, match="fixed by a merge join"):
         engine.truncate(state, joined - 1)
-    with pytest.raises(EngineError, match="fork just decoded"):
+    with pytest.raises(EngineError, match="fork just finished"):
         engine.merge(state, branches)
 
 
-STAGES = [([_ids(1, 2), _ids(2, 3), _ids(3, 1)], [5, 2, 7], _ids(4, 6)),
-          ([_ids(5, 2), _ids(6, 2)], [3, 6], _ids(7, 4))]
-
-
-def test_batched_engine_merge_equals_the_reference_and_the_single_run_engine(model, engine):
-    """The same two stages on the batched engine (children's slot rows copied into the parent slot):
-    the parent slot's K/V equals the dense reference, and tokens, join logits and the planner's
-    greedy continuation equal the single-run engine's."""
-    from sprint_jax.infer.batch import BatchEngine
-
-    batch = BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=2, max_children=4, max_seq_len=128,
-                        max_branch_tokens=40, decode_chunk=4, prefill_chunk=16, eos_token_ids=[], min_bucket=16)
-    ctx = _ids(0, 11)
-    op = batch.open(ctx)
-    batch.run([op])
-    seq = op.result
-    single = engine.prefill(ctx)
-    segments = [("planner", ctx)]
-    for stage, (prefixes, limits, plan) in enumerate(STAGES):
-        op = batch.fork(seq, prefixes, limits)
-        batch.run([op])
-        gens = engine.decode_branches(single, prefixes, limits)
-        assert [g.tokens for g in op.result] == [g.tokens for g in gens]
-        branches = [p + g.tokens for p, g in zip(prefixes, gens)]
-        branches[0] = branches[0] + _ids(8 + stage, 2)
-        batch.merge(seq, branches)
-        engine.merge(single, branches)
-        assert seq.tokens == single.tokens and seq.pos_offset == single.pos_offset
-        np.testing.assert_allclose(np.asarray(seq.join_logits), np.asarray(single.join_logits), atol=TOL, rtol=0)
-        segments += [("stage", branches), ("planner", plan)]
-        batch.extend(seq, plan)
-        batch.run()                     # an extend ends at once; the next step writes its tokens
-        engine.extend(single, plan)
-    toks, pos, mask = merged_layout(segments)
-    _, ref_k, ref_v = reference(model, toks, pos, mask)
-    n = seq.length
-    np.testing.assert_allclose(np.asarray(batch.cache.pk)[:, seq.slot, :, :n].swapaxes(1, 2), ref_k[:, :n], atol=TOL, rtol=0)
-    np.testing.assert_allclose(np.asarray(batch.cache.pv)[:, seq.slot, :, :n].swapaxes(1, 2), ref_v[:, :n], atol=TOL, rtol=0)
-    op = batch.generate(seq, 6)
-    batch.run([op])
-    assert op.result.tokens == engine.generate(single, 6).tokens
-
-
 def test_batched_merge_is_one_call_compiled_ahead_and_long_tails_run_in_chunks(model):
-    """BatchEngine.merge: after `warm_merge` a merge of the warmed shape compiles nothing and is one
+    """Engine.merge: after `warm_merge` a merge of the warmed shape compiles nothing and is one
     call (tails + copy fused); the warm-up's padding rows write nothing; a tail longer than
     prefill_chunk runs its leading chunks first. Reference: the dense merge-mask forward."""
-    from sprint_jax.infer.batch import BatchEngine, _merge
-
-    batch = BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=1, max_children=4, max_seq_len=48,
+    _merge = programs.merge
+    batch = Engine(model, tiny_vocab_tokenizer(), max_seqs=1, max_children=4, max_seq_len=48,
                         max_branch_tokens=12, decode_chunk=4, prefill_chunk=4, eos_token_ids=[], min_bucket=16)
     # (parent 16, 32) x child 16 x tail 1, and the copy alone at child 16 (any number of children)
     assert batch.warm_merge(children=3, max_parent_len=30, tails=(1,)) == 2 + 1
@@ -235,12 +199,12 @@ def test_batched_merge_is_one_call_compiled_ahead_and_long_tails_run_in_chunks(m
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_join_copy_places_each_childs_rows_and_writes_nothing_else(dtype):
-    """`_copy_join` (the merge join's copy) against numpy indexing: child j's slots (child 0's from
+    """`copy_join` (the merge join's copy) against numpy indexing: child j's slots (child 0's from
     slot 0, the parent's pending token; the others' from slot 1) land in the parent's slot at
     p0 + len_0 + .. + len_{j-1} + t, in child order; with a window that would pass the parent's
     capacity (w=16 here: it is placed earlier and the rows shifted in it) the same; a meta with no
     child writes nothing, and no other slot or the child arrays change. bf16 moves exactly."""
-    from sprint_jax.infer.batch import SlotCache, _copy_join
+    _copy_join = programs.copy_join
 
     rng = np.random.default_rng(0)
     n_layers, slots, g, cap, ccap = 2, 3, 3, 24, 16
@@ -273,9 +237,8 @@ def test_a_join_fork_runs_its_last_tokens_so_the_merge_runs_no_model_call(model)
     the repair: the token before it was fed), on the last child too (the join logits then come from
     that run). Tokens equal a plain fork's; K/V and every join's logits == the dense merge-mask
     forward (`merged_layout` + `reference`), 1e-4."""
-    from sprint_jax.infer.batch import BatchEngine, _copy_join, _merge
-
-    batch = BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=1, max_children=4, max_seq_len=48,
+    _copy_join, _merge = programs.copy_join, programs.merge
+    batch = Engine(model, tiny_vocab_tokenizer(), max_seqs=1, max_children=4, max_seq_len=48,
                         max_branch_tokens=12, decode_chunk=4, prefill_chunk=4, eos_token_ids=[], min_bucket=16)
     batch.warm_merge(children=3, max_parent_len=30, tails=(1,))
     compiled = (_merge._cache_size(), _copy_join._cache_size())
@@ -326,14 +289,12 @@ def test_a_join_fork_runs_its_last_tokens_so_the_merge_runs_no_model_call(model)
 
 
 def test_flush_writes_a_sync_now_only_when_nothing_else_is_in_flight(model):
-    """BatchEngine.flush_sync (the end of the orchestrator's sync, so that sync_s holds the join's
+    """Engine.flush_sync (the end of the orchestrator's sync, so that sync_s holds the join's
     cost): a queued extend of more than a decode chunk is written at once, the same K/V as the
     step that would write it; with another sequence live, or a short extend (it rides the next
     decode chunk), nothing happens."""
-    from sprint_jax.infer.batch import BatchEngine
-
     def engine():
-        return BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=2, max_children=1, max_seq_len=64,
+        return Engine(model, tiny_vocab_tokenizer(), max_seqs=2, max_children=1, max_seq_len=64,
                            max_branch_tokens=8, decode_chunk=4, prefill_chunk=8, eos_token_ids=[], min_bucket=16)
 
     a, b = engine(), engine()
@@ -365,70 +326,29 @@ def test_flush_writes_a_sync_now_only_when_nothing_else_is_in_flight(model):
                                    atol=TOL, rtol=0)
 
 
-def test_batched_generate_right_after_a_join_samples_from_the_join_logits(model, engine):
-    from sprint_jax.infer.batch import BatchEngine
-    from sprint_jax.infer.sampling import Sampling
+def test_a_sampled_generate_right_after_a_join_follows_the_join_logits(model, engine):
+    """The first token after a merge join is sampled from the join logits, every later one from
+    the planner's own logits, with the documented key stream (fold_in(fold_in(key(seed), 0), step)):
+    each token == sample_tokens of the dense merge-mask forward's row before it."""
+    from sprint_jax.infer.sampling import Sampling, mask_padded, sample_tokens
 
-    batch = BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=1, max_children=2, max_seq_len=96,
-                        max_branch_tokens=24, decode_chunk=4, prefill_chunk=16, eos_token_ids=[], min_bucket=16)
-    op = batch.open(_ids(20, 7))
-    batch.run([op])
-    seq = op.result
-    single = engine.prefill(_ids(20, 7))
+    ctx = _ids(20, 7)
+    state = engine.prefill(ctx)
     prefixes = [_ids(21, 2), _ids(22, 3)]
-    op = batch.fork(seq, prefixes, 3)
-    batch.run([op])
-    gens = engine.decode_branches(single, prefixes, 3)
+    gens = engine.decode_branches(state, prefixes, 3)
     branches = [p + g.tokens for p, g in zip(prefixes, gens)]
-    batch.merge(seq, branches)
-    engine.merge(single, branches)
+    engine.merge(state, branches)
     with pytest.raises(EngineError, match="right after a merge join"):
-        batch.fork(seq, [[3]], 2)
+        engine.decode_branches(state, [[3]], 2)
     s = Sampling(temperature=1.0, seed=7)
-    op = batch.generate(seq, 5, sampling=s)
-    batch.run([op])
-    assert op.result.tokens == engine.generate(single, 5, sampling=s).tokens
-
-
-def test_a_joins_copy_rides_the_next_decode_call_and_equals_the_copy_run_alone(model):
-    """After a merge whose tokens all ran in their branches, the copy is left pending and runs
-    inside the planner's next decode call (a cond at its start); the same join with the copy run
-    first on its own (reading `cache` runs it) gives the same tokens and the same K/V. A join
-    pending when its sequence closes is dropped (nothing reads that slot)."""
-    from sprint_jax.infer.batch import BatchEngine
-
-    def joined():
-        e = BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=1, max_children=3, max_seq_len=48,
-                        max_branch_tokens=12, decode_chunk=4, prefill_chunk=8, eos_token_ids=[], min_bucket=16)
-        op = e.open(_ids(70, 9))
-        e.run([op])
-        seq = op.result
-        prefixes = [_ids(71, 1), _ids(72, 2), _ids(73, 1)]
-        op = e.fork(seq, prefixes, [3, 2, 4], join=True)
-        e.run([op])
-        e.merge(seq, [p + g.tokens for p, g in zip(prefixes, op.result)])
-        assert e.last_join_tokens == 0 and e._pending_join is not None
-        return e, seq
-
-    fused, f_seq = joined()
-    alone, a_seq = joined()
-    alone.cache                                                     # runs the pending copy now
-    assert alone.stats["join_copies_alone"] == 1 and alone._pending_join is None
-    results = []
-    for e, seq in ((fused, f_seq), (alone, a_seq)):
-        op = e.generate(seq, 6)
-        e.run([op])
-        results.append(op.result.tokens)
-    assert fused.stats["join_copies_fused"] == 1 and fused.stats["join_copies_alone"] == 0
-    assert results[0] == results[1] and len(results[0]) == 6
-    n = f_seq.length
-    for x, y in ((fused.cache.pk, alone.cache.pk), (fused.cache.pv, alone.cache.pv)):
-        np.testing.assert_array_equal(np.asarray(x)[:, f_seq.slot, :, :n], np.asarray(y)[:, a_seq.slot, :, :n])
-    dropped, seq = joined()
-    dropped.close(seq)
-    assert dropped._pending_join is None
-    dropped.cache
-    assert dropped.stats["join_copies_alone"] == dropped.stats["join_copies_fused"] == 0
+    got = engine.generate(state, 5, sampling=s).tokens
+    toks, pos, mask = merged_layout([("planner", ctx), ("stage", branches), ("planner", got)])
+    logits, _, _ = reference(model, toks, pos, mask)
+    first = len(ctx) + sum(map(len, branches)) - 1            # the row that predicts the first planner token
+    for k, t in enumerate(got):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(s.seed), 0), k)
+        row = mask_padded(jnp.asarray(logits[first + k]), engine.n_valid)
+        assert t == int(sample_tokens(row[None], key[None], s.temperature, s.top_k, s.top_p, False)[0]), k
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,8 +388,8 @@ def test_engine_through_fork_branches_and_merge_gives_the_merge_layout_logits():
     ptoks = [t.ids for t in D.tokenize_pieces(tok, ex, pieces)]
     assert [t for p in ptoks for t in p] == item.tokens.tolist()
     with_prompts = {s.index for s in traj.stages if any(isinstance(x, fmt.Prompt) for x in s.plan)}
-    engine = Engine(Qwen2(cfg, params=params), tok, max_seq_len=512, max_branches=4, max_branch_tokens=64,
-                    decode_chunk=4, prefill_chunk=32, eos_token_ids=[])
+    engine = SingleRun(Engine(Qwen2(cfg, params=params), tok, max_seqs=1, max_seq_len=512, max_children=4,
+                              max_branch_tokens=64, decode_chunk=4, prefill_chunk=32, eos_token_ids=[]))
     got = np.full((len(item), cfg.vocab_size), np.nan, np.float32)   # logits predicting token t
     state = engine.prefill(ptoks[0][:1])
     got[1: len(ptoks[0])] = engine.extend_logits(state, ptoks[0][1:])
@@ -512,8 +432,8 @@ def test_merge_and_reprefill_give_identical_records_when_every_stage_has_one_exe
     from test_orchestrator import ForcedPlanner, _untimed
     from sprint_jax.infer.orchestrator import OrchestratorConfig, run_query
 
-    engine = Engine(model, tiny_vocab_tokenizer(), max_seq_len=320, max_branches=2, max_branch_tokens=40,
-                    decode_chunk=8, prefill_chunk=32, eos_token_ids=[])
+    engine = Engine(model, tiny_vocab_tokenizer(), max_seqs=1, max_seq_len=320, max_children=2,
+                    max_branch_tokens=40, decode_chunk=8, prefill_chunk=32, eos_token_ids=[])
     planner = ["<Plan_1> first <prompt_1.1> a </prompt_1.1> </Plan_1>",
                "\n<Plan_2> then <prompt_2.1> b </prompt_2.1> </Plan_2>"]
     recs = {}
