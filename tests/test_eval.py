@@ -132,16 +132,9 @@ def test_live_display_shows_executors_side_by_side():
 # ---------------------------------------------------------------------------------------------
 # A tiny real checkpoint (random weights: accuracy 0; the checks are structure and consistency)
 # ---------------------------------------------------------------------------------------------
-ENGINE_KW = dict(max_seq_len=224, max_branches=2, max_branch_tokens=40, decode_chunk=8, prefill_chunk=32)
-
-
-@pytest.fixture(scope="module")
-def real_engine(hf_untied):
-    from conftest import tiny_vocab_tokenizer
-    from sprint_jax.infer import Engine
-    from sprint_jax.model import from_pretrained
-
-    return Engine(from_pretrained(hf_untied), tiny_vocab_tokenizer(), eos_token_ids=[], **ENGINE_KW)
+@pytest.fixture
+def real_engine(engine_224):
+    return engine_224
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +145,7 @@ def task_file(tmp_path_factory):
     return path
 
 
-def test_real_model_eval_structure(real_engine, task_file, tmp_path):
+def test_real_model_eval_structure(real_engine, alone_224, task_file, tmp_path):
     from sprint_jax.tasks import load_task_file
 
     tasks = load_task_file(task_file, "math", limit=3)
@@ -172,7 +165,7 @@ def test_real_model_eval_structure(real_engine, task_file, tmp_path):
         # the record's text is what the engine decodes alone from the same prompt
         rec = json.loads((tmp_path / mode / "records.jsonl").read_text().splitlines()[0])
         limit = 16 if mode == "sequential" else 10
-        ref = real_engine.generate(real_engine.prefill(real_engine.encode(tasks[0].problem)), limit)
+        ref = alone_224.generate(alone_224.prefill(alone_224.encode(tasks[0].problem)), limit)
         assert rec["text"] == ref.text and rec["total_tokens"] == len(ref.tokens)
 
 
@@ -260,15 +253,15 @@ def test_eval_into_an_existing_out_with_another_setup_is_refused(tmp_path):
 def test_resuming_with_other_weights_is_refused(real_engine, hf_tied, task_file, tmp_path):
     """Same path, same flags, different weights (a model retrained in place): the results on disk
     were not made by this model, so resuming would mix two models in one report."""
-    from conftest import tiny_vocab_tokenizer
+    from conftest import SHARED_ENGINES, tiny_vocab_tokenizer
     from sprint_jax.tasks import load_task_file
     from sprint_jax.errors import UserError
-    from sprint_jax.infer import Engine
+    from sprint_jax.infer.engine import Engine
     from sprint_jax.model import from_pretrained
 
     tasks = load_task_file(task_file, "math", limit=1)
     cfg = OrchestratorConfig(max_planner_tokens=4, max_branch_tokens=4, max_total_tokens=4)
     evaluate(real_engine, tasks, "sequential", orchestrator_config=cfg, out_dir=tmp_path, progress=False)
-    other = Engine(from_pretrained(hf_tied), tiny_vocab_tokenizer(), eos_token_ids=[], **ENGINE_KW)
+    other = Engine(from_pretrained(hf_tied), tiny_vocab_tokenizer(), **SHARED_ENGINES["engine_224"])
     with pytest.raises(UserError, match=r"differs in: weights"):
         evaluate(other, tasks, "sequential", orchestrator_config=cfg, out_dir=tmp_path, progress=False)

@@ -1,5 +1,5 @@
 """`eval --concurrency`: results.jsonl is the same at concurrency 1, 4 and 16 (timings
-aside) and equals the single-run path's; `eval compare` shows wall clock per problem, per correct
+aside); `eval compare` shows wall clock per problem, per correct
 answer and the concurrency of each run."""
 from __future__ import annotations
 
@@ -35,18 +35,17 @@ def test_scripted_eval_results_do_not_depend_on_concurrency(tmp_path):
 
 def test_real_model_eval_results_do_not_depend_on_concurrency(hf_untied, tmp_path, capsys):
     from conftest import tiny_vocab_tokenizer
-    from sprint_jax.infer import Engine
-    from sprint_jax.infer.batch import BatchEngine
+    from sprint_jax.infer.engine import Engine
     from sprint_jax.model import from_pretrained
 
     model, tok = from_pretrained(hf_untied), tiny_vocab_tokenizer()
     caps = dict(max_seq_len=48, max_branch_tokens=24, decode_chunk=8, prefill_chunk=32, eos_token_ids=[])
     tasks = [Task(f"t{k}", "math", f"What is {k}+{k % 7}?", str(k + k % 7)) for k in range(12)]
     cfg = OrchestratorConfig(max_planner_tokens=10, max_total_tokens=14)
-    evaluate(Engine(model, tok, max_branches=2, **caps), tasks, "parallel", orchestrator_config=cfg,
-             out_dir=tmp_path / "single", progress=False)
+    batch = Engine(model, tok, max_seqs=16, max_children=2, **caps)
+    evaluate(batch, tasks, "parallel", orchestrator_config=cfg, out_dir=tmp_path / "single", progress=False,
+             concurrency=1)
     ref = _lines(tmp_path / "single")
-    batch = BatchEngine(model, tok, max_seqs=16, max_children=2, **caps)
     for c in (1, 4, 16):
         evaluate(batch, tasks, "parallel", orchestrator_config=cfg, out_dir=tmp_path / f"c{c}", progress=False,
                  concurrency=c)

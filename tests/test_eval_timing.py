@@ -59,11 +59,11 @@ def test_real_model_compile_accounting_changes_no_record(hf_untied, tmp_path):
     the warm one not at all, and every result and record is the same apart from the timings."""
     from conftest import tiny_vocab_tokenizer
     from sprint_jax.eval.report import untimed
-    from sprint_jax.infer.batch import BatchEngine
+    from sprint_jax.infer.engine import Engine
     from sprint_jax.model import from_pretrained
 
-    engine = BatchEngine(from_pretrained(hf_untied), tiny_vocab_tokenizer(), max_seqs=2, max_children=2,
-                         max_seq_len=48, max_branch_tokens=16, decode_chunk=8, prefill_chunk=32, eos_token_ids=[])
+    engine = Engine(from_pretrained(hf_untied), tiny_vocab_tokenizer(), max_seqs=2, max_children=2,
+                    max_seq_len=48, max_branch_tokens=16, decode_chunk=8, prefill_chunk=32, eos_token_ids=[])
     tasks = [Task(f"t{k}", "math", f"What is {k}+{k}?", str(2 * k)) for k in range(3)]
     cfg = OrchestratorConfig(max_planner_tokens=8, max_branch_tokens=6, max_total_tokens=12)
     runs = {}

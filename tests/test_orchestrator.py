@@ -85,7 +85,7 @@ class ScriptedEngine:
         self.max_seq_len = max_seq_len
         self.max_branches = max_branches
         self.max_branch_tokens = max_branch_tokens
-        self.max_seqs = 64
+        self.max_seqs = 1                  # one run at a time, as a one-slot engine
         self.eos_token_ids = [0]
         self.calls: list[dict] = []        # what each call saw (for assertions)
         self.generated = 0                 # every token any call generated

@@ -1,5 +1,6 @@
-"""The orchestrator as a generator: the single-run driver and the many-runs driver give
-identical RunRecords (timings aside), on scripted planners and on the real tiny checkpoint."""
+"""The orchestrator as a generator: runs advanced alone (concurrency 1) and many at once, in any
+interleaving, give identical RunRecords (timings aside), on scripted planners and on the real
+tiny checkpoint."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,12 +8,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from conftest import tiny_vocab_tokenizer
-from sprint_jax.infer import Engine
-from sprint_jax.infer.batch import BatchEngine
-from sprint_jax.infer.engine import EngineError
+from sprint_jax.infer.requests import EngineError
 from sprint_jax.infer.orchestrator import Orchestrator, OrchestratorConfig, RunRecord, run_many
-from sprint_jax.model import from_pretrained
 from test_orchestrator import DRUG_EXECUTORS, DRUG_PLANNER, ScriptedEngine, WordTokenizer
 
 TIMINGS = ("wall_s", "planner_s", "executors_s", "sync_s", "final_s", "branch_cache_bytes")
@@ -39,9 +36,9 @@ class _Op:
 
 
 class ScriptedBatch:
-    """The BatchEngine interface over one ScriptedEngine per sequence (its script chosen by the
-    query text): each operation completes after a random number of steps, so runs interleave in
-    every order. Validation errors are raised at submit time, as BatchEngine does."""
+    """The Engine interface over one ScriptedEngine per sequence (its script chosen by the query
+    text): each operation completes after a random number of steps, so runs interleave in every
+    order. Validation errors are raised at submit time, as Engine does."""
 
     def __init__(self, scripts: dict[str, tuple[list[str], dict]], seed: int = 0, **caps):
         self.tokenizer = WordTokenizer()
@@ -72,8 +69,7 @@ class ScriptedBatch:
         planner, executors = self.scripts[self.decode_text(tokens)]
         eng = ScriptedEngine(list(planner), dict(executors), **self.caps)
         eng.tokenizer = self.tokenizer
-        state = eng.prefill(tokens)
-        state.closed = False
+        state = eng.open(tokens).result
         self.engines[id(state)] = eng
         return self._op("open", state, lambda: state)
 
@@ -81,15 +77,15 @@ class ScriptedBatch:
         eng = self._engine(seq)
         if len(seq.tokens) + limit > eng.max_seq_len:
             raise EngineError("generate would exceed max_seq_len")
-        return self._op("generate", seq, lambda: eng.generate(seq, limit, stop, sampling))
+        return self._op("generate", seq, lambda: eng.generate(seq, limit, stop, sampling).result)
 
-    def fork(self, seq, prefixes, limits, stops, sampling):
+    def fork(self, seq, prefixes, limits, stops, sampling, **kw):
         eng = self._engine(seq)
-        return self._op("fork", seq, lambda: eng.decode_branches(seq, prefixes, limits, stops, sampling))
+        return self._op("fork", seq, lambda: eng.fork(seq, prefixes, limits, stops, sampling, **kw).result)
 
     def extend(self, seq, tokens):
         eng = self._engine(seq)
-        return self._op("extend", seq, lambda: eng.extend(seq, tokens))
+        return self._op("extend", seq, lambda: eng.extend(seq, tokens).result)
 
     def truncate(self, seq, n):
         return self._engine(seq).truncate(seq, n)
@@ -120,7 +116,7 @@ def _variant(k: int):
 
 
 @pytest.mark.parametrize("layout", ["flat", "trie"])
-def test_scripted_runs_give_identical_records_under_both_drivers(layout):
+def test_scripted_runs_give_identical_records_in_any_interleaving(layout):
     scripts = {f"Q{k}: propose a lead.": _variant(k) for k in range(10)}
     cfg = OrchestratorConfig(layout=layout, max_planner_tokens=60, max_branch_tokens=40)
     alone = [Orchestrator(ScriptedEngine(*scripts[q]), cfg).run(q, "parallel") for q in scripts]
@@ -131,12 +127,8 @@ def test_scripted_runs_give_identical_records_under_both_drivers(layout):
     assert {r.termination for r in alone} >= {"final_answer", "eos", "planner_token_limit"}
 
 
-def test_real_checkpoint_runs_give_identical_records_under_both_drivers(hf_untied):
-    model = from_pretrained(hf_untied)
-    tok = tiny_vocab_tokenizer()
-    caps = dict(max_seq_len=96, max_branch_tokens=48, decode_chunk=8, prefill_chunk=32, eos_token_ids=[])
-    single = Engine(model, tok, max_branches=4, **caps)
-    batch = BatchEngine(model, tok, max_seqs=4, max_children=4, **caps)
+def test_real_checkpoint_runs_give_identical_records_alone_and_together(engine_96):
+    single = batch = engine_96
     rng = np.random.default_rng(0)
     queries = ["".join(rng.choice(list("abcdefgh xyz")) for _ in range(int(n))) for n in rng.integers(3, 30, 5)]
     for mode in ("parallel", "serial", "sequential"):
