@@ -32,7 +32,7 @@ def stage_model(tmp_path_factory):
     from sprint_jax.config import from_dict
     from sprint_jax.curation.config import CurateConfig
     from sprint_jax.curation.pipeline import run_pipeline
-    from sprint_jax.demo import DemoConfig, _vocabulary
+    from sprint_jax.tasks.chains import token_vocabulary
     from sprint_jax.model.tokenizer import VocabTokenizer
     from sprint_jax.train.config import TrainConfig
     from sprint_jax.train.trainer import train
@@ -45,7 +45,7 @@ def stage_model(tmp_path_factory):
     run_pipeline(cur, out / "curate", progress=False)
     rows = [json.loads(line) for line in (out / "curate" / "sprint.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in rows] == QUERIES
-    tok = VocabTokenizer(_vocabulary(DemoConfig(chains=4)), eos_token="<eos>", pad_token="<pad>")
+    tok = VocabTokenizer(token_vocabulary(max_prompts=4), eos_token="<eos>", pad_token="<pad>")
     model = {"model_type": "qwen2", "vocab_size": (len(tok) + 7) // 8 * 8, "hidden_size": 64,
              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
              "max_position_embeddings": 256, "tie_word_embeddings": False, "eos_token_id": tok.eos_token_id}

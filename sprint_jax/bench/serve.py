@@ -233,13 +233,14 @@ def _demo_model(seed: int, n: int):
     import jax
 
     from sprint_jax.config import CONFIG_DIR, load_config, to_dict
-    from sprint_jax.demo import DemoConfig, _vocabulary
+    from sprint_jax.demo import DemoConfig
+    from sprint_jax.tasks.chains import token_vocabulary
     from sprint_jax.model import Qwen2, Qwen2Config, init_params
     from sprint_jax.model.tokenizer import VocabTokenizer
     from sprint_jax.tasks import chains
 
     cfg = load_config(DemoConfig, CONFIG_DIR / "demo.yaml")
-    tok = VocabTokenizer(_vocabulary(cfg), eos_token="<eos>", pad_token="<pad>")
+    tok = VocabTokenizer(token_vocabulary(max_prompts=cfg.chains), eos_token="<eos>", pad_token="<pad>")
     config = Qwen2Config.from_hf_config({"model_type": "qwen2", "vocab_size": (len(tok) + 7) // 8 * 8,
                                          **to_dict(cfg.model), "max_position_embeddings": cfg.seq_len,
                                          "tie_word_embeddings": False, "eos_token_id": tok.eos_token_id})
