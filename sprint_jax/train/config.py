@@ -14,6 +14,10 @@ from sprint_jax.config import ConfigError, load_config, to_dict
 from sprint_jax.dtypes import DType
 from sprint_jax.format import Layout
 
+# A shorter row bucket's length must be a multiple of this: the GPU flash tile and the TPU splash
+# block are 128 rows (model/attention.py default_blocks); a row is padded up to whole tiles.
+BUCKET_MULTIPLE = 128
+
 SPAN_WEIGHTS_DEFAULT = {"query": 0.0, "plan": 1.0, "prompt": 1.0, "execution": 1.0, "answer": 1.0, "tag": 1.0}
 
 
@@ -48,10 +52,20 @@ class PairedSection:
 @dataclasses.dataclass
 class DataSection:
     """Examples -> packed token rows (docs/design.md "Training": span-masked loss, flat, trie or
-    merge layout)."""
+    merge layout).
+
+    `buckets` (row lengths, ascending, the last = seq_len; [] = one bucket of seq_len, the
+    unbucketed stream): each example goes to the smallest bucket that holds it and is packed with
+    the others of its bucket; a step's batch comes from one bucket, so there is one compiled step
+    shape per bucket (up to 4 more with trim_rows). Token budget rule: `optim.batch_size` counts
+    rows of the longest bucket (seq_len); a bucket of length L takes batch_size * seq_len / L rows,
+    so every step holds about the same number of tokens. Every bucket but the last must be a
+    multiple of BUCKET_MULTIPLE (the attention kernels' tile: shorter rows are padded to it) and
+    divide seq_len (a whole number of rows per step)."""
     train: list[str] = dataclasses.field(default_factory=list)  # jsonl files of Examples
     layout: Layout = "flat"                    # flat = paper (one sequence); trie = inference calls; merge = merge join
-    seq_len: int = 2048                        # tokens per packed row
+    seq_len: int = 2048                        # tokens per packed row (with buckets: the longest row)
+    buckets: list[int] = dataclasses.field(default_factory=list)  # row lengths; [] = [seq_len] (docstring)
     overlong: Literal["drop", "truncate"] = "drop"  # an example longer than seq_len
     span_weights: dict[str, float] = dataclasses.field(default_factory=lambda: dict(SPAN_WEIGHTS_DEFAULT))
     tokenizer: str = "auto"                    # auto | qwen2 | bytes | a tokenizer directory
@@ -67,6 +81,8 @@ class DataSection:
 
         if self.seq_len < 2:
             raise ValueError("seq_len must be >= 2")
+        if self.buckets:
+            self._check_buckets()
         if self.pack_open_rows < 1:
             raise ValueError("pack_open_rows must be >= 1")
         unknown = sorted(set(self.span_weights) - set(SPAN_KINDS))
@@ -80,6 +96,28 @@ class DataSection:
             raise ValueError("span_weights are all zero: nothing would be trained")
 
 
+    def _check_buckets(self) -> None:
+        b = self.buckets
+        if any(not isinstance(x, int) or isinstance(x, bool) for x in b):
+            raise ValueError(f"buckets must be a list of integers (row lengths), got {b}")
+        if any(y <= x for x, y in zip(b, b[1:])):
+            raise ValueError(f"buckets must be strictly ascending, got {b}")
+        if b[-1] != self.seq_len:
+            raise ValueError(f"the largest of buckets ({b[-1]}) must equal data.seq_len ({self.seq_len})")
+        for x in b[:-1]:
+            if x < BUCKET_MULTIPLE or x % BUCKET_MULTIPLE:
+                raise ValueError(f"bucket {x} is not a multiple of {BUCKET_MULTIPLE} (the attention "
+                                 f"kernels' tile)")
+            if self.seq_len % x:
+                raise ValueError(f"bucket {x} does not divide data.seq_len ({self.seq_len}), so a step "
+                                 f"of it cannot hold a whole number of rows")
+
+    @property
+    def row_buckets(self) -> list[int]:
+        """The row lengths in use: `buckets`, or [seq_len] when none are given."""
+        return list(self.buckets) or [self.seq_len]
+
+
 @dataclasses.dataclass
 class OptimSection:
     """optax AdamW, linear warmup then cosine decay, global-norm clipping."""
@@ -91,7 +129,7 @@ class OptimSection:
     b2: float = 0.95
     eps: float = 1e-8
     clip_norm: float = 1.0                     # global gradient norm clip (0 = off)
-    batch_size: int = 8                        # rows of seq_len tokens per optimizer step (global)
+    batch_size: int = 8                        # rows of seq_len tokens per optimizer step (global; data.buckets)
     grad_accum: int = 1                        # microbatches per step (batch_size % grad_accum == 0)
 
     def __post_init__(self) -> None:
@@ -179,6 +217,10 @@ class TrainConfig:
         chunk, t = self.model.loss_chunk, self.data.seq_len
         if 0 < chunk < t and t % chunk:
             raise ValueError(f"model.loss_chunk ({chunk}) must divide data.seq_len ({t}) (or be 0)")
+        for b in self.data.row_buckets:
+            if 0 < chunk < b and b % chunk:
+                raise ValueError(f"model.loss_chunk ({chunk}) must divide every data.buckets length "
+                                 f"longer than it; {b} is not a multiple (or set loss_chunk 0)")
 
     def to_dict(self) -> dict:
         return to_dict(self)

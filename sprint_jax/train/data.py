@@ -426,10 +426,28 @@ class DataStats:
     paired_with: list[str] = dataclasses.field(default_factory=list)
     tokens: int = 0
     loss_tokens: int = 0
+    dropped_empty: int = 0               # laid out to no token at all (nothing to train)
     first_skip_reasons: list[str] = dataclasses.field(default_factory=list)
     tokens_by_label: dict[str, int] = dataclasses.field(default_factory=dict)
+    max_len: int = 0                     # the longest row (data.seq_len): longer examples are over-long
+    buckets: dict[str, dict] = dataclasses.field(default_factory=dict)  # per row length: examples, tokens
 
     used_prompts: list[str] = dataclasses.field(default_factory=list, repr=False)  # for the fingerprint
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Examples read but not trained on, by reason (truncated ones are trained, so not here)."""
+        return {"unparsable": self.skipped_unparsable, "overlong": self.dropped_overlong,
+                "paired": self.dropped_paired, "empty": self.dropped_empty}
+
+    def drop_line(self) -> str:
+        """One line for the run's start: 'dropped 3 of 1200 examples: 2 longer than 32768 tokens,
+        1 unparsable' ('dropped 0 of N examples' when every example is used)."""
+        words = {"unparsable": "unparsable", "overlong": f"longer than {self.max_len} tokens",
+                 "paired": "unusable in the paired set", "empty": "empty"}
+        parts = [f"{n} {words[k]}" for k, n in self.dropped.items() if n]
+        total = sum(self.dropped.values())
+        return f"dropped {total} of {self.read} examples" + (": " + ", ".join(parts) if parts else "")
 
     @property
     def tokens_per_example(self) -> float:
@@ -441,6 +459,8 @@ class DataStats:
         d = dataclasses.asdict(self)
         del d["used_prompts"]
         d["tokens_per_example"] = self.tokens_per_example
+        d["dropped"] = self.dropped
+        d["dropped_total"] = sum(self.dropped.values())
         return d
 
 
@@ -471,12 +491,12 @@ def usable_ids(examples: Sequence[Example], tokenizer, layout: str, seq_len: int
 def build_items(examples: Sequence[Example], tokenizer, layout: str, seq_len: int, overlong: str,
                 span_weights: dict[str, float], vocab_size: int | None = None,
                 whole_trajectory: bool = False, paired: Paired | None = None) -> tuple[list[Item], DataStats]:
-    """Lay out every example; unparsable ones are counted and skipped, over-long ones dropped or
-    truncated per `overlong`, counted (never silently). With `paired`, an example whose partner
+    """Lay out every example; unparsable (and empty) ones are counted and skipped, over-long ones
+    dropped or truncated per `overlong`, counted (never silently; `DataStats.dropped` by reason). With `paired`, an example whose partner
     (same id in `paired.examples`, laid out in `paired.layout` with the same seq_len) is missing,
     unparsable or over-long is dropped too (`dropped_paired`): both runs of the pair, each naming
     the other, keep exactly the same problems."""
-    stats = DataStats(read=len(examples))
+    stats = DataStats(read=len(examples), max_len=seq_len)
     partner_ok = None
     if paired is not None:
         partner_ok = usable_ids(paired.examples, tokenizer, paired.layout, seq_len, overlong, span_weights,
@@ -490,6 +510,9 @@ def build_items(examples: Sequence[Example], tokenizer, layout: str, seq_len: in
             stats.skipped_unparsable += 1
             if len(stats.first_skip_reasons) < 5:
                 stats.first_skip_reasons.append(f"{ex.id}: {e}")
+            continue
+        if len(item) == 0:
+            stats.dropped_empty += 1
             continue
         if len(item) > seq_len and overlong == "drop":
             stats.dropped_overlong += 1
@@ -652,3 +675,112 @@ class RowStream:
 
     def epoch_of(self, row: int) -> int:
         return self.locate(row)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Length buckets: rows of a few lengths, each step's batch from one of them
+# ---------------------------------------------------------------------------------------------
+def bucket_of(length: int, buckets: Sequence[int]) -> int:
+    """Index of the smallest bucket (row length) that holds `length` tokens; -1 if none does."""
+    for k, b in enumerate(buckets):
+        if length <= b:
+            return k
+    return -1
+
+
+def bucket_rows_per_step(buckets: Sequence[int], batch_size: int) -> list[int]:
+    """Rows per step of each bucket: `batch_size` rows of the longest bucket, and as many rows of
+    a shorter one as hold the same number of tokens (batch_size * longest / length; buckets divide
+    the longest, config.py checks), so every step trains on about the same token budget."""
+    top = buckets[-1]
+    return [batch_size * top // b for b in buckets]
+
+
+class BucketStream:
+    """Packed rows in length buckets; every step's batch comes from one bucket.
+
+    Each item goes to the smallest bucket that holds it. Each non-empty bucket k is a `RowStream`
+    of its items (row length `buckets[k]`, the same seed: epoch e visits them in
+    `default_rng((seed, e))` order and packs first-fit). The position is one row cursor per bucket
+    (`cursors`). The next batch comes from the bucket whose next batch is centred earliest in its
+    own epoch, i.e. the smallest (cursor + rows per step / 2) / rows in epoch 0, ties to the
+    shorter bucket: buckets advance through their epochs at the same pace, each visited in proportion to
+    its rows, and the choice is a function of the cursors alone, so the saved cursors resume the
+    stream exactly. With one bucket the batches are rows cursor .. cursor + batch_size - 1 of one
+    `RowStream` over every item: exactly the unbucketed stream.
+    """
+
+    def __init__(self, items: Sequence[Item], buckets: Sequence[int], batch_size: int, seed: int,
+                 pad_token: int, open_rows: int = 8):
+        if not items:
+            raise DataError("no usable training examples (all were skipped or dropped)")
+        merge = items[0].stage is not None
+        if any((it.stage is not None) != merge for it in items):
+            raise DataError("merge-layout items cannot be packed with flat / trie items")
+        self.buckets = [int(b) for b in buckets]
+        self.rows_per_step = bucket_rows_per_step(self.buckets, batch_size)
+        members: list[list[int]] = [[] for _ in self.buckets]
+        for i, it in enumerate(items):
+            k = bucket_of(len(it), self.buckets)
+            if k < 0:   # build_items drops or truncates what exceeds seq_len (= the last bucket)
+                raise ValueError(f"item {i} has {len(it)} tokens, more than the largest bucket {self.buckets[-1]}")
+            members[k].append(i)
+        self.members = members                  # item indices (into `items`) per bucket
+        self.streams: list[RowStream | None] = [
+            RowStream([items[i] for i in m], b, seed, pad_token, open_rows) if m else None
+            for b, m in zip(self.buckets, members)]
+        self._epoch_rows = [len(s.epoch_rows(0)) if s is not None else 0 for s in self.streams]
+
+    def next_bucket(self, cursors: Sequence[int]) -> int:
+        """The bucket the batch after position `cursors` comes from (see the class docstring)."""
+        best, key = -1, None
+        for k, s in enumerate(self.streams):
+            if s is None:
+                continue
+            # (cursor + n / 2) / R, the middle of the bucket's next batch within its epoch, compared
+            # exactly as cross-multiplied integers
+            cand = (2 * cursors[k] + self.rows_per_step[k], 2 * self._epoch_rows[k])
+            if key is None or cand[0] * key[1] < key[0] * cand[1]:
+                best, key = k, cand
+        return best
+
+    def start(self) -> list[int]:
+        """The position before the first batch."""
+        return [0] * len(self.buckets)
+
+    def advance(self, cursors: Sequence[int]) -> tuple[int, range, list[int]]:
+        """(bucket, its stream rows for the next batch, the position after it)."""
+        k = self.next_bucket(cursors)
+        n = self.rows_per_step[k]
+        rows = range(cursors[k], cursors[k] + n)
+        after = list(cursors)
+        after[k] += n
+        return k, rows, after
+
+    def position_after(self, batches: int) -> list[int]:
+        """The position after the first `batches` batches (what an uninterrupted run reaches)."""
+        cur = self.start()
+        for _ in range(batches):
+            cur = self.advance(cur)[2]
+        return cur
+
+    def epoch_of(self, cursors: Sequence[int]) -> int:
+        """Epochs every bucket has completed at position `cursors` (one bucket: the RowStream's
+        epoch of its cursor)."""
+        return min(s.epoch_of(c) for s, c in zip(self.streams, cursors) if s is not None)
+
+    def tokens(self, k: int, rows: Sequence[int]) -> int:
+        """Item tokens (padding excluded) in the given rows of bucket k."""
+        s = self.streams[k]
+        return sum(s.row_length(r) for r in rows)
+
+    def describe(self) -> dict[str, dict]:
+        """Per bucket (keyed by its row length): examples, item tokens, rows per step and rows in
+        epoch 0 (for data_stats.json)."""
+        out = {}
+        for k, b in enumerate(self.buckets):
+            s = self.streams[k]
+            out[str(b)] = {"examples": len(self.members[k]),
+                           "tokens": int(sum(s._lengths)) if s is not None else 0,
+                           "rows_per_step": self.rows_per_step[k], "rows_per_epoch": self._epoch_rows[k]}
+        return out

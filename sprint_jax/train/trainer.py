@@ -42,7 +42,10 @@ def _resolve_model(cfg: TrainConfig):
 
 def _data_digest(items, cfg: TrainConfig) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps([cfg.data.layout, cfg.data.seq_len, cfg.data.seed, cfg.data.pack_open_rows]).encode())
+    key = [cfg.data.layout, cfg.data.seq_len, cfg.data.seed, cfg.data.pack_open_rows]
+    if len(cfg.data.row_buckets) > 1:   # one bucket is the unbucketed stream: its digest is unchanged
+        key += [cfg.data.row_buckets, cfg.optim.batch_size]
+    h.update(json.dumps(key).encode())
     for it in items:
         h.update(it.tokens.tobytes())
         h.update(it.weights.tobytes())
@@ -217,17 +220,19 @@ class _Data:
     """The training set as the step loop sees it."""
     items: list                     # laid-out examples (train.data.Item)
     stats: Any                      # train.data.DataStats of reading and laying them out
-    stream: Any                     # train.data.RowStream: packed rows in a seeded order
-    bucket: int                     # data.trim_rows width bucket (0: rows are never trimmed)
+    stream: Any                     # train.data.BucketStream: packed rows per length bucket, seeded order
+    trims: list[int]                # per bucket: data.trim_rows width granularity (0: never trimmed)
     digest: str                     # identifies the items and their packing (`_data_digest`)
 
 
 @dataclasses.dataclass
 class _Position:
-    """How far a run is: optimizer steps done, rows and tokens of the data stream consumed."""
+    """How far a run is: optimizer steps done, rows and tokens of the data stream consumed, and
+    the stream's position (rows consumed per length bucket)."""
     step: int
     rows: int
     tokens: int
+    cursors: list[int]
 
 
 @dataclasses.dataclass
@@ -329,22 +334,29 @@ def _load_data(cfg: TrainConfig, tokenizer, vocab_size: int, out: Path, say) -> 
     items, stats = data_lib.build_items(examples, tokenizer, cfg.data.layout, cfg.data.seq_len,
                                         cfg.data.overlong, cfg.data.span_weights, vocab_size,
                                         cfg.data.trie_whole_trajectory, paired)
-    if _is_main():
-        (out / "data_stats.json").write_text(json.dumps(stats.as_dict(), indent=2))
-    say(f"data: {stats.read} read, {stats.used} used, {stats.skipped_unparsable} skipped (unparsable), "
-        f"{stats.dropped_overlong} dropped (over {cfg.data.seq_len} tokens), "
-        + (f"{stats.dropped_paired} dropped (unusable in the paired set), " if paired else "")
-        + f"{stats.truncated} truncated; "
+    say(stats.drop_line())
+    say(f"data: {stats.read} read, {stats.used} used, {stats.truncated} truncated; "
         f"{stats.tokens} tokens ({stats.tokens_per_example:.1f} per example), {stats.loss_tokens} in the loss "
         f"({cfg.data.layout} layout)")
     for why in stats.first_skip_reasons:
         say(f"  skipped {why}")
-    stream = data_lib.RowStream(items, cfg.data.seq_len, cfg.data.seed, pad_id(tokenizer),
-                                cfg.data.pack_open_rows)
+    buckets = cfg.data.row_buckets
+    stream = data_lib.BucketStream(items, buckets, cfg.optim.batch_size, cfg.data.seed, pad_id(tokenizer),
+                                   cfg.data.pack_open_rows)
+    stats.buckets = stream.describe()
+    if len(buckets) > 1:
+        say("buckets: " + ", ".join(f"{b} tokens: {d['examples']} examples, {d['rows_per_step']} rows per step"
+                                    for b, d in stats.buckets.items()))
+        for b, d in stats.buckets.items():
+            if d["examples"] and d["rows_per_epoch"] < d["rows_per_step"]:
+                say(f"  bucket {b}: {d['rows_per_epoch']} rows per epoch < {d['rows_per_step']} rows per step, "
+                    "so its examples repeat within a step")
+    if _is_main():
+        (out / "data_stats.json").write_text(json.dumps(stats.as_dict(), indent=2))
     # data.trim_rows: a batch whose rows all end in padding is cut to a narrower width (at most 4
-    # widths, each compiled once); the loss and every real token's gradient are unchanged
-    bucket = data_lib.trim_bucket(cfg.data.seq_len, cfg.model.loss_chunk) if cfg.data.trim_rows else 0
-    return _Data(items, stats, stream, bucket, _data_digest(items, cfg))
+    # widths per bucket, each compiled once); the loss and every real token's gradient are unchanged
+    trims = [data_lib.trim_bucket(b, cfg.model.loss_chunk) if cfg.data.trim_rows else 0 for b in buckets]
+    return _Data(items, stats, stream, trims, _data_digest(items, cfg))
 
 
 def _build_step(cfg: TrainConfig, model_cfg, say):
@@ -397,11 +409,18 @@ def _restore_or_init(cfg: TrainConfig, ckpt, setup, model_cfg, data: _Data, out:
     restored = ckpt.restore_latest(setup.abstract_state()) if cfg.checkpoint.resume else None
     if restored is not None:
         state, meta = restored
-        pos = _Position(int(meta["step"]), int(meta["rows"]), int(meta.get("tokens", 0)))
+        step = int(meta["step"])
+        cursors = meta.get("bucket_rows")
+        if cursors is None or len(cursors) != len(data.stream.buckets):
+            # a checkpoint of the unbucketed stream (its cursor is `rows`), or of other buckets
+            # (the digest warning below says the batches differ): an uninterrupted run's position
+            cursors = [int(meta["rows"])] if len(data.stream.buckets) == 1 else data.stream.position_after(step)
+        pos = _Position(step, int(meta["rows"]), int(meta.get("tokens", 0)), [int(c) for c in cursors])
         if meta.get("data_digest") != data.digest:
             ckpt_lib.warn("the training data or its layout changed since this checkpoint was written: "
                           "the run continues at the saved row position but not on the same batches")
-        say(f"resumed from step {pos.step} (row {pos.rows} of the data stream)")
+        say(f"resumed from step {pos.step} (row {pos.rows} of the data stream"
+            + (f", rows {pos.cursors} of its buckets {data.stream.buckets})" if len(pos.cursors) > 1 else ")"))
         return state, pos, True
     quarantine = out / "checkpoints_quarantine"
     if cfg.checkpoint.resume and quarantine.exists() and any(quarantine.iterdir()):
@@ -410,7 +429,8 @@ def _restore_or_init(cfg: TrainConfig, ckpt, setup, model_cfg, data: _Data, out:
     if cfg.model.init == "pretrained":
         _, params = load_params(cfg.model.name, config=model_cfg, param_dtype="float32",
                                 shardings=setup.param_shardings, progress=progress)
-    return setup.init_state(cfg.seed, params=params, init_seed=cfg.model.init_seed), _Position(0, 0, 0), False
+    return (setup.init_state(cfg.seed, params=params, init_seed=cfg.model.init_seed),
+            _Position(0, 0, 0, data.stream.start()), False)
 
 
 class _Throughput:
@@ -440,13 +460,14 @@ class _Throughput:
         return rate
 
 
-def _record(m: dict, pos: _Position, width: int, epoch: int, speed: _Throughput, t_start: float) -> dict:
+def _record(m: dict, pos: _Position, width: int, bucket: int, epoch: int, speed: _Throughput,
+            t_start: float) -> dict:
     """The metrics.jsonl record of a logged step: `m` is the step's metrics on the host."""
     mv = {k: float(v) for k, v in m.items()}
     now = time.time()
     return {"step": pos.step, "loss": mv["loss"], "lr": mv["lr"], "grad_norm": mv["grad_norm"],
             "tokens": pos.tokens, "loss_tokens": int(mv["loss_tokens"]),
-            "tokens_per_s": speed.window_rate(now), "row_width": width, "epoch": epoch,
+            "tokens_per_s": speed.window_rate(now), "row_width": width, "bucket": bucket, "epoch": epoch,
             "wall_s": now - t_start}
 
 
@@ -459,7 +480,7 @@ def _run_steps(cfg: TrainConfig, setup, ckpt, data: _Data, state, start: _Positi
     import jax
 
     stream = data.stream
-    pos = dataclasses.replace(start)
+    pos = dataclasses.replace(start, cursors=list(start.cursors))
     metrics = Metrics(out, cfg.tensorboard, start.step)
     bar = None
     if progress:
@@ -467,8 +488,8 @@ def _run_steps(cfg: TrainConfig, setup, ckpt, data: _Data, state, start: _Positi
         bar = tqdm(total=cfg.steps, initial=start.step, desc="train", unit="step", dynamic_ncols=True)
 
     def meta_now() -> dict:
-        return {"rows": pos.rows, "tokens": pos.tokens, "epoch": stream.epoch_of(pos.rows),
-                "data_digest": data.digest}
+        return {"rows": pos.rows, "tokens": pos.tokens, "epoch": stream.epoch_of(pos.cursors),
+                "bucket_rows": list(pos.cursors), "data_digest": data.digest}
 
     speed = _Throughput()
     last_saved = start.step if resumed else -1
@@ -476,22 +497,25 @@ def _run_steps(cfg: TrainConfig, setup, ckpt, data: _Data, state, start: _Positi
     pending = None                      # (step, metrics) still to be checked for NaN: one step late
     try:
         for step in range(start.step, cfg.steps):
-            row_ids = range(pos.rows, pos.rows + cfg.optim.batch_size)
-            width = stream.width(row_ids, data.bucket)
-            batch = distributed.put_batch(lambda ids: stream.rows(ids, width).as_dict(), pos.rows,
-                                          cfg.optim.batch_size, width, setup.batch_shardings)
+            k, row_ids, after = stream.advance(pos.cursors)
+            rows = stream.streams[k]            # the bucket's RowStream (one bucket: all items)
+            width = rows.width(row_ids, data.trims[k])
+            batch = distributed.put_batch(lambda ids: rows.rows(ids, width).as_dict(), row_ids.start,
+                                          len(row_ids), width, setup.batch_shardings)
             state, m = setup.step(state, batch)
             if pending is not None:
                 _check_finite(*pending, last_saved)
-            n_tok = sum(len(stream.items[i]) for r in row_ids for i in stream.row_items(r))
-            pos.rows += cfg.optim.batch_size
+            n_tok = stream.tokens(k, row_ids)
+            pos.cursors = after
+            pos.rows += len(row_ids)
             pos.tokens += n_tok
             done = pos.step = step + 1
             pending = (done, m)
             speed.add(n_tok, m)
             rec = None
             if done % cfg.log_every == 0 or done == cfg.steps:
-                rec = _record(jax.device_get(m), pos, width, stream.epoch_of(pos.rows), speed, t_start)
+                rec = _record(jax.device_get(m), pos, width, stream.buckets[k], stream.epoch_of(pos.cursors),
+                              speed, t_start)
                 last_loss = rec["loss"]
                 metrics.log(rec)
                 if bar is not None:
