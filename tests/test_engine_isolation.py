@@ -13,10 +13,10 @@ import pytest
 
 from conftest import greedy_by_full_forward, tiny_vocab_tokenizer
 from sprint_jax.errors import UserError
-from sprint_jax.infer.batch import BatchEngine
+from sprint_jax.infer.engine import Engine
+from sprint_jax.infer.single import SingleRun
 from sprint_jax.infer.orchestrator import OrchestratorConfig
 from sprint_jax.infer.sampling import Sampling
-from sprint_jax.model import from_pretrained
 from sprint_jax.model.tokenizer import VocabTokenizer
 from sprint_jax.serve.worker import Channel, EngineWorker, Job
 
@@ -26,14 +26,14 @@ WAIT_S = 120            # a bound on waiting for an item, so a dead engine fails
 
 
 @pytest.fixture(scope="module")
-def model(hf_untied):
-    return from_pretrained(hf_untied)
+def model(tiny_model):
+    return tiny_model
 
 
 @pytest.fixture
 def engine(model):
     """A fresh engine per test: what one test leaves in it never shows in the next."""
-    return BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=2, max_children=2, **CAPS)
+    return Engine(model, tiny_vocab_tokenizer(), max_seqs=2, max_children=2, **CAPS)
 
 
 def _serve(engine, scenario):
@@ -186,8 +186,8 @@ def test_reply_text_leaves_out_the_eos_token_and_no_sprint_tag_is_special(model)
     k = next(i for i in range(1, 6) if toks[i] not in toks[:i] and tok.vocab[toks[i]] not in ("<pad>", "<bos>"))
     # the same vocabulary with the k-th greedy token as its EOS: the model ends its reply there
     eos_tok = VocabTokenizer(tok.vocab, eos_token=tok.vocab[toks[k]], pad_token="<pad>", bos_token="<bos>")
-    engine = BatchEngine(model, eos_tok, max_seqs=1, max_children=1, **{**CAPS, "eos_token_ids": None})
-    (g,) = engine.generate_one(prompt, 6)
+    run = SingleRun(Engine(model, eos_tok, max_seqs=1, max_children=1, **{**CAPS, "eos_token_ids": None}))
+    g = run.generate(run.prefill(prompt), 6)
     assert g.stop_reason == "eos" and g.tokens == toks[:k + 1]
     assert g.text == "".join(tok.vocab[t] for t in toks[:k])
     # nothing meaningful is a special token: every SPRINT tag keeps its text in the tokenizers we

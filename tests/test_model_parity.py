@@ -66,15 +66,16 @@ def test_bf16_load_computes_in_bf16_and_matches_hf_bf16(hf_untied):
     """from_pretrained(param_dtype=bf16, compute_dtype=bf16) holds, computes and caches in bf16
     (nothing patched afterwards), and its logits match HF's bf16 model element by element."""
     from conftest import tiny_vocab_tokenizer
-    from sprint_jax.infer import Engine
+    from sprint_jax.infer.engine import Engine
 
     ours = from_pretrained(hf_untied, param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
     toks = _tokens(4)
     assert {x.dtype for x in jax.tree.leaves(ours.params)} == {jnp.dtype(jnp.bfloat16)}
     hidden = jax.eval_shape(lambda p, t: forward(p, ours.config, t, return_hidden=True), ours.params, toks)
     assert hidden.dtype == jnp.bfloat16                       # the residual stream, not only the weights
-    state = Engine(ours, tiny_vocab_tokenizer(), max_seq_len=32, prefill_chunk=16).prefill(toks[0].tolist())
-    assert state.cache.k.dtype == state.cache.v.dtype == jnp.bfloat16
+    engine = Engine(ours, tiny_vocab_tokenizer(), max_seqs=1, max_children=1, max_seq_len=32, prefill_chunk=16)
+    engine.run([engine.open(toks[0].tolist())])
+    assert {a.dtype for a in jax.tree.leaves(engine.cache)} == {jnp.dtype(jnp.bfloat16)}
     # the default is float32 throughout, whatever the checkpoint's files store
     plain = from_pretrained(hf_untied)
     assert (plain.config.param_dtype, plain.config.dtype) == ("float32", "float32")

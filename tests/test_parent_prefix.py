@@ -4,7 +4,7 @@ References: a float64 numpy softmax attention written here (each row over the fi
 keys of its group's cache row), and the batched engine's XLA path
 (`grouped_prefix_attention_reference`: gather + `attend_partial`). Both kernel bodies run in
 Pallas interpret mode on CPU; the real lowerings for Triton and Mosaic are produced (not run) at
-Qwen2-7B sizes. `BatchEngine(attention_impl="pallas")` must give the XLA engine's tokens, on one
+Qwen2-7B sizes. `Engine(attention_impl="pallas")` must give the XLA engine's tokens, on one
 device and (8 fake CPU devices, a subprocess) on tensor x data meshes.
 """
 from __future__ import annotations
@@ -161,26 +161,24 @@ def _decode_7b_text(target: str, attention_impl: str) -> str:
     parent slots of capacity 8192 + 16 and 8 children each, lowered (not run) for `target`."""
     from jax import export
 
-    from sprint_jax.infer.batch import SlotCache, _decode, decode_rows
+    from sprint_jax.infer.programs import DecodeRows, decode
+    from sprint_jax.infer.slot_cache import SlotCache
     from sprint_jax.model.config import Qwen2Config
     from sprint_jax.model.qwen2 import abstract_params
     cfg = Qwen2Config.preset("r1-distill-qwen-7b", dtype="bfloat16")
     slots, g = 16, 8
     na, nf = slots, slots                        # every generate row and fork group of the 16 slots
-    b = na + nf * g
     cache = jax.eval_shape(lambda: SlotCache.zeros(cfg, slots, g, 8192 + 16, 1024 + 16))
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    ints, floats, _ = decode_rows(b, 16)
-    args = (abstract_params(cfg), cache, i32(na), i32(nf), i32(nf), i32(nf * g), i32(*ints.shape),
-            jax.ShapeDtypeStruct(floats.shape, jnp.float32))
-    fn = jax.jit(lambda p, c, *a: _decode(p, cfg, c, *a, w=g, chunk=16, s_b=8192, c_b=1024,
-                                          attention_impl=attention_impl))
+    packed, layout = DecodeRows.empty(na, nf, g, 16, slots, slots * g).pack()
+    args = (abstract_params(cfg), cache, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in packed))
+    fn = jax.jit(lambda p, c, r: decode(p, cfg, c, r, layout=layout, chunk=16, s_b=8192, c_b=1024,
+                                        attention_impl=attention_impl))
     return export.export(fn, platforms=[target], disabled_checks=[
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
 
 
 def test_batched_decode_step_lowers_with_the_kernel_at_7b_sizes():
-    """BatchEngine(attention_impl="pallas")'s decode step at 7B sizes lowers for GPU and TPU with
+    """Engine(attention_impl="pallas")'s decode step at 7B sizes lowers for GPU and TPU with
     the kernel (two calls in the layer scan: the generate rows' groups of one, the fork children's
     groups of w, as the engine packs them), and the parent cache [28, 16, 4, 8208, 128] reaches it
     only through a view: never gathered, sliced or copied. The same detector finds the XLA path's
@@ -233,7 +231,7 @@ def _ids(seed, n):
 def _drive(engine):
     """A mixed batch: plain generates (one sampled), a fork of 3 children with forced prefixes
     and per-child limits, an extend then generate, and an n=2 fork, on 3 slots (one queues)."""
-    from sprint_jax.infer import Sampling
+    from sprint_jax.infer.sampling import Sampling
     hot = Sampling(temperature=1.0, seed=5)
     a, b, c, e = (engine.open(_ids(s, n)) for s, n in ((1, 21), (2, 40), (3, 9), (4, 14)))
     engine.run([a, b, c])
@@ -252,17 +250,16 @@ def _drive(engine):
             [g.tokens for g in n2.result]]
 
 
-def test_batch_engine_on_the_kernel_gives_the_xla_engines_tokens(hf_untied):
-    from sprint_jax.infer.batch import BatchEngine
-    from sprint_jax.model import from_pretrained
-    model, tok = from_pretrained(hf_untied), tiny_vocab_tokenizer()
-    got = {impl: _drive(BatchEngine(model, tok, max_seqs=3, max_children=4, attention_impl=impl, **CAPS))
+def test_engine_on_the_kernel_gives_the_xla_engines_tokens(tiny_model):
+    from sprint_jax.infer.engine import Engine
+    model, tok = tiny_model, tiny_vocab_tokenizer()
+    got = {impl: _drive(Engine(model, tok, max_seqs=3, max_children=4, attention_impl=impl, **CAPS))
            for impl in ("xla", "pallas")}
     assert sum(len(t) for t in got["xla"][1]) + len(got["xla"][0]) > 50
     assert got["pallas"] == got["xla"]
-    from sprint_jax.infer import EngineError
+    from sprint_jax.infer.requests import EngineError
     with pytest.raises(EngineError, match="attention_impl"):
-        BatchEngine(model, tok, attention_impl="cuda", **CAPS)
+        Engine(model, tok, attention_impl="cuda", **CAPS)
 
 
 @pytest.mark.slow
@@ -299,17 +296,17 @@ import jax
 from conftest import tiny_vocab_tokenizer
 from test_parent_prefix import CAPS, _drive
 from sprint_jax.infer import sharding as sh
-from sprint_jax.infer.batch import BatchEngine
+from sprint_jax.infer.engine import Engine
 from sprint_jax.model import from_pretrained
 
 assert jax.device_count() == 8
 tok = tiny_vocab_tokenizer()
 model = from_pretrained(sys.argv[1])
-ref = _drive(BatchEngine(model, tok, max_seqs=4, max_children=4, **CAPS))   # one device, XLA
+ref = _drive(Engine(model, tok, max_seqs=4, max_children=4, **CAPS))   # one device, XLA
 out = {}
 for spec, n in (("tensor=2,data=2", 4), ("tensor=4,data=2", 8)):
     mesh = sh.mesh_from_flag(spec, devices=jax.devices()[:n])
-    eng = BatchEngine(model, tok, max_seqs=4, max_children=4, mesh=mesh, attention_impl="pallas", **CAPS)
+    eng = Engine(model, tok, max_seqs=4, max_children=4, mesh=mesh, attention_impl="pallas", **CAPS)
     got = _drive(eng)
     from sprint_jax.infer.prefix_attention import pallas_parent_prefix_attention
     c = eng.config

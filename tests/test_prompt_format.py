@@ -81,17 +81,17 @@ def test_train_writes_the_prompt_format_into_the_export(trained):
 
 
 def _first_prefills(monkeypatch, argv_list) -> list[list[int]]:
-    """The tokens of the first prefill the engine gets in each of the runs."""
+    """The tokens of the first sequence the engine opens in each of the runs."""
     from sprint_jax.infer.engine import Engine
 
     seen: list[list[int]] = []
-    original = Engine.prefill
+    original = Engine.open
 
     def spy(self, token_ids, *a, **kw):
         seen.append([int(t) for t in token_ids])
         return original(self, token_ids, *a, **kw)
 
-    monkeypatch.setattr(Engine, "prefill", spy)
+    monkeypatch.setattr(Engine, "open", spy)
     firsts = []
     for argv in argv_list:
         seen.clear()
@@ -129,14 +129,14 @@ def test_a_prompt_outside_the_vocabulary_is_one_line_even_where_the_format_appli
 
 
 def test_eval_gives_each_task_to_the_model_in_its_prompt_format(trained, tmp_path, monkeypatch):
-    from sprint_jax.infer.batch import BatchEngine
+    from sprint_jax.infer.engine import Engine
 
     export, _ = trained
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(json.dumps({"id": "t0", "problem": "Q: 8 5 2 1", "answer": "1"}) + "\n")   # no newline
     seen: list[str] = []
-    original = BatchEngine.encode
-    monkeypatch.setattr(BatchEngine, "encode", lambda self, text: (seen.append(text), original(self, text))[1])
+    original = Engine.encode
+    monkeypatch.setattr(Engine, "encode", lambda self, text: (seen.append(text), original(self, text))[1])
     assert main(["eval", "--model", export, "--data", str(tasks), "--out", str(tmp_path / "out"), "--mode",
                  "sequential", "--max-total-tokens", "2", "--max-seq-len", "32", "--decode-chunk", "2",
                  "--prefill-chunk", "16", "--no-progress"]) == 0
@@ -146,7 +146,7 @@ def test_eval_gives_each_task_to_the_model_in_its_prompt_format(trained, tmp_pat
 def test_serve_gives_a_bare_prompt_to_the_model_in_its_prompt_format(trained):
     import openai
 
-    from sprint_jax.infer.batch import BatchEngine
+    from sprint_jax.infer.engine import Engine
     from sprint_jax.model import from_pretrained
     from sprint_jax.model.hf import read_export_meta
     from sprint_jax.model.tokenizer import load_tokenizer
@@ -154,8 +154,8 @@ def test_serve_gives_a_bare_prompt_to_the_model_in_its_prompt_format(trained):
 
     export, _ = trained
     tok = load_tokenizer(export)
-    engine = BatchEngine(from_pretrained(export), tok, max_seqs=2, max_children=2, max_seq_len=64,
-                         max_branch_tokens=8, decode_chunk=2, prefill_chunk=16)
+    engine = Engine(from_pretrained(export), tok, max_seqs=2, max_children=2, max_seq_len=64,
+                    max_branch_tokens=8, decode_chunk=2, prefill_chunk=16)
     with Server(engine, "m", export_meta=read_export_meta(export)).start() as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
         usage = [client.completions.create(model="m", prompt=p, max_tokens=1, temperature=0).usage.prompt_tokens

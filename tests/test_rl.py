@@ -253,13 +253,13 @@ def test_token_logprobs_over_the_tokenizers_ids(tiny):
     assert np.all(full < got)                                 # the padded ids did hold mass
 
 
-@pytest.mark.parametrize("batched", [False, True])
-def test_sampling_never_yields_a_padded_id(tiny, batched):
+def test_sampling_never_yields_a_padded_id(tiny):
     """Sampled at temperature 50 (near uniform over 61 ids, 7 of them padding: without the mask a
-    padded id would come up in ~1 of 9 draws), both engines only ever emit ids the tokenizer knows."""
-    from sprint_jax.infer import Engine
-    from sprint_jax.infer.batch import BatchEngine
+    padded id would come up in ~1 of 9 draws), the engine only ever emits ids the tokenizer knows:
+    generate rows decoding together, and the children of a fork."""
+    from sprint_jax.infer.engine import Engine
     from sprint_jax.infer.sampling import Sampling
+    from sprint_jax.infer.single import SingleRun
     from sprint_jax.model.tokenizer import VocabTokenizer
 
     cfg, _, params = tiny
@@ -272,19 +272,18 @@ def test_sampling_never_yields_a_padded_id(tiny, batched):
     model = Model()
     model.config, model.params = cfg, params
     prompt = tok.encode("abc")
+    eng = Engine(model, tok, max_seqs=4, max_children=2, max_seq_len=96, max_branch_tokens=48, eos_token_ids=[1])
     seen = []
-    if batched:
-        eng = BatchEngine(model, tok, max_seqs=4, max_children=2, max_seq_len=96, max_branch_tokens=48,
-                          eos_token_ids=[1])
-        for seed in (7, 8):
-            gens = eng.generate_many([prompt] * 4, 40, sampling=Sampling(temperature=50.0, seed=seed))
-            seen += [t for gs in gens for g in gs for t in g.tokens]
-    else:
-        eng = Engine(model, tok, max_seq_len=96, max_branches=2, max_branch_tokens=48, eos_token_ids=[1])
-        for seed in (7, 8, 9, 10):
-            seen += list(eng.generate(eng.prefill(prompt), 40, sampling=Sampling(temperature=50.0, seed=seed)).tokens)
-        gens = eng.decode_branches(eng.prefill(prompt), [[2], [3]], 30, sampling=Sampling(temperature=50.0, seed=3))
-        seen += [t for g in gens for t in g.tokens]
+    for seed in (7, 8):
+        seqs = [eng.open(prompt).seq for _ in range(4)]
+        ops = [eng.generate(s, 40, sampling=Sampling(temperature=50.0, seed=seed + 10 * k)) for k, s in enumerate(seqs)]
+        eng.run(ops)
+        seen += [t for op in ops for t in op.result.tokens]
+        for s in seqs:
+            eng.close(s)
+    run = SingleRun(eng)
+    gens = run.decode_branches(run.prefill(prompt), [[2], [3]], 30, sampling=Sampling(temperature=50.0, seed=3))
+    seen += [t for g in gens for t in g.tokens]
     assert len(seen) > 60 and max(seen) < n
     assert len(set(seen)) > 20                                # the high temperature did spread the draws
 

@@ -71,63 +71,26 @@ def _argv(model: Path, out: Path, *sets: str) -> list[str]:
         [x for s in [*_sets(model), "steps=1", *sets] for x in ("--set", s)]
 
 
-def test_rollouts_are_the_eval_paths_runs(sft_model, tmp_path):
-    """Each rollout == `evaluate` (the `sprint-jax eval` path) on the same task with the same seed,
-    and every recorded unit's completion decodes to what the record says that call wrote."""
+def test_rollouts_are_eval_runs_at_concurrency(sft_model, tmp_path):
+    """All G x prompts runs of a step at once on the engine, each with its own seed == `evaluate`
+    at concurrency 3 (the `sprint-jax eval --concurrency` path), one eval per seed; each call's
+    recorded completion is what the record says it wrote."""
     from sprint_jax.eval.evaluate import default_prompt, evaluate
-    from sprint_jax.infer import Engine
+    from sprint_jax.infer.engine import Engine
     from sprint_jax.model.convert import load_model
     from sprint_jax.model.tokenizer import load_tokenizer
-    from sprint_jax.rl.rollout import SingleRunRollouts
+    from sprint_jax.rl.rollout import Rollouts
     from sprint_jax.rl.trainer import load_tasks, rollout_seed
 
     cfg = _rl_config(sft_model)
     tok = load_tokenizer(sft_model)
     ro = cfg.rollout
-    engine = Engine(load_model(sft_model), tok, max_seq_len=ro.max_seq_len, max_branches=2,
+    engine = Engine(load_model(sft_model), tok, max_seqs=6, max_children=2, max_seq_len=ro.max_seq_len,
                     max_branch_tokens=ro.orchestrator.max_branch_tokens + 32, prefill_chunk=ro.prefill_chunk)
-    tasks = load_tasks(cfg)[0][:3]
-    seeds = [rollout_seed(0, 0, k, 0) for k in range(3)]
-    trajs = SingleRunRollouts(engine, ro.orchestrator).run([default_prompt(t) for t in tasks], seeds, "parallel")
-    strip = lambda d: {k: v for k, v in d.items() if not k.endswith("_s") and k != "stages"}  # noqa: E731
-    n_exec = 0
-    for t, s, tr in zip(tasks, seeds, trajs):
-        evaluate(engine, [t], "parallel", orchestrator_config=dataclasses.replace(ro.orchestrator, seed=s),
-                 out_dir=tmp_path / t.id, progress=False)
-        ev = json.loads((tmp_path / t.id / "records.jsonl").read_text().splitlines()[0])
-        mine = tr.record.to_json()
-        assert strip(ev) == {**strip(mine), "id": t.id}
-        assert [[e["text"] for e in st["executions"]] for st in ev["stages"]] == \
-            [[e.text for e in st.executions] for st in tr.record.stages]
-        planners = [u for u in tr.units if u.kind == "planner"]
-        execs = [u for u in tr.units if u.kind == "executor"]
-        assert [tok.decode(u.completion) for u in planners][:len(tr.record.stages)] == \
-            [st.planner_text for st in tr.record.stages]
-        assert sum(len(u.completion) for u in tr.units) == tr.record.total_tokens
-        n_exec += len(execs)
-    assert n_exec > 0, "the tiny SFT model never forked: the test would not cover executors"
-
-
-def test_batched_rollouts_are_eval_runs_at_concurrency(sft_model, tmp_path):
-    """All G x prompts runs of a step at once on the BatchEngine, each with its own seed ==
-    `evaluate` on the BatchEngine at concurrency 3 (the `sprint-jax eval --concurrency` path), one
-    eval per seed; each call's recorded completion is what the record says it wrote."""
-    from sprint_jax.eval.evaluate import default_prompt, evaluate
-    from sprint_jax.infer.batch import BatchEngine
-    from sprint_jax.model.convert import load_model
-    from sprint_jax.model.tokenizer import load_tokenizer
-    from sprint_jax.rl.rollout import BatchedRollouts
-    from sprint_jax.rl.trainer import load_tasks, rollout_seed
-
-    cfg = _rl_config(sft_model)
-    tok = load_tokenizer(sft_model)
-    ro = cfg.rollout
-    engine = BatchEngine(load_model(sft_model), tok, max_seqs=6, max_children=2, max_seq_len=ro.max_seq_len,
-                         max_branch_tokens=ro.orchestrator.max_branch_tokens + 32, prefill_chunk=ro.prefill_chunk)
     tasks = load_tasks(cfg)[0][:3]
     seeds = [rollout_seed(0, 0, 0, g) for g in range(2)]
     queries = [default_prompt(t) for s in seeds for t in tasks]
-    trajs = BatchedRollouts(engine, ro.orchestrator).run(queries, [s for s in seeds for _ in tasks], "parallel")
+    trajs = Rollouts(engine, ro.orchestrator).run(queries, [s for s in seeds for _ in tasks], "parallel")
     strip = lambda d: {k: v for k, v in d.items() if not k.endswith("_s") and k != "stages"}  # noqa: E731
     n_exec = 0
     for g, s in enumerate(seeds):
@@ -210,11 +173,11 @@ class _EngineReached(Exception):
 
 @pytest.fixture
 def no_engine(monkeypatch):
-    from sprint_jax.infer.batch import BatchEngine
+    from sprint_jax.infer.engine import Engine
 
     def refuse(*args, **kw):
         raise _EngineReached
-    monkeypatch.setattr(BatchEngine, "__init__", refuse)
+    monkeypatch.setattr(Engine, "__init__", refuse)
 
 
 def _one_line(capsys) -> str:
@@ -290,3 +253,12 @@ def test_rl_refuses_a_loss_row_past_the_models_positions(sft_model, tmp_path, ca
     assert "loss.seq_len = 257 is more than the model's max_position_embeddings (256)" in _one_line(capsys)
     with pytest.raises(_EngineReached):
         main(_argv(sft_model, tmp_path / "b", "loss.seq_len=256"))
+
+
+def test_rl_refuses_the_removed_rollout_engine_key_in_one_line(sft_model, tmp_path, capsys, no_engine):
+    """Every rollout runs on the one engine: a config that still sets rollout.engine (batch | single)
+    is refused in one line naming the key, before anything is built."""
+    from sprint_jax.cli import main
+
+    assert main(_argv(sft_model, tmp_path / "out", "rollout.engine=batch")) == 2
+    assert "rollout.engine" in _one_line(capsys)

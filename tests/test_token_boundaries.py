@@ -13,7 +13,7 @@ import pytest
 
 from sprint_jax import format as fmt
 from sprint_jax.curation.types import Example
-from sprint_jax.infer.engine import EngineError, Generation
+from sprint_jax.infer.requests import EngineError, Generation
 from sprint_jax.infer.orchestrator import OrchestratorConfig, run_query
 from sprint_jax.train import data as D
 
@@ -41,6 +41,16 @@ def _encode(tok, text: str) -> list[int]:
 @dataclasses.dataclass
 class State:
     tokens: list[int]
+    closed: bool = False
+
+
+@dataclasses.dataclass
+class Done:
+    """An engine operation finished when it was submitted."""
+    kind: str
+    seq: State
+    result: object
+    done: bool = True
 
 
 class TrainedModel:
@@ -54,7 +64,7 @@ class TrainedModel:
         self.tokenizer = tok
         self.continue_from = continue_from
         self.closing = closing
-        self.max_seq_len, self.max_branches, self.max_branch_tokens = 4096, 8, 512
+        self.max_seq_len, self.max_branches, self.max_branch_tokens, self.max_seqs = 4096, 8, 512, 1
         self.eos = tok.eos_token_id
         self.contexts: list[tuple[str, list[int]]] = []     # ("planner" | "executor", tokens) per call
         self.unseen: list[str] = []                          # contexts the model never saw
@@ -65,12 +75,16 @@ class TrainedModel:
     def decode_text(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
-    def prefill(self, ids):
-        return State(list(ids))
+    def open(self, ids, tag=None):
+        state = State(list(ids))
+        return Done("open", state, state)
 
-    def extend(self, state, ids):
+    def extend(self, state, ids, tag=None):
         state.tokens = state.tokens + list(ids)
-        return state
+        return Done("extend", state, state)
+
+    def close(self, state):
+        state.closed = True
 
     def truncate(self, state, n):
         if not 1 <= n <= len(state.tokens):
@@ -104,21 +118,20 @@ class TrainedModel:
             return self.encode(last + "\n")
         return self.encode(last)
 
-    def generate(self, state, max_new_tokens, stop=(), sampling=None):
+    def generate(self, state, max_new_tokens, stop=(), sampling=None, tag=None):
         self.contexts.append(("planner", list(state.tokens)))
         g = self._write(list(state.tokens), max_new_tokens, stop, False)
         state.tokens = state.tokens + g.tokens
-        g.state = state
-        return g
+        return Done("generate", state, g)
 
-    def decode_branches(self, state, prefixes, max_new_tokens, stop=(), sampling=None, mode="shared"):
+    def fork(self, state, prefixes, max_new_tokens, stop=(), sampling=None, tag=None, serial=False, join=False):
         limits = [max_new_tokens] * len(prefixes) if isinstance(max_new_tokens, int) else list(max_new_tokens)
         gens = []
         for p, m, st in zip(prefixes, limits, stop):
             context = list(state.tokens) + list(p)
             self.contexts.append(("executor", context))
             gens.append(self._write(context, m, st, True))
-        return gens
+        return Done("fork", state, gens)
 
 
 def _flat_documents(tok) -> list[list[int]]:
