@@ -319,8 +319,17 @@ def test_a_bucketed_run_records_drops_and_resumes_exactly(tmp_path, capsys):
     recs = [json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     assert len({r["bucket"] for r in recs}) >= 2                    # steps from several buckets
 
-    # 3 steps (checkpoint at 3), then the same OUT with 6 steps resumes at the saved cursors
-    train(_run_cfg(data_file, 3), tmp_path / "resumed", progress=False)
+    # the same run stopped after step 4 (its checkpoint: step 3), then run again into the same OUT:
+    # it resumes at the saved cursors and gives the straight run's steps 4-6
+    class Stop(Exception):
+        pass
+
+    def stop_after_4(ev):
+        if ev.step == 4:
+            raise Stop
+
+    with pytest.raises(Stop):
+        train(_run_cfg(data_file, 6), tmp_path / "resumed", progress=False, callbacks=[stop_after_4])
     resumed = train(_run_cfg(data_file, 6), tmp_path / "resumed", progress=False)
     assert resumed["resumed"] and resumed["start_step"] == 3
     again = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
