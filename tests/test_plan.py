@@ -33,8 +33,8 @@ SMALL = {"model_type": "qwen2", "vocab_size": 65536, "hidden_size": 2048, "inter
 LARGER = {**SMALL, "vocab_size": 131072, "hidden_size": 3072, "intermediate_size": 8192,
           "num_attention_heads": 24, "num_key_value_heads": 8}
 STEP = ("--batch", "8", "--seq-len", "512", "--loss-chunk", "256")
-# A vocabulary of 2^20 x 2048: 2.2G parameters, whose fp32 weights, AdamW moments and gradients
-# (34 GB) and gathered vocabulary projection cannot fit four 16 GiB v5e chips.
+# A vocabulary of 2^20 x 2048 (embedding and projection: 4.3G parameters), whose fp32 weights,
+# AdamW moments and gradients (69 GB) cannot fit four 16 GiB v5e chips.
 HUGE_VOCAB = {**SMALL, "vocab_size": 2 ** 20}
 
 
@@ -128,6 +128,17 @@ def test_a_kernel_that_fails_to_lower_is_named_with_its_blocks_and_shapes():
     assert kernel_error(ValueError("unrelated"), calls) is None
 
 
+def test_the_compilers_out_of_memory_verdicts_are_read():
+    from sprint_jax.plan.compile import parse_oom
+
+    g = 2 ** 30
+    assert parse_oom("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+                     "temporaries (23.13G) exceeds available HBM (15.75G).") == {"temp": 23.13 * g, "limit": 15.75 * g}
+    assert parse_oom("Used 113.20G of 95.74G hbm. Exceeded hbm capacity by 17.46G.") == {
+        "used": 113.2 * g, "limit": 95.74 * g, "over": 17.46 * g}
+    assert parse_oom("INVALID_ARGUMENT: something else") is None
+
+
 # ---------------------------------------------------------------------------------------------
 # The TPU compiler
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +192,8 @@ def test_a_step_that_does_not_fit_exits_2_with_one_line(tmp_path, capsys):
     errors = [ln for ln in err.splitlines() if ln.startswith("sprint-jax plan: error:")]
     assert len(errors) == 1 and "Traceback" not in err
     line = errors[0]
-    assert "v5e:2x2" in line and "GiB" in line and "over" in line and "way out: " in line
+    assert "on v5e:2x2" in line and "GiB of temporaries" in line and "over by" in line
+    assert "way out: --topology v5e:2x4" in line
     assert rows is not None and rows[0]["fits"] is False
 
 

@@ -99,7 +99,10 @@ def _model_config(model, overrides: dict, dtype: str, progress):
     from sprint_jax.config import CONFIG_DIR, ConfigError
     from sprint_jax.model.config import resolve_model_config
 
-    label = model if isinstance(model, str) else "config"
+    label = "config"
+    if isinstance(model, str):      # a checkpoint directory or config file is named by its own name
+        path = Path(model)
+        label = (path.parent.name if path.name == "config.json" else path.stem) if path.exists() else model
     try:
         cfg = resolve_model_config(model, **overrides)
     except ConfigError:
@@ -125,21 +128,29 @@ def _gib(x) -> str:
 
 
 def print_table(rows: list[dict], chips_used: list) -> None:
-    """The rows as one table, the chip figures it used under it."""
-    head = (f"{'program':<44} {'topology':<18} {'mesh':<22} {'compiled':<8} {'comp s':>7} {'GiB/chip':>9} "
-            f"{'HBM GiB':>8} {'headroom':>9} {'est GiB':>8} {'TFLOP/step':>11} {'HBM GB/chip':>12} "
-            f"{'roofline s':>11} {'MFU bound':>10} {'tokens/s':>10}")
-    print(head)
-    print("-" * len(head))
+    """The rows as one table (columns as wide as their widest cell), the chip figures under it."""
+    cols = [("program", "<"), ("topology", "<"), ("mesh", "<"), ("compiled", "<"), ("compile s", ">"),
+            ("GiB/chip", ">"), ("HBM GiB", ">"), ("headroom", ">"), ("est GiB", ">"), ("TFLOP/step", ">"),
+            ("HBM GB/chip", ">"), ("roofline s", ">"), ("MFU bound", ">"), ("tokens/s", ">")]
+    cells = []
     for r in rows:
-        mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
         total = r["per_chip_bytes"]["total"] if r["per_chip_bytes"] else None
-        head_s = "-" if r["headroom"] is None else f"{r['headroom'] * 100:.0f}%"
-        topo = f"{r['topology']} ({r['accelerator_type']})"
-        print(f"{r['program']:<44} {topo:<18} {mesh:<22} {'yes' if r['compiled'] else 'no':<8} "
-              f"{r['compile_s']:>7.0f} {_gib(total):>9} {r['hbm_bytes'] / 2 ** 30:>8.0f} {head_s:>9} "
-              f"{_gib(r['estimate_bytes']):>8} {r['flops'] / 1e12:>11.1f} {r['hbm_traffic_bytes'] / 1e9:>12.1f} "
-              f"{r['roofline_s']:>11.3f} {r['mfu_bound'] * 100:>9.0f}% {r['tokens_per_s']:>10.0f}")
+        cells.append([
+            r["program"], f"{r['topology']} ({r['accelerator_type']})",
+            ",".join(f"{k}={v}" for k, v in r["mesh"].items()), "yes" if r["compiled"] else "no",
+            f"{r['compile_s']:.0f}", _gib(total), f"{r['hbm_bytes'] / 2 ** 30:.0f}",
+            "-" if r["headroom"] is None else f"{r['headroom'] * 100:.0f}%", _gib(r["estimate_bytes"]),
+            f"{r['flops'] / 1e12:.1f}", f"{r['hbm_traffic_bytes'] / 1e9:.1f}", f"{r['roofline_s']:.3f}",
+            f"{r['mfu_bound'] * 100:.0f}%", f"{r['tokens_per_s']:.0f}"])
+    widths = [max(len(name), *(len(c[i]) for c in cells)) for i, (name, _) in enumerate(cols)]
+
+    def line(values):
+        return "  ".join(f"{v:{align}{w}}" for v, (_, align), w in zip(values, cols, widths)).rstrip()
+
+    print(line([name for name, _ in cols]))
+    print("-" * sum(w + 2 for w in widths))
+    for c in cells:
+        print(line(c))
     for chip in chips_used:
         print(f"{chip.name}: {chip.hbm_gib:g} GiB HBM, {chip.peak_flops / 1e12:g} TFLOP/s bf16, "
               f"{chip.hbm_bandwidth / 1e9:g} GB/s per chip (published figures)")
@@ -160,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
     if sum(v == -1 for v in sizes.values()) > 1:
         raise UserError(f"mesh {sizes}: at most one axis may be -1")
     cfg, label = _model_config(model, f["overrides"], f["dtype"], _progress)
+    if f["seq_len"] > cfg.max_position_embeddings:
+        raise UserError(f"--seq-len {f['seq_len']} is past the model's max_position_embeddings "
+                        f"({cfg.max_position_embeddings}); the trainer refuses it too")
     if not libtpu_available():
         raise UserError("plan compiles with XLA's TPU compiler, which comes with libtpu: "
                         "pip install -e '.[tpu]' (jax[tpu])")

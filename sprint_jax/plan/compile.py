@@ -149,16 +149,23 @@ def _size(text: str) -> float:
 
 
 def parse_oom(message: str) -> dict[str, float] | None:
-    """The TPU compiler's out-of-memory verdict ("Used 113.20G of 95.74G hbm. Exceeded hbm
-    capacity by 17.46G."): {'used', 'limit', 'over'} in bytes, or None if it is not one."""
+    """The TPU compiler's out-of-memory verdict, or None if `message` is not one. Two forms:
+    "Used 113.20G of 95.74G hbm. Exceeded hbm capacity by 17.46G." -> {'used', 'limit', 'over'}
+    (everything the program holds), and "the total memory required for HLO temporaries (23.13G)
+    exceeds available HBM (15.75G)" -> {'temp', 'limit'} (temporaries alone). Bytes; NaN where
+    the message gave no figure."""
     m = re.search(r"Used\s+([\d.]+\s*[KMGT]?i?B?)\s+of\s+([\d.]+\s*[KMGT]?i?B?)\s+hbm", message)
-    if not m:
-        if "RESOURCE_EXHAUSTED" in message or "Ran out of memory" in message:
-            return {"used": float("nan"), "limit": float("nan"), "over": float("nan")}
-        return None
-    used, limit = _size(m.group(1)), _size(m.group(2))
-    o = re.search(r"Exceeded hbm capacity by\s+([\d.]+\s*[KMGT]?i?B?)", message)
-    return {"used": used, "limit": limit, "over": _size(o.group(1)) if o else used - limit}
+    if m:
+        used, limit = _size(m.group(1)), _size(m.group(2))
+        o = re.search(r"Exceeded hbm capacity by\s+([\d.]+\s*[KMGT]?i?B?)", message)
+        return {"used": used, "limit": limit, "over": _size(o.group(1)) if o else used - limit}
+    m = re.search(r"temporaries\s*\(([\d.]+\s*[KMGT]?i?B?)\)\s*exceeds available HBM\s*\(([\d.]+\s*[KMGT]?i?B?)\)",
+                  message)
+    if m:
+        return {"temp": _size(m.group(1)), "limit": _size(m.group(2))}
+    if "RESOURCE_EXHAUSTED" in message or "Ran out of memory" in message:
+        return {"used": float("nan"), "limit": float("nan"), "over": float("nan")}
+    return None
 
 
 def _first_line(e: BaseException) -> str:

@@ -177,9 +177,11 @@ def way_out(shape: StepShape, where: Slice) -> str:
             if options and options[-1][0].startswith("--mesh"):
                 break
     for bigger in ladder_above(where):
-        mesh = (shape.mesh[0], bigger.chips // (shape.mesh[0] * shape.mesh[2]), shape.mesh[2])
-        consider(f"--topology {bigger.name} ({bigger.booking}, fsdp={mesh[1]})",
-                 dataclasses.replace(shape, mesh=mesh), bigger)
+        for mesh in meshes(bigger.chips, shape):
+            consider(f"--topology {bigger.name} ({bigger.booking}) --mesh fsdp={mesh[1]},tensor={mesh[2]}",
+                     dataclasses.replace(shape, mesh=mesh), bigger)
+            if options and options[-1][0].startswith("--topology"):
+                break
         if options and options[-1][0].startswith("--topology"):
             break
     b = shape.batch // 2
@@ -209,6 +211,12 @@ def not_fit_line(row: dict, shape: StepShape, where: Slice) -> str:
         used, limit = row["per_chip_bytes"]["total"], where.chip.hbm_bytes
         what = (f"needs {used / GIB:.1f} GiB per chip, {(used - limit) / GIB:.1f} GiB over the chip's "
                 f"{limit / GIB:g} GiB")
+    elif oom and "temp" in oom:                  # the compiler counted its temporaries alone
+        held = sum(row["estimate"][k] for k in ("params", "adam", "batch"))    # exact sizes
+        need = oom["temp"] + held
+        what = (f"does not fit: the TPU compiler needs {oom['temp'] / GIB:.1f} GiB of temporaries beside "
+                f"{held / GIB:.1f} GiB of weights, AdamW state and batch, with {oom['limit'] / GIB:.2f} GiB of HBM "
+                f"per chip (over by {(need - oom['limit']) / GIB:.1f} GiB)")
     elif oom and oom["used"] == oom["used"]:      # not NaN: the compiler gave its figures
         used, limit = oom["used"], oom["limit"]
         what = (f"does not fit: the TPU compiler needs {used / GIB:.1f} GiB per chip of {limit / GIB:.1f} GiB "
