@@ -20,8 +20,10 @@ from sprint_jax.model.config import Qwen2Config
 from sprint_jax.plan import chips, estimate
 from sprint_jax.plan import train as plan_train
 
+# Compiles by XLA's TPU compiler: tens of seconds each on an idle host (slow), and only with libtpu.
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="compiling for TPU needs libtpu (pip install -e '.[tpu]')")
+compiles = pytest.mark.slow
 
 # Two toy sizes of one layer (a TPU compile of tens of seconds on an idle host) and 512-token
 # rows, whose weights and vocabulary projection (3 and 9 GB of fp32 state over 4 chips) keep
@@ -148,6 +150,7 @@ KERNELS = {"flat": {"splash_mha_fwd", "splash_mha_dq", "splash_mha_dkv"},
 
 
 @needs_libtpu
+@compiles
 @pytest.mark.parametrize("layout", ["flat", "trie", "merge"])
 def test_each_layout_compiles_for_v5e_with_its_mosaic_kernels(layout):
     """flat runs splash attention, trie and merge our Mosaic kernel; each kernel (forward, twice
@@ -168,6 +171,7 @@ ROW_KEYS = {"program", "topology", "mesh", "compiled", "per_chip_bytes", "hbm_by
 
 
 @needs_libtpu
+@compiles
 @pytest.mark.parametrize("model", [SMALL, LARGER], ids=["small", "larger"])
 @pytest.mark.parametrize("mesh", ["fsdp=4", "fsdp=2,tensor=2"])
 def test_estimate_is_within_20_percent_of_the_compiler(tmp_path, capsys, model, mesh):
@@ -184,6 +188,7 @@ def test_estimate_is_within_20_percent_of_the_compiler(tmp_path, capsys, model, 
 
 
 @needs_libtpu
+@compiles
 def test_a_step_that_does_not_fit_exits_2_with_one_line(tmp_path, capsys):
     rc, rows = _plan(tmp_path, HUGE_VOCAB, "--batch", "4", "--seq-len", "256", "--loss-chunk", "0",
                      "--topology", "v5e:2x2", name="huge")
@@ -198,6 +203,7 @@ def test_a_step_that_does_not_fit_exits_2_with_one_line(tmp_path, capsys):
 
 
 @needs_libtpu
+@compiles
 def test_search_finds_a_slice_the_compiler_accepts(tmp_path, capsys):
     """The huge vocabulary does not fit one 4-chip v5e host; the search names a larger slice and
     the compiler agrees."""
