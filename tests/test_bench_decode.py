@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
 import pytest
 
@@ -64,11 +63,7 @@ def test_join_rows(report):
         assert row[f"{m}_ms"] > 0 and row[f"{m}_ms"] == min(row["samples_ms"][m])
         assert row[f"{m}_cpu_ms"] == min(row["samples_cpu_ms"][m]) >= 0
     assert row["merge_over_reprefill"] == row["merge_ms"] / row["reprefill_ms"]
-    # the copy's cost inside the decode call it rides (the bench checks the call carried the join)
-    assert row["decode_call_ms"] > 0 and math.isfinite(row["copy_in_decode_ms"])
     assert row["merge_host_ms"] == min(row["samples_merge_host_ms"]) > 0
-    assert row["merge_fused_ms"] == row["merge_host_ms"] + row["copy_in_decode_ms"]
-    assert row["merge_fused_over_reprefill"] == row["merge_fused_ms"] / row["reprefill_ms"]
 
 
 def test_cache_bytes_match_allocated_capacities(report):
@@ -76,7 +71,7 @@ def test_cache_bytes_match_allocated_capacities(report):
     per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4   # K and V, fp32
     cap = report["capacities"][0]
     # the 23 cached context tokens (P - 1; the last is pending) as a step reads them: the slot
-    # core's used-length bucket (min 64) capped at the parent slot; the copy baseline copies that many
+    # engine's used-length bucket (min 64) capped at the parent slot; the copy baseline copies that many
     prefix_slots = min(64, cap["seq_capacity"])
     by = {(r["mode"], r["branches"]): r["cache_bytes"] for r in report["rows"]}
     for n in (1, 2):

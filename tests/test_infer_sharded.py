@@ -29,9 +29,9 @@ import json, sys
 sys.path.insert(0, sys.argv[2])
 import jax, numpy as np
 from conftest import tiny_vocab_tokenizer
-from sprint_jax.infer import Engine
 from sprint_jax.infer import sharding as sh
-from sprint_jax.infer.batch import BatchEngine
+from sprint_jax.infer.engine import Engine
+from sprint_jax.infer.single import SingleRun
 from sprint_jax.model import from_pretrained
 
 assert jax.device_count() == 8, jax.devices()
@@ -53,12 +53,12 @@ def drive(engine):
     return [ops[0].result.tokens, [g.tokens for g in ops[1].result], last.result.tokens]
 
 ref_model = from_pretrained(path)
-ref = drive(BatchEngine(ref_model, tok, max_seqs=4, max_children=4, **CAPS))
-eng1 = Engine(ref_model, tok, **CAPS)
+ref = drive(Engine(ref_model, tok, max_seqs=4, max_children=4, **CAPS))
+eng1 = SingleRun(Engine(ref_model, tok, max_seqs=1, **CAPS))
 prompt = ids(7, 33)
 ref_logits = eng1.step_logits(eng1.prefill(prompt))
 
-def single(engine):      # the single-run Engine: greedy generate, then three branches off the prompt
+def single(engine):      # one sequence (SingleRun): greedy generate, then three branches off the prompt
     gen = engine.generate(engine.prefill(prompt), 12).tokens
     return [gen, [g.tokens for g in engine.decode_branches(engine.prefill(prompt), [ids(8, 4), [], ids(9, 2)], 7)]]
 
@@ -72,19 +72,19 @@ for spec, n in (("data=2", 2), ("tensor=2,data=2", 4), ("tensor=4,data=2", 8), (
     notes = []
     model = from_pretrained(path, shardings=sh.param_shardings(config, mesh, notes))   # loaded into the sharding
     q = model.params["layers"]["q_proj"]["kernel"]
-    eng = BatchEngine(model, tok, max_seqs=4, max_children=4, mesh=mesh, **CAPS)
+    eng = Engine(model, tok, max_seqs=4, max_children=4, mesh=mesh, **CAPS)
     got = drive(eng)
-    one = Engine(model, tok, mesh=mesh, **CAPS)       # the single-run API on the slot core's mesh path
+    one = SingleRun(Engine(model, tok, max_seqs=1, mesh=mesh, **CAPS))       # one slot on the mesh
     logits = one.step_logits(one.prefill(prompt))
     pallas_single = None
     if spec == "tensor=8":   # the Pallas parent-prefix kernel per shard, copied KV heads (interpret mode)
-        pe = Engine(model, tok, mesh=mesh, attention_impl="pallas", **CAPS)
+        pe = SingleRun(Engine(model, tok, max_seqs=1, mesh=mesh, attention_impl="pallas", **CAPS))
         pallas_single = [g.tokens for g in pe.decode_branches(pe.prefill(prompt), [ids(8, 4), [], ids(9, 2)], 7)]
         pallas_single = pallas_single == ref_single[1]
     out[spec] = {"same_tokens": got == ref, "max_logit_diff": float(np.abs(logits - ref_logits).max()),
                  "same_single": single(one) == ref_single, "n_single": sum(map(len, ref_single[1])) + len(ref_single[0]),
-                 "single_notes": one.sharding_notes, "single_pk_spec": norm(one.core.cache.pk.sharding.spec, 5),
-                 "single_ck_spec": norm(one.core.cache.ck.sharding.spec, 5), "pallas_single": pallas_single,
+                 "single_notes": one.sharding_notes, "single_pk_spec": norm(one.engine.cache.pk.sharding.spec, 5),
+                 "single_ck_spec": norm(one.engine.cache.ck.sharding.spec, 5), "pallas_single": pallas_single,
                  "q_spec": norm(q.sharding.spec, 4), "pk_spec": norm(eng.cache.pk.sharding.spec, 5),
                  "ck_spec": norm(eng.cache.ck.sharding.spec, 5),
                  "pk_shard": list(eng.cache.pk.addressable_shards[0].data.shape),
@@ -107,7 +107,7 @@ def test_mesh_gives_the_tokens_and_logits_of_one_device(sharded, spec):
     r = sharded[spec]
     assert r["n_tokens"] > 60 and r["n_single"] >= 25     # the comparison covers real decoding
     assert r["same_tokens"], spec                          # the batched scheduler
-    assert r["same_single"], spec                          # Engine: greedy generate, decode_branches
+    assert r["same_single"], spec                          # one sequence: greedy generate, decode_branches
     assert r["max_logit_diff"] < 1e-4, r["max_logit_diff"]
 
 
@@ -129,11 +129,11 @@ def test_shardings_follow_the_rules_table(sharded):
 
 
 
-def test_single_run_engine_takes_the_slot_cores_mesh_path(sharded):
-    """`Engine(mesh=)` is the slot core's: at tensor=8 (> the 2 KV heads) its KV heads are copied
-    (logged) and its slots split over tensor like the batched engine's, and the Pallas kernel runs
-    per shard (same branches as one device); at data=2 its one parent slot (and so its children)
-    stay whole on each data shard, noted, with the one-device tokens (test above)."""
+def test_a_one_slot_engine_on_a_mesh(sharded):
+    """`Engine(max_seqs=1, mesh=)`: at tensor=8 (> the 2 KV heads) its KV heads are copied (logged)
+    and its slots split over tensor like a many-slot engine's, and the Pallas kernel runs per shard
+    (same branches as one device); at data=2 its one parent slot (and so its children) stay whole
+    on each data shard, noted, with the one-device tokens (test above)."""
     r8, r2 = sharded["tensor=8"], sharded["data=2"]
     assert any("KV heads copied -> 8" in n for n in r8["single_notes"]), r8["single_notes"]
     assert r8["single_pk_spec"] == r8["single_ck_spec"] == [None, None, "tensor", None, None]
@@ -233,21 +233,20 @@ import jax, jax.numpy as jnp, numpy as np
 from conftest import tiny_vocab_tokenizer
 from test_batch_engine import _copies_of_the_cache
 from sprint_jax.infer import sharding as sh
-from sprint_jax.infer.batch import BatchEngine, _decode, _prefill, decode_rows
+from sprint_jax.infer.engine import Engine
+from sprint_jax.infer.programs import DecodeRows, PrefillRows, decode, prefill
 from sprint_jax.model import from_pretrained
 
 assert jax.device_count() == 8, jax.devices()
 model = from_pretrained(sys.argv[1])
 mesh = sh.mesh_from_flag("data=2", devices=jax.devices()[:2])
-eng = BatchEngine(model, tiny_vocab_tokenizer(), max_seqs=4, max_children=4, max_seq_len=96, max_branch_tokens=48,
-                  decode_chunk=8, mesh=mesh)
+eng = Engine(model, tiny_vocab_tokenizer(), max_seqs=4, max_children=4, max_seq_len=96, max_branch_tokens=48,
+             decode_chunk=8, mesh=mesh)
 na, nf, w = 4, 4, eng.max_children       # generate rows, fork groups, rows per group (2 blocks of each)
-b = na + nf * w
-z = lambda n, dt=jnp.int32: jnp.zeros(n, dt)
-ints, floats, _ = decode_rows(b, 8)
-dec = (eng.params, eng.config, eng.cache, z(na), z(nf), z(nf), z(nf * w), jnp.asarray(ints), jnp.asarray(floats))
-kw = dict(w=w, chunk=8, s_b=64, c_b=32, kv=eng._kv)
-pre = (eng.params, eng.config, eng.cache, jnp.zeros((4, 32), jnp.int32), z(4), z(4), z(4), z(4), z(4))
+packed, layout = DecodeRows.empty(na, nf, w, 8, 0, 0).pack()
+dec = (eng.params, eng.config, eng.cache, tuple(jnp.asarray(a) for a in packed))
+kw = dict(layout=layout, chunk=8, s_b=64, c_b=32, kv=eng._kv)
+pre = (eng.params, eng.config, eng.cache, jax.tree.map(jnp.asarray, PrefillRows.empty(4, 32, 0)))
 pkw = dict(kind="child", s_b=64, c_b=32, kv=eng._kv)
 
 def collectives(hlo):
@@ -259,7 +258,7 @@ def collectives(hlo):
     return out
 
 out = {}
-for name, fn, args, kws in (("decode", _decode, dec, kw), ("prefill", _prefill, pre, pkw)):
+for name, fn, args, kws in (("decode", decode, dec, kw), ("prefill", prefill, pre, pkw)):
     comp = fn.lower(*args, **kws).compile()
     plain = jax.jit(fn.__wrapped__.__wrapped__, static_argnames=tuple(kws) + ("config",)).lower(*args, **kws).compile()
     ma = comp.memory_analysis()
@@ -271,7 +270,7 @@ print("RESULT " + json.dumps(out))
 
 
 def test_data_shards_keep_their_slots_local(hf_untied):
-    """data=2: the batched engine's decode and prefill steps run per slot shard (sharding.slot_local),
+    """data=2: the engine's decode and prefill programs run per slot shard (sharding.slot_local),
     so the compiled steps move nothing bigger than a few scalars between devices, while the same
     step left to GSPMD (the reference: the plain jit of the same function) all-reduces gathered
     cache rows. The cache is still donated and updated in place (no copy with a capacity axis)."""
@@ -300,29 +299,29 @@ def test_slot_blocks_place_rows_in_their_shards_block():
 
 
 def test_bf16_cache_moves_as_bits_on_cpu_exactly():
-    """On CPU a 16-bit cache is gathered / scattered as uint16 bits (batch._on_bits: XLA CPU would
-    widen the whole cache to f32 each step): the result equals numpy indexing of the same array."""
+    """On CPU a 16-bit cache is gathered / scattered as uint16 bits (slot_cache._on_bits: XLA CPU
+    would widen the whole cache to f32 each step): the result equals numpy indexing of the same array."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from sprint_jax.infer import batch
+    from sprint_jax.infer import slot_cache as batch
 
     rng = np.random.default_rng(0)
     cache = jnp.asarray(rng.standard_normal((3, 5, 2, 7, 4)), jnp.bfloat16)     # [L, N, Hkv, C, D]
     assert batch._on_bits(cache) == (jax.default_backend() == "cpu")
     rows = jnp.asarray([4, 0, 4], jnp.int32)
-    got = jax.jit(batch._gather_rows, static_argnums=3)(cache, 1, rows, 6)      # [R, Hkv, 6, D]
+    got = jax.jit(batch.gather_rows, static_argnums=3)(cache, 1, rows, 6)      # [R, Hkv, 6, D]
     ref = np.asarray(cache)[1][np.asarray(rows)][:, :, :6]
     assert np.array_equal(np.asarray(got), ref)
     new = jnp.asarray(rng.standard_normal((3, 2, 2, 2, 4)), jnp.float32)       # prefill: [L, R, T, Hkv, D]
     slot, pos = jnp.asarray([2, 0]), jnp.asarray([[1, 6], [3, 1 << 30]])        # the last write drops
-    out = jax.jit(batch._put_slots)(cache, slot, pos, new)
+    out = jax.jit(batch.put_slots)(cache, slot, pos, new)
     want = np.asarray(cache).copy()
     nb = np.asarray(new.astype(jnp.bfloat16))
     want[:, 2, :, 1], want[:, 2, :, 6], want[:, 0, :, 3] = nb[:, 0, 0], nb[:, 0, 1], nb[:, 1, 0]
     assert out.dtype == jnp.bfloat16 and np.array_equal(np.asarray(out), want)
-    step = jax.jit(batch._put_slots)(cache, slot, pos[:, 0], new[:, :, 0])    # a decode step: [L, R, Hkv, D]
+    step = jax.jit(batch.put_slots)(cache, slot, pos[:, 0], new[:, :, 0])    # a decode step: [L, R, Hkv, D]
     want = np.asarray(cache).copy()
     want[:, 2, :, 1], want[:, 0, :, 3] = nb[:, 0, 0], nb[:, 1, 0]
     assert np.array_equal(np.asarray(step), want)
@@ -334,7 +333,7 @@ sys.path.insert(0, sys.argv[2])
 import jax, numpy as np
 from conftest import tiny_vocab_tokenizer
 from sprint_jax.infer import sharding as sh
-from sprint_jax.infer.batch import BatchEngine
+from sprint_jax.infer.engine import Engine
 from sprint_jax.model import from_pretrained
 
 ids = lambda seed, n: [int(x) for x in np.random.default_rng(seed).integers(3, 307, n)]
@@ -372,9 +371,9 @@ def drive(engine):
     return out
 
 model = from_pretrained(sys.argv[1])
-ref = drive(BatchEngine(model, tiny_vocab_tokenizer(), **CAPS))
+ref = drive(Engine(model, tiny_vocab_tokenizer(), **CAPS))
 mesh = sh.mesh_from_flag("data=2", devices=jax.devices()[:2])
-got = drive(BatchEngine(model, tiny_vocab_tokenizer(), mesh=mesh, **CAPS))
+got = drive(Engine(model, tiny_vocab_tokenizer(), mesh=mesh, **CAPS))
 res = {"slots": got["slots"], "same_tokens": got["tokens"] == ref["tokens"], "ran": got["ran"], "ran_ref": ref["ran"],
        "n_tokens": sum(map(len, ref["tokens"])),
        "logit_diff": float(np.abs(np.asarray(got["logits"]) - np.asarray(ref["logits"])).max()),
@@ -385,7 +384,7 @@ print("RESULT " + json.dumps(res))
 
 
 def test_merge_join_on_data_shards_slots_local_equals_one_device(hf_untied):
-    """data=2: the batched engine's merge join (the children's tail prefill and the row copy into the
+    """data=2: the engine's merge join (the children's tail prefill and the row copy into the
     parent slot, both per slot shard; after a join fork the feed step and the copy alone) on two
     sequences in different shards gives the tokens, join logits and parent-slot K/V of the same
     engine on one device (test_merge_join checks one device against a dense reference)."""
