@@ -709,8 +709,8 @@ def run_decode_bench(args: argparse.Namespace) -> int:
             capacities.append(dict(prefix_len=p, max_seq_len=engine.max_seq_len,
                                    max_branch_tokens=engine.max_branch_tokens,
                                    kv_bytes_per_token=kv_bytes_per_token(config),
-                                   seq_capacity=state.cache.nbytes // kv_bytes_per_token(config),
-                                   suffix_capacity=int(engine.suffix_capacity),
+                                   seq_capacity=int(engine.parent_capacity),
+                                   suffix_capacity=int(engine.child_capacity),
                                    prefill_first_call_s=prefill_first_s))
             prefix_sets = {n: [[int(x) for x in rng.integers(0, config.vocab_size, s["branch_prefix_len"])]
                                for _ in range(n)] for n in s["branches"]}

@@ -6,8 +6,8 @@ One stage (docs/design.md "The orchestrator and its accounting"):
    (`format.planner_stop_strings(i)`).
 2. The prompts of `Plan_i` are read with `format.parse_plan`.
 3. The planner state is forked after `</Plan_i>`: executor j starts from the forced opening
-   (block gap + `<execution_i.j>`) and every executor of the stage decodes in one batched call
-   (`engine.decode_branches`), each stopping at its own `</execution_i.j>`.
+   (block gap + `<execution_i.j>`) and every executor of the stage decodes in one batched fork
+   (`engine.fork`), each stopping at its own `</execution_i.j>`.
 4. Sync (`config.join`, default from the layout): `reprefill` appends the openings and
    executions in prompt order and prefills only those tokens onto the planner cache
    (`engine.extend`); `merge` (the default for a merge-layout model) places each executor's KV after

@@ -1,9 +1,8 @@
-"""The batched engine's parent-prefix attention on the Pallas path, per shard under a
-mesh.
+"""The engine's parent-prefix attention on the Pallas path, per shard under a mesh.
 
-A decode step of `BatchEngine` attends in groups: a generate row alone (over its own parent slot),
+A decode step of `Engine` attends in groups: a generate row alone (over its own parent slot),
 or a fork's children (over their parent slot up to the fork point). The XLA path
-(`batch.parent_prefix_attention`) gathers the used slots of each group and runs
+(`programs.parent_prefix_attention`) gathers the used slots of each group and runs
 `attend_partial_heads` (the slot cache is heads-first, [L, P, Hkv, S, D]) with the group's queries
 on the query axis. `pallas_parent_prefix_attention` returns the same
 (out, lse) pair from `sprint_jax.kernels.grouped_prefix_attention`: one pallas_call over all

@@ -95,7 +95,7 @@ class Row:
         self.reason: str | None = None
         self.overshoot = 0
         self.prefill_pos = 0              # child: how much of run[:-1] is in its suffix slot
-        self.fed = False                  # its last token was run (a join fork's child: `_decode` feed_last)
+        self.fed = False                  # its last token was run (a join fork's child: decode's feed_last)
         self.last_logits = None           # then its logits after that token (device, [V]), if kept
 
 

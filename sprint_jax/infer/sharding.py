@@ -146,7 +146,7 @@ class SlotPlan:
 
 def cache_bytes_per_device(config: Qwen2Config, mesh: Mesh, max_seqs: int, max_children: int,
                            parent_capacity: int, child_capacity: int, notes: list[str] | None = None) -> int:
-    """Bytes of a BatchEngine SlotCache (K and V, parents and children) on the fullest device."""
+    """Bytes of an Engine's SlotCache (K and V, parents and children) on the fullest device."""
     item = np.dtype(dtype_of(config.dtype)).itemsize
     hkv, d = config.num_key_value_heads, config.head_dim
     L = config.num_hidden_layers

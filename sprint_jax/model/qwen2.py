@@ -307,9 +307,9 @@ def per_layer(params: Params) -> Params:
     weights) instead of arrays stacked on a leading layers axis. `decoder` runs either form. The
     stacked form's scan takes each layer's weights out of the stack with dynamic slices, which XLA
     CPU materialises as copies every time the stack runs; the per-layer form's layers read their
-    own weights where they lie. The batched engine runs small models in this form (`BatchEngine`:
-    a decode step runs the stack once per token, and on the demo's model those copies were about
-    half of a one-row step)."""
+    own weights where they lie. The engine runs small models in this form (`Engine`'s
+    per_layer_weights: a decode step runs the stack once per token, and on the demo's model those
+    copies were about half of a one-row step)."""
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
         return params
