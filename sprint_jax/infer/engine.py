@@ -308,7 +308,6 @@ class Engine(Scheduler, Joins):
         seq.tokens = seq.tokens[:n]
         return seq
 
-
     @property
     def max_branches(self) -> int:        # the orchestrator's name for children per parent
         return self.max_children

@@ -99,8 +99,6 @@ class Row:
         self.last_logits = None           # then its logits after that token (device, [V]), if kept
 
 
-
-
 @functools.lru_cache(maxsize=None)
 def _takes_skip_flag(tokenizer_type: type) -> bool:
     try:

@@ -200,8 +200,9 @@ class Scheduler:
         fed_rows, n_forced = r.feed_last, r.n_forced
         packed, layout = r.pack()
         res = programs.decode(
-            self._step_params, self.config, self.cache, packed, layout=layout, chunk=self.decode_chunk, s_b=s_b, c_b=c_b, kv=self._kv,
-            attention_impl=self.attention_impl, n_valid=self.n_valid, feeding=bool(fed_rows.any()))
+            self._step_params, self.config, self.cache, packed, layout=layout, chunk=self.decode_chunk, s_b=s_b,
+            c_b=c_b, kv=self._kv, attention_impl=self.attention_impl, n_valid=self.n_valid,
+            feeding=bool(fed_rows.any()))
         self.cache, out, reason = res[:3]
         kept = res[4] if len(res) > 4 else None
         out, reason = jax.device_get((out, reason))
