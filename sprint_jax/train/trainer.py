@@ -2,12 +2,14 @@
 checkpoints, export. `train(config, out_dir)` is the Python API; `sprint-jax train` is a thin CLI
 over it.
 
-Outputs under OUT: config.yaml (the resolved config), data_stats.json, metrics.jsonl (one JSON
-object per logged step), tb/ (TensorBoard events), checkpoints/ (orbax), loss.png, hf/ (the final
-model as HF safetensors + its tokenizer) and summary.json.
+Outputs under OUT: config.yaml (the resolved config), data_stats.json (what was used, what was
+dropped and why, the length buckets), metrics.jsonl (one JSON object per logged step; `bucket` is
+the row length of the step's batch), tb/ (TensorBoard events), checkpoints/ (orbax), loss.png,
+hf/ (the final model as HF safetensors + its tokenizer) and summary.json.
 
 Resume is automatic when OUT/checkpoints holds a checkpoint (checkpoint.resume): params,
-optimizer state, step, RNG and the data position come back, and the run continues bit for bit.
+optimizer state, step, RNG and the data position (a row cursor per length bucket) come back, and
+the run continues bit for bit.
 """
 from __future__ import annotations
 
@@ -334,7 +336,10 @@ def _load_data(cfg: TrainConfig, tokenizer, vocab_size: int, out: Path, say) -> 
     items, stats = data_lib.build_items(examples, tokenizer, cfg.data.layout, cfg.data.seq_len,
                                         cfg.data.overlong, cfg.data.span_weights, vocab_size,
                                         cfg.data.trie_whole_trajectory, paired)
-    say(stats.drop_line())
+    if sum(stats.dropped.values()) and _is_main():
+        print(stats.drop_line(), file=sys.stderr, flush=True)     # also without progress: never silent
+    else:
+        say(stats.drop_line())
     say(f"data: {stats.read} read, {stats.used} used, {stats.truncated} truncated; "
         f"{stats.tokens} tokens ({stats.tokens_per_example:.1f} per example), {stats.loss_tokens} in the loss "
         f"({cfg.data.layout} layout)")
