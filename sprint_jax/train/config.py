@@ -71,7 +71,7 @@ class DataSection:
     tokenizer: str = "auto"                    # auto | qwen2 | bytes | a tokenizer directory
     seed: int = 0                              # example order (reshuffled every epoch from this seed)
     pack_open_rows: int = 8                    # rows kept open for first-fit packing
-    trim_rows: bool = True                     # cut each batch's trailing padding to the next quarter of seq_len
+    trim_rows: bool = True                     # cut each batch's trailing padding to the next quarter of its row length
     max_examples: int | None = None            # use only the first N examples read (None = all)
     trie_whole_trajectory: bool = False        # trie: also train the whole trajectory as one unit (ThreadWeaver)
     paired: PairedSection = dataclasses.field(default_factory=lambda: PairedSection())

@@ -32,7 +32,9 @@ layouts, so the train step has a single attention mask and a single loss:
 Paired sets (paper §9: SPRINT and RFT train on the same problems): `build_items(paired=...)` drops an
 example whose partner (same id in the other set) is unusable or over-long there, and counts it.
 Several items are packed into one row (first-fit, deterministic order from the seed); items never
-see each other because their spans do not overlap.
+see each other because their spans do not overlap. With length buckets (`BucketStream`) an item is
+packed into a row of the smallest bucket that holds it and each batch comes from one bucket.
+Every example that is not trained on is counted by reason (`DataStats.dropped`).
 """
 from __future__ import annotations
 
@@ -492,10 +494,11 @@ def build_items(examples: Sequence[Example], tokenizer, layout: str, seq_len: in
                 span_weights: dict[str, float], vocab_size: int | None = None,
                 whole_trajectory: bool = False, paired: Paired | None = None) -> tuple[list[Item], DataStats]:
     """Lay out every example; unparsable (and empty) ones are counted and skipped, over-long ones
-    dropped or truncated per `overlong`, counted (never silently; `DataStats.dropped` by reason). With `paired`, an example whose partner
-    (same id in `paired.examples`, laid out in `paired.layout` with the same seq_len) is missing,
-    unparsable or over-long is dropped too (`dropped_paired`): both runs of the pair, each naming
-    the other, keep exactly the same problems."""
+    dropped or truncated per `overlong`, counted (never silently: `DataStats.dropped` by reason).
+    With `paired`, an example whose partner (same id in `paired.examples`, laid out in
+    `paired.layout` with the same seq_len) is missing, unparsable or over-long is dropped too
+    (`dropped_paired`): both runs of the pair, each naming the other, keep exactly the same
+    problems. `seq_len` is the longest row (the last length bucket)."""
     stats = DataStats(read=len(examples), max_len=seq_len)
     partner_ok = None
     if paired is not None:
