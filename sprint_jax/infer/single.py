@@ -50,6 +50,8 @@ class SingleRun:
         self._seq: Seq | None = None
 
     def __getattr__(self, name: str):
+        if name == "engine":                    # not set yet (e.g. while unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.engine, name)
 
     @property
