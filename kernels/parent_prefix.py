@@ -1,6 +1,6 @@
 """Many parents per call: each parent's prefix read once for all rows of its group (Pallas).
 
-Why. The batched engine (sprint_jax/infer/batch.py) decodes rows in groups
+Why. The batched engine (sprint_jax/infer/programs.py) decodes rows in groups
 [parent, child_1..child_G]: a planner or prompt and the executors / samples forked from it. Every
 row of a group attends over its parent's slot of the parent cache (the parent row over its own
 past, a child over the prefix up to the fork point), then over its own suffix, and the parts merge
@@ -33,7 +33,7 @@ Key blocks past a group's used length (the max of its lens) are never read:
 On CPU either body runs with interpret=True (tests); `jax.export` lowers both at 7B sizes.
 
 heads_first=True takes the cache as [N, Hkv, S, D] (the batched engine's slot cache layout since
-the decode step reads whole [Hkv, S, D] slices: `sprint_jax.infer.batch.SlotCache`): the GPU body
+the decode step reads whole [Hkv, S, D] slices: `sprint_jax.infer.slot_cache.SlotCache`): the GPU body
 addresses (row, head, keys) instead of (row, keys, head); the TPU body takes (bk, D) blocks of
 (row, head) directly, so it needs no [S, Hkv*D] view and no D % 128 == 0.
 

@@ -1,6 +1,6 @@
 """`sprint-jax serve`: the real `openai` client against the server on 127.0.0.1, on the
-tiny real checkpoint. References: each request decoded alone on the single-run `Engine` (itself
-tested against HF generate), the orchestrator's single-run driver (what `sprint-jax infer` runs),
+tiny real checkpoint. References: each request decoded alone on a one-sequence engine (`SingleRun`, itself
+tested against full forwards), `Orchestrator.run` (run_many at concurrency 1: what `sprint-jax infer` runs),
 the batched engine's counters (one prefill for n children), and the server's own metrics."""
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ import openai
 import pytest
 
 from conftest import tiny_vocab_tokenizer, xla_flags
-from sprint_jax.infer import Engine, Sampling
-from sprint_jax.infer.batch import BatchEngine
+from sprint_jax.infer import Engine, Sampling, SingleRun
 from sprint_jax.infer.orchestrator import Orchestrator, OrchestratorConfig
 from sprint_jax.model import from_pretrained
 from sprint_jax.serve import Server
@@ -32,9 +31,9 @@ TIMINGS = ("wall_s", "planner_s", "executors_s", "sync_s", "final_s", "branch_ca
 def setup(hf_untied):
     model = from_pretrained(hf_untied)
     tok = tiny_vocab_tokenizer()
-    engine = BatchEngine(model, tok, max_seqs=4, max_children=4, **CAPS)
+    engine = Engine(model, tok, max_seqs=4, max_children=4, **CAPS)
     server = Server(engine, NAME, SPRINT_CFG).start()
-    alone = Engine(model, tok, max_branches=4, **CAPS)
+    alone = SingleRun(Engine(model, tok, max_seqs=1, max_children=4, **CAPS))
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
     yield server, client, alone, tok
     server.stop()
@@ -273,7 +272,7 @@ def test_a_full_queue_gets_429_with_retry_after_and_the_server_keeps_serving(set
     decoded alone). A stopped engine (here: the engine task on the event loop) gives 503 + Retry-After."""
     _, _, alone, tok = setup
     model = from_pretrained(hf_untied)
-    engine = BatchEngine(model, tok, max_seqs=4, max_children=4, **CAPS)    # the module engine's shapes
+    engine = Engine(model, tok, max_seqs=4, max_children=4, **CAPS)    # the module engine's shapes
     server = Server(engine, NAME, SPRINT_CFG, max_queue=1).start()
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
@@ -323,14 +322,14 @@ def test_the_engine_on_a_thread_of_its_own_serves_the_same(setup, hf_untied):
     """`serve --engine-on thread` (the accelerator default; the module's server runs its engine on
     the event loop, the CPU default): greedy completions and chat equal the request decoded alone,
     n = 4 shares one prefill and equals the branches decoded alone, streaming equals the whole
-    response, SPRINT mode gives the single-run driver's record, a client leaving mid-stream frees
+    response, SPRINT mode gives `Orchestrator.run`'s record, a client leaving mid-stream frees
     its slot within a second, and a stopped engine thread gives 503."""
     loop_server, _, alone, tok = setup
     assert loop_server.engine_on_loop and loop_server.worker.on_loop         # CPU: the engine on the loop
     switch = sys.getswitchinterval()
     assert switch != 0.0005                  # the engine on the loop leaves the GIL switch interval alone
     model = from_pretrained(hf_untied)
-    engine = BatchEngine(model, tok, max_seqs=4, max_children=4, **CAPS)    # the module engine's shapes
+    engine = Engine(model, tok, max_seqs=4, max_children=4, **CAPS)    # the module engine's shapes
     server = Server(engine, NAME, SPRINT_CFG, engine_on_loop=False).start()
     try:
         assert not server.worker.on_loop and server.worker._thread.is_alive()
@@ -533,10 +532,10 @@ def test_curate_with_our_server_as_teacher_resumes_after_a_kill(setup, tmp_path)
 
 
 def test_batch_engine_abort_frees_the_slot_in_every_state(setup, hf_untied):
-    """`BatchEngine.abort` (the server's cancel): a queued open, a sequence mid-prefill, a decoding
+    """`Engine.abort` (the server's cancel): a queued open, a sequence mid-prefill, a decoding
     row and a fork's children all go; the engine then serves a request exactly as alone."""
     server, client, alone, tok = setup
-    engine = BatchEngine(from_pretrained(hf_untied), tok, max_seqs=2, max_children=4, **CAPS)
+    engine = Engine(from_pretrained(hf_untied), tok, max_seqs=2, max_children=4, **CAPS)
     rng = np.random.default_rng(3)
     p_short, p_long, p_q = ([int(x) for x in rng.integers(3, 307, k)] for k in (9, 80, 5))
     a, b, c = engine.open(p_short), engine.open(p_long), engine.open(p_q)
@@ -558,7 +557,9 @@ def test_batch_engine_abort_frees_the_slot_in_every_state(setup, hf_untied):
     assert engine.live_rows == 4
     engine.abort(o.result)
     assert engine.free_slots == 2 and engine.live_rows == 0 and not engine.busy and f.done
-    got = engine.generate_one(p_long, 12)[0].tokens
+    run = SingleRun(engine)
+    got = run.generate(run.prefill(p_long), 12).tokens
+    run.close()
     assert got == alone.generate(alone.prefill(p_long), 12).tokens
 
 

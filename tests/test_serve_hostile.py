@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from conftest import tiny_vocab_tokenizer
-from sprint_jax.infer.batch import BatchEngine
+from sprint_jax.infer.engine import Engine
 from sprint_jax.model import from_pretrained
 from sprint_jax.serve import Server
 from test_serve import CAPS, NAME, SPRINT_CFG, _tiny_model_dir
@@ -28,7 +28,7 @@ MAX_BYTES = 256 * 1024
 def setup(hf_untied):
     model = from_pretrained(hf_untied)
     tok = tiny_vocab_tokenizer()
-    engine = BatchEngine(model, tok, max_seqs=4, max_children=4, **CAPS)
+    engine = Engine(model, tok, max_seqs=4, max_children=4, **CAPS)
     server = Server(engine, NAME, SPRINT_CFG, api_key=KEY, header_timeout_s=1.0, body_timeout_s=1.0,
                     max_connections=MAX_CONNECTIONS, max_request_bytes=MAX_BYTES).start()
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
@@ -437,7 +437,7 @@ def test_shutdown_ends_what_is_still_in_flight_at_the_grace_end_cleanly(setup, h
     from concurrent.futures import ThreadPoolExecutor
 
     _, _, tok = setup
-    engine = BatchEngine(from_pretrained(hf_untied), tok, max_seqs=4, max_children=4, **CAPS)
+    engine = Engine(from_pretrained(hf_untied), tok, max_seqs=4, max_children=4, **CAPS)
     server = Server(engine, NAME, SPRINT_CFG, shutdown_grace_s=1.0).start()
     try:
         held = []

@@ -62,7 +62,7 @@ def stage_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(stage_model):
     """The model served as `sprint-jax serve --model DIR FLAGS` builds it (in this process)."""
-    from sprint_jax.infer.infer_cli import build_batch_engine, config_from_args
+    from sprint_jax.infer.infer_cli import build_engine, config_from_args
     from sprint_jax.serve import Server
     from sprint_jax.serve import cli as serve_cli
 
@@ -71,7 +71,7 @@ def served(stage_model):
     serve_cli.add_arguments(p)
     args = p.parse_args(["--model", export, "--max-seqs", "2", *FLAGS])
     config = config_from_args(args)
-    server = Server(build_batch_engine(args, config, args.max_seqs), NAME, config).start()
+    server = Server(build_engine(args, config, args.max_seqs), NAME, config).start()
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
     yield server, client
     server.stop()

@@ -5,7 +5,7 @@ Model: random weights in the demo's model shape (`demo-size`: sprint_jax.demo.De
 demo's model exactly (configs/demo.yaml, its tokenizer's vocabulary; random weights) unless --preset.
 
 Rows, all measured in one run:
-  throughput   problems/s and generated tokens/s at each --concurrency on `BatchEngine`, on
+  throughput   problems/s and generated tokens/s at each --concurrency on `Engine`, on
                identical work (concurrency 1: one problem at a time). A problem is a SPRINT run
                with scripted stage lengths:
                prompt (--prompt-len tokens) -> planner call (--planner-tokens) -> fork of
@@ -35,7 +35,7 @@ Rows, all measured in one run:
                cache arrays (slots whose K or V is non-zero), against prefix + n x suffix (the
                prefix stored once) and against what per-child prefix copies would hold.
   --http       instead: plain greedy requests through `sprint-jax serve` vs in-process on an
-               identical BatchEngine. Model: the demo's (configs/demo.yaml: its shape, its
+               identical Engine. Model: the demo's (configs/demo.yaml: its shape, its
                tokenizer, its held-out queries as prompts; random weights) unless --preset. Per
                (--max-tokens, --concurrency): waves of `concurrency` requests, the paths
                alternating wave by wave after the same short idle lead: http.client and the
@@ -140,7 +140,7 @@ def _openings(s: dict) -> list[list[int]]:
 
 
 def run_batched(engine, prompts: list[list[int]], s: dict, concurrency: int, outputs: list | None = None) -> int:
-    """The problems on the BatchEngine, `concurrency` at a time; returns generated tokens.
+    """The problems on the Engine, `concurrency` at a time; returns generated tokens.
     outputs: if given, receives (problem, stage, tokens) of every generation (the same work at
     every concurrency: greedy, so identical lists once sorted)."""
     tokens = 0
@@ -191,8 +191,8 @@ def fork_bytes(model, tok, prompt: list[int], s: dict, common: dict) -> dict[str
     exactly prefix + sum of the children's suffixes (the prefix stored once), never a copy."""
     import jax
 
-    from sprint_jax.infer.batch import BatchEngine
-    e = BatchEngine(model, tok, max_seqs=1, max_children=max(s["executors"], 1), **common)
+    from sprint_jax.infer.engine import Engine
+    e = Engine(model, tok, max_seqs=1, max_children=max(s["executors"], 1), **common)
     op = e.open(prompt)
     e.run([op])
     seq = op.result
@@ -252,7 +252,7 @@ def _demo_model(seed: int, n: int):
 
 def _inproc_wave(engine, prompts: list[list[int]], max_new: int,
                  offsets: list[float] | None = None) -> tuple[list[float], list[str]]:
-    """The requests of one wave on a BatchEngine driven in this thread, request j submitted at
+    """The requests of one wave on a Engine driven in this thread, request j submitted at
     `offsets[j]` s after the wave starts (all at once without offsets), each generate following
     its open at once as the server's engine loop does. A request that comes due while a step
     runs waits for the step's end, as it would at the server. Per request: the time from its
@@ -528,13 +528,13 @@ def _http_row(waves: _Waves, repeats: int, concurrency: int) -> dict[str, Any]:
 
 def http_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Per (max_tokens, concurrency): the same greedy requests in waves of `concurrency`, in-process
-    on a BatchEngine and through `sprint-jax serve` (http.client and the openai client), the paths
+    on a Engine and through `sprint-jax serve` (http.client and the openai client), the paths
     alternating wave by wave; latency percentiles, throughput, and what HTTP adds per request."""
     import os
 
     import jax
 
-    from sprint_jax.infer.batch import BatchEngine
+    from sprint_jax.infer.engine import Engine
     from sprint_jax.serve import Server
     from sprint_jax.serve.cli import ENGINE_ON
 
@@ -546,8 +546,8 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
         model, tok, name, prompts = _demo_model(args.seed, n)
     caps = dict(max_seqs=max(conc), max_children=1, max_seq_len=max(map(len, prompts)) + max(lengths) + 8,
                 max_branch_tokens=8, decode_chunk=args.decode_chunk, prefill_chunk=128, eos_token_ids=[])
-    local = BatchEngine(model, tok, **caps)
-    server = Server(BatchEngine(model, tok, **caps), name,     # its own cache; the jitted steps are shared
+    local = Engine(model, tok, **caps)
+    server = Server(Engine(model, tok, **caps), name,     # its own cache; the jitted steps are shared
                     engine_on_loop=ENGINE_ON[args.engine_on]).start()
     clients = _ClientPool(server.url, name, max(conc))
     out: dict[str, Any] = dict(model=name, backend=jax.default_backend(), requests=n,
@@ -639,14 +639,14 @@ def serve_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def throughput(model, tok, prompts: list[list[int]], s: dict, conc: list[int], common: dict,
                repeats: int) -> dict[str, Any]:
-    """The throughput rows: the problems on a BatchEngine at each concurrency (`run_batched`), one
+    """The throughput rows: the problems on a Engine at each concurrency (`run_batched`), one
     untimed pass each (compiles every shape the timed passes meet; `same_work`: every concurrency
     generated the same tokens), then `repeats` timed passes interleaved. A row keeps the best pass
     and every sample, with this process's CPU seconds (all its threads: on a shared machine other
     processes stretch the wall clock, not it) and the load average around the passes."""
-    from sprint_jax.infer.batch import BatchEngine
+    from sprint_jax.infer.engine import Engine
 
-    engines = {c: BatchEngine(model, tok, max_seqs=c, max_children=max(s["executors"], 1), **common) for c in conc}
+    engines = {c: Engine(model, tok, max_seqs=c, max_children=max(s["executors"], 1), **common) for c in conc}
     works = {}
     for c, e in engines.items():
         works[c] = []
@@ -670,13 +670,13 @@ def throughput(model, tok, prompts: list[list[int]], s: dict, conc: list[int], c
 
 
 def capacity_row(model, tok, cap: int, used: int, common: dict, chunk: int, repeats: int) -> dict[str, Any]:
-    """One sequence's decode step at used length `used` in a BatchEngine of capacity `cap`: the
+    """One sequence's decode step at used length `used` in a Engine of capacity `cap`: the
     sequence is prefilled once; each timed call decodes `chunk` or 8 x `chunk` tokens and rolls
     back (truncate); the step is their difference per token (`_difference_timing`)."""
-    from sprint_jax.infer.batch import BatchEngine
+    from sprint_jax.infer.engine import Engine
 
     prompt = [int(x) for x in np.random.default_rng(1).integers(2, model.config.vocab_size, used)]
-    be = BatchEngine(model, tok, max_seqs=1, max_children=1, **dict(common, max_seq_len=cap, max_branch_tokens=16))
+    be = Engine(model, tok, max_seqs=1, max_children=1, **dict(common, max_seq_len=cap, max_branch_tokens=16))
     op = be.open(prompt)
     be.run([op])
     seq = op.result
@@ -709,14 +709,14 @@ def _difference_timing(fn, lo: int, hi: int, repeats: int) -> tuple[float, dict[
 
 def step_costs(model, tok, k: int, context: int, repeats: int) -> dict[str, Any]:
     """One row's decode step, a fork of k children's decode step (the same context) and the
-    fixed cost of an engine call, on a one-sequence BatchEngine whose decode chunk holds a whole
+    fixed cost of an engine call, on a one-sequence Engine whose decode chunk holds a whole
     call: each path decodes MODEL_LO and MODEL_HI tokens in one call, alternating, best of
     repeats + 2; step = the difference per token, per call = the short call minus its steps."""
-    from sprint_jax.infer.batch import BatchEngine
+    from sprint_jax.infer.engine import Engine
 
     kw = dict(max_seq_len=context + MODEL_HI + 8, max_branch_tokens=MODEL_HI + 8, decode_chunk=MODEL_HI,
               prefill_chunk=128, eos_token_ids=[])
-    e = BatchEngine(model, tok, max_seqs=1, max_children=k, **kw)
+    e = Engine(model, tok, max_seqs=1, max_children=k, **kw)
     prompt = [int(x) for x in np.random.default_rng(2).integers(2, model.config.vocab_size, context)]
     op = e.open(prompt)
     e.run([op])

@@ -242,7 +242,6 @@ def build_engine(args, config, concurrency: int = 1):
         raise UserError(str(e)) from None
 
 
-build_batch_engine = build_engine     # temporary: the former name, for callers not yet moved
 
 
 # ---------------------------------------------------------------------------------------------

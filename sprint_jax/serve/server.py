@@ -1,4 +1,4 @@
-"""One process: uvicorn serving the app on one thread (its event loop), the BatchEngine stepped by
+"""One process: uvicorn serving the app on one thread (its event loop), the Engine stepped by
 a task on that loop (CPU default) or by an engine thread (accelerator default; see
 sprint_jax/serve/worker.py). `Server.start()` returns once the socket listens (port 0 picks a free
 port)."""
