@@ -181,9 +181,6 @@ class Job:
     seq: Any = None
     steps: Any = None
     sent: list[int] = dataclasses.field(default_factory=list)      # streamed tokens per choice
-    t0: float = 0.0
-    t_pick: float = 0.0                     # when the engine took it
-    t_end: float = 0.0                      # when the engine finished it
     cancelled: bool = False
     finished: bool = False
 
@@ -215,11 +212,6 @@ class EngineWorker:
         self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
         self.latency_sum = 0.0
         self.requests: dict[str, int] = {}   # status code -> count
-        # per served plain non-streaming request (its prompt, in seconds): `engine` = the engine's
-        # time on it (took it -> finished it), `server` = the handler's time outside that (parse,
-        # validate, wait for the engine to take it, the hand-offs, build the reply), `wait` = of
-        # that, the wait until the engine took it
-        self.timings: deque[dict] = deque(maxlen=10_000)
 
     # ---- any thread ---------------------------------------------------------------------------
     def start(self) -> "EngineWorker":
@@ -275,7 +267,6 @@ class EngineWorker:
             if self._pending >= self.capacity:
                 return False
             self._pending += 1
-        job.t0 = time.perf_counter()
         if self.on_loop:              # the engine task takes it at its next turn, with the others
             self._inbox.put(("submit", job))       # submitted before that turn
             self._notify()
@@ -404,7 +395,6 @@ class EngineWorker:
         elif what == "submit":
             if job.finished:                  # cancelled before the engine took it
                 return
-            job.t_pick = time.perf_counter()
             self._jobs.append(job)
             try:
                 if job.kind == "plain":
@@ -477,7 +467,6 @@ class EngineWorker:
         if job.finished:
             return
         job.finished = True
-        job.t_end = time.perf_counter()
         if job in self._jobs:
             self._jobs.remove(job)
         if job.seq is not None and not job.seq.closed and job.seq.op is None:
