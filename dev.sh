@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-command set-up + run. Creates ./.venv on first use and installs the project into it.
 #   ./dev.sh demo [demo options]   SPRINT end to end on the embedded default (CPU, minutes)
-#   ./dev.sh test [pytest options] the test suite (installs the test extras: torch CPU, pytest, ...)
+#   ./dev.sh test [--fast] [pytest options]  ruff, then the test suite (installs the test extras:
+#                                  torch CPU, pytest, ...); --fast skips the slow tier
 #   ./dev.sh sprint-jax ARGS...    any sprint-jax command inside the environment (serve included)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -26,6 +27,10 @@ ensure_env() {  # $1 = extras ("$RUN_EXTRAS" or "[test]")
   fi
 }
 
+# dev.sh runs on this machine's CPU: with libtpu installed (the test extras) JAX would otherwise
+# spend seconds at every start probing for a TPU. A JAX_PLATFORMS you set is kept.
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
+
 cmd=${1:-help}
 shift || true
 case "$cmd" in
@@ -35,15 +40,20 @@ case "$cmd" in
     ;;
   test)
     ensure_env "[test]"
+    # --fast: the tier for iteration (a few minutes; skips the tests marked slow: CLIs in
+    # subprocesses, several processes, big compiles). CI runs everything.
+    tier=()
+    if [ "${1:-}" = "--fast" ]; then shift; tier=(-m "not slow"); fi
+    "$VENV/bin/ruff" check --quiet sprint_jax kernels tests
     # exit code 5 (no tests collected) is a failure like any other non-zero code
-    exec "$VENV/bin/pytest" tests -q -n 2 --dist loadfile "$@"
+    exec "$VENV/bin/pytest" tests -q -n 2 --dist loadfile "${tier[@]}" "$@"
     ;;
   sprint-jax)
     ensure_env "$RUN_EXTRAS"
     exec "$VENV/bin/sprint-jax" "$@"
     ;;
   *)
-    sed -n '2,5p' "$0"
+    sed -n '2,6p' "$0"
     exit 2
     ;;
 esac

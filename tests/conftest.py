@@ -5,6 +5,10 @@ import json
 import os
 from pathlib import Path
 
+# The suite runs on the CPU. libtpu comes with the test extras (tests/test_plan.py compiles for TPU
+# slices); without this every JAX process here, subprocesses included, would first probe for a TPU.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 # The suite is compile-bound: tiny models, hundreds of distinct XLA programs, each run a few times.
 # XLA's CPU backend at optimisation level 0 (LLVM's machine-code optimisation off) compiles them
 # ~2.5x faster; the HLO programs, which the tests compare and inspect, are XLA's usual ones. Every
