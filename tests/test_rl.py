@@ -94,14 +94,14 @@ def tiny():
     import jax
     from sprint_jax.model.config import Qwen2Config
     from sprint_jax.model import qwen2
-    from sprint_jax.train import mesh as mesh_lib
+    from sprint_jax.model.sharding import make_mesh
     from sprint_jax.train import step as step_lib
     from sprint_jax.train.config import OptimSection
 
     cfg = Qwen2Config(vocab_size=61, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
                       num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=128,
                       rope_theta=10000.0, tie_word_embeddings=False, param_dtype="float32", dtype="float32")
-    mesh = mesh_lib.make_mesh(1, 1, 1, jax.devices()[:1])
+    mesh = make_mesh(1, 1, 1, jax.devices()[:1])
     setup = step_lib.build_step(cfg, OptimSection(lr=3e-3, clip_norm=0.0, b2=0.99), 10, mesh)
     params = qwen2.init_params(cfg, jax.random.key(3), std=0.3)
     return cfg, setup, params

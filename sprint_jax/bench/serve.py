@@ -536,7 +536,7 @@ def http_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     from sprint_jax.infer.engine import Engine
     from sprint_jax.serve import Server
-    from sprint_jax.serve.cli import ENGINE_ON
+    from sprint_jax.serve.server import ENGINE_ON
 
     conc, lengths, n = _http_settings(args)
     if args.preset:

@@ -139,7 +139,7 @@ def run_serve_memory_bench(args: argparse.Namespace) -> int:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
     from sprint_jax.config import ConfigError
     from sprint_jax.infer.sharding import parse_mesh, plan_slots
-    from sprint_jax.model.hf import _parse_size
+    from sprint_jax.model.hf import parse_size
 
     sizes = parse_mesh(args.mesh)
     parts = sizes["data"] * sizes["fsdp"]          # the slots split over these
@@ -163,7 +163,7 @@ def run_serve_memory_bench(args: argparse.Namespace) -> int:
     for note in info["sharding_notes"]:
         print(f"  note: {note}")
     if args.hbm:
-        budget = _parse_size(args.hbm)
+        budget = parse_size(args.hbm)
         # the step's temporaries split into a fixed part and a part per parent slot held on a device,
         # from a second compile with half the slots
         half = args.max_seqs // 2 // parts * parts

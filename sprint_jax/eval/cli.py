@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from sprint_jax.tasks import load_tasks
+
 DESCRIPTION = """Evaluate a model with the SPRINT orchestrator (paper §13) and compare two runs.
 
   sprint-jax eval --model DIR --data math500 --mode parallel --limit 50 --out runs/eval_sprint
@@ -133,30 +135,6 @@ def add_data_arguments(p) -> None:
     p.add_argument("--bins", default="2000,4000,8000",
                    help="compare: fixed bins by the baseline's sequential tokens (comma-separated thresholds)")
     p.add_argument("--quantiles", type=int, default=4, help="compare: equal-size bins by baseline length (0 = none)")
-
-
-def load_tasks(data: str, limit: int | None = None, task_kind: str = "auto", countdown_n: int = 100,
-               data_seed: int = 0):
-    """Tasks for --data (see DESCRIPTION)."""
-    from sprint_jax.errors import UserError
-    from sprint_jax import tasks as task_kinds
-
-    if limit is not None and limit < 1:
-        raise UserError(f"--limit must be >= 1, got {limit}")
-    if data == "math500":
-        return task_kinds.load_math500(limit)
-    if data == "countdown":
-        n = countdown_n if limit is None else min(limit, countdown_n)
-        if n < 1:
-            raise UserError(f"--countdown-n must be >= 1, got {countdown_n}")
-        return task_kinds.countdown.generate(n, data_seed)
-    if data == "chains":
-        tasks = task_kinds.chains.demo_test_set(seed=data_seed)
-        return tasks if limit is None else tasks[:limit]
-    path = Path(data)
-    if not path.exists():
-        raise UserError(f"--data {data!r} is not math500, countdown, chains, or an existing file")
-    return task_kinds.load_task_file(path, task_kind, limit)
 
 
 def _compare(args) -> int:

@@ -1,7 +1,7 @@
 """Inference over a device mesh: the `--mesh tensor=4,data=2` flag, where parameters and
 KV slots live, and a memory planner.
 
-Parameters are placed by the trainer's one rules table (`sprint_jax.train.mesh.RULES`): heads,
+Parameters are placed by the model's one rules table (`sprint_jax.model.sharding.RULES`): heads,
 kv_heads and mlp (and vocab) over `tensor`, the model width over `fsdp`. The KV caches of the
 engines, [L, slots, Hkv, tokens, D], carry the logical axes ("layers", "batch", "kv_heads",
 "kv_seq", "head_dim"): slots over `data` (x `fsdp`), KV heads over `tensor`. Where a size does
@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from sprint_jax.config import ConfigError
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.model.qwen2 import abstract_params, dtype_of, logical_axes
-from sprint_jax.train import mesh as mesh_lib
+from sprint_jax.model import sharding as mesh_lib
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ import numpy as np
 from sprint_jax.errors import UserError
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.dtypes import dtype_name, dtype_of
-from sprint_jax.model.qwen2 import Params, ParamSpec, Qwen2, _tree_set, param_specs, tree_get
+from sprint_jax.model.qwen2 import Params, ParamSpec, Qwen2, param_specs, tree_get, tree_set
 
 _ST_DTYPES = {
     "F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(ml_dtypes.bfloat16),
@@ -268,7 +268,7 @@ def load_params(path: str | Path, config: Qwen2Config | None = None, param_dtype
         else:
             arr = jnp.asarray(buf)
         del buf
-        _tree_set(params, spec.path, arr)
+        tree_set(params, spec.path, arr)
     if bar:
         bar.close()
     return config, params
@@ -299,9 +299,6 @@ def parse_size(s: int | str) -> int:
         if s.endswith(unit):
             return int(float(s[: -len(unit)]) * mult)
     return int(s)
-
-
-_parse_size = parse_size   # temporary: bench/serve_memory.py imports the old private name
 
 
 def save_params(config: Qwen2Config, params: Params, path: str | Path, max_shard_size: int | str = "5GB",

@@ -110,7 +110,8 @@ def param_specs(config: Qwen2Config) -> list[ParamSpec]:
     return [s for s in PARAM_SPECS if s.only_if(config)]
 
 
-def _tree_set(tree: dict, path: Sequence[str], value) -> None:
+def tree_set(tree: dict, path: Sequence[str], value) -> None:
+    """Sets tree[path[0]][path[1]]...[path[-1]] = value in place, making the missing dicts."""
     for p in path[:-1]:
         tree = tree.setdefault(p, {})
     tree[path[-1]] = value
@@ -135,7 +136,7 @@ def init_params(config: Qwen2Config, key: jax.Array, std: float = 0.02) -> Param
             v = jnp.zeros(shape, dt)
         else:
             v = jnp.ones(shape, dt)
-        _tree_set(params, spec.path, v)
+        tree_set(params, spec.path, v)
     return params
 
 
@@ -143,7 +144,7 @@ def logical_axes(config: Qwen2Config) -> Params:
     """The params tree with each leaf replaced by its logical axis names."""
     out: Params = {}
     for spec in param_specs(config):
-        _tree_set(out, spec.path, spec.full_axes())
+        tree_set(out, spec.path, spec.full_axes())
     return out
 
 

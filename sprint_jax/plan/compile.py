@@ -224,7 +224,7 @@ def compile_step(shape: StepShape, where: Slice, progress: Callable[[str], None]
 def _compile_step(shape: StepShape, where: Slice, progress: Callable[[str], None] | None) -> Compiled:
     import jax
 
-    from sprint_jax.train import mesh as mesh_lib
+    from sprint_jax.model.sharding import make_mesh
     from sprint_jax.train import step as step_lib
     from sprint_jax.train.config import OptimSection
 
@@ -233,7 +233,7 @@ def _compile_step(shape: StepShape, where: Slice, progress: Callable[[str], None
     if data * fsdp * tensor != len(devices):
         raise UserError(f"mesh data={data}, fsdp={fsdp}, tensor={tensor} uses {data * fsdp * tensor} "
                         f"chips but {where.name} has {len(devices)}")
-    mesh = mesh_lib.make_mesh(data, fsdp, tensor, devices=devices)
+    mesh = make_mesh(data, fsdp, tensor, devices=devices)
     cfg = shape.config
     opt = OptimSection(lr=1e-5, batch_size=shape.batch, grad_accum=shape.grad_accum)
     setup = step_lib.build_step(cfg, opt, 1000, mesh, shape.remat, shape.loss_chunk, "flash",

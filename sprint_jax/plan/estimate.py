@@ -7,7 +7,7 @@ compiled. The memory estimate is held against XLA's `memory_analysis()` of the c
 
 Memory per chip, as the step holds it (`memory_estimate`):
   * state: fp32 master weights + AdamW's two fp32 moments, each sharded by the rules table
-    (train/mesh.py; a dimension that does not divide its mesh axis stays whole);
+    (model/sharding.py; a dimension that does not divide its mesh axis stays whole);
   * batch: the int32 / fp32 [B, T] rows, split over data x fsdp;
   * gradients: fp32, sharded like the weights (three copies with gradient accumulation: the
     running sum, one microbatch's gradients and the next sum);
@@ -82,7 +82,7 @@ def _sharded_elements(config: Qwen2Config, mesh: dict[str, int], over: tuple[str
     import numpy as np
 
     from sprint_jax.model import qwen2
-    from sprint_jax.train.mesh import logical_to_spec
+    from sprint_jax.model.sharding import logical_to_spec
 
     axes = {"/".join(s.path): s.full_axes() for s in qwen2.param_specs(config)}
     shapes = {"/".join(s.path): s.full_shape(config) for s in qwen2.param_specs(config)}

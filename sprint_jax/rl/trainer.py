@@ -41,6 +41,7 @@ class _Policy:
 def load_tasks(cfg: RLConfig):
     """(training tasks, held-out tasks)."""
     from sprint_jax.tasks import chains, countdown
+    from sprint_jax.tasks import load_tasks as load_file
 
     t = cfg.tasks
     if t.source == "keyed_chains":
@@ -67,11 +68,9 @@ def load_tasks(cfg: RLConfig):
         held = [x for x in countdown.generate(t.eval_n * 2, t.eval_seed) if x.problem not in seen][:t.eval_n] \
             if t.eval_n and t.eval_source is None else []
     else:
-        from sprint_jax.eval.cli import load_tasks as load_file
         train = load_file(t.source, limit=t.n)
         held = []
     if t.eval_source is not None:
-        from sprint_jax.eval.cli import load_tasks as load_file
         held = load_file(t.eval_source, limit=t.eval_n or None)
     if not train:
         raise ConfigError(f"tasks.source {t.source!r}: no training tasks")
@@ -267,15 +266,15 @@ def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int 
     from sprint_jax.model.capacity import (BRANCH_TAG_ROOM, check_memory, check_positions, engine_cache_tokens,
                                            kv_cache_bytes)
     from sprint_jax.model.config import Qwen2Config
-    from sprint_jax.model.tokenizer import load_tokenizer
+    from sprint_jax.model.sharding import make_mesh
+    from sprint_jax.model.tokenizer import load_tokenizer, pad_id
     from sprint_jax.rl.layout import layout_units, pack_items
     from sprint_jax.rl.loss import LossSettings, build_rl_step, update
     from sprint_jax.rl.rollout import Rollouts, timed_run
     from sprint_jax.train import checkpoint as ckpt_lib
-    from sprint_jax.train import data as data_lib
     from sprint_jax.train import mesh as mesh_lib
     from sprint_jax.train import step as step_lib
-    from sprint_jax.train.trainer import _Metrics, export_hf
+    from sprint_jax.train.trainer import Metrics, export_hf
 
     t_start = time.time()
     out = Path(out_dir)
@@ -315,7 +314,7 @@ def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int 
         f"G={ro.group_size} {ro.mode} rollouts per step, {cfg.steps} steps")
 
     # ---- mesh, update, state ---------------------------------------------------------------
-    mesh = mesh_lib.make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     if cfg.loss.rows_per_micro % mesh_lib.batch_divisor(mesh):
         raise ConfigError(f"loss.rows_per_micro ({cfg.loss.rows_per_micro}) must be a multiple of mesh data x fsdp "
                           f"= {mesh_lib.batch_divisor(mesh)}")
@@ -349,7 +348,7 @@ def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int 
     say(f"rollouts use the {layout} token convention at forks and syncs")
     rollouts = Rollouts(engine, orch)
     greedy = dataclasses.replace(orch, temperature=0.0, seed=0)
-    pad = data_lib.pad_id(tok)
+    pad = pad_id(tok)
 
     def held_out(step: int, out_sub: str) -> dict:
         if not held_tasks:
@@ -367,7 +366,7 @@ def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int 
                 **mean_parts(recs, "eval_"), **shape_metrics(recs, [results[r["id"]] for r in recs], "eval_"),
                 **{f"eval_{k}": v for k, v in quality.items()}, "eval_s": time.perf_counter() - t}
 
-    metrics = _Metrics(out, cfg.tensorboard, start_step)
+    metrics = Metrics(out, cfg.tensorboard, start_step)
     if start_step == 0:
         ev = held_out(0, "eval_start")
         if ev:

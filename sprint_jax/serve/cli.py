@@ -4,6 +4,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from sprint_jax.serve.server import ENGINE_ON
+
 DESCRIPTION = """Serve a model over the OpenAI API (completions, chat completions, SSE streaming) on the
 batched engine: one engine loop steps every request's rows together; n > 1 forks n children
 from one prefill of the prompt.
@@ -32,9 +34,6 @@ gets an error event then [DONE]), and the process exits 0.
 """
 
 API_KEY_ENV = "SPRINT_JAX_API_KEY"
-
-
-ENGINE_ON = {"auto": None, "loop": True, "thread": False}      # --engine-on -> Server(engine_on_loop=...)
 
 
 def add_arguments(p) -> None:

@@ -12,6 +12,7 @@ import time
 HEADER_TIMEOUT_S = 10.0     # a request's head (request line + headers) must arrive within this
 MAX_HEAD_BYTES = 64 * 1024  # and be at most this long (httptools sets no limit of its own)
 KEEP_ALIVE_S = 5            # an idle keep-alive connection is closed after this
+ENGINE_ON = {"auto": None, "loop": True, "thread": False}      # --engine-on -> Server(engine_on_loop=...)
 
 
 def uvicorn_server(app, host: str, port: int, log_level: str = "warning", header_timeout_s: float = HEADER_TIMEOUT_S,

@@ -125,6 +125,31 @@ def load_math500(limit: int | None = None) -> list[Task]:
     return math.load_math(read_file_records(path), path.stem, limit)
 
 
+def load_tasks(data: str, limit: int | None = None, task_kind: str = "auto", countdown_n: int = 100,
+               data_seed: int = 0) -> list[Task]:
+    """Tasks named by a `--data` value: "math500" (the shipped MATH-500), "countdown" (`countdown_n`
+    generated with `data_seed`), "chains" (the demo's held-out test set for `data_seed`), or a task
+    file (`load_task_file` with `task_kind`); at most `limit`. UserError names a bad value."""
+    from sprint_jax.errors import UserError
+
+    if limit is not None and limit < 1:
+        raise UserError(f"--limit must be >= 1, got {limit}")
+    if data == "math500":
+        return load_math500(limit)
+    if data == "countdown":
+        n = countdown_n if limit is None else min(limit, countdown_n)
+        if n < 1:
+            raise UserError(f"--countdown-n must be >= 1, got {countdown_n}")
+        return countdown.generate(n, data_seed)
+    if data == "chains":
+        tasks = chains.demo_test_set(seed=data_seed)
+        return tasks if limit is None else tasks[:limit]
+    path = Path(data)
+    if not path.exists():
+        raise UserError(f"--data {data!r} is not math500, countdown, chains, or an existing file")
+    return load_task_file(path, task_kind, limit)
+
+
 # ---------------------------------------------------------------------------------------------
 # Problem fingerprints (the contamination guard between `train` and `eval`)
 # ---------------------------------------------------------------------------------------------
@@ -141,5 +166,5 @@ def problem_hash(text: str) -> str:
 
 __all__ = ["Task", "Trace", "TaskFileError", "KINDS", "FILE_KINDS", "EXTRACTION_MODES", "extract_answer",
            "extract_boxed", "task_prompt", "final_answer_of", "grade", "Grade", "grade_result", "sniff_kind",
-           "load_records", "load_task_file", "load_hf_dataset", "load_math500", "normalize_problem",
+           "load_records", "load_task_file", "load_hf_dataset", "load_math500", "load_tasks", "normalize_problem",
            "problem_hash"]

@@ -48,8 +48,6 @@ from sprint_jax.jsonl import iter_objects, require_fields
 from sprint_jax import format as fmt
 from sprint_jax.errors import UserError
 from sprint_jax.model.tokenizer import byte_tokenizer, encode_with_offsets, eos_id
-# Temporary re-export: rl/trainer.py takes pad_id from here; its home is sprint_jax.model.tokenizer.
-from sprint_jax.model.tokenizer import pad_id  # noqa: F401
 from sprint_jax.schema import Example
 
 LABEL_IDS = {k: i for i, k in enumerate(fmt.SPAN_KINDS)}

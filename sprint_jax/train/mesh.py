@@ -9,9 +9,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sprint_jax.model.sharding import RULES, logical_to_spec, mesh_axes_of
-# Temporary re-export: infer/sharding.py, rl/trainer.py and tests/test_rl.py still import these
-# from here; once they import sprint_jax.model.sharding, only what this module uses stays.
-from sprint_jax.model.sharding import MESH_AXES, make_mesh, param_shardings  # noqa: F401
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

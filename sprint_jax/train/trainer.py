@@ -132,9 +132,6 @@ class Metrics:
             self.tb.close()
 
 
-_Metrics = Metrics   # temporary: rl/trainer.py imports the old private name
-
-
 def _is_main() -> bool:
     import jax
     return jax.process_index() == 0
