@@ -170,7 +170,7 @@ class ScriptedEngine:
         if len(limits) != n or len(stops) != n:
             raise EngineError("per-branch lists of the wrong length")
         gens = []
-        for p, m, st in zip(prefixes, limits, stops):
+        for p, m, stop_ids in zip(prefixes, limits, stops):
             if m <= 0 or len(p) + 1 + m > self.max_branch_tokens:
                 raise EngineError("branch exceeds max_branch_tokens")
             if len(state.tokens) + len(p) + m > self.max_seq_len:
@@ -178,7 +178,7 @@ class ScriptedEngine:
             tags = fmt.find_tags(self.decode_text(p))
             m_ij = re.fullmatch(r"<execution_(\d+)\.(\d+)>", tags[-1]) if tags else None
             key = (int(m_ij.group(1)), int(m_ij.group(2))) if m_ij else (0, 0)
-            gens.append(self._emit(self.executors.get(key, ""), m, st))
+            gens.append(self._emit(self.executors.get(key, ""), m, stop_ids))
         self.calls.append({"kind": "branches", "mode": mode, "context": self.decode_text(state.tokens),
                            "prefixes": [self.decode_text(p) for p in prefixes], "limits": limits,
                            "stop": stops, "seed": getattr(sampling, "seed", None)})

@@ -551,7 +551,7 @@ def bench_join(model, tokenizer, s: dict[str, Any], rng) -> list[dict[str, Any]]
                    merge_host_ms=_best(hosts) * 1e3, samples_merge_host_ms=[h * 1e3 for h in hosts])
         rows.append(row)
         _print_join(row)
-        del engine
+        engine = None  # frees the cache before the next size
     return rows
 
 

@@ -355,7 +355,7 @@ def summary_lines(rec, clock=None) -> list[str]:
              f"stages:             {len(rec.stages)} ({sum(len(s.executions) for s in rec.stages)} executions)",
              f"sequential tokens:  {rec.sequential_tokens}",
              f"total tokens:       {rec.total_tokens}   (critical path {100 * saved:.1f}% shorter)",
-             f"wall clock:         " + (split_seconds(rec.wall_s, clock) if clock is not None
+             "wall clock:         " + (split_seconds(rec.wall_s, clock) if clock is not None
                                           else f"{rec.wall_s:.2f} s (compilation not measured)"),
              f"final answer:       {rec.final_answer!r}"]
     if rec.problems:
