@@ -88,22 +88,6 @@ class DemoConfig:
             raise ValueError("join=merge cannot run a flat-layout model (it re-prefills); drop flat from layouts")
 
 
-def _vocabulary(cfg: DemoConfig) -> list[str]:
-    """One token per tag (with the single spaces the format puts beside it) and per word."""
-    from sprint_jax import format as fmt
-    from sprint_jax.tasks import chains
-
-    vocab = ["<pad>", "<eos>", " ", "\n"] + chains.vocabulary()
-    for tag in fmt.tag_vocabulary(max_stages=3, max_prompts=cfg.chains):
-        vocab.append(tag)
-        if tag.startswith("</"):
-            vocab.append(" " + tag)          # content, one space, closing tag
-        elif not tag.startswith("<execution"):
-            vocab.append(tag + " ")          # opening tag, one space, content
-        # an executor's opening is forced by the orchestrator as the bare tag, so no variant
-    return vocab
-
-
 STAGES = ("tasks + curation", "training", "evaluation", "summary")   # the progress labels' [k/n]
 
 
@@ -152,7 +136,7 @@ def run_demo(cfg: DemoConfig, out: Path, progress: bool = True) -> dict:
     timings["curation_s"] = time.perf_counter() - t0
 
     # 2. tokenizer + training -----------------------------------------------------------------
-    tok = VocabTokenizer(_vocabulary(cfg), eos_token="<eos>", pad_token="<pad>")
+    tok = VocabTokenizer(chains.token_vocabulary(max_prompts=cfg.chains), eos_token="<eos>", pad_token="<pad>")
     vocab_size = (len(tok) + 7) // 8 * 8
     model_dict = {"model_type": "qwen2", "vocab_size": vocab_size, **to_dict(cfg.model),
                   "max_position_embeddings": cfg.seq_len, "tie_word_embeddings": False,

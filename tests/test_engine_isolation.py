@@ -177,7 +177,7 @@ def test_infer_with_a_sampling_value_out_of_range_is_one_line_and_exit_2(tmp_pat
 
 def test_reply_text_leaves_out_the_eos_token_and_no_sprint_tag_is_special(model):
     from sprint_jax import format as fmt
-    from sprint_jax.demo import DemoConfig, _vocabulary
+    from sprint_jax.tasks.chains import token_vocabulary
     from sprint_jax.model.tokenizer import qwen2_tokenizer
 
     tok = tiny_vocab_tokenizer()
@@ -193,7 +193,7 @@ def test_reply_text_leaves_out_the_eos_token_and_no_sprint_tag_is_special(model)
     # nothing meaningful is a special token: every SPRINT tag keeps its text in the tokenizers we
     # train (the demo's vocabulary) and ship (Qwen2's BPE)
     tags = fmt.tag_vocabulary(max_stages=3, max_prompts=4)
-    demo = VocabTokenizer(_vocabulary(DemoConfig(chains=4)))
+    demo = VocabTokenizer(token_vocabulary(max_prompts=4))
     qwen = qwen2_tokenizer()
     for t in (demo, qwen):
         assert all(t.decode(t.encode(tag), skip_special_tokens=True) == tag for tag in tags)

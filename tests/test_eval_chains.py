@@ -41,13 +41,13 @@ def test_a_demo_style_model_evaluates_on_it(hf_untied, tmp_path, capsys):
     demo's problems, and that a rerun over fewer of them keeps the rest)."""
     import shutil
 
-    from sprint_jax.demo import _vocabulary
+    from sprint_jax.tasks.chains import token_vocabulary
     from sprint_jax.model.tokenizer import VocabTokenizer
 
     cfg = DemoConfig()
     model = tmp_path / "model"
     shutil.copytree(hf_untied, model)
-    VocabTokenizer(_vocabulary(cfg), eos_token="<eos>", pad_token="<pad>").save(model / "vocab_tokenizer.json")
+    VocabTokenizer(token_vocabulary(max_prompts=cfg.chains), eos_token="<eos>", pad_token="<pad>").save(model / "vocab_tokenizer.json")
     out = tmp_path / "eval"
     base = ["eval", "--model", str(model), "--data", "chains", "--mode", "parallel", "--out", str(out),
             "--no-progress", "--concurrency", "1", "--max-seq-len", "64", "--decode-chunk", "8",

@@ -47,7 +47,7 @@ def trained(tmp_path_factory):
     from sprint_jax.config import from_dict
     from sprint_jax.curation.config import CurateConfig
     from sprint_jax.curation.pipeline import run_pipeline
-    from sprint_jax.demo import DemoConfig, _vocabulary
+    from sprint_jax.tasks.chains import token_vocabulary
     from sprint_jax.model.tokenizer import VocabTokenizer
     from sprint_jax.train.config import TrainConfig
     from sprint_jax.train.trainer import train
@@ -58,7 +58,7 @@ def trained(tmp_path_factory):
         "teacher": {"kind": "programmatic"}, "extractor": {"kind": "offline"}, "dag": {"kind": "offline"},
         "merge_min_chars": 4, "min_ratio": 1.5, "seed": 0, "out": str(out / "curate")}), out / "curate", progress=False)
     prompts = [json.loads(line)["prompt"] for line in (out / "curate" / "sprint.jsonl").read_text().splitlines()]
-    tok = VocabTokenizer(_vocabulary(DemoConfig(chains=4)), eos_token="<eos>", pad_token="<pad>")
+    tok = VocabTokenizer(token_vocabulary(max_prompts=4), eos_token="<eos>", pad_token="<pad>")
     model = {"model_type": "qwen2", "vocab_size": (len(tok) + 7) // 8 * 8, "hidden_size": 32,
              "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
              "max_position_embeddings": 256, "tie_word_embeddings": False, "eos_token_id": tok.eos_token_id}

@@ -18,7 +18,7 @@ def sft_model(tmp_path_factory) -> Path:
     from sprint_jax import format as fmt
     from sprint_jax.config import from_dict
     from sprint_jax.tasks import chains
-    from sprint_jax.demo import DemoConfig, _vocabulary
+    from sprint_jax.tasks.chains import token_vocabulary
     from sprint_jax.model.tokenizer import VocabTokenizer
     from sprint_jax.train.config import TrainConfig
     from sprint_jax.train.trainer import train
@@ -33,7 +33,7 @@ def sft_model(tmp_path_factory) -> Path:
                 fmt.Stage(2, [chains.COMBINE])], final_answer=str(t.answer["value"]))
             f.write(json.dumps({"id": t.id, "kind": "sprint", "prompt": chains.prompt_for(t),
                                 "completion": fmt.render_completion(traj)}) + "\n")
-    tok = VocabTokenizer(_vocabulary(DemoConfig(chains=CHAINS)), eos_token="<eos>", pad_token="<pad>")
+    tok = VocabTokenizer(token_vocabulary(max_prompts=CHAINS), eos_token="<eos>", pad_token="<pad>")
     model = {"model_type": "qwen2", "vocab_size": (len(tok) + 7) // 8 * 8, "hidden_size": 32,
              "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
              "max_position_embeddings": 256, "tie_word_embeddings": False, "eos_token_id": tok.eos_token_id}
