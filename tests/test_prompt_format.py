@@ -8,7 +8,7 @@ import json
 import pytest
 
 from sprint_jax.cli import main
-from sprint_jax.infer.prompting import apply_prompt_format, prompt_format_of
+from sprint_jax.schema import apply_prompt_format, prompt_format_of
 
 NEWLINE = {"prompt_format": {"trailing": "\n"}}
 

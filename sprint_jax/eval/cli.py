@@ -222,11 +222,11 @@ def check_overlap(model_dir: str | Path, tasks, allow: bool) -> dict:
 
 def model_prompt_fn(model: str):
     """task -> the text the model sees: the task as curation wrote it into training prompts, in
-    the prompt format the model's export records (sprint_jax.infer.prompting; unchanged for a
+    the prompt format the model's export records (sprint_jax.schema; unchanged for a
     model trained on these prompts, which already end as the format says)."""
     from sprint_jax.eval.evaluate import default_prompt
     from sprint_jax.infer.infer_cli import export_meta
-    from sprint_jax.infer.prompting import apply_prompt_format
+    from sprint_jax.schema import apply_prompt_format
 
     meta = export_meta(model)
     return lambda task: apply_prompt_format(default_prompt(task), meta)

@@ -102,7 +102,7 @@ def export_meta(model: str | None) -> dict:
     model loader reports that). An unreadable file, or a prompt format in it that cannot be
     applied, is a UserError."""
     from sprint_jax.errors import UserError
-    from sprint_jax.infer.prompting import apply_prompt_format
+    from sprint_jax.schema import apply_prompt_format
     from sprint_jax.model.hf import EXPORT_META_FILE, CheckpointError, read_export_meta
 
     if not model or not Path(model).is_dir():
@@ -119,11 +119,11 @@ def export_meta(model: str | None) -> dict:
 
 
 def formatted_prompt(model: str | None, text: str, encode, what: str = "query") -> tuple[str, list[int]]:
-    """(`text` in the prompt format the `--model` was trained with (sprint_jax.infer.prompting),
+    """(`text` in the prompt format the `--model` was trained with (sprint_jax.schema),
     its tokens by `encode`). A text the tokenizer cannot encode is a UserError; once it encodes, a
     one-line note on stderr says what the format changed, if anything."""
     from sprint_jax.errors import UserError
-    from sprint_jax.infer.prompting import META_KEY, apply_prompt_format
+    from sprint_jax.schema import META_KEY, apply_prompt_format
     from sprint_jax.model.hf import EXPORT_META_FILE
 
     out = apply_prompt_format(text, export_meta(model))

@@ -24,7 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from sprint_jax.infer.prompting import apply_prompt_format
+from sprint_jax.schema import apply_prompt_format
 from sprint_jax.infer.sampling import Sampling, SamplingError
 from sprint_jax.serve.worker import LATENCY_BUCKETS, Channel, EngineWorker, Job, SprintText
 
@@ -148,7 +148,7 @@ class ServeState:
         return self.formatted(default_chat_prompt(messages))
 
     def formatted(self, text: str) -> str:
-        """A prompt text in the prompt format the model was trained with (sprint_jax.infer.prompting)."""
+        """A prompt text in the prompt format the model was trained with (sprint_jax.schema)."""
         return apply_prompt_format(text, self.export_meta)
 
 
