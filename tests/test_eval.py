@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from sprint_jax.cli import main
-from sprint_jax.curation.types import Task
+from sprint_jax.tasks.types import Task
 from sprint_jax.eval.evaluate import evaluate
 from sprint_jax.eval.report import RunFileError, compare, format_compare_table, load_results
 from sprint_jax.infer.infer_cli import LiveDisplay

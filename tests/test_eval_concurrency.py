@@ -8,7 +8,7 @@ import json
 import pytest
 
 from sprint_jax.cli import main
-from sprint_jax.curation.types import Task
+from sprint_jax.tasks.types import Task
 from sprint_jax.eval.evaluate import evaluate, untimed
 from sprint_jax.infer.orchestrator import OrchestratorConfig
 from test_eval import ANSWERS, TASKS, _prompt, _sprint_engine, _sprint_script

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from sprint_jax.curation.types import Task
+from sprint_jax.tasks.types import Task
 from sprint_jax.eval.evaluate import evaluate
 from sprint_jax.infer.orchestrator import OrchestratorConfig
 from test_orchestrator import ScriptedEngine

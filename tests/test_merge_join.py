@@ -362,7 +362,7 @@ def test_engine_through_fork_branches_and_merge_gives_the_merge_layout_logits():
     extend, each stage with prompts as a shared fork (fork_logits) and a merge join, the first
     planner token after a join from the join logits, fp32 <= 1e-4."""
     from sprint_jax import format as fmt
-    from sprint_jax.curation.types import Example
+    from sprint_jax.schema import Example
     from sprint_jax.model import Qwen2, Qwen2Config, forward, init_params
     from sprint_jax.train import data as D
     from sprint_jax.train.config import SPAN_WEIGHTS_DEFAULT

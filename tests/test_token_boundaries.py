@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from sprint_jax import format as fmt
-from sprint_jax.curation.types import Example
+from sprint_jax.schema import Example
 from sprint_jax.infer.requests import EngineError, Generation
 from sprint_jax.infer.orchestrator import OrchestratorConfig, run_query
 from sprint_jax.train import data as D
