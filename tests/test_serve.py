@@ -33,7 +33,7 @@ def setup(hf_untied):
     tok = tiny_vocab_tokenizer()
     engine = Engine(model, tok, max_seqs=4, max_children=4, **CAPS)
     server = Server(engine, NAME, SPRINT_CFG).start()
-    alone = SingleRun(Engine(model, tok, max_seqs=1, max_children=4, **CAPS))
+    alone = SingleRun(Engine(model, tok, max_seqs=4, max_children=4, **CAPS))   # room beside the held sequence
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
     yield server, client, alone, tok
     server.stop()
