@@ -163,7 +163,7 @@ def test_sprint_mode_gives_the_record_of_the_single_run_driver(setup):
     server, client, alone, tok = setup
     query = "abc xyz hg"
     for mode in ("parallel", "sequential"):
-        ref = Orchestrator(alone, SPRINT_CFG).run(query, mode).to_json()
+        ref = Orchestrator(alone.engine, SPRINT_CFG).run(query, mode).to_json()
         ref.pop("query")
         if mode == "parallel":      # by the model id
             r = client.chat.completions.create(model=NAME + ":sprint", messages=[{"role": "user", "content": query}],
@@ -187,7 +187,7 @@ def test_sprint_mode_gives_the_record_of_the_single_run_driver(setup):
             record = extra["sprint"]
         if chunk.usage is not None:
             usage = chunk.usage
-    ref = Orchestrator(alone, SPRINT_CFG).run(query, "parallel").to_json()
+    ref = Orchestrator(alone.engine, SPRINT_CFG).run(query, "parallel").to_json()
     assert kinds[0] == "start" and kinds[-1] == "end" and record is not None
     assert _untimed(record) == _untimed({k: v for k, v in ref.items() if k != "query"})
     assert usage.completion_tokens == ref["total_tokens"]
@@ -354,7 +354,7 @@ def test_the_engine_on_a_thread_of_its_own_serves_the_same(setup, hf_untied):
         query = "abc xyz hg"
         got = client.chat.completions.create(model=NAME + ":sprint", messages=[{"role": "user", "content": query}],
                                              temperature=0).model_extra["sprint"]
-        sprint_ref = Orchestrator(alone, SPRINT_CFG).run(query, "parallel").to_json()
+        sprint_ref = Orchestrator(alone.engine, SPRINT_CFG).run(query, "parallel").to_json()
         sprint_ref.pop("query")
         assert _untimed(got) == _untimed(sprint_ref)
         client.completions.create(model=NAME, prompt="Go on:", max_tokens=180, temperature=0)   # compiles its shapes
