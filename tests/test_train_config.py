@@ -71,3 +71,44 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     # the Qwen2 tokenizer (151k tokens) cannot feed the 307-token tiny model
     assert _cli(tmp_path, "data.tokenizer=qwen2") == 2
     assert "vocab_size is 307" in capsys.readouterr().err
+
+
+def test_steps_for_epochs_by_hand():
+    from sprint_jax.train.config import steps_for_epochs
+
+    # 10 rows per epoch at 4 rows per step: 2.5 steps per epoch; 3 epochs -> 7.5 -> 8 steps
+    one = {"512": {"examples": 10, "rows_per_epoch": 10, "rows_per_step": 4}}
+    assert steps_for_epochs(3, one) == 8 and steps_for_epochs(0.1, one) == 1
+    # two buckets: 6 rows at 8 per step + 10 rows at 4 per step = 0.75 + 2.5 = 3.25 steps per epoch
+    two = {"128": {"examples": 6, "rows_per_epoch": 6, "rows_per_step": 8}, **one,
+           "256": {"examples": 0, "rows_per_epoch": 0, "rows_per_step": 4}}
+    assert steps_for_epochs(2, two) == 7 and steps_for_epochs(4, two) == 13
+
+
+def _one_row_examples(path: Path, n_short: int, n_long: int) -> None:
+    """RFT examples of known byte-token lengths: prompt 2 + body + 34 (newline, answer block, eos):
+    a short one 116 tokens (one per 128 row, two per 256 row), a long one 216 (one per 256 row)."""
+    import json
+    lines = []
+    for i in range(n_short + n_long):
+        body = "x" * (80 if i < n_short else 180)
+        lines.append(json.dumps({"id": f"e{i}", "kind": "rft", "prompt": "P\n", "answer": "1",
+                                 "completion": f"{body}\n<Final Answer> 1 </Final Answer>", "meta": {}}))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_epochs_derive_steps_from_the_data(tmp_path):
+    data = tmp_path / "rft.jsonl"
+    _one_row_examples(data, 6, 10)
+    base = ["model.name=tiny", f"data.train=[{data}]", "data.tokenizer=bytes", "data.layout=flat",
+            "data.seq_len=256", "optim.batch_size=4", "steps=999"]
+    # one bucket of 256: 3 rows of two short ones + 10 rows of one long one = 13 rows; 13 / 4 rows
+    # per step = 3.25 steps per epoch; 1.5 epochs -> 4.875 -> 5 steps
+    cfg = load_train_config(None, base + ["epochs=1.5"])
+    assert cfg.steps == 5 and cfg.epochs == 1.5
+    # buckets 128 / 256: 6 rows of 128 at 8 per step + 10 rows of 256 at 4 per step = 3.25 per epoch
+    cfg = load_train_config(None, base + ["data.buckets=[128,256]", "epochs=2"])
+    assert cfg.steps == 7
+    assert load_train_config(None, base).steps == 999          # no epochs: steps as given
+    with pytest.raises(ConfigError, match="epochs must be > 0"):
+        load_train_config(None, base + ["epochs=0"])

@@ -7,6 +7,7 @@ SPRINT and the RFT baseline are the same run on different example files (paper Â
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -203,7 +204,8 @@ class TrainConfig:
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
     export: ExportSection = dataclasses.field(default_factory=ExportSection)
     distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
-    steps: int = 100                           # optimizer steps
+    steps: int = 100                           # optimizer steps (replaced by the derived count when epochs is set)
+    epochs: float | None = None                # passes over the packed rows; load_train_config derives steps
     log_every: int = 10                        # metrics.jsonl / TensorBoard / progress bar cadence
     seed: int = 0                              # the train-state RNG
     tensorboard: bool = True                   # TensorBoard events under OUT/tb
@@ -214,6 +216,8 @@ class TrainConfig:
             raise ValueError("steps must be >= 1")
         if self.log_every < 1:
             raise ValueError("log_every must be >= 1")
+        if self.epochs is not None and not self.epochs > 0:
+            raise ValueError(f"epochs must be > 0 (or null: train `steps`), got {self.epochs}")
         chunk, t = self.model.loss_chunk, self.data.seq_len
         if 0 < chunk < t and t % chunk:
             raise ValueError(f"model.loss_chunk ({chunk}) must divide data.seq_len ({t}) (or be 0)")
@@ -231,4 +235,34 @@ def load_train_config(path: str | Path | None = None, overrides=(), data: dict |
     cfg = load_config(TrainConfig, path, overrides, data=data)
     if not cfg.data.train:
         raise ConfigError("data.train is empty: give at least one jsonl file of examples")
+    if cfg.epochs is not None:
+        cfg = dataclasses.replace(cfg, steps=steps_for_epochs(cfg.epochs, epoch_buckets(cfg)))
     return cfg
+
+
+def steps_for_epochs(epochs: float, buckets: dict[str, dict]) -> int:
+    """Optimizer steps for `epochs` passes over the packed rows (at least 1). `buckets` is
+    `BucketStream.describe()`: a bucket's epoch takes rows_per_epoch / rows_per_step steps, and the
+    stream advances every bucket through its epochs at the same pace, so one epoch is their sum."""
+    per_epoch = sum(d["rows_per_epoch"] / d["rows_per_step"] for d in buckets.values() if d["examples"])
+    return max(1, math.ceil(epochs * per_epoch - 1e-9))      # 1e-9: 2.0000000001 epochs-worth is 2
+
+
+def epoch_buckets(cfg: TrainConfig, tokenizer=None) -> dict[str, dict]:
+    """Per bucket rows per epoch and per step of `cfg`'s data, laid out and packed as the trainer
+    does (data.train, data.paired, layout, seq_len, buckets, seed); `tokenizer` None: data.tokenizer."""
+    from sprint_jax.model.tokenizer import pad_id
+    from sprint_jax.train import data as data_lib
+
+    d = cfg.data
+    if tokenizer is None:
+        tokenizer = data_lib.resolve_tokenizer(d.tokenizer, cfg.model.name, cfg.model.init == "pretrained")
+    paired = None
+    if d.paired.train:
+        paired = data_lib.Paired(data_lib.read_examples(d.paired.train), d.paired.layout,
+                                 d.paired.trie_whole_trajectory, list(d.paired.train))
+    items, _ = data_lib.build_items(data_lib.read_examples(d.train, d.max_examples), tokenizer, d.layout,
+                                    d.seq_len, d.overlong, d.span_weights, None, d.trie_whole_trajectory,
+                                    paired)
+    return data_lib.BucketStream(items, d.row_buckets, cfg.optim.batch_size, d.seed, pad_id(tokenizer),
+                                 d.pack_open_rows).describe()
