@@ -455,162 +455,210 @@ class Orchestrator:
 
     # -- SPRINT stages ------------------------------------------------------------------------
     def _stages(self, state, record: RunRecord, t0: float, branch_mode: str) -> None:
+        """The stage loop: a planner call, then by what it stopped at the final answer, an inline
+        execution of a prompt-less plan, or a plan whose executors fork, decode and join."""
         cfg = self.config
-        trie = cfg.layout in fmt.PIECEWISE_LAYOUTS   # trie and merge: pieces tokenized on their own
-        merge = cfg.resolved_join == "merge"
-        used = 0            # generated tokens so far (Σ planner + Σ executors)
-        call = 0            # engine calls so far (seeds)
+        tally = _Tally()
         i = 1
         implicit: StageRecord | None = None   # a prompt-less plan that may get <execution_i.1>
         while True:
             self._check_clock(t0)
-            limit, limit_reason = self._planner_limit(state, used)
+            limit, limit_reason = self._planner_limit(state, tally.used)
             stops = fmt.planner_stop_strings(i)
             if implicit is not None:
                 stops = stops + [fmt.execution_close(implicit.index, 1)]
             t = time.perf_counter()
-            g = yield EngineCall("generate", state, limits=[limit], stops=[stops], sampling=cfg.sampling(call))
+            g = yield EngineCall("generate", state, limits=[limit], stops=[stops], sampling=cfg.sampling(tally.call))
             dt = time.perf_counter() - t
-            call += 1
-            used += len(g.tokens)
+            tally.call += 1
+            tally.used += len(g.tokens)
             which = _which_stop(g.text, stops) if g.stop_reason == "stop" else None
             cut = len(g.text) - _stop_end(g.text, which) if which else 0   # characters decoded past the stop
             # the call's text as the context keeps it: a piecewise layout settles it without the
             # characters past the stop; a flat one keeps them unless a fork or sync re-tokenizes
             piece = g.text[:len(g.text) - cut]
-
             if implicit is not None:
-                first = fmt.find_tags(g.text)[:1]
-                opening = fmt.execution_open(implicit.index, 1)
-                if first == [opening] and which == fmt.execution_close(implicit.index, 1):
-                    implicit.executions.append(ExecutionRecord(
-                        1, implicit.plan, g.text, len(g.tokens), "stop", 0))
-                    implicit.executor_mode = "inline"
-                    implicit.executors_s = dt
-                    if trie:   # trained as two pieces: the opening, then the body
-                        w, head = self._window(state, cut)
-                        at = head.index(opening) + len(opening)
-                        state, _ = yield from self._settle(state, w, [head[:at], head[at:]])
-                    self._emit("text", record, implicit, piece if trie else g.text)
-                    self._emit("implicit_execution", record, implicit, g.text)
-                    implicit = None
+                inline, implicit = implicit, None
+                if self._is_inline_execution(inline, g, which):
+                    state = yield from self._inline_execution(state, record, inline, g, dt, cut, piece)
                     continue
-                implicit = None
-
             if which == fmt.FINAL_CLOSE:
-                record.final_text, record.final_tokens, record.final_s = g.text, len(g.tokens), dt
-                record.final_answer = fmt.parse_completion(g.text)[0].final_answer
-                self._emit("final", record, text=g.text)
-                if record.final_answer is None:
-                    raise _Stop("malformed", f"the planner closed {fmt.FINAL_CLOSE} without opening it")
-                raise _Stop("final_answer")
-
-            stage = StageRecord(i, g.text, len(g.tokens), which or g.stop_reason, planner_s=dt)
-            record.stages.append(stage)
-            if which != fmt.plan_close(i):
-                self._emit("planner", record, stage, g.text)
-                if g.stop_reason == "eos":
-                    raise _Stop("eos", f"stage {i}: the planner ended (EOS) without {fmt.plan_close(i)} "
-                                       f"or {fmt.FINAL_CLOSE}")
-                if g.stop_reason == "length":
-                    raise _Stop(limit_reason, f"stage {i}: the planner call reached {limit} tokens without "
-                                              f"{fmt.plan_close(i)} or {fmt.FINAL_CLOSE}")
-                raise _Stop("malformed", f"stage {i}: the planner stopped at {which!r} with no matching opening")
-
-            pieces, prompts, problems = fmt.parse_plan(g.text, i)
-            stage.plan = " ".join(p for p in pieces if isinstance(p, str))
-            stage.prompts = prompts
-            stage.problems += [f"stage {i} plan: {p}" for p in problems]
-            self._emit("planner", record, stage, g.text)
-            if i > cfg.max_stages:
-                raise _Stop("max_stages", f"stage {i}: a plan beyond max_stages={cfg.max_stages}; not run")
+                self._final(record, g, dt)
+            stage = self._plan(record, i, g, which, dt, limit, limit_reason)
             w, head = self._window(state, cut)
-            if not prompts:
-                if trie:   # the plan is a piece of its own; the planner's next call starts a new one
+            if not stage.prompts:
+                if self._trie:   # the plan is a piece of its own; the planner's next call starts a new one
                     state, _ = yield from self._settle(state, w, [head])
-                self._emit("text", record, stage, piece if trie else g.text)
+                self._emit("text", record, stage, piece if self._trie else g.text)
                 implicit = stage
-                i += 1
-                continue
-
-            cap = min(cfg.max_prompts, self.engine.max_branches)
-            if len(prompts) > cap:
-                _problem(record, stage, f"stage {i}: {len(prompts)} prompts; only the first {cap} run (max_prompts="
-                                        f"{cfg.max_prompts}, engine max_branches={self.engine.max_branches})")
-            run_prompts = prompts[:cap]
-            k = len(run_prompts)
-            # fork: roll the planner back to where every executor's canonical context agrees with it
-            keep, openings = self._rejoin(state, w, [[head, execution_opening(i, j)] for j in range(1, k + 1)])
-            room = cfg.max_total_tokens - used
-            if room // k < 1:
-                raise _Stop("token_budget", f"stage {i}: no token budget left for {k} executors")
-            limits = []
-            for o in openings:
-                m = min(cfg.max_branch_tokens, room // k, self.engine.max_branch_tokens - len(o) - 1,
-                        self.engine.max_seq_len - keep - len(o))
-                if m < 1:
-                    raise _Stop("context_full", f"stage {i}: no room for executor tokens")
-                limits.append(m)
-            self._check_clock(t0)
-            self._emit("executors_start", record, stage, f"{k} executor(s), {branch_mode} fork")
-            t = time.perf_counter()
-            if keep < len(state.tokens):
-                state = yield EngineCall("truncate", state, n=keep)
-            self._emit("text", record, stage, piece)
-            gens = yield EngineCall("branches", state, prefixes=openings, limits=limits,
-                                    stops=[[fmt.execution_close(i, j)] for j in range(1, k + 1)],
-                                    sampling=cfg.sampling(call), mode=branch_mode, join=merge)
-            stage.executors_s = time.perf_counter() - t
-            stats = getattr(self.engine, "last_branch_stats", None)
-            stage.branch_cache_bytes = getattr(stats, "cache_bytes", None)
-            stage.executor_mode = branch_mode
-            call += 1
-            sync = [head]
-            for j, (prompt, o, gen, m) in enumerate(zip(run_prompts, openings, gens, limits), start=1):
-                used += len(gen.tokens)
-                close = fmt.execution_close(i, j)
-                if gen.stop_reason == "stop" and close in gen.text:
-                    text = gen.text[:_stop_end(gen.text, close)]
-                else:
-                    text = self._text_of(gen.tokens[:-1]) if gen.stop_reason == "eos" else gen.text
-                repaired = gen.stop_reason != "stop" or close not in gen.text
-                repair = ""
-                if repaired:
-                    how = {"eos": "ended (EOS)", "length": f"reached its {m}-token limit"}.get(
-                        gen.stop_reason, "stopped")
-                    _problem(record, stage, f"stage {i}: execution {i}.{j} {how} before {close}; closed by "
-                                            f"the orchestrator")
-                    repair = ("" if (not text or text[-1].isspace()) else fmt.CLOSE_GAP) + close
-                sync += [execution_opening(i, j), text + repair]
-                stage.executions.append(ExecutionRecord(j, prompt, text, len(gen.tokens), gen.stop_reason,
-                                                        len(o) + len(self._encode(repair) if repair else []),
-                                                        repaired))
-            self._emit("executors", record, stage)
-            if not trie:   # a flat model saw the last close tag and the next block's gap together
-                sync.append(fmt.BLOCK_GAP)
-            self._check_clock(t0)
-            t = time.perf_counter()
-            stage.join = "merge" if merge else "reprefill"
-            if merge:
-                # each executor's tokens after the fork as the layout tokenizes them: its forced
-                # opening (already canonical) and its body piece; the engine runs only the tokens
-                # a branch never computed and places the rest without running the model
-                bodies = sync[2::2]
-                branches = [list(o) + self._canonical([b]) for o, b in zip(openings, bodies)]
-                state = yield EngineCall("merge", state, prefixes=branches)
-                stage.sync_tokens = getattr(self.engine, "last_join_tokens", 0)
-                self._mark = len(state.tokens)
             else:
-                state, stage.sync_tokens = yield from self._settle(state, w, sync)
-            if hasattr(self.engine, "flush_sync"):    # the sync's queued tokens written now
-                self.engine.flush_sync(state)
-            stage.sync_s = time.perf_counter() - t
-            for j in range(1, k + 1):            # the planner's context holds them now
-                self._emit("text", record, stage, "".join(sync[2 * j - 1: 2 * j + 1]), executor=j)
-            if not trie:
-                self._emit("text", record, stage, fmt.BLOCK_GAP)
-            self._emit("sync", record, stage)
+                sync, openings = yield from self._fork(state, record, stage, w, head, piece, tally, t0, branch_mode)
+                state = yield from self._join(state, record, stage, w, sync, openings, t0)
             i += 1
+
+    @property
+    def _trie(self) -> bool:
+        """trie and merge layouts: pieces are tokenized on their own."""
+        return self.config.layout in fmt.PIECEWISE_LAYOUTS
+
+    @staticmethod
+    def _is_inline_execution(stage: StageRecord, g, which: str | None) -> bool:
+        """Whether the call after a prompt-less plan was its single inline execution: it opens with
+        <execution_i.1> and stops at its close."""
+        return (fmt.find_tags(g.text)[:1] == [fmt.execution_open(stage.index, 1)]
+                and which == fmt.execution_close(stage.index, 1))
+
+    def _inline_execution(self, state, record: RunRecord, stage: StageRecord, g, dt: float, cut: int, piece: str):
+        """Record the planner's own call as the prompt-less plan's execution 1; the state after."""
+        stage.executions.append(ExecutionRecord(1, stage.plan, g.text, len(g.tokens), "stop", 0))
+        stage.executor_mode = "inline"
+        stage.executors_s = dt
+        if self._trie:   # trained as two pieces: the opening, then the body
+            w, head = self._window(state, cut)
+            opening = fmt.execution_open(stage.index, 1)
+            at = head.index(opening) + len(opening)
+            state, _ = yield from self._settle(state, w, [head[:at], head[at:]])
+        self._emit("text", record, stage, piece if self._trie else g.text)
+        self._emit("implicit_execution", record, stage, g.text)
+        return state
+
+    def _final(self, record: RunRecord, g, dt: float) -> None:
+        """The planner closed the final answer: record it and end the run."""
+        record.final_text, record.final_tokens, record.final_s = g.text, len(g.tokens), dt
+        record.final_answer = fmt.parse_completion(g.text)[0].final_answer
+        self._emit("final", record, text=g.text)
+        if record.final_answer is None:
+            raise _Stop("malformed", f"the planner closed {fmt.FINAL_CLOSE} without opening it")
+        raise _Stop("final_answer")
+
+    def _plan(self, record: RunRecord, i: int, g, which: str | None, dt: float, limit: int,
+              limit_reason: str) -> StageRecord:
+        """Stage i's record from a planner call that should have closed its plan; ends the run when
+        it did not, or when the stage is past max_stages."""
+        stage = StageRecord(i, g.text, len(g.tokens), which or g.stop_reason, planner_s=dt)
+        record.stages.append(stage)
+        if which != fmt.plan_close(i):
+            self._emit("planner", record, stage, g.text)
+            if g.stop_reason == "eos":
+                raise _Stop("eos", f"stage {i}: the planner ended (EOS) without {fmt.plan_close(i)} "
+                                   f"or {fmt.FINAL_CLOSE}")
+            if g.stop_reason == "length":
+                raise _Stop(limit_reason, f"stage {i}: the planner call reached {limit} tokens without "
+                                          f"{fmt.plan_close(i)} or {fmt.FINAL_CLOSE}")
+            raise _Stop("malformed", f"stage {i}: the planner stopped at {which!r} with no matching opening")
+        pieces, prompts, problems = fmt.parse_plan(g.text, i)
+        stage.plan = " ".join(p for p in pieces if isinstance(p, str))
+        stage.prompts = prompts
+        stage.problems += [f"stage {i} plan: {p}" for p in problems]
+        self._emit("planner", record, stage, g.text)
+        if i > self.config.max_stages:
+            raise _Stop("max_stages", f"stage {i}: a plan beyond max_stages={self.config.max_stages}; not run")
+        return stage
+
+    def _branch_limits(self, stage: StageRecord, openings: list[list[int]], keep: int, used: int) -> list[int]:
+        """Tokens each executor may generate: its share of the run's budget, the per-call cap, and
+        the room the engine has for a branch and for the planner's context."""
+        cfg, k = self.config, len(openings)
+        room = cfg.max_total_tokens - used
+        if room // k < 1:
+            raise _Stop("token_budget", f"stage {stage.index}: no token budget left for {k} executors")
+        limits = []
+        for o in openings:
+            m = min(cfg.max_branch_tokens, room // k, self.engine.max_branch_tokens - len(o) - 1,
+                    self.engine.max_seq_len - keep - len(o))
+            if m < 1:
+                raise _Stop("context_full", f"stage {stage.index}: no room for executor tokens")
+            limits.append(m)
+        return limits
+
+    def _fork(self, state, record: RunRecord, stage: StageRecord, w: int, head: str, piece: str, tally: "_Tally",
+              t0: float, branch_mode: str):
+        """Run the stage's executors in one fork; returns the sync pieces (the plan's text, then per
+        executor its opening and its closed body) and each executor's forced opening tokens."""
+        cfg, i = self.config, stage.index
+        cap = min(cfg.max_prompts, self.engine.max_branches)
+        if len(stage.prompts) > cap:
+            _problem(record, stage, f"stage {i}: {len(stage.prompts)} prompts; only the first {cap} run "
+                                    f"(max_prompts={cfg.max_prompts}, engine max_branches={self.engine.max_branches})")
+        run_prompts = stage.prompts[:cap]
+        k = len(run_prompts)
+        # fork: roll the planner back to where every executor's canonical context agrees with it
+        keep, openings = self._rejoin(state, w, [[head, execution_opening(i, j)] for j in range(1, k + 1)])
+        limits = self._branch_limits(stage, openings, keep, tally.used)
+        self._check_clock(t0)
+        self._emit("executors_start", record, stage, f"{k} executor(s), {branch_mode} fork")
+        t = time.perf_counter()
+        if keep < len(state.tokens):
+            state = yield EngineCall("truncate", state, n=keep)
+        self._emit("text", record, stage, piece)
+        gens = yield EngineCall("branches", state, prefixes=openings, limits=limits,
+                                stops=[[fmt.execution_close(i, j)] for j in range(1, k + 1)],
+                                sampling=cfg.sampling(tally.call), mode=branch_mode,
+                                join=cfg.resolved_join == "merge")
+        stage.executors_s = time.perf_counter() - t
+        stats = getattr(self.engine, "last_branch_stats", None)
+        stage.branch_cache_bytes = getattr(stats, "cache_bytes", None)
+        stage.executor_mode = branch_mode
+        tally.call += 1
+        sync = [head]
+        for j, (prompt, o, gen, m) in enumerate(zip(run_prompts, openings, gens, limits), start=1):
+            tally.used += len(gen.tokens)
+            text, repair = self._closed_body(record, stage, j, gen, m)
+            sync += [execution_opening(i, j), text + repair]
+            stage.executions.append(ExecutionRecord(j, prompt, text, len(gen.tokens), gen.stop_reason,
+                                                    len(o) + len(self._encode(repair) if repair else []),
+                                                    bool(repair)))
+        self._emit("executors", record, stage)
+        if not self._trie:   # a flat model saw the last close tag and the next block's gap together
+            sync.append(fmt.BLOCK_GAP)
+        return sync, openings
+
+    def _closed_body(self, record: RunRecord, stage: StageRecord, j: int, gen, m: int) -> tuple[str, str]:
+        """Executor j's body up to its close tag, and the text the orchestrator adds to close it
+        when the executor did not (empty when it did)."""
+        close = fmt.execution_close(stage.index, j)
+        if gen.stop_reason == "stop" and close in gen.text:
+            return gen.text[:_stop_end(gen.text, close)], ""
+        text = self._text_of(gen.tokens[:-1]) if gen.stop_reason == "eos" else gen.text
+        how = {"eos": "ended (EOS)", "length": f"reached its {m}-token limit"}.get(gen.stop_reason, "stopped")
+        _problem(record, stage, f"stage {stage.index}: execution {stage.index}.{j} {how} before {close}; closed by "
+                                f"the orchestrator")
+        return text, ("" if (not text or text[-1].isspace()) else fmt.CLOSE_GAP) + close
+
+    def _join(self, state, record: RunRecord, stage: StageRecord, w: int, sync: list[str],
+              openings: list[list[int]], t0: float):
+        """Bring the executors' outputs into the planner's context (merge their KV rows, or
+        re-prefill the sync text); the state after."""
+        self._check_clock(t0)
+        t = time.perf_counter()
+        merge = self.config.resolved_join == "merge"
+        stage.join = "merge" if merge else "reprefill"
+        if merge:
+            # each executor's tokens after the fork as the layout tokenizes them: its forced
+            # opening (already canonical) and its body piece; the engine runs only the tokens
+            # a branch never computed and places the rest without running the model
+            branches = [list(o) + self._canonical([b]) for o, b in zip(openings, sync[2::2])]
+            state = yield EngineCall("merge", state, prefixes=branches)
+            stage.sync_tokens = getattr(self.engine, "last_join_tokens", 0)
+            self._mark = len(state.tokens)
+        else:
+            state, stage.sync_tokens = yield from self._settle(state, w, sync)
+        if hasattr(self.engine, "flush_sync"):    # the sync's queued tokens written now
+            self.engine.flush_sync(state)
+        stage.sync_s = time.perf_counter() - t
+        for j in range(1, len(openings) + 1):            # the planner's context holds them now
+            self._emit("text", record, stage, "".join(sync[2 * j - 1: 2 * j + 1]), executor=j)
+        if not self._trie:
+            self._emit("text", record, stage, fmt.BLOCK_GAP)
+        self._emit("sync", record, stage)
+        return state
+
+
+@dataclasses.dataclass
+class _Tally:
+    """A run's running counts: generated tokens (Σ planner + Σ executors) and engine calls (seeds)."""
+    used: int = 0
+    call: int = 0
 
 
 def _stop_end(text: str, stop: str) -> int:
