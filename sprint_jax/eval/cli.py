@@ -93,6 +93,12 @@ when they differ). With --out: compare.json, bins_by_baseline_length.png, speedu
 """
 
 
+CHAT_TEMPLATE_MODES = ("auto", "on", "off")
+# eval's default --max-seq-len: the run's token budget plus room for the prompt and the forced
+# tags (executor openings, repairs) a run holds in its context besides what it generates
+PROMPT_ROOM = 2048
+
+
 def add_arguments(p) -> None:
     from sprint_jax.infer.infer_cli import add_run_arguments
 
@@ -116,6 +122,14 @@ def add_arguments(p) -> None:
     p.add_argument("--overwrite", action="store_true", help="start --out afresh instead of resuming it")
     p.add_argument("--names", default="SPRINT,RFT", help="compare: column names of RUN_A,RUN_B")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--samples", type=int, default=1, metavar="K",
+                   help="runs per problem, each with its own seed (--seed + sample index); the report gives "
+                        "Avg@K with its standard error, pass@k and per-problem means. K > 1 needs "
+                        "--temperature > 0 (default 1)")
+    p.add_argument("--chat-template", choices=CHAT_TEMPLATE_MODES, default="auto",
+                   help="wrap each prompt in the tokenizer's own chat template (apply_chat_template, "
+                        "generation prompt added): auto = when the tokenizer has one and the model was not "
+                        "trained here (no sprint_jax.json: its prompts are the raw task text); on; off")
     p.add_argument("--concurrency", type=int, default=8,
                    help="problems run at once on the batched engine (every planner and executor of them "
                         "decodes in one step); 1 = one at a time. results.jsonl does not depend on it "
@@ -220,16 +234,59 @@ def check_overlap(model_dir: str | Path, tasks, allow: bool) -> dict:
     return {"checked": True, "overlap": len(hit), "overlap_ids": hit}
 
 
-def model_prompt_fn(model: str):
+def model_prompt_fn(model: str, tokenizer=None, chat_template: str = "off"):
     """task -> the text the model sees: the task as curation wrote it into training prompts, in
     the prompt format the model's export records (sprint_jax.schema; unchanged for a
-    model trained on these prompts, which already end as the format says)."""
+    model trained on these prompts, which already end as the format says); or, where
+    `uses_chat_template`, that task text as the user turn of the tokenizer's chat template."""
     from sprint_jax.eval.evaluate import default_prompt
     from sprint_jax.infer.infer_cli import export_meta
     from sprint_jax.schema import apply_prompt_format
 
     meta = export_meta(model)
+    if uses_chat_template(chat_template, tokenizer, meta, model):
+        return lambda task: chat_prompt(tokenizer, default_prompt(task))
     return lambda task: apply_prompt_format(default_prompt(task), meta)
+
+
+def uses_chat_template(mode: str, tokenizer, meta: dict, model: str = "the model") -> bool:
+    """--chat-template: off never; on always (a tokenizer without a template is a UserError);
+    auto when the tokenizer has a template and the model has no sprint_jax.json (`meta` empty: a
+    checkpoint not trained here, e.g. a released R1-distill, whose own template is how it was
+    trained to be prompted; a model trained here saw the raw task text)."""
+    from sprint_jax.errors import UserError
+
+    if mode not in CHAT_TEMPLATE_MODES:
+        raise UserError(f"--chat-template must be one of {', '.join(CHAT_TEMPLATE_MODES)}, got {mode!r}")
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if mode == "on" and not has:
+        raise UserError(f"--chat-template on: the tokenizer of {model} has no chat template")
+    return mode == "on" or (mode == "auto" and has and not meta)
+
+
+def chat_prompt(tokenizer, text: str) -> str:
+    """`text` as the one user turn of the tokenizer's chat template, with the generation prompt
+    (what the assistant's turn starts with; R1-distill's ends in "<think>\n")."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def default_max_seq_len(model: str, config) -> int:
+    """eval's context when --max-seq-len is not given: the run's token budget
+    (max_total_tokens) plus `PROMPT_ROOM`, at most the model's max_position_embeddings, so the
+    budget, not the context, bounds a run."""
+    from sprint_jax.model.config import Qwen2Config
+
+    try:
+        positions = Qwen2Config.from_hf_config(Path(model)).max_position_embeddings
+    except Exception:        # no readable config.json: the loader reports that with its own line
+        return config.max_total_tokens + PROMPT_ROOM
+    return min(positions, config.max_total_tokens + PROMPT_ROOM)
+
+
+def _export_meta(model: str) -> dict:
+    from sprint_jax.infer.infer_cli import export_meta
+    return export_meta(model)
 
 
 def run(args) -> int:
@@ -247,6 +304,14 @@ def run(args) -> int:
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise UserError(f"--out {args.out} exists and is not a directory")
     config = config_from_args(args)
+    if args.samples < 1:
+        raise UserError(f"--samples must be >= 1, got {args.samples}")
+    if args.samples > 1 and config.temperature == 0:
+        raise UserError(f"--samples {args.samples} under greedy decoding (temperature 0) gives {args.samples} "
+                        f"identical runs; set --temperature (e.g. 0.6 with --top-p 0.95, or --config "
+                        f"configs/eval_r1_distill_7b.yaml)")
+    if args.max_seq_len is None and Path(args.model).is_dir():
+        args.max_seq_len = default_max_seq_len(args.model, config)
     tasks = load_tasks(args.data, args.limit, args.task_kind, args.countdown_n, args.data_seed)
     if not tasks:
         raise UserError(f"--data {args.data}: no tasks")
@@ -260,7 +325,8 @@ def run(args) -> int:
             raise UserError(f"--shard {args.shard}: no problems in this shard ({shard['total']} in all)")
     overlap = check_overlap(args.model, tasks, args.allow_overlap)
     engine = build_engine(args, config, args.concurrency)
-    prompt_fn = model_prompt_fn(args.model)
+    prompt_fn = model_prompt_fn(args.model, engine.tokenizer, args.chat_template)
+    templated = uses_chat_template(args.chat_template, engine.tokenizer, _export_meta(args.model), args.model)
     for task in tasks:   # a tokenizer that cannot read the data is a setup mistake, caught up front
         try:
             engine.encode(prompt_fn(task))
@@ -268,8 +334,9 @@ def run(args) -> int:
             raise UserError(f"task {task.id}: the tokenizer cannot encode its prompt ({e})") from None
     _, report = evaluate(engine, tasks, args.mode, prompt_fn=prompt_fn, orchestrator_config=config, out_dir=args.out,
                          progress=not args.no_progress, answer_from=args.answer_from, overwrite=args.overwrite,
-                         concurrency=args.concurrency,
+                         concurrency=args.concurrency, samples=args.samples,
                          meta={"model": str(args.model), "data": str(args.data), "limit": args.limit,
+                               "chat_template": templated, "max_seq_len": engine.max_seq_len,
                                "train_overlap": overlap, **({"shard": shard} if shard else {})})
     wall = report["wall_clock_s"]
     on_disk = report.get("problems_in_out", report["n"])
@@ -281,6 +348,13 @@ def run(args) -> int:
           f"{report['mean_total_tokens']:.1f}, format-valid {100 * report['format_valid_rate']:.1f}%, "
           f"wall clock {'n/a' if wall is None else f'{wall:.1f} s'} without XLA compilation "
           f"(this run compiled for {report['compile_s']:.1f} s, timed apart) -> {args.out}")
+    samples = report["samples"]
+    se = samples["avg_at_k_se"]
+    print(f"Avg@{args.samples}: {100 * samples['avg_at_k']:.1f}%"
+          + ("" if se is None else f" ± {100 * se:.1f} (standard error over {samples['problems']} problems)")
+          + ", pass@k " + ", ".join(f"{k}: {100 * v:.1f}%" for k, v in samples["pass_at_k"].items())
+          + f"; outcomes {report['outcomes']} (context_full: cut by the context or the token budget, "
+          f"not graded wrong answers)")
     if report["grader_errors"]:
         print(f"grader errors: {report['grader_errors']} problem(s) could not be graded and count as wrong "
               f"(ids in report.json grader_error_ids; messages in results.jsonl grader_error)")

@@ -35,6 +35,7 @@ disk). The directory is locked for the run (`sprint_jax.outlock`).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -42,7 +43,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from sprint_jax.tasks import Task, extract_answer, grade_result, task_prompt
-from sprint_jax.eval.report import TIMING_FIELDS, check_result_row, make_report, union_length, untimed, write_plots
+from sprint_jax.eval.report import (TIMING_FIELDS, check_result_row, make_report, outcome, sample_of, union_length,
+                                    untimed, write_plots)
 from sprint_jax.infer.orchestrator import MODES, OrchestratorConfig, RunRecord, run_many
 from sprint_jax.fsutil import write_atomic
 
@@ -50,7 +52,8 @@ RESULTS_FILE = "results.jsonl"
 RECORDS_FILE = "records.jsonl"
 REPORT_FILE = "report.json"
 RUN_FILE = "eval_run.json"
-_UNCHECKED_META = ("limit",)      # a longer or shorter run over the same problems may resume
+# a longer or shorter run over the same problems, or with more or fewer samples of each, may resume
+_UNCHECKED_META = ("limit", "samples")
 # the spans JAX reports for compiling a program: tracing it, lowering it, compiling it
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                   "/jax/core/compile/backend_compile_duration")
@@ -87,14 +90,16 @@ def default_prompt(task: Task) -> str:
     return task_prompt(task)
 
 
-def result_of(task: Task, record: RunRecord, answer_from: str = "final_answer") -> dict[str, Any]:
-    """One results.jsonl line: the graded outcome and the accounting of one run (`wall_s` the
-    record's; `evaluate` replaces it with the time apart from compilation and adds the other
-    `TIMING_FIELDS`)."""
+def result_of(task: Task, record: RunRecord, answer_from: str = "final_answer", sample: int = 0) -> dict[str, Any]:
+    """One results.jsonl line: the graded outcome and the accounting of run `sample` of the task
+    (`wall_s` the record's; `evaluate` replaces it with the time apart from compilation and adds
+    the other `TIMING_FIELDS`). `outcome`: correct / wrong / context_full (report.outcome);
+    `forks`: the stages whose executors ran on a fork (an inline execution is no fork)."""
     answer = extract_answer(record.final_answer, record.text, answer_from)
     graded = grade_result(task, answer)
-    return {
+    row = {
         "id": task.id,
+        "sample": sample,
         "kind": task.kind,
         "mode": record.mode,
         "correct": graded.correct,
@@ -105,17 +110,20 @@ def result_of(task: Task, record: RunRecord, answer_from: str = "final_answer") 
         "total_tokens": record.total_tokens,
         "stages": len(record.stages),
         "executors": sum(len(s.executions) for s in record.stages),
+        "forks": sum(1 for s in record.stages if s.executor_mode in ("shared", "serial")),
         "wall_s": record.wall_s,
         "problems": list(record.problems),
         "format_valid": record.format_valid,
         "termination": record.termination,
     }
+    row["outcome"] = outcome(row)
+    return row
 
 
-def _complete_lines(path: Path, check: Callable[[dict, str], None] | None = None) -> tuple[dict[str, dict], int]:
-    """id -> row of a jsonl file written line by line; a last line cut short is skipped (counted).
-    `check(row, "file:line")` validates each row (raising names the line)."""
-    rows: dict[str, dict] = {}
+def _complete_lines(path: Path, check: Callable[[dict, str], None] | None = None) -> tuple[dict[tuple[str, int], dict], int]:
+    """(id, sample) -> row of a jsonl file written line by line; a last line cut short is skipped
+    (counted). `check(row, "file:line")` validates each row (raising names the line)."""
+    rows: dict[tuple[str, int], dict] = {}
     if not path.exists():
         return rows, 0
     lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
@@ -134,7 +142,7 @@ def _complete_lines(path: Path, check: Callable[[dict, str], None] | None = None
         if isinstance(row, dict) and "id" in row:
             if check is not None:
                 check(row, f"{path}:{n}")
-            rows[str(row["id"])] = row
+            rows[(str(row["id"]), sample_of(row))] = row
     return rows, skipped
 
 
@@ -150,9 +158,9 @@ def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
 
 
 def _prepare_out(out: Path, run: dict, problems: dict[str, str],
-                 overwrite: bool) -> tuple[dict[str, tuple[dict, dict]], list[dict]]:
-    """Check an existing directory against this run. Returns (id -> (result, record) of this run's
-    problems already done, every finished result kept on disk, asked for now or not)."""
+                 overwrite: bool) -> tuple[dict[tuple[str, int], tuple[dict, dict]], list[dict]]:
+    """Check an existing directory against this run. Returns ((id, sample) -> (result, record) of
+    this run's problems already done, every finished result kept on disk, asked for now or not)."""
     from sprint_jax.errors import UserError
 
     run_file = out / RUN_FILE
@@ -186,15 +194,21 @@ def _prepare_out(out: Path, run: dict, problems: dict[str, str],
     (out / REPORT_FILE).unlink(missing_ok=True)       # a report describes a finished run only
     write_atomic(run_file, json.dumps({"run": run, "problems": {**old_problems, **problems}}, indent=1,
                                        ensure_ascii=False) + "\n")
-    return {i: kept[i] for i in kept if i in problems}, [r for r, _ in kept.values()]
+    return {i: kept[i] for i in kept if i[0] in problems}, [r for r, _ in kept.values()]
 
 
 def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
              prompt_fn: Callable[[Task], str] | None = None,
              orchestrator_config: OrchestratorConfig | None = None, out_dir: str | Path | None = None,
              progress: bool = True, meta: dict | None = None, overwrite: bool = False,
-             answer_from: str = "final_answer", concurrency: int | None = None) -> tuple[list[dict], dict]:
+             answer_from: str = "final_answer", concurrency: int | None = None,
+             samples: int = 1) -> tuple[list[dict], dict]:
     """Run every task in `mode` and grade it. Returns (results, report); writes them to out_dir.
+
+    `samples` k runs each task k times (results: task order, samples 0..k-1 of each task in
+    turn; each line's `sample`); sample s runs with the config's seed + s (`sample_config`), so a
+    resumed or extended run reproduces the samples it already has. k > 1 needs sampling
+    (temperature > 0): greedy runs would be k identical copies.
 
     Up to `concurrency` problems run at once on the engine (default: its sequence slots), every
     planner and executor of them decoding in one batched step; results are written in task order
@@ -207,15 +221,21 @@ def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     extract_answer(None, "", answer_from)   # reject an unknown mode before any run
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples must be an integer >= 1, got {samples!r}")
     ids = [t.id for t in tasks]
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
         raise ValueError(f"task ids must be unique; {dup!r} appears twice")
     prompt_fn = prompt_fn or default_prompt
     config = orchestrator_config or OrchestratorConfig()
+    if samples > 1 and config.temperature == 0:
+        raise ValueError(f"{samples} samples per problem under greedy decoding (temperature 0) would be "
+                         f"{samples} identical runs; set a temperature > 0")
+    meta = {**(meta or {}), "samples": samples}
     if out_dir is None:
         return _evaluate(engine, tasks, mode, prompt_fn, config, None, progress, meta, {}, [], answer_from,
-                         concurrency)
+                         concurrency, samples)
     from sprint_jax import outlock
 
     out = Path(out_dir)
@@ -230,22 +250,29 @@ def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
         problems = {str(t.id): _digest([prompt_fn(t), t.answer]) for t in tasks}
         done, on_disk = _prepare_out(out, run, problems, overwrite)
         return _evaluate(engine, tasks, mode, prompt_fn, config, out, progress, meta, done, on_disk, answer_from,
-                         concurrency)
+                         concurrency, samples)
+
+
+def sample_config(config: OrchestratorConfig, sample: int) -> OrchestratorConfig:
+    """The config of sample `sample` of a problem: the same, with seed config.seed + sample."""
+    return config if sample == 0 else dataclasses.replace(config, seed=int(config.seed) + sample)
 
 
 def _evaluate(engine, tasks, mode, prompt_fn, config, out: Path | None, progress: bool, meta: dict | None,
-              done: dict[str, tuple[dict, dict]], on_disk: list[dict], answer_from: str,
-              concurrency: int | None) -> tuple[list[dict], dict]:
+              done: dict[tuple[str, int], tuple[dict, dict]], on_disk: list[dict], answer_from: str,
+              concurrency: int | None, samples: int = 1) -> tuple[list[dict], dict]:
     concurrency = concurrency or engine.max_seqs
-    results_by_id: dict[str, dict] = {i: r for i, (r, _) in done.items()}
-    todo = [t for t in tasks if str(t.id) not in done]
+    results_by_id: dict[tuple[str, int], dict] = {i: r for i, (r, _) in done.items()}
+    wanted = [(t, s) for t in tasks for s in range(samples)]
+    todo = [(t, s) for t, s in wanted if (str(t.id), s) not in done]
     # this invocation's number: the problems' intervals are on its own clock (report.run_wall_clock)
     invocation = 1 + max((r.get("invocation") or 0 for r in on_disk), default=0)
     kept_ids = {str(r["id"]) for r in on_disk}
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(tasks), initial=len(tasks) - len(todo), desc=f"eval ({mode})", unit="problem")
+        bar = tqdm(total=len(wanted), initial=len(wanted) - len(todo), desc=f"eval ({mode})",
+                   unit="run" if samples > 1 else "problem")
     clock = CompileClock().start()
     t0 = time.time()
     files = []
@@ -259,17 +286,18 @@ def _evaluate(engine, tasks, mode, prompt_fn, config, out: Path | None, progress
             nonlocal written
             finished[i] = (record, time.time())
             while written in finished:            # write in task order as soon as possible
-                task = todo[written]
+                task, sample = todo[written]
                 record, end = finished.pop(written)
                 written += 1
-                result = result_of(task, record, answer_from)
+                result = result_of(task, record, answer_from, sample)
                 compile_s = min(record.wall_s, clock.within(end - record.wall_s, end))
                 result.update(wall_s=record.wall_s - compile_s, compile_s=compile_s,
                               finished_s=end - t0 - clock.within(t0, end), invocation=invocation,
                               concurrency=concurrency)
-                results_by_id[str(task.id)] = result
+                results_by_id[(str(task.id), sample)] = result
                 if files:
-                    for f, row in zip(files, (result, {"id": task.id, **record.to_json(), "compile_s": compile_s})):
+                    record_row = {"id": task.id, "sample": sample, **record.to_json(), "compile_s": compile_s}
+                    for f, row in zip(files, (result, record_row)):
                         f.write(json.dumps(row, ensure_ascii=False) + "\n")
                         f.flush()
                 if bar is not None:
@@ -278,8 +306,8 @@ def _evaluate(engine, tasks, mode, prompt_fn, config, out: Path | None, progress
                     bar.set_postfix(acc=f"{sum(r['correct'] for r in done_) / len(done_):.3f}",
                                     seq=f"{sum(r['sequential_tokens'] for r in done_) / len(done_):.0f}")
 
-        run_many(engine, [prompt_fn(t) for t in todo], mode, config, concurrency=concurrency,
-                 on_record=on_record)
+        run_many(engine, [prompt_fn(t) for t, _ in todo], mode, config, concurrency=concurrency,
+                 on_record=on_record, configs=[sample_config(config, s) for _, s in todo])
         compile_s = clock.within(t0, time.time())
     finally:
         clock.stop()
@@ -287,17 +315,17 @@ def _evaluate(engine, tasks, mode, prompt_fn, config, out: Path | None, progress
             f.close()
         if bar is not None:
             bar.close()
-    results = [results_by_id[str(t.id)] for t in tasks]
+    results = [results_by_id[(str(t.id), s)] for t, s in wanted]
     report = make_report(results, mode, compile_s=compile_s, meta={
         **(meta or {}), "answer_from": answer_from, "config": config.__dict__, "concurrency": concurrency})
     if done:
         report["resumed_problems"] = len(done)   # finished by an earlier invocation; their timings are kept
     if out is not None:
-        report["problems_in_out"] = len(kept_ids | set(results_by_id))
+        report["problems_in_out"] = len(kept_ids | {i for i, _ in results_by_id})
         report["plots"] = write_plots(results, out, mode)
         write_atomic(out / REPORT_FILE, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     return results, report
 
 
 __all__ = ["RESULTS_FILE", "RECORDS_FILE", "REPORT_FILE", "RUN_FILE", "TIMING_FIELDS", "COMPILE_EVENTS",
-           "CompileClock", "default_prompt", "result_of", "untimed", "evaluate"]
+           "CompileClock", "default_prompt", "result_of", "untimed", "evaluate", "sample_config"]

@@ -98,6 +98,10 @@ def make_report(results: Sequence[dict], mode: str, wall_clock_s: float | None =
     SPRINT-internal (1.0 for sequential runs): the run's critical path over its own generated
     tokens, not a comparison with RFT (use `eval compare` for that). `grader_errors` counts problems whose grader failed (graded wrong, logged,
     listed by id in `grader_error_ids`): a non-zero count means the accuracy is a lower bound.
+    `n`, `correct` and `accuracy` count runs (a problem sampled k times is k runs); `outcomes`
+    splits them into correct / wrong / context_full (`outcome`); `samples` is `sample_summary`
+    (Avg@k with its standard error, pass@k, per-problem means); `self_parallelism` and
+    `activation_ratio` are `parallelism`'s.
     `wall_clock_s` defaults to `run_wall_clock(results)` (compilation excluded); `compile_s`, when
     given, is the compilation timed apart from it.
     """
@@ -121,12 +125,160 @@ def make_report(results: Sequence[dict], mode: str, wall_clock_s: float | None =
         "grader_errors": sum(1 for r in results if r.get("grader_error")),
         "grader_error_ids": [r["id"] for r in results if r.get("grader_error")][:20],
         "sequential_to_total_by_length": sequential_to_total_by_length(results),
+        "outcomes": {k: sum(outcome(r) == k for r in results) for k in ("correct", "wrong", "context_full")},
+        "samples": sample_summary(results),
+        **parallelism(results),
     }
     if compile_s is not None:
         report["compile_s"] = float(compile_s)
     if meta:
         report["meta"] = meta
     return report
+
+
+# ---------------------------------------------------------------------------------------------
+# Outcomes, samples (Avg@k, pass@k) and parallelism
+# ---------------------------------------------------------------------------------------------
+# terminations of a run that ran out of room: the planner context (max_seq_len) or the run's
+# generated-token budget (max_total_tokens). Such a run was cut, not answered wrong.
+CONTEXT_FULL_TERMINATIONS = ("context_full", "token_budget")
+SE_ESTIMATOR = ("standard deviation (n - 1) of the per-problem mean accuracies / sqrt(number of problems): "
+                "problems are the sampled unit, a problem's k samples are not independent draws")
+
+
+def outcome(row: dict) -> str:
+    """correct | context_full (not correct, and the run hit the context or its token budget:
+    `CONTEXT_FULL_TERMINATIONS`) | wrong (every other run that is not correct)."""
+    if row["correct"]:
+        return "correct"
+    return "context_full" if row.get("termination") in CONTEXT_FULL_TERMINATIONS else "wrong"
+
+
+def context_full_share(row: dict) -> float:
+    """1.0 / 0.0 for one run (`outcome`); a per-problem row of a sampled run (`problem_rows`)
+    carries the share of its samples."""
+    share = row.get("context_full")
+    if isinstance(share, (int, float)) and not isinstance(share, bool):
+        return float(share)
+    return 1.0 if outcome(row) == "context_full" else 0.0
+
+
+def sample_of(row: dict) -> int:
+    """The sample index of a results line (0 for a line without one: an unsampled run)."""
+    return int(row.get("sample") or 0)
+
+
+def by_problem(results: Sequence[dict]) -> dict[str, list[dict]]:
+    """Problem id -> its runs (one per sample), in the order the problems first appear."""
+    groups: dict[str, list[dict]] = {}
+    for r in results:
+        groups.setdefault(str(r["id"]), []).append(r)
+    return groups
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimator of pass@k from n samples of which c are correct (Chen et al. 2021,
+    "Evaluating Large Language Models Trained on Code"): 1 - C(n - c, k) / C(n, k), computed as
+    1 - prod_{i = n - c + 1}^{n} (1 - k / i) (no huge binomials)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    prod = 1.0
+    for i in range(n - c + 1, n + 1):
+        prod *= 1.0 - k / i
+    return 1.0 - prod
+
+
+def sample_summary(results: Sequence[dict]) -> dict:
+    """Avg@k over the problems of `results` (one line per problem and sample).
+
+    avg_at_k: the mean over problems of each problem's accuracy over its samples (with k samples
+    for every problem, the accuracy over all runs); avg_at_k_se: its standard error, `SE_ESTIMATOR`
+    (None for one problem); pass_at_k: for k = 1, 2, 4, ... up to the fewest samples any problem
+    has (and that number), the mean over problems of `pass_at_k`; per_problem: each problem's
+    samples, correct count, mean accuracy and context_full count."""
+    import math
+
+    groups = by_problem(results)
+    per_problem = []
+    for pid, rows in groups.items():
+        c = sum(bool(r["correct"]) for r in rows)
+        per_problem.append({"id": rows[0]["id"], "samples": len(rows), "correct": c, "mean": c / len(rows),
+                            "context_full": sum(outcome(r) == "context_full" for r in rows)})
+    means = [p["mean"] for p in per_problem]
+    m = len(means)
+    avg = _mean(means)
+    se = None
+    if m > 1:
+        se = math.sqrt(sum((x - avg) ** 2 for x in means) / (m - 1)) / math.sqrt(m)
+    counts = [p["samples"] for p in per_problem]
+    fewest = min(counts, default=0)
+    ks = sorted({2 ** e for e in range(max(fewest, 1).bit_length()) if 2 ** e <= fewest} | ({fewest} if fewest else set()))
+    return {"problems": m, "samples_per_problem": {"min": fewest, "max": max(counts, default=0)},
+            "avg_at_k": avg, "avg_at_k_se": se, "se_estimator": SE_ESTIMATOR,
+            "pass_at_k": {str(k): _mean([pass_at_k(p["samples"], p["correct"], k) for p in per_problem])
+                          for k in ks},
+            "per_problem": per_problem}
+
+
+def problem_rows(results: Sequence[dict]) -> list[dict]:
+    """One row per problem: its samples' means of correct (a share), sequential and total
+    tokens, wall clock and context_full (a share). Lines of an unsampled run pass unchanged."""
+    groups = by_problem(results)
+    if all(len(rows) == 1 for rows in groups.values()):
+        return list(results)
+    out = []
+    for rows in groups.values():
+        row = {"id": rows[0]["id"], "samples": len(rows),
+               "correct": _mean([float(bool(r["correct"])) for r in rows]),
+               "context_full": _mean([context_full_share(r) for r in rows])}
+        for key in ("sequential_tokens", "total_tokens", "wall_s"):
+            row[key] = _mean([r[key] for r in rows])
+        out.append(row)
+    return out
+
+
+def parallelism(results: Sequence[dict]) -> dict:
+    """How much one run (every line: every problem and sample) parallelised.
+
+    self_parallelism: ThreadWeaver's self-parallelism ratio, total tokens / sequential (critical
+    path) tokens, as Σ total / Σ sequential over the runs (1 for plain decoding), and the mean of
+    the per-run ratios (runs with sequential tokens > 0). activation_ratio: the share of problems
+    where the model chose to parallelise, i.e. its executors ran on a fork at least once
+    (`forks` >= 1; a problem's share of its samples, averaged over problems); None when a line of
+    a parallel run lacks `forks` (written by an older version)."""
+    seq = sum(r["sequential_tokens"] for r in results)
+    tot = sum(r["total_tokens"] for r in results)
+    per_run = [r["total_tokens"] / r["sequential_tokens"] for r in results if r["sequential_tokens"] > 0]
+
+    def forked(r):
+        if r.get("forks") is not None:
+            return float(r["forks"] >= 1)
+        return 0.0 if r.get("mode") == "sequential" else None
+    flags = [forked(r) for r in results]
+    activation = None
+    if results and None not in flags:
+        shares: dict[str, list[float]] = {}
+        for r, f in zip(results, flags):
+            shares.setdefault(str(r["id"]), []).append(f)
+        activation = _mean([_mean(v) for v in shares.values()])
+    return {"self_parallelism": {"ratio_of_sums": tot / seq if seq else None,
+                                 "mean_per_run": _mean(per_run) if per_run else None},
+            "activation_ratio": activation}
+
+
+def mean_speedup(pairs: Sequence[tuple[dict, dict]]) -> dict:
+    """Mean per-problem speedup of A over B: B's sequential tokens / A's per problem (per-problem
+    means of a sampled run), averaged (arithmetic mean) over all problems and over the problems
+    both runs solved (a sampled problem is solved when more than half of its samples are correct);
+    problems where A generated no token are left out. n: the problems averaged."""
+    def ratios(ps):
+        return [p[1]["sequential_tokens"] / p[0]["sequential_tokens"] for p in ps if p[0]["sequential_tokens"] > 0]
+    everything = ratios(pairs)
+    solved = ratios([p for p in pairs if float(p[0]["correct"]) > 0.5 and float(p[1]["correct"]) > 0.5])
+    return {"all": _mean(everything) if everything else None, "n_all": len(everything),
+            "both_solved": _mean(solved) if solved else None, "n_both_solved": len(solved)}
 
 
 def sequential_to_total_by_length(results: Sequence[dict], bins: int = 5) -> list[dict]:
@@ -167,17 +319,20 @@ def _quantile_chunks(sorted_items: Sequence, bins: int, key=lambda x: x) -> list
 
 def _bin_row(pairs: Sequence[tuple[dict, dict]], lo: float, hi: float | None) -> dict:
     """One bin of (A, B) result pairs: n, and per run accuracy, mean sequential tokens, mean wall
-    clock; the ratios A/B of summed sequential tokens and of summed wall clock."""
+    clock; the ratios A/B of summed sequential tokens and of summed wall clock; per run the share
+    of runs that were `context_full`."""
     row: dict = {"min_baseline_tokens": lo, "max_baseline_tokens": hi, "n": len(pairs)}
     for side, k in (("a", 0), ("b", 1)):
         rows = [p[k] for p in pairs]
-        row[side] = {"accuracy": _mean([float(bool(r["correct"])) for r in rows]) if rows else None,
+        row[side] = {"accuracy": _mean([float(r["correct"]) for r in rows]) if rows else None,
                      "mean_sequential_tokens": _mean([r["sequential_tokens"] for r in rows]) if rows else None,
                      "mean_wall_s": _mean([r["wall_s"] for r in rows]) if rows else None}
     seq_b = sum(p[1]["sequential_tokens"] for p in pairs)
     wall_b = sum(p[1]["wall_s"] for p in pairs)
     row["sequential_ratio"] = sum(p[0]["sequential_tokens"] for p in pairs) / seq_b if seq_b else None
     row["wall_ratio"] = sum(p[0]["wall_s"] for p in pairs) / wall_b if wall_b else None
+    row["context_full"] = {side: _mean([context_full_share(p[k]) for p in pairs]) if pairs else None
+                           for side, k in (("a", 0), ("b", 1))}
     return row
 
 
@@ -399,15 +554,24 @@ def compare(results_a: Sequence[dict], results_b: Sequence[dict], name_a: str = 
     """The paper's table for run A (SPRINT) against run B (the RFT baseline) on the same problems.
 
     Problems are matched by id; different problem sets are an error (the comparison would not be
-    of like with like). Change is A - B in percentage points for accuracy and (A - B) / B for the
-    rest. Also returns `length_bins` (by B's sequential length: fixed `bins` thresholds and
-    `quantiles`) and the per-problem `speedups`.
+    of like with like). A run with several samples per problem is compared through its
+    per-problem means (`problem_rows`): accuracy is then Avg@k. Change is A - B in percentage
+    points for accuracy and (A - B) / B for the rest. Also returns `length_bins` (by B's
+    sequential length: fixed `bins` thresholds and `quantiles`), the per-problem `speedups` and
+    their `mean_speedup`, each run's `parallelism` (self-parallelism and activation ratios) and
+    `samples` (`sample_summary` without the per-problem list).
     """
+    for name, rows in ((name_a, results_a), (name_b, results_b)):
+        keys = [(str(r["id"]), sample_of(r)) for r in rows]
+        if len(set(keys)) != len(keys):
+            pid, k = next(x for x in keys if keys.count(x) > 1)
+            raise RunFileError(f"run {name} lists problem {pid!r} (sample {k}) twice")
+    extra = {"parallelism": {name_a: parallelism(results_a), name_b: parallelism(results_b)},
+             "samples": {name: {k: v for k, v in sample_summary(rows).items() if k != "per_problem"}
+                         for name, rows in ((name_a, results_a), (name_b, results_b))}}
+    results_a, results_b = problem_rows(results_a), problem_rows(results_b)
     ids_a = [r["id"] for r in results_a]
     ids_b = [r["id"] for r in results_b]
-    for name, ids in ((name_a, ids_a), (name_b, ids_b)):
-        if len(set(ids)) != len(ids):
-            raise RunFileError(f"run {name} lists a problem id twice")
     if set(ids_a) != set(ids_b):
         only_a = sorted(set(ids_a) - set(ids_b))
         only_b = sorted(set(ids_b) - set(ids_a))
@@ -420,11 +584,12 @@ def compare(results_a: Sequence[dict], results_b: Sequence[dict], name_a: str = 
     summary = {}
     for label, rows in ((name_a, list(results_a)), (name_b, b_sorted)):
         summary[label] = {
-            "accuracy": _mean([float(bool(r["correct"])) for r in rows]),
+            "accuracy": _mean([float(r["correct"]) for r in rows]),
             "mean_sequential_tokens": _mean([r["sequential_tokens"] for r in rows]),
             "mean_total_tokens": _mean([r["total_tokens"] for r in rows]),
             "mean_wall_s": _mean([r["wall_s"] for r in rows]),
             "grader_errors": sum(1 for r in rows if r.get("grader_error")),
+            "context_full": _mean([context_full_share(r) for r in rows]),
         }
     rows = []
     for label, key in _ROWS:
@@ -436,7 +601,8 @@ def compare(results_a: Sequence[dict], results_b: Sequence[dict], name_a: str = 
         rows.append({"metric": label, "key": key, name_a: a, name_b: b, **change})
     pairs = list(zip(results_a, b_sorted))
     return {"n": len(ids_a), "names": [name_a, name_b], "rows": rows, "summary": summary,
-            "length_bins": length_bins(pairs, bins, quantiles), "speedups": speedups(pairs)}
+            "length_bins": length_bins(pairs, bins, quantiles), "speedups": speedups(pairs),
+            "mean_speedup": mean_speedup(pairs), **extra}
 
 
 def _format_bins(bins: Sequence[dict], name_a: str, name_b: str) -> list[str]:
@@ -453,6 +619,39 @@ def _format_bins(bins: Sequence[dict], name_a: str, name_b: str) -> list[str]:
                      f"{num(b['a']['mean_sequential_tokens'], '.1f'):>10} {num(b['b']['mean_sequential_tokens'], '.1f'):>10} "
                      f"{num(b['sequential_ratio'], '.3f'):>9} {num(b['a']['mean_wall_s'], '.2f'):>10} "
                      f"{num(b['b']['mean_wall_s'], '.2f'):>10} {num(b['wall_ratio'], '.3f'):>10}")
+    return lines
+
+
+def _format_extras(table: dict) -> list[str]:
+    """The rows after the paper's table: context_full, Avg@k with its standard error when a run
+    has several samples, ThreadWeaver's ratios, and the mean per-problem speedup."""
+    name_a, name_b = table["names"]
+    num = lambda v, f=".2f": "n/a" if v is None else format(v, f)  # noqa: E731
+    pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    lines = []
+    if "context_full" in table["summary"][name_a]:
+        lines.append(f"{'context_full (cut, not wrong)':26}{pct(table['summary'][name_a]['context_full']):>12}"
+                     f"{pct(table['summary'][name_b]['context_full']):>12}")
+    samples = table.get("samples") or {}
+    if any((samples.get(n) or {}).get("samples_per_problem", {}).get("max", 1) > 1 for n in (name_a, name_b)):
+        cells = []
+        for n in (name_a, name_b):
+            s = samples[n]
+            k = s["samples_per_problem"]
+            ks = str(k["min"]) if k["min"] == k["max"] else f"{k['min']}-{k['max']}"
+            cells.append(f"{100 * s['avg_at_k']:.1f}±{100 * (s['avg_at_k_se'] or 0):.1f} (k={ks})")
+        lines.append(f"{'Avg@k ± s.e. (%)':26}{cells[0]:>20}{cells[1]:>20}")
+    par = table.get("parallelism") or {}
+    if par:
+        lines.append(f"{'self-parallelism (tot/seq)':26}"
+                     + "".join(f"{num(par[n]['self_parallelism']['ratio_of_sums']):>12}" for n in (name_a, name_b)))
+        lines.append(f"{'activation ratio':26}" + "".join(f"{pct(par[n]['activation_ratio']):>12}"
+                                                          for n in (name_a, name_b)))
+    ms = table.get("mean_speedup")
+    if ms:
+        lines.append(f"mean per-problem speedup ({name_b} / {name_a} sequential tokens): "
+                     f"{num(ms['all'], '.3f')} over all {ms['n_all']} problems, {num(ms['both_solved'], '.3f')} "
+                     f"over the {ms['n_both_solved']} both solved")
     return lines
 
 
@@ -473,6 +672,7 @@ def format_compare_table(table: dict) -> str:
     errors = {k: v["grader_errors"] for k, v in table["summary"].items() if v.get("grader_errors")}
     if errors:
         lines.append("grader errors (graded wrong): " + ", ".join(f"{k} {v}" for k, v in errors.items()))
+    lines += _format_extras(table)
     bins = table.get("length_bins") or {}
     ratio_note = f"ratios are {name_a} / {name_b} (summed over the bin; < 1: {name_a} needs less)"
     if bins.get("fixed"):
@@ -552,4 +752,6 @@ __all__ = ["RunFileError", "make_report", "sequential_to_total_by_length", "leng
            "plot_tokens", "plot_sequential_to_total", "plot_bins", "plot_speedups", "write_plots",
            "load_results", "compare", "format_compare_table", "TOKENS_PLOT", "INTERNAL_PLOT", "SPEEDUP_PLOT",
            "BINS_PLOT", "wall_clock_summary", "format_wall_clock", "TIMING_FIELDS", "untimed", "union_length",
-           "run_wall_clock", "run_concurrency", "check_result_row", "internal_title", "format_concurrency"]
+           "run_wall_clock", "run_concurrency", "check_result_row", "internal_title", "format_concurrency",
+           "CONTEXT_FULL_TERMINATIONS", "SE_ESTIMATOR", "outcome", "context_full_share", "sample_of", "by_problem",
+           "pass_at_k", "sample_summary", "problem_rows", "parallelism", "mean_speedup"]

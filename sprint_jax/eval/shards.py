@@ -7,7 +7,8 @@ stride, so easy and hard problems spread over the shards), and records its place
 report.json meta "shard" {index, count, total, positions}. The merge checks that the N shards
 are one split of one evaluation (same count, total, mode, model, data and settings; every index
 once; every shard finished, i.e. has its report.json and all its lines), then interleaves their
-lines back into task order and recomputes the report. A shard that died is rerun alone with the
+lines back into task order (a sampled run's lines: each problem's samples together) and
+recomputes the report. A shard that died is rerun alone with the
 same command; the merge of the rerun is the same (greedy decoding is deterministic). The run's
 wall clock in the merged report is derived from the problems' timings like any run's
 (`report.run_wall_clock`): the shards' invocations are numbered alike, so shards count as
@@ -86,6 +87,15 @@ def _read_lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
 
 
+def _by_problem(rows: list[dict]) -> list[list[dict]]:
+    """The lines of each problem (its samples, by sample index) as one group, problems in the
+    order they first appear (a run extended to more samples appends the new ones at the end)."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(str(r.get("id")), []).append(r)
+    return [sorted(g, key=lambda r: r.get("sample") or 0) for g in groups.values()]
+
+
 def merge_shards(dirs: Sequence[str | Path], out: str | Path) -> dict:
     """Join shard directories into `out` (see the module docstring). Returns the report."""
     from sprint_jax.eval.evaluate import RECORDS_FILE, REPORT_FILE, RESULTS_FILE
@@ -102,10 +112,13 @@ def merge_shards(dirs: Sequence[str | Path], out: str | Path) -> dict:
         shard = (report.get("meta") or {}).get("shard")
         if not shard:
             raise UserError(f"{d}: not a shard (its {REPORT_FILE} has no meta.shard; run `eval --shard I/N`)")
-        results, records = _read_lines(d / RESULTS_FILE), _read_lines(d / RECORDS_FILE)
-        if len(results) != len(shard["positions"]) or len(records) != len(shard["positions"]):
-            raise UserError(f"{d}: {len(results)} results and {len(records)} records for "
-                            f"{len(shard['positions'])} problems (incomplete; rerun shard "
+        # one line per problem and sample: grouped by problem, in the shard's order
+        results, records = _by_problem(_read_lines(d / RESULTS_FILE)), _by_problem(_read_lines(d / RECORDS_FILE))
+        samples = (report.get("meta") or {}).get("samples") or 1
+        if (len(results) != len(shard["positions"]) or len(records) != len(shard["positions"])
+                or any(len(g) != samples for g in results + records)):
+            raise UserError(f"{d}: {sum(map(len, results))} results and {sum(map(len, records))} records for "
+                            f"{len(shard['positions'])} problems x {samples} sample(s) (incomplete; rerun shard "
                             f"{shard['index']}/{shard['count']})")
         shards.append((d, report, shard, results, records))
     d0, rep0, sh0 = shards[0][:3]
@@ -134,11 +147,13 @@ def merge_shards(dirs: Sequence[str | Path], out: str | Path) -> dict:
     for _, _, shard, res, rec in shards:
         for pos, r, c in zip(shard["positions"], res, rec):
             results[pos], records[pos] = r, c
+    results = [r for group in results for r in group]
+    records = [c for group in records for c in group]
     meta = {k: v for k, v in rep0["meta"].items() if k != "shard"}
     overlaps = [s[1]["meta"].get("train_overlap") for s in shards]
     if any(o is not None for o in overlaps):
         hit = {i for o in overlaps if o for i in o.get("overlap_ids", [])}
-        ids = [r["id"] for r in results if r["id"] in hit]
+        ids = list(dict.fromkeys(r["id"] for r in results if r["id"] in hit))
         meta["train_overlap"] = {"checked": all(bool(o and o.get("checked")) for o in overlaps),
                                  "overlap": len(ids), "overlap_ids": ids}
     walls = [s[1].get("wall_clock_s") for s in shards]
@@ -146,7 +161,7 @@ def merge_shards(dirs: Sequence[str | Path], out: str | Path) -> dict:
     if run_wall_clock(results) is None and all(isinstance(w, (int, float)) for w in walls):
         wall = max(walls)
     report = make_report(results, rep0["mode"], wall_clock_s=wall, meta=meta)
-    report["problems_in_out"] = len(results)
+    report["problems_in_out"] = total
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for name, rows in ((RESULTS_FILE, results), (RECORDS_FILE, records)):

@@ -1,0 +1,248 @@
+"""The papers' decoding at eval: k samples per problem (each its own seed) with Avg@k, its standard
+error, pass@k and per-problem means; runs cut by the context or the token budget counted as
+context_full; the checkpoint's own chat template; and `eval compare`'s mean per-problem speedup,
+self-parallelism and activation ratios. Every figure is checked against a hand computation."""
+from __future__ import annotations
+
+import json
+import math
+from fractions import Fraction
+
+import pytest
+
+from sprint_jax.cli import main
+from sprint_jax.eval.evaluate import evaluate, untimed
+from sprint_jax.eval.report import compare, make_report, pass_at_k
+from sprint_jax.infer.orchestrator import OrchestratorConfig
+from sprint_jax.tasks.types import Task
+from test_orchestrator import ScriptedEngine
+
+
+# ---------------------------------------------------------------------------------------------
+# pass@k, Avg@k and its standard error
+# ---------------------------------------------------------------------------------------------
+def test_pass_at_k_matches_math_comb_and_a_hand_computation():
+    # by hand: n=4, c=1, k=2: 1 - C(3,2)/C(4,2) = 1 - 3/6; n=5, c=2, k=2: 1 - C(3,2)/C(5,2) = 1 - 3/10
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)
+    assert pass_at_k(3, 2, 2) == 1.0                    # n - c < k: every k-subset holds a correct one
+    assert pass_at_k(6, 0, 3) == 0.0
+    assert pass_at_k(8, 3, 1) == pytest.approx(3 / 8)    # pass@1 is the share correct
+    for n in range(1, 13):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
+                assert pass_at_k(n, c, k) == pytest.approx(float(exact), abs=1e-12), (n, c, k)
+    for bad in ((4, 5, 1), (4, 1, 5), (4, 1, 0)):
+        with pytest.raises(ValueError):
+            pass_at_k(*bad)
+
+
+def _run(pid, sample, correct, seq=10, total=None, termination="final_answer", forks=0, mode="parallel", wall=1.0):
+    return {"id": pid, "sample": sample, "correct": correct, "sequential_tokens": seq,
+            "total_tokens": seq if total is None else total, "wall_s": wall, "stages": 1, "format_valid": correct,
+            "termination": termination, "forks": forks, "mode": mode}
+
+
+def test_avg_at_k_its_standard_error_and_pass_at_k_by_hand():
+    # three problems x four samples: p1 4/4 correct, p2 1/4 (one of its wrong runs used up the
+    # token budget), p3 2/4 (one wrong run hit the context)
+    rows = ([_run("p1", s, True) for s in range(4)]
+            + [_run("p2", 0, True)] + [_run("p2", s, False) for s in (1, 2)] + [_run("p2", 3, False, termination="token_budget")]
+            + [_run("p3", 0, False, termination="context_full"), _run("p3", 1, True), _run("p3", 2, False),
+               _run("p3", 3, True)])
+    report = make_report(rows, "parallel")
+    s = report["samples"]
+    assert s["problems"] == 3 and s["samples_per_problem"] == {"min": 4, "max": 4}
+    # per-problem means 1, 1/4, 1/2: Avg@4 = 7/12; deviations 5/12, -4/12, -1/12, squares sum 42/144,
+    # sample variance 7/48, standard error sqrt(7/48) / sqrt(3) = sqrt(7) / 12
+    assert [p["mean"] for p in s["per_problem"]] == [1.0, 0.25, 0.5]
+    assert s["avg_at_k"] == pytest.approx(7 / 12) and report["accuracy"] == pytest.approx(7 / 12)
+    assert s["avg_at_k_se"] == pytest.approx(math.sqrt(7) / 12)
+    # the per-sample estimator (std of the 12 0/1 outcomes / sqrt(12)) is a different number: not it
+    flat = [1.0] * 4 + [1.0, 0, 0, 0] + [0, 1.0, 0, 1.0]
+    per_sample = math.sqrt(sum((x - 7 / 12) ** 2 for x in flat) / 11) / math.sqrt(12)
+    assert abs(s["avg_at_k_se"] - per_sample) > 0.05
+    # pass@2: p1 1, p2 1 - C(3,2)/C(4,2) = 1/2, p3 1 - C(2,2)/C(4,2) = 5/6 -> 7/9; pass@4: all 1
+    assert s["pass_at_k"] == pytest.approx({"1": 7 / 12, "2": 7 / 9, "4": 1.0})
+    assert [p["context_full"] for p in s["per_problem"]] == [0, 1, 1]
+    assert report["outcomes"] == {"correct": 7, "wrong": 3, "context_full": 2}
+    # a run cut by the budget that still got graded correct is correct, not context_full
+    assert make_report([_run("x", 0, True, termination="token_budget")], "parallel")["outcomes"] == {
+        "correct": 1, "wrong": 0, "context_full": 0}
+
+
+# ---------------------------------------------------------------------------------------------
+# eval --samples on the batched engine: seeds, records, resume
+# ---------------------------------------------------------------------------------------------
+QUERIES = {"a": "What is 1/2?", "b": "2+2?"}
+TASKS = [Task("a", "math", QUERIES["a"], "\\frac{1}{2}"), Task("b", "math", QUERIES["b"], "4")]
+CONFIG = OrchestratorConfig(temperature=0.6, top_p=0.95, seed=7, max_total_tokens=16)
+ANSWER = "<Final Answer> {} </Final Answer>"
+LONG = "and so on " * 12                 # no answer within the 16-token budget
+
+
+def _seed_of_sample(s: int) -> int:
+    """The seed the engine sees for sample s: that of the one call of a sequential run under the
+    config with seed 7 + s (the public `sampling` API)."""
+    return OrchestratorConfig(temperature=0.6, top_p=0.95, seed=7 + s).sampling(0).seed
+
+
+# what the model writes, per problem and sample: a is right in samples 0 and 2; b right in sample
+# 1, cut by the token budget in sample 3
+SCRIPT = {("a", 0): ANSWER.format("0.5"), ("a", 1): ANSWER.format("3"), ("a", 2): ANSWER.format("1/2"),
+          ("a", 3): ANSWER.format("2"), ("a", 4): ANSWER.format("0.5"), ("a", 5): ANSWER.format("9"),
+          ("b", 0): ANSWER.format("5"), ("b", 1): ANSWER.format("4"), ("b", 2): ANSWER.format("22"),
+          ("b", 3): LONG, ("b", 4): ANSWER.format("4"), ("b", 5): ANSWER.format("4")}
+
+
+class SeededEngine(ScriptedEngine):
+    """A plain-decoding model whose output depends on the sampling seed of the call: the script of
+    (problem, sample) for the seed of that sample. Records the (problem, sample) of every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.sample_of = {_seed_of_sample(s): s for s in range(6)}
+        self.ran: list[tuple[str, int]] = []
+
+    def generate(self, state, max_new_tokens, stop=(), sampling=None, tag=None):
+        pid = next(p for p, q in QUERIES.items() if self.decode_text(state.tokens) == q)
+        key = (pid, self.sample_of[sampling.seed])
+        self.ran.append(key)
+        self.planner = [SCRIPT[key]]
+        return super().generate(state, max_new_tokens, stop, sampling, tag)
+
+
+def _lines(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_samples_get_their_own_seeds_keep_their_index_and_resume(tmp_path):
+    engine = SeededEngine()
+    results, report = evaluate(engine, TASKS, "sequential", prompt_fn=lambda t: t.problem, orchestrator_config=CONFIG,
+                               out_dir=tmp_path, progress=False, samples=4)
+    assert sorted(engine.ran) == [(p, s) for p in "ab" for s in range(4)]          # each sample its own seed
+    assert [(r["id"], r["sample"]) for r in results] == [(p, s) for p in "ab" for s in range(4)]
+    assert [r["correct"] for r in results] == [True, False, True, False, False, True, False, False]
+    assert [r["outcome"] for r in results][4:] == ["wrong", "correct", "wrong", "context_full"]
+    assert results[7]["termination"] == "token_budget" and results[7]["sequential_tokens"] == 16
+    records = _lines(tmp_path / "records.jsonl")
+    assert [(r["id"], r["sample"], r["config"]["seed"]) for r in records] == [
+        (p, s, 7 + s) for p in "ab" for s in range(4)]
+    # Avg@4 = (2/4 + 1/4) / 2; standard error: |1/2 - 1/4| / sqrt(2) / sqrt(2) = 1/8
+    assert report["samples"]["avg_at_k"] == pytest.approx(3 / 8)
+    assert report["samples"]["avg_at_k_se"] == pytest.approx(1 / 8)
+    assert report["outcomes"] == {"correct": 3, "wrong": 4, "context_full": 1}
+    assert report["meta"]["samples"] == 4 and report["n"] == 8
+
+    # killed during the sixth run: five complete lines and a cut one; the rerun runs the other three
+    full = (tmp_path / "results.jsonl").read_text().splitlines(keepends=True)
+    rec = (tmp_path / "records.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "results.jsonl").write_text("".join(full[:5]) + full[5][:20])
+    (tmp_path / "records.jsonl").write_text("".join(rec[:5]))
+    engine = SeededEngine()
+    again, report2 = evaluate(engine, TASKS, "sequential", prompt_fn=lambda t: t.problem, orchestrator_config=CONFIG,
+                              out_dir=tmp_path, progress=False, samples=4)
+    assert sorted(engine.ran) == [("b", 1), ("b", 2), ("b", 3)]
+    assert [untimed(r) for r in again] == [untimed(r) for r in json.loads(json.dumps(results))]
+    assert report2["resumed_problems"] == 5 and report2["samples"]["avg_at_k"] == pytest.approx(3 / 8)
+
+    # more samples later: only the new ones run; the report covers 6 per problem
+    engine = SeededEngine()
+    more, report3 = evaluate(engine, TASKS, "sequential", prompt_fn=lambda t: t.problem, orchestrator_config=CONFIG,
+                             out_dir=tmp_path, progress=False, samples=6)
+    assert sorted(engine.ran) == [("a", 4), ("a", 5), ("b", 4), ("b", 5)]
+    assert [(r["id"], r["sample"]) for r in more] == [(p, s) for p in "ab" for s in range(6)]
+    # a: 3/6, b: 3/6 -> Avg@6 = 1/2 with a standard error of 0
+    assert report3["samples"]["avg_at_k"] == pytest.approx(0.5) and report3["samples"]["avg_at_k_se"] == 0.0
+    assert len(_lines(tmp_path / "results.jsonl")) == 12 and report3["problems_in_out"] == 2
+
+
+def test_samples_need_sampling_and_a_count(tmp_path, capsys):
+    with pytest.raises(ValueError, match="identical"):
+        evaluate(SeededEngine(), TASKS, "sequential", prompt_fn=lambda t: t.problem, samples=2, progress=False)
+    with pytest.raises(ValueError, match="samples"):
+        evaluate(SeededEngine(), TASKS, "sequential", prompt_fn=lambda t: t.problem, orchestrator_config=CONFIG,
+                 samples=0, progress=False)
+    model = tmp_path / "m"
+    model.mkdir()
+    base = ["eval", "--model", str(model), "--data", "math500", "--out", str(tmp_path / "o")]
+    assert main(base + ["--samples", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "greedy" in err[0] and "Traceback" not in err[0]
+    assert main(base + ["--samples", "0", "--temperature", "0.6"]) == 2
+    assert "--samples must be >= 1" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# eval compare on hand-written sampled runs
+# ---------------------------------------------------------------------------------------------
+# SPRINT (A), two samples per problem: (correct, sequential, total, forks, termination)
+A_RUNS = {"p1": [(True, 1000, 1500, 2, "final_answer"), (True, 1200, 1800, 1, "final_answer")],
+          "p2": [(False, 3000, 3000, 0, "final_answer"), (True, 2000, 4000, 1, "final_answer")],
+          "p3": [(True, 6000, 9000, 3, "final_answer"), (False, 8000, 8000, 0, "token_budget")]}
+# RFT (B), plain decoding
+B_RUNS = {"p1": [(True, 1500, 1500, 0, "final_answer"), (True, 1700, 1700, 0, "final_answer")],
+          "p2": [(True, 4000, 4000, 0, "final_answer"), (True, 5000, 5000, 0, "final_answer")],
+          "p3": [(True, 9000, 9000, 0, "final_answer"), (False, 12000, 12000, 0, "context_full")]}
+
+
+def _rows(runs, mode):
+    return [_run(pid, s, c, seq, tot, term, forks, mode) for pid, samples in runs.items()
+            for s, (c, seq, tot, forks, term) in enumerate(samples)]
+
+
+def test_compare_sampled_runs_speedup_parallelism_and_the_8k_bin_by_hand(tmp_path, capsys):
+    for name, rows in (("a", _rows(A_RUNS, "parallel")), ("b", _rows(B_RUNS, "sequential"))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "cmp"
+    assert main(["eval", "compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    t = json.loads((out / "compare.json").read_text())
+    assert t["n"] == 3                                     # problems, not runs
+    # per-problem means: A seq 1100, 2500, 7000 (correct 1, 1/2, 1/2); B seq 1600, 4500, 10500 (1, 1, 1/2)
+    acc = {r["key"]: r for r in t["rows"]}["accuracy"]
+    assert acc["SPRINT"] == pytest.approx(2 / 3) and acc["RFT"] == pytest.approx(5 / 6)
+    # Avg@2 standard errors: means (1, 1/2, 1/2) and (1, 1, 1/2) both have sample variance 1/12: 1/6
+    assert t["samples"]["SPRINT"]["avg_at_k_se"] == pytest.approx(1 / 6)
+    assert t["samples"]["RFT"]["avg_at_k_se"] == pytest.approx(1 / 6)
+    # mean per-problem speedup (B / A sequential tokens): over all (1600/1100 + 4500/2500 + 10500/7000) / 3;
+    # solved by both (more than half of the samples correct in each run): p1 alone
+    ms = t["mean_speedup"]
+    assert ms["all"] == pytest.approx((1600 / 1100 + 4500 / 2500 + 10500 / 7000) / 3) and ms["n_all"] == 3
+    assert ms["both_solved"] == pytest.approx(1600 / 1100) and ms["n_both_solved"] == 1
+    # self-parallelism: Σ total / Σ sequential over A's six runs = 27300 / 21200; per run mean 8.5 / 6
+    pa, pb = t["parallelism"]["SPRINT"], t["parallelism"]["RFT"]
+    assert pa["self_parallelism"]["ratio_of_sums"] == pytest.approx(27300 / 21200)
+    assert pa["self_parallelism"]["mean_per_run"] == pytest.approx(8.5 / 6)
+    assert pb["self_parallelism"]["ratio_of_sums"] == 1.0
+    # activation: p1 forked in 2 of 2 samples, p2 in 1 of 2, p3 in 1 of 2 -> 2/3; RFT never forks
+    assert pa["activation_ratio"] == pytest.approx(2 / 3) and pb["activation_ratio"] == 0.0
+    # the > 8k bin (by RFT's mean sequential length) holds p3
+    last = t["length_bins"]["fixed"][-1]
+    assert (last["min_baseline_tokens"], last["max_baseline_tokens"], last["n"]) == (8000, None, 1)
+    assert last["a"]["accuracy"] == 0.5 and last["b"]["mean_sequential_tokens"] == 10500
+    assert last["sequential_ratio"] == pytest.approx(7000 / 10500)
+    assert last["context_full"] == {"a": 0.5, "b": 0.5}
+    assert t["summary"]["SPRINT"]["context_full"] == pytest.approx(1 / 6)
+    assert "activation ratio" in printed and "mean per-problem speedup" in printed and "Avg@k" in printed
+    # a problem's sample listed twice is refused, naming it
+    rows = _rows(A_RUNS, "parallel")
+    (tmp_path / "a" / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + rows[:1]))
+    assert main(["eval", "compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    assert "'p1' (sample 0) twice" in capsys.readouterr().err
+
+
+def test_unsampled_compare_is_unchanged_and_counts_forks_for_activation():
+    a = [_run("p1", 0, True, 100, 150, forks=1), _run("p2", 0, True, 300, 300, forks=0)]
+    b = [_run("p1", 0, True, 200, mode="sequential"), _run("p2", 0, False, 600, mode="sequential")]
+    for r in a + b:
+        del r["sample"]                        # lines of a run written before samples existed
+    t = compare(a, b)
+    assert t["summary"]["SPRINT"]["accuracy"] == 1.0 and t["summary"]["RFT"]["accuracy"] == 0.5
+    assert t["mean_speedup"] == {"all": pytest.approx((2 + 2) / 2), "n_all": 2, "both_solved": pytest.approx(2.0),
+                                 "n_both_solved": 1}
+    assert t["parallelism"]["SPRINT"]["activation_ratio"] == 0.5
+    del a[0]["forks"]                          # a parallel line without it: unknown, not 0
+    assert compare(a, b)["parallelism"]["SPRINT"]["activation_ratio"] is None
