@@ -47,6 +47,7 @@ LAYERS: list[tuple[str, str, dict[str, tuple[str, ...]]]] = [
     ("rl", "reinforcement learning on the orchestrator's rollouts", {"rl": ("sprint_jax.rl",)}),
     ("serve", "the HTTP server", {"serve": ("sprint_jax.serve",)}),
     ("bench", "benchmarks", {"bench": ("sprint_jax.bench",)}),
+    ("recipe", "the resumable recipe: curate, train, eval and compare as stages", {"recipe": ("sprint_jax.recipe",)}),
 ]
 COMMANDS = "commands"   # the layer above all: sprint_jax.cli, *.cli, *_cli
 

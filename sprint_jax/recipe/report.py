@@ -1,0 +1,89 @@
+"""DIR/report.md: the paper's table (accuracy, sequential and total tokens, wall clock, SPRINT
+against RFT) and its length bins for every eval set, from each `eval compare` stage's
+compare.json, with both trainings' summaries and links to the comparison plots."""
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+from sprint_jax.recipe.config import RecipeConfig
+
+
+def _num(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"] + [
+        "| " + " | ".join(r) + " |" for r in rows]
+
+
+def _training(root: Path) -> list[str]:
+    rows = []
+    for arm in ("sprint", "rft"):
+        path = root / f"train_{arm}" / "out" / "summary.json"
+        s = json.loads(path.read_text()) if path.exists() else {}
+        data = s.get("data") or {}
+        rows.append([arm.upper(), str(s.get("layout", "-")), str(s.get("steps", "-")), str(data.get("used", "-")),
+                     _num(s.get("final_loss"), ".4f"), str(s.get("tokens", "-"))])
+    return ["## Training", ""] + _table(["model", "layout", "steps", "examples used", "final loss",
+                                         "tokens trained"], rows)
+
+
+def _bins(bins: list[dict], names: list[str]) -> list[str]:
+    a, b = names
+    rows = []
+    for x in bins:
+        hi = "inf" if x["max_baseline_tokens"] is None else str(x["max_baseline_tokens"])
+        rows.append([f"{x['min_baseline_tokens']}-{hi}", str(x["n"]),
+                     _num(x["a"]["accuracy"], ".3f"), _num(x["b"]["accuracy"], ".3f"),
+                     _num(x["a"]["mean_sequential_tokens"], ".1f"), _num(x["b"]["mean_sequential_tokens"], ".1f"),
+                     _num(x.get("sequential_ratio"), ".3f")])
+    return _table([f"{b} sequential tokens", "n", f"accuracy {a}", f"accuracy {b}", f"seq tokens {a}",
+                   f"seq tokens {b}", f"seq ratio {a}/{b}"], rows)
+
+
+def _eval_set(root: Path, name: str, data: str) -> list[str]:
+    table = json.loads((root / f"compare_{name}" / "out" / "compare.json").read_text())
+    a, b = table["names"]
+    rows = []
+    for r in table["rows"]:
+        if r["key"] == "accuracy":
+            cells = [f"{100 * r[a]:.1f}%", f"{100 * r[b]:.1f}%", f"{r['points']:+.1f} pts"]
+        else:
+            spec = ".2f" if r["key"] == "mean_wall_s" else ".1f"
+            rel = r.get("relative")
+            cells = [_num(r[a], spec), _num(r[b], spec), "n/a" if rel is None else f"{100 * rel:+.1f}%"]
+        rows.append([r["metric"], *cells])
+    lines = [f"## {name} ({data}, {table['n']} problems)", ""] + _table(["", a, b, "change"], rows)
+    tok = (table.get("speedups") or {}).get("tokens") or []
+    if tok:
+        lines += ["", f"Mean per-problem speedup in sequential tokens ({b} / {a}): "
+                      f"{sum(tok) / len(tok):.3f} over {len(tok)} problems."]
+    bins = table.get("length_bins") or {}
+    if bins.get("fixed"):
+        lines += ["", f"### By {b} sequential length (fixed bins)", ""] + _bins(bins["fixed"], [a, b])
+    if bins.get("quantiles"):
+        lines += ["", f"### By {b} sequential length (quantile bins)", ""] + _bins(bins["quantiles"], [a, b])
+    plots = [p for p in sorted((root / f"compare_{name}" / "out").glob("*.png"))]
+    if plots:
+        lines += [""] + [f"![{p.stem}]({p.relative_to(root)})" for p in plots]
+    return lines
+
+
+def write_report(cfg: RecipeConfig, root: Path) -> Path:
+    """Write root/report.md from the recipe's stage outputs under `root`; returns its path."""
+    from sprint_jax.recipe.runner import REPORT_FILE
+
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = ["# SPRINT against RFT", "",
+             f"Written by `sprint-jax recipe` at {now} (config: recipe.yaml; per-stage logs: "
+             f"*/log.txt; full tables: compare_*/out/compare.json).", ""]
+    lines += _training(root)
+    for s in cfg.eval.sets:
+        lines += [""] + _eval_set(root, s.name, s.data)
+    path = root / REPORT_FILE
+    path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {path}")
+    return path
