@@ -56,3 +56,15 @@ def test_unknown_and_ill_typed_fields_are_named():
         load_config(DemoConfig, None, ["stepz=3"])
     with pytest.raises(ConfigError, match="model.hidden_size"):
         load_config(DemoConfig, None, ["model.hidden_size=big"])
+
+
+def test_rl_configs_hold_out_a_set_that_exists():
+    """An RL config's held-out source is a generator, a name `--data` knows (the shipped
+    MATH-500), or a file shipped here: the 7B run must not stop before its first step."""
+    from sprint_jax.rl.config import RLConfig
+    from sprint_jax.tasks import load_tasks
+    for path in (p for p in FILES if p.name.startswith("rl_")):
+        source = load_config(RLConfig, path).tasks.eval_source
+        if source is not None:
+            assert len(load_tasks(source)) > 0, path.name
+    assert len(load_tasks(load_config(RLConfig, CONFIG_DIR / "rl_r1_distill_7b.yaml").tasks.eval_source)) == 500

@@ -129,7 +129,7 @@ def test_rl_resume_is_bitwise_and_cli(sft_model, tmp_path):
     from sprint_jax.rl.trainer import TIMING_KEYS, run_rl
 
     cfg = _rl_config(sft_model, steps=4)
-    assert main(_argv(sft_model, tmp_path / "straight", "steps=4")) == 0
+    assert main(_argv(sft_model, tmp_path / "straight", "steps=4", "export.enabled=true")) == 0
     assert run_rl(cfg, tmp_path / "split", progress=False, stop_after=2) == {"stopped_at": 2}
     run_rl(cfg, tmp_path / "split", progress=False)
 
@@ -152,6 +152,19 @@ def test_rl_resume_is_bitwise_and_cli(sft_model, tmp_path):
                           - ev0["eval_accuracy"]) < 1e-9
     assert (tmp_path / "straight" / "eval" / "report.json").exists()
     assert (tmp_path / "straight" / "eval_start" / "results.jsonl").exists()
+    # the export says how to run it: the policy's prompt format and tokenizer, the rollouts' layout,
+    # and a fingerprint holding the policy's problems and every RL training problem
+    from sprint_jax.eval.cli import check_overlap
+    from sprint_jax.model.hf import read_export_meta
+    from sprint_jax.rl.trainer import load_tasks
+    from sprint_jax.train.fingerprint import read_fingerprint
+    export, policy = read_export_meta(tmp_path / "straight" / "hf"), read_export_meta(sft_model)
+    assert export["layout"] == "trie" == policy["layout"]
+    assert {k: export.get(k) for k in ("prompt_format", "tokenizer")} == \
+        {k: policy.get(k) for k in ("prompt_format", "tokenizer")}
+    assert read_fingerprint(sft_model) <= read_fingerprint(tmp_path / "straight" / "hf")
+    train_tasks = load_tasks(cfg)[0]
+    assert check_overlap(tmp_path / "straight" / "hf", train_tasks, allow=True)["overlap"] == len(train_tasks)
 
 
 def test_rl_cli_rejects_a_missing_model(tmp_path, capsys):

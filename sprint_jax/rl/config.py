@@ -45,7 +45,7 @@ class TasksSection:
     seed: int = 0                               # generator seed (training problems)
     chains: int = 4                             # chains: sub-computations per problem
     chain_length: int = 12                      # chains / keyed_chains: steps per chain (keyed: key bits)
-    eval_source: str | None = None              # held-out tasks: FILE.jsonl (default: generated, disjoint)
+    eval_source: str | None = None              # held-out tasks: FILE.jsonl or math500 (default: generated, disjoint)
     eval_n: int = 100                           # held-out problems
     eval_seed: int = 10_000                     # held-out generator seed
 
@@ -61,7 +61,7 @@ class RolloutSection:
     prompts_per_step: int = 4                    # prompts per RL step (batch = prompts x G trajectories)
     orchestrator: OrchestratorConfig = dataclasses.field(
         default_factory=lambda: OrchestratorConfig(temperature=1.0))   # budgets + sampling (seed is per run)
-    layout: Literal["auto", "flat", "trie"] = "auto"   # token convention at fork/sync: auto = the policy export's (sprint_jax.json), flat without one
+    layout: Literal["auto", "flat", "trie", "merge"] = "auto"   # token convention and join at fork/sync: auto = the policy export's (sprint_jax.json), flat without one
     concurrency: int = 0                         # runs at once on the engine (0 = prompts_per_step x group_size)
     max_seq_len: int = 2048                      # engine: planner context capacity
     decode_chunk: int = 16                       # engine: decode steps per host round trip
@@ -71,7 +71,7 @@ class RolloutSection:
         if self.group_size < 2:
             raise ConfigError(f"rollout.group_size must be >= 2 (the baseline is the group mean), got {self.group_size}")
         if self.orchestrator.layout != "flat":
-            raise ConfigError("set rollout.layout (auto | flat | trie), not rollout.orchestrator.layout")
+            raise ConfigError("set rollout.layout (auto | flat | trie | merge), not rollout.orchestrator.layout")
         # concurrency 0 = every run of a step at once; max_seq_len against the prompts: run_rl
         _at_least("rollout", self, prompts_per_step=1, concurrency=0, max_seq_len=2, decode_chunk=1, prefill_chunk=1)
         if self.orchestrator.temperature <= 0:

@@ -86,6 +86,19 @@ def prompt_fn(cfg: RLConfig):
     return default_prompt
 
 
+def export_meta(policy_path, layout: str, train_prompts: list[str]) -> dict:
+    """The RL export's sprint_jax.json: the policy's own (prompt format, tokenizer), the layout its
+    rollouts used, and a training fingerprint of the policy's problems plus every RL training
+    problem (all of them, drawn or not: the contamination guard errs on refusing)."""
+    from sprint_jax.model.hf import read_export_meta
+    from sprint_jax.train.fingerprint import KEY, fingerprint, read_fingerprint
+    meta = dict(read_export_meta(policy_path))
+    fp = fingerprint(train_prompts)
+    hashes = sorted(set(fp["hashes"]) | (read_fingerprint(policy_path) or set()))
+    meta.update({"layout": layout, KEY: dict(fp, n=len(hashes), hashes=hashes)})
+    return meta
+
+
 def execution_quality(tasks, records) -> dict:
     """executions_exact / answer_matches_executions for chains tasks (rl/keyed.py), else {}."""
     if not tasks or any(getattr(t, "kind", None) != "chains" for t in tasks):
@@ -268,7 +281,7 @@ def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int 
     from sprint_jax.model.config import Qwen2Config
     from sprint_jax.model.sharding import make_mesh
     from sprint_jax.model.tokenizer import load_tokenizer, pad_id
-    from sprint_jax.rl.layout import layout_units, pack_items
+    from sprint_jax.rl.layout import layout_trace, pack_items
     from sprint_jax.rl.loss import LossSettings, build_rl_step, update
     from sprint_jax.rl.rollout import Rollouts, timed_run
     from sprint_jax.train import checkpoint as ckpt_lib
@@ -341,7 +354,7 @@ def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int 
     kw = dict(max_seq_len=ro.max_seq_len, max_branch_tokens=branch_tokens,
               decode_chunk=ro.decode_chunk, prefill_chunk=ro.prefill_chunk)
     engine = Engine(_Policy(model_cfg, state["params"]), tok, max_seqs=seqs, max_children=ro.orchestrator.max_prompts,
-                    **kw)
+                    trace=True, **kw)                       # each rollout's DecodeTrace: the loss's layout
     from sprint_jax.model.hf import read_export_meta
     layout = read_export_meta(pol.path).get("layout", "flat") if ro.layout == "auto" else ro.layout
     orch = dataclasses.replace(ro.orchestrator, layout=layout)       # the policy's training convention
@@ -385,7 +398,8 @@ def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int 
         position += ro.prompts_per_step
         sc = score_groups(tasks, trajs, ro.group_size, cfg.reward)
         t1 = time.perf_counter()
-        items = [layout_units(tr.units, float(a)) for tr, a in zip(trajs, sc["advantages"])]
+        # each trajectory as the engine decoded it (its layout's tokens, positions and join)
+        items = [layout_trace(tr.trace, float(a)) for tr, a in zip(trajs, sc["advantages"])]
         packed = pack_items(items, cfg.loss.seq_len, cfg.loss.rows_per_micro, pad)
         state, um = update(rl, state, packed.arrays, cfg.loss.updates_per_batch, ref_params)
         engine.params = state["params"]                      # trainer -> engine, in process
@@ -442,7 +456,8 @@ def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int 
     export_dir = None
     if cfg.export.enabled:
         export_dir = out / "hf"
-        export_hf(model_cfg, state["params"], tok, export_dir, cfg.export.dtype)
+        export_hf(model_cfg, state["params"], tok, export_dir, cfg.export.dtype,
+                  meta=export_meta(pol.path, layout, [query_of(t) for t in train_tasks]))
     recs = [r for r in metrics.records if "reward" in r]
     evs = [r for r in metrics.records if "eval_accuracy" in r]
     summary = {"steps": cfg.steps, "start_step": start_step, "resumed": restored is not None,
@@ -454,4 +469,4 @@ def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int 
     return summary
 
 
-__all__ = ["TIMING_KEYS", "check_prompts_fit", "length_parts", "mean_parts", "plan_shape", "shape_metrics", "load_tasks", "prompt_indices", "rollout_seed", "score_groups", "run_rl"]
+__all__ = ["TIMING_KEYS", "check_prompts_fit", "export_meta", "length_parts", "mean_parts", "plan_shape", "shape_metrics", "load_tasks", "prompt_indices", "rollout_seed", "score_groups", "run_rl"]
