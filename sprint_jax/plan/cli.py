@@ -30,17 +30,28 @@ Needs libtpu: pip install -e '.[tpu]'.
 A step that does not fit exits 2 with one line on stderr: what does not fit, by how much, and a
 change that fits by the planner's estimate.
 
+`plan engine` compiles the engine's own programs (a prefill chunk, a decode call of C planner
+rows, one of C runs x K executors, a join's copy) at the capacities an Engine(max_seqs=C,
+max_children=K, max_seq_len=S) holds, sets the planner's estimate (weights under tensor
+parallelism + KV bytes per token x slots x capacity + temporaries) beside the compiler's bytes,
+and gives the roofline ms per decode step at 1 row, K executors and C runs x K, the largest
+concurrency and executor width that fit, and with --records DIR the predicted SPRINT and RFT
+latency of a directory of eval records on that chip.
+
 examples:
+  sprint-jax plan engine --model r1-distill-qwen-7b --concurrency 32 --executors 8 --capacity 16384 --topology v5p-8,v5litepod-16 --search
+  sprint-jax plan engine --model r1-distill-qwen-7b --concurrency 8 --executors 8 --capacity 8192 --mesh tensor=4 --topology v5e:2x2 --records runs/eval
   sprint-jax plan train --model r1-distill-qwen-7b --batch 8 --seq-len 8192 --mesh fsdp=8 --topology v5p:2x2x2
   sprint-jax plan train --config configs/sft_r1_distill_7b_sprint.yaml --topology v5p-16
   sprint-jax plan train --model qwen3-8b --batch 8 --seq-len 32768 --topology v5p:4x4x4 --search
 """
 
-PROGRAMS = ("train",)
+PROGRAMS = ("train", "engine")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("program", choices=PROGRAMS, help="what to plan (train: the SFT step)")
+    p.add_argument("program", choices=PROGRAMS, help="what to plan (train: the SFT step; engine: the inference "
+                                                     "engine's programs)")
     p.add_argument("--config", help="an SFT run config (configs/sft_*.yaml): model, batch, seq_len, layout, "
                                     "remat, grad_accum and mesh from it; flags override")
     p.add_argument("--model", help="model preset or HF config path (default: the config's model)")
@@ -58,6 +69,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--search", action="store_true",
                    help="find the smallest slice (up to each named one) and mesh that the compiler accepts")
     p.add_argument("--json", dest="json_out", help="write the rows as a JSON list to this file")
+    e = p.add_argument_group("plan engine")
+    e.add_argument("--concurrency", type=int, help="runs held at once: the engine's max_seqs (parent slots)")
+    e.add_argument("--executors", type=int, help="executors per run: the engine's max_children (child slots)")
+    e.add_argument("--capacity", type=int, help="tokens a run's context holds: the engine's max_seq_len")
+    e.add_argument("--branch-capacity", type=int,
+                   help="tokens an executor holds after its fork: max_branch_tokens (default: --capacity)")
+    e.add_argument("--decode-chunk", type=int, default=16, help="decode steps per call (default 16)")
+    e.add_argument("--prefill-chunk", type=int, default=256, help="tokens per prefill call (default 256)")
+    e.add_argument("--attention", choices=("pallas", "xla"), default="pallas",
+                   help="the decode step's parent-prefix attention: pallas (the Mosaic kernel) or xla (default pallas)")
+    e.add_argument("--set-mesh", action="store_true",
+                   help="trace the programs under the mesh as the active mesh (as the train step does; the engine "
+                        "does not): what the engine compiles once it does")
+    e.add_argument("--records", help="a directory of eval records (records.jsonl of a SPRINT eval and of its RFT "
+                                     "baseline, anywhere under it): predict each problem's latency on the chip")
 
 
 def _request(args: argparse.Namespace) -> tuple[str, dict]:
@@ -160,6 +186,8 @@ def print_table(rows: list[dict], chips_used: list) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.program == "engine":
+        return run_engine(args)
     from sprint_jax.plan import train as plan_train
     from sprint_jax.plan.chips import parse_slices
     from sprint_jax.plan.compile import libtpu_available
@@ -213,3 +241,173 @@ def run(args: argparse.Namespace) -> int:
     for line in failures:
         print(f"sprint-jax plan: error: {line}", file=sys.stderr)
     return 2 if failures else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# plan engine
+# ---------------------------------------------------------------------------------------------
+def parse_engine_mesh(text: str | None) -> dict[str, int]:
+    """`tensor=4` -> {'data': -1, 'fsdp': 1, 'tensor': 4}: the engine splits runs over data (the
+    rest of the chips unless given) and heads over tensor."""
+    sizes = {"data": -1, "fsdp": 1, "tensor": 1}
+    for part in (p.strip() for p in (text or "").split(",") if p.strip()):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in sizes:
+            raise UserError(f"--mesh {text!r}: write AXIS=SIZE pairs with axes data, fsdp, tensor (e.g. tensor=4)")
+        try:
+            n = int(value)
+        except ValueError:
+            raise UserError(f"--mesh {text!r}: {key}={value.strip()!r} is not an integer") from None
+        if n < 1:
+            raise UserError(f"--mesh {text!r}: {key} must be >= 1")
+        sizes[key] = n
+    return sizes
+
+
+def _engine_shape_args(args):
+    for flag, value in (("--concurrency", args.concurrency), ("--executors", args.executors),
+                        ("--capacity", args.capacity)):
+        if value is None:
+            raise UserError(f"plan engine needs {flag}")
+    for flag, value in (("--concurrency", args.concurrency), ("--executors", args.executors),
+                        ("--capacity", args.capacity), ("--branch-capacity", args.branch_capacity),
+                        ("--decode-chunk", args.decode_chunk), ("--prefill-chunk", args.prefill_chunk)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+
+
+def print_engine_table(rows: list[dict], chips_used: list) -> None:
+    """The engine rows as one table, the decode roofline and chip figures under it."""
+    cols = [("program", "<"), ("topology", "<"), ("mesh", "<"), ("compiled", "<"), ("compile s", ">"),
+            ("GiB/chip", ">"), ("HBM GiB", ">"), ("headroom", ">"), ("est GiB", ">"), ("GFLOP", ">"),
+            ("HBM GB/chip", ">"), ("roofline ms", ">")]
+    cells = []
+    for r in rows:
+        total = r["per_chip_bytes"]["total"] if r["per_chip_bytes"] else None
+        cells.append([
+            r["program"], f"{r['topology']} ({r['accelerator_type']})",
+            ",".join(f"{k}={v}" for k, v in r["mesh"].items()), "yes" if r["compiled"] else "no",
+            f"{r['compile_s']:.0f}", _gib(total), f"{r['hbm_bytes'] / 2 ** 30:.0f}",
+            "-" if r["headroom"] is None else f"{r['headroom'] * 100:.0f}%", _gib(r["estimate_bytes"]),
+            f"{r['flops'] / 1e9:.1f}", f"{r['hbm_traffic_bytes'] / 1e9:.2f}", f"{r['roofline_s'] * 1e3:.2f}"])
+    widths = [max(len(name), *(len(c[i]) for c in cells)) for i, (name, _) in enumerate(cols)]
+
+    def line(values):
+        return "  ".join(f"{v:{align}{w}}" for v, (_, align), w in zip(values, cols, widths)).rstrip()
+
+    print(line([name for name, _ in cols]))
+    print("-" * sum(w + 2 for w in widths))
+    for c in cells:
+        print(line(c))
+    seen = set()
+    for r in rows:
+        key = (r["engine"], r["topology"], tuple(r["mesh"].values()))
+        if "decode_ms" in r and key not in seen:
+            seen.add(key)
+            ms = ", ".join(f"{k} {v:.2f} ms" for k, v in r["decode_ms"].items())
+            cap = r.get("capacity") or {}
+            print(f"{r['engine']} on {r['topology']} mesh {','.join(f'{k}={v}' for k, v in r['mesh'].items())}: "
+                  f"decode step at full context: {ms}; fits by the estimate: up to {cap.get('max_concurrency')} "
+                  f"runs at this width, up to {cap.get('max_executors')} executors at this concurrency")
+    for chip in chips_used:
+        print(f"{chip.name}: {chip.hbm_gib:g} GiB HBM, {chip.peak_flops / 1e12:g} TFLOP/s bf16, "
+              f"{chip.hbm_bandwidth / 1e9:g} GB/s per chip (published figures)")
+    print("GiB/chip: XLA's memory_analysis (arguments + outputs - aliased + temp); est: the planner's own "
+          "estimate; GFLOP, HBM GB and roofline: per chip for one call of the program at full context (a decode "
+          "program: one step), max of compute and HBM time, communication not included")
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    from sprint_jax.plan import engine as pe
+    from sprint_jax.plan.chips import parse_slices
+    from sprint_jax.plan.compile import libtpu_available
+    from sprint_jax.plan.train import resolve_mesh
+
+    slices = parse_slices(args.topology)
+    if args.model is None:
+        raise UserError("plan engine needs --model PRESET (or a HF config path)")
+    _engine_shape_args(args)
+    sizes = parse_engine_mesh(args.mesh)
+    cfg, label = _model_config(args.model, {}, args.dtype or "bfloat16", _progress)
+    branch = args.branch_capacity or args.capacity
+    if args.capacity + args.decode_chunk > cfg.max_position_embeddings:
+        raise UserError(f"--capacity {args.capacity} (+ a decode chunk of {args.decode_chunk}) is past the model's "
+                        f"max_position_embeddings ({cfg.max_position_embeddings})")
+    records = None
+    if args.records:
+        from sprint_jax.plan.records import load_records
+        records = load_records(args.records)
+    if not libtpu_available():
+        raise UserError("plan compiles with XLA's TPU compiler, which comes with libtpu: "
+                        "pip install -e '.[tpu]' (jax[tpu])")
+    base = pe.EngineShape(cfg, args.concurrency, args.executors, args.capacity, branch, (1, 1, 1),
+                          args.decode_chunk, args.prefill_chunk, args.attention)
+    rows, failures, accepted = [], [], []
+    for where in slices:
+        if args.search:
+            found, tried = pe.search(base, where, label, args.set_mesh, _progress)
+            rows.extend(tried)
+            if found is None:
+                top = dataclasses.replace(base, mesh=(where.chips, 1, 1))
+                broken = [r for r in tried if not r["compiled"] and not r["compiler_oom"]]
+                if broken:
+                    failures.append(f"search: {broken[0]['program']} on {broken[0]['topology']} mesh "
+                                    f"{pe.mesh_text(tuple(broken[0]['mesh'].values()))} did not compile: "
+                                    f"{broken[0]['error']}")
+                else:
+                    failures.append(f"search: no {where.chip.name} slice up to {where.name} ({where.booking}) and no "
+                                    f"mesh on it holds {pe.shape_label(base, label)}; {pe.way_out(top, where)}")
+            else:
+                accepted.extend(found)
+                _progress(f"search: {found[0]['topology']} ({found[0]['accelerator_type']}) mesh "
+                          f"{','.join(f'{k}={v}' for k, v in found[0]['mesh'].items())} holds "
+                          f"{pe.shape_label(base, label)} (least headroom "
+                          f"{min(r['headroom'] for r in found) * 100:.0f}%)")
+            continue
+        data, fsdp, tensor = resolve_mesh(sizes, where.chips, where.name)
+        shape = dataclasses.replace(base, mesh=(data, fsdp, tensor))
+        if not pe.fits(shape, where.chip.hbm_bytes, fill=1.0):
+            failures.append(pe.not_fit_line(shape, where, label))
+            continue
+        rows_here = pe.engine_rows(shape, where, label, args.set_mesh, _progress)
+        rows.extend(rows_here)
+        if all(r["fits"] for r in rows_here):
+            accepted.extend(rows_here)
+        elif any(r["compiled"] or r["compiler_oom"] for r in rows_here if not r["fits"]) and \
+                all(r["compiled"] or r["compiler_oom"] for r in rows_here):
+            failures.append(pe.not_fit_line(shape, where, label, rows_here))
+        else:
+            bad = next(r for r in rows_here if not r["compiled"])
+            failures.append(f"{bad['program']} ({bad['engine']}) on {where.name} mesh "
+                            f"{pe.mesh_text(shape.mesh)}: {bad['error']}")
+    for r in rows:
+        if r.get("kind", "").startswith("decode"):
+            shape = dataclasses.replace(base, mesh=tuple(r["mesh"].values()))
+            r["capacity"] = pe.capacity(shape, r["hbm_bytes"])
+    if records is not None:
+        from sprint_jax.plan.records import predict
+        for where in slices:
+            # the tensor parallelism of the mesh accepted on this slice, else the one asked for
+            held = next((r for r in accepted if r["topology"] == where.name), None)
+            tensor = held["mesh"]["tensor"] if held else (sizes["tensor"] if not args.search else 1)
+            pred = predict(records, cfg, where.chip, tensor, args.decode_chunk)
+            rows.append({"program": "latency from records", "topology": where.name,
+                         "accelerator_type": where.booking, "records": args.records, **pred})
+            _print_prediction(pred, where, tensor)
+    program_rows = [r for r in rows if "kind" in r]
+    if program_rows:
+        print_engine_table(program_rows, sorted({s.chip for s in slices}, key=lambda c: c.name))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rows, indent=2, default=str) + "\n")
+    for line in failures:
+        print(f"sprint-jax plan: error: {line}", file=sys.stderr)
+    return 2 if failures else 0
+
+
+def _print_prediction(pred: dict, where, tensor: int) -> None:
+    total = pred["total"]
+    print(f"predicted latency on {where.name} ({where.chip.name}, tensor={tensor}; one run at a time, roofline): "
+          + ", ".join(f"{mode} {total[mode]['latency_s']:.3f} s over {total[mode]['problems']} problems "
+                      f"({total[mode]['decode_steps']} decode steps)" for mode in sorted(total))
+          + (f"; SPRINT / RFT {pred['ratio']:.3f}" if pred.get("ratio") is not None else ""))

@@ -26,7 +26,8 @@ from sprint_jax.plan.chips import Slice
 from sprint_jax.plan.estimate import StepShape
 
 # Names of the Mosaic kernels in the compiled HLO (the pallas_call names, in op_name metadata).
-KERNEL_NAME = re.compile(r"(flash_span_(?:fwd|dq|dkdv)|splash_mha_\w+?)(?:[\"_)/.]|$)")
+KERNEL_NAME = re.compile(r"(flash_span_(?:fwd|dq|dkdv)|splash_mha_\w+?|grouped_prefix_attention|"
+                         r"shared_prefix_ragged_attention)(?:[\"_)/.]|$)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -126,6 +127,36 @@ def tpu_attention(calls: list[KernelCall]):
         splash.splash_attention = spl
 
 
+@contextlib.contextmanager
+def as_tpu(calls: list[KernelCall]):
+    """While tracing an engine program: the process reads as a TPU backend to every body that
+    asks `jax.default_backend()` (attention dispatch, the slot cache's gathers, the Pallas
+    parent-prefix kernel), and each parent-prefix kernel call is appended to `calls`."""
+    import jax
+
+    from sprint_jax.kernels import parent_prefix
+
+    backend, grouped = jax.default_backend, parent_prefix.grouped_prefix_attention
+
+    def record(q, k_cache, v_cache, kv_rows, lens, **kw):
+        g, w, h, d = q.shape
+        heads_first = kw.get("heads_first", False)
+        hkv = k_cache.shape[1] if heads_first else k_cache.shape[2]
+        s = k_cache.shape[2] if heads_first else k_cache.shape[1]
+        sizes = parent_prefix.default_group_block_sizes(kw.get("platform") or "tpu", g, w, h, hkv, s)
+        if not kw.get("interpret"):
+            calls.append(KernelCall("grouped_prefix_attention", f"block_q={sizes.block_q}, block_k={sizes.block_k}",
+                                    f"q {list(q.shape)} {q.dtype}, k/v {list(k_cache.shape)}"))
+        return grouped(q, k_cache, v_cache, kv_rows, lens, **kw)
+
+    jax.default_backend, parent_prefix.grouped_prefix_attention = (lambda: "tpu"), record
+    try:
+        with tpu_attention(calls):
+            yield calls
+    finally:
+        jax.default_backend, parent_prefix.grouped_prefix_attention = backend, grouped
+
+
 @dataclasses.dataclass
 class Compiled:
     """What compiling one step for one slice gave."""
@@ -222,8 +253,6 @@ def compile_step(shape: StepShape, where: Slice, progress: Callable[[str], None]
 
 
 def _compile_step(shape: StepShape, where: Slice, progress: Callable[[str], None] | None) -> Compiled:
-    import jax
-
     from sprint_jax.model.sharding import make_mesh
     from sprint_jax.train import step as step_lib
     from sprint_jax.train.config import OptimSection
@@ -238,20 +267,33 @@ def _compile_step(shape: StepShape, where: Slice, progress: Callable[[str], None
     opt = OptimSection(lr=1e-5, batch_size=shape.batch, grad_accum=shape.grad_accum)
     setup = step_lib.build_step(cfg, opt, 1000, mesh, shape.remat, shape.loss_chunk, "flash",
                                 layout=shape.layout, attention_layout=shape.layout)
-    out = Compiled(False, sharding_notes=list(setup.sharding_notes))
     calls: list[KernelCall] = []
+
+    def trace():
+        with tpu_attention(calls):
+            return setup.step.trace(setup.abstract_state(), setup.abstract_batch(shape.batch, shape.seq_len))
+    return compile_traced(trace, calls, setup.sharding_notes, progress)
+
+
+def compile_traced(trace: Callable[[], Any], calls: list[KernelCall], notes: list[str] = (),
+                   progress: Callable[[str], None] | None = None) -> Compiled:
+    """Trace (`trace()` returns a `jax.stages.Traced`; it appends its Pallas calls to `calls`),
+    lower for the "tpu" platform and compile; the result holds the compiler's per-chip memory and
+    the Mosaic kernels of the compiled HLO, or why it did not compile (never raises for that)."""
+    import jax
+
+    out = Compiled(False, sharding_notes=list(notes))
     t = time.perf_counter()
     try:
-        with tpu_attention(calls):
-            traced = setup.step.trace(setup.abstract_state(), setup.abstract_batch(shape.batch, shape.seq_len))
-            lowered = traced.lower(lowering_platforms=("tpu",))
+        traced = trace()
+        lowered = traced.lower(lowering_platforms=("tpu",))
     except Exception as e:  # noqa: BLE001 - a refused program is a result, not a crash
         out.lower_s = time.perf_counter() - t
         out.error = kernel_error(e, calls) or f"lowering failed: {_first_line(e)}"
         return out
     out.lower_s = time.perf_counter() - t
     if progress:
-        progress(f"lowered in {out.lower_s:.1f} s; compiling (XLA's TPU compiler: minutes for a 7B step)")
+        progress(f"lowered in {out.lower_s:.1f} s; compiling (XLA's TPU compiler: minutes for a 7B program)")
     t = time.perf_counter()
     log = ""
     try:

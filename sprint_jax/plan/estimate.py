@@ -75,7 +75,7 @@ class _MeshShape:
         self.shape = sizes
 
 
-def _sharded_elements(config: Qwen2Config, mesh: dict[str, int], over: tuple[str, ...] = MESH_AXES
+def sharded_elements(config: Qwen2Config, mesh: dict[str, int], over: tuple[str, ...] = MESH_AXES
                       ) -> dict[str, float]:
     """Per-chip elements of each parameter under the rules table, counting only the mesh axes in
     `over` (("tensor",) gives a weight as FSDP gathers it). Keys are 'layers/q_proj/kernel'..."""
@@ -117,8 +117,8 @@ def memory_estimate(s: StepShape) -> dict[str, float]:
     c = s.config
     mesh = s.mesh_dict
     tensor = mesh["tensor"]
-    per_chip = _sharded_elements(c, mesh)
-    gathered = _sharded_elements(c, mesh, over=("tensor",))
+    per_chip = sharded_elements(c, mesh)
+    gathered = sharded_elements(c, mesh, over=("tensor",))
     p_chip = sum(per_chip.values())
     layer_names = [k for k in gathered if k.startswith("layers/")]
     layer_gathered = sum(gathered[k] for k in layer_names) / c.num_hidden_layers
@@ -207,8 +207,8 @@ def hbm_traffic(s: StepShape) -> dict[str, float]:
     c = s.config
     mesh = s.mesh_dict
     tensor = mesh["tensor"]
-    p_chip = sum(_sharded_elements(c, mesh).values())
-    gathered = sum(_sharded_elements(c, mesh, over=("tensor",)).values())
+    p_chip = sum(sharded_elements(c, mesh).values())
+    gathered = sum(sharded_elements(c, mesh, over=("tensor",)).values())
     a = s.grad_accum
     n = s.rows_per_chip * s.seq_len * a                     # tokens per chip per step
     e, m = c.hidden_size, c.intermediate_size
