@@ -246,3 +246,93 @@ def test_unsampled_compare_is_unchanged_and_counts_forks_for_activation():
     assert t["parallelism"]["SPRINT"]["activation_ratio"] == 0.5
     del a[0]["forks"]                          # a parallel line without it: unknown, not 0
     assert compare(a, b)["parallelism"]["SPRINT"]["activation_ratio"] is None
+
+
+# ---------------------------------------------------------------------------------------------
+# the checkpoint's own chat template
+# ---------------------------------------------------------------------------------------------
+BOS, EOS, USER, ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
+# the shape of R1-Distill's template for one user turn: its generation prompt ends in "<think>\n"
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '" + USER + "' + m['content'] }}"
+            "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '" + ASSISTANT + "<think>\\n' }}{% endif %}")
+
+
+def _save_chat_tokenizer(path, size: int = 307) -> None:
+    """A character-level HF tokenizer with R1-style special tokens and `TEMPLATE`, `size` entries
+    (every id of the tiny model decodes), written with save_pretrained."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    base = ["<pad>", BOS, EOS, USER, ASSISTANT, "<unk>"] + list(string.printable[:95]) + ["\n"]
+    vocab = {t: i for i, t in enumerate(base + [f"<t{i}>" for i in range(size - len(base))])}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tk.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=BOS, eos_token=EOS, pad_token="<pad>",
+                                   unk_token="<unk>", additional_special_tokens=[USER, ASSISTANT])
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(path)
+
+
+def test_chat_template_equals_transformers_own_and_applies_where_it_should(tmp_path):
+    from transformers import AutoTokenizer
+
+    from conftest import tiny_vocab_tokenizer
+    from sprint_jax.errors import UserError
+    from sprint_jax.eval.cli import chat_prompt, model_prompt_fn
+    from sprint_jax.model.hf import update_export_meta
+    from sprint_jax.model.tokenizer import load_tokenizer
+    from sprint_jax.tasks import task_prompt
+
+    _save_chat_tokenizer(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    task = Task("a", "math", "What is 1/2?", "1/2")
+    text = task_prompt(task)
+    expected = f"{BOS}{USER}{text}{ASSISTANT}<think>\n"                 # the template, applied by hand
+    own = AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    assert own == expected
+    assert chat_prompt(tok, text) == expected
+    # auto: a checkpoint not trained here (no sprint_jax.json) gets its template
+    assert model_prompt_fn(str(tmp_path), tok, "auto")(task) == expected
+    assert model_prompt_fn(str(tmp_path), tok, "off")(task) == text
+    # a model trained here saw the raw task text: auto leaves it; on forces the template
+    update_export_meta(tmp_path, layout="flat")
+    assert model_prompt_fn(str(tmp_path), tok, "auto")(task) == text
+    assert model_prompt_fn(str(tmp_path), tok, "on")(task) == expected
+    with pytest.raises(UserError, match="no chat template"):
+        model_prompt_fn(str(tmp_path), tiny_vocab_tokenizer(), "on")
+
+
+def test_eval_samples_with_the_chat_template_on_the_batched_engine(hf_untied, tmp_path):
+    """The command end to end on a tiny real checkpoint whose tokenizer has a chat template: two
+    samples per problem in one batch, the template in every query, eval's context sized by the
+    token budget (12 + 2048 positions, under the model's 4096), runs cut by the budget counted as
+    context_full."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(hf_untied, model)
+    _save_chat_tokenizer(model)
+    task_file = tmp_path / "tasks.jsonl"
+    task_file.write_text("".join(json.dumps({"id": f"t{k}", "problem": f"What is {k}+{k}?", "answer": str(2 * k)}) + "\n"
+                                 for k in (1, 2)))
+    out = tmp_path / "eval"
+    assert main(["eval", "--model", str(model), "--data", str(task_file), "--mode", "sequential", "--limit", "2",
+                 "--samples", "2", "--temperature", "0.6", "--top-p", "0.95", "--out", str(out), "--no-progress",
+                 "--decode-chunk", "8", "--prefill-chunk", "32", "--max-prompts", "1", "--max-branch-tokens", "8",
+                 "--max-total-tokens", "12", "--concurrency", "4"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["meta"]["chat_template"] is True and report["meta"]["max_seq_len"] == 12 + 2048
+    records = _lines(out / "records.jsonl")
+    assert [(r["id"], r["sample"], r["config"]["seed"]) for r in records] == [
+        ("t1", 0, 0), ("t1", 1, 1), ("t2", 0, 0), ("t2", 1, 1)]
+    assert records[0]["query"] == f"{BOS}{USER}What is 1+1?{ASSISTANT}<think>\n"
+    assert records[0]["text"] != records[1]["text"]          # two seeds, two samples
+    results = _lines(out / "results.jsonl")
+    for r in results:                                         # a random model never answers in 12 tokens
+        cut = r["termination"] == "token_budget"
+        assert r["outcome"] == ("context_full" if cut else "wrong") and r["sequential_tokens"] <= 12
+    assert report["outcomes"]["context_full"] == sum(r["termination"] == "token_budget" for r in results)
+    assert report["samples"]["samples_per_problem"] == {"min": 2, "max": 2}

@@ -37,7 +37,30 @@ either keeping the original columns
 then run with --data gpqa.jsonl --task-kind choice. Answers are graded as letters.
 
 Prompts: the model sees the task's problem text (Countdown: TinyZero's prompt), the same text
-curation put in the training prompts (sprint_jax.tasks.task_prompt).
+curation put in the training prompts (sprint_jax.tasks.task_prompt). --chat-template auto (default)
+wraps it in the checkpoint's own chat template (transformers' apply_chat_template, one user turn,
+generation prompt added: R1-Distill's ends in "<think>\n") when the tokenizer has one and the
+model has no sprint_jax.json, i.e. was not trained here (a model trained here saw the raw text);
+on: always; off: never. report.json meta.chat_template says which ran.
+
+Decoding: greedy unless the config samples. configs/eval_r1_distill_7b.yaml is the papers'
+decoding for R1-Distill-Qwen-7B and models tuned from it: temperature 0.6, top-p 0.95 (the
+DeepSeek-R1 model card's recommendation), a 32,768-token run budget and no smaller per-call cap.
+Without --max-seq-len, eval's context is the run's budget (max_total_tokens) + 2,048 positions
+for the prompt and forced tags, at most the model's max_position_embeddings.
+
+--samples K: every problem runs K times, sample s with seed --seed + s (so a resumed run, or one
+extended to more samples, reproduces the samples it has), all on the batched engine. results.jsonl
+and records.jsonl keep one line per problem and sample ("sample": s). report.json "samples":
+avg_at_k (the mean over problems of each problem's accuracy over its samples), avg_at_k_se (its
+standard error: the standard deviation (n - 1) of the per-problem means / sqrt(problems); problems
+are the sampled unit, a problem's samples are not independent), pass_at_k for k = 1, 2, 4, ... K
+(the unbiased estimator of Chen et al. 2021 from K samples: 1 - C(K - c, k) / C(K, k), averaged
+over problems) and per_problem (samples, correct, mean). K > 1 needs --temperature > 0.
+
+Outcomes: every run is correct, wrong, or context_full (not correct and cut by the context or
+the token budget: termination context_full or token_budget), counted apart in report.json
+"outcomes" (accuracy still counts a context_full run as not correct).
 
 --answer-from: which text is graded. final_answer (default): the <Final Answer> block of our
 format; boxed_last: the last \\boxed{} of the whole output (a base reasoning model, e.g. the untuned
@@ -83,7 +106,13 @@ one process over several devices (sprint_jax.infer.sharding).
 
 `eval compare A B`: the paper's table (accuracy, sequential tokens, total tokens, wall clock,
 change) for run A (SPRINT) against run B (RFT) on the same problems (every line of each
-results.jsonl), matched by id; then, per bin of B's sequential length (--bins thresholds,
+results.jsonl), matched by id (a sampled run through its per-problem means: accuracy is Avg@k);
+then the share of context_full runs, Avg@k with its standard error (sampled runs), ThreadWeaver's
+self-parallelism ratio (total tokens / sequential tokens, summed over the runs) and activation
+ratio (share of problems where the model forked at least once; a problem's share of its
+samples, averaged), and the mean per-problem speedup (B's sequential tokens / A's per problem,
+averaged over all problems and over those both solved; a sampled problem is solved when more
+than half of its samples are); then, per bin of B's sequential length (--bins thresholds,
 default 2000,4000,8000 as in the paper's >8k analysis, and --quantiles equal-size bins; problems
 of equal length share a bin, so fewer bins when many are equal), both runs' accuracy, sequential
 tokens and wall clock. Each run's wall clock and concurrency are derived from its problems'

@@ -13,7 +13,7 @@ default is `sprint_jax.tasks.task_prompt`, the same function curation uses to wr
 training examples' prompts: the task's problem text, and for Countdown `countdown.prompt_for`
 (TinyZero's prompt). Pass your own when the model was trained on another prompt (the demo does).
 
-Outputs in `out_dir` (when given): results.jsonl (one line per problem, written as it finishes),
+Outputs in `out_dir` (when given): results.jsonl (one line per problem and sample, written as it finishes),
 records.jsonl (the full run records), eval_run.json (what the run used: mode, orchestrator config,
 meta, a digest of the model's weights, a digest of each problem's prompt and gold answer),
 report.json (written last, atomically), and the plots of `report.write_plots`.
@@ -25,8 +25,12 @@ wall clock with the compilation that stalled it taken out, `compile_s` that comp
 wall clock is derived from these (`report.run_wall_clock`). Nothing is run twice: the records
 are those of an untimed run.
 
-Resume. A rerun into the same directory skips the problems already in results.jsonl (complete
-lines only: a line cut by a kill is dropped and rerun) after checking that the run is the same,
+Samples. `samples=k` runs each problem k times, sample s with the config's seed + s; a results
+line is one (problem, sample) run, and its `sample` names it.
+
+Resume. A rerun into the same directory skips the (problem, sample) runs already in results.jsonl
+(complete lines only: a line cut by a kill is dropped and rerun; a run asked for more samples
+runs only the new ones) after checking that the run is the same,
 like `curate` does: a different mode, orchestrator config, model weights or problem text is
 refused naming what differs, unless `overwrite=True` (`eval --overwrite`), which starts the
 directory afresh. A rerun over fewer problems (a smaller `--limit`) keeps the others' results on
