@@ -1,0 +1,252 @@
+"""`sprint-jax recipe`: the stages, their digests and skips, status, failures and bad configs.
+
+The end-to-end test runs configs/recipe_tiny_cpu.yaml (shrunk: fewer problems, one epoch, six test
+problems) for real, reruns it (every stage skipped), changes the comparison's bins (only compare
+and report rerun) and checks report.md's table against the eval runs' own results.jsonl. The
+digest tests run the real planner and state keeping with each stage's command replaced by a
+writer of its outputs, so every input change can be tried in a second.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sprint_jax.cli import main
+from sprint_jax.config import CONFIG_DIR
+from sprint_jax.recipe import runner
+from sprint_jax.recipe.config import load_recipe_config
+
+TINY = CONFIG_DIR / "recipe_tiny_cpu.yaml"
+R1 = CONFIG_DIR / "recipe_r1_7b.yaml"
+STAGES = ["curate", "train_sprint", "train_rft", "eval_sprint_chains", "eval_rft_chains", "compare_chains", "report"]
+
+
+def _tiny(tmp_path: Path, name: str = "recipe.yaml", **changes) -> Path:
+    """A copy of the tiny recipe shrunk to test size, with `changes` (dotted key -> value)."""
+    d = yaml.safe_load(TINY.read_text())
+    d["curate"]["tasks"]["n"] = 200
+    d["train"]["epochs"] = 1
+    d["eval"]["sets"][0]["limit"] = 6
+    d["eval"]["orchestrator"]["max_total_tokens"] = 160
+    for key, value in changes.items():
+        node = d
+        *path, last = key.split(".")
+        for k in path:
+            node = node[int(k)] if isinstance(node, list) else node[k]
+        node[last] = value
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(d))
+    return p
+
+
+def _started(out: Path) -> dict[str, str]:
+    return {k: v["started"] for k, v in json.loads((out / "state.json").read_text())["stages"].items()}
+
+
+def _status(out: Path, capsys) -> dict[str, str]:
+    capsys.readouterr()
+    assert main(["recipe", "status", str(out)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split()[:2] == ["stage", "status"]
+    return {line.split()[0]: line.split()[1] for line in lines[1:]}
+
+
+def _table_row(report: str, metric: str) -> list[str]:
+    row = next(line for line in report.splitlines() if line.startswith(f"| {metric} |"))
+    return [c.strip() for c in row.strip("|").split("|")]
+
+
+@pytest.mark.slow
+def test_tiny_recipe_end_to_end_rerun_and_one_change(tmp_path, capsys):
+    cfg, out = _tiny(tmp_path), tmp_path / "run"
+    assert main(["recipe", "run", str(cfg), "--out", str(out)]) == 0
+    first = _started(out)
+    assert list(first) == STAGES
+    for stage in STAGES:
+        assert (out / stage / "log.txt").stat().st_size > 0
+    assert _status(out, capsys) == {s: "done" for s in STAGES}
+
+    # report.md's table against the eval runs' own per-problem results
+    report = (out / "report.md").read_text()
+    rows = {arm: [json.loads(x) for x in (out / f"eval_{arm}_chains" / "out" / "results.jsonl").read_text().splitlines()]
+            for arm in ("sprint", "rft")}
+    assert len(rows["sprint"]) == len(rows["rft"]) == 6
+    acc = _table_row(report, "accuracy")
+    seq = _table_row(report, "sequential tokens")
+    for col, arm in ((1, "sprint"), (2, "rft")):
+        r = rows[arm]
+        assert acc[col] == f"{100 * sum(bool(x['correct']) for x in r) / len(r):.1f}%"
+        assert seq[col] == f"{sum(x['sequential_tokens'] for x in r) / len(r):.1f}"
+    assert "### By RFT sequential length (fixed bins)" in report
+    steps = {arm: json.loads((out / f"train_{arm}" / "out" / "summary.json").read_text())["steps"]
+             for arm in ("sprint", "rft")}
+    assert f"| SPRINT | merge | {steps['sprint']} |" in report
+
+    # the same command again: nothing runs
+    capsys.readouterr()
+    assert main(["recipe", "run", str(cfg), "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert said.count("inputs unchanged: skipped") == len(STAGES) and "running" not in said
+    assert _started(out) == first
+
+    # one input changed (the comparison's bins): only compare and what follows it rerun
+    cfg2 = _tiny(tmp_path, "recipe2.yaml", **{"compare.bins": "50,100"})
+    assert main(["recipe", "run", str(cfg2), "--out", str(out)]) == 0
+    now = _started(out)
+    assert [s for s in STAGES if now[s] != first[s]] == ["compare_chains", "report"]
+    assert "| 50-100 |" in (out / "report.md").read_text()
+
+
+def test_a_failing_stage_stops_with_one_line(tmp_path, capsys):
+    # every example is longer than 8 tokens: training has nothing to train on and exits 2
+    cfg = _tiny(tmp_path, **{"curate.tasks.n": 20, "train.data.seq_len": 8})
+    out = tmp_path / "run"
+    assert main(["recipe", "run", str(cfg), "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    log = out / "train_sprint" / "log.txt"
+    assert err == [f"sprint-jax recipe: stage train_sprint failed (exit 2); log: {log.resolve()}"]
+    assert "no usable training examples" in log.read_text()
+    status = _status(out, capsys)
+    assert status["curate"] == "done" and status["train_sprint"] == "failed"
+    assert all(status[s] == "pending" for s in STAGES[2:])
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"train.optim.lrr": 1}, "unknown config field train.optim.lrr"),
+    ({"train.data.train": ["x.jsonl"]}, "train.data.train is set by the recipe"),
+    ({"eval.sets.0.data": "no/such/file.jsonl"}, "eval set chains: data 'no/such/file.jsonl' is not"),
+    ({"train.epochs": -1}, "epochs must be > 0"),
+    ({"curate.teacher.kind": "teachr"}, "curate.teacher.kind: 'teachr' is not one of"),
+])
+def test_bad_configs_are_one_line_exit_2(tmp_path, capsys, change, match):
+    out = tmp_path / "run"
+    assert main(["recipe", "run", str(_tiny(tmp_path, **change)), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("sprint-jax recipe: error: ") and re.search(match, err[0]), err
+    assert not (out / "state.json").exists()
+
+
+def test_r1_recipe_needs_its_keys_from_the_environment_and_never_writes_them(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("DEEPSEEK_API_KEY", raising=False)
+    assert main(["recipe", "run", str(R1), "--out", str(tmp_path / "run")]) == 2
+    assert "DEEPSEEK_API_KEY is not set" in capsys.readouterr().err
+    monkeypatch.setenv("DEEPSEEK_API_KEY", "sk-deepseek-secret")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-openai-secret")
+    cfg = load_recipe_config(R1)
+    stages = runner.plan(cfg, tmp_path)
+    assert [s.name for s in stages] == ["curate", "train_sprint", "train_rft", "eval_sprint_math500",
+                                        "eval_rft_math500", "compare_math500", "report"]
+    from sprint_jax.config import from_dict
+    from sprint_jax.train.config import TrainConfig
+    for s in stages:
+        assert "secret" not in (s.config or "") and "secret" not in " ".join(s.command or [])
+    train = {s.name: from_dict(TrainConfig, yaml.safe_load(s.config)) for s in stages if s.name.startswith("train")}
+    sprint, rft = train["train_sprint"], train["train_rft"]
+    assert sprint.data.seq_len == 32768 and sprint.epochs == 5 and sprint.optim.lr == 1e-5
+    # the pair: each arm trains on its own file and names the other's as its partner
+    assert sprint.data.train == rft.data.paired.train and rft.data.train == sprint.data.paired.train
+    assert sprint.data.train[0].endswith("sprint.jsonl") and rft.data.layout == "flat"
+    ev = next(s for s in stages if s.name == "eval_sprint_math500").command
+    assert ev[ev.index("--mode") + 1] == "parallel" and "temperature=0.6" in ev and "top_p=0.95" in ev
+
+
+# ---------------------------------------------------------------------------------------------
+# digests and skips, with each stage's command replaced by a writer of its outputs
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def fake_stages(monkeypatch):
+    """Each stage 'runs' by writing outputs that depend on its inputs (as a real stage's do: its
+    inputs digest, recorded in state.json before it runs), and the names of the stages that ran
+    are collected; a stage named in `fail` exits 3."""
+    ran, fail = [], set()
+
+    def execute(stage, out, log):
+        ran.append(stage.name)
+        log.write_text(f"fake {stage.name}\n")
+        if stage.name in fail:
+            return 3
+        for p in stage.outputs:
+            body = json.loads((out / "state.json").read_text())["stages"][stage.name]["inputs"]
+            if p.suffix:
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.write_text(body)
+            else:
+                p.mkdir(parents=True, exist_ok=True)
+                (p / "weights").write_text(body)
+        return 0
+
+    monkeypatch.setattr(runner, "_execute", execute)
+    return ran, fail
+
+
+def _run(cfg_path: Path, out: Path, *sets: str) -> int:
+    return main(["recipe", "run", str(cfg_path), "--out", str(out), *[a for s in sets for a in ("--set", s)]])
+
+
+def test_a_changed_input_reruns_its_stage_and_what_follows(tmp_path, fake_stages):
+    ran, _ = fake_stages
+    cfg, out = _tiny(tmp_path), tmp_path / "run"
+    assert _run(cfg, out) == 0 and ran == STAGES
+    ran.clear()
+    assert _run(cfg, out) == 0 and ran == []
+    # a train hyperparameter: both trainings and everything after them, not the curation
+    assert _run(cfg, out, "train.optim.lr=0.002") == 0
+    assert ran == STAGES[1:]
+    ran.clear()
+    # an eval setting: the evals, the comparison and the report
+    assert _run(cfg, out, "train.optim.lr=0.002", 'eval.args=[--concurrency, "2"]') == 0
+    assert ran == STAGES[3:]
+    ran.clear()
+    # an output changed behind the recipe's back: that stage reruns; it writes the same outputs
+    # as before (same inputs), so what reads them has unchanged inputs and is not rerun
+    (out / "train_rft" / "out" / "hf" / "weights").write_text("edited")
+    assert _run(cfg, out, "train.optim.lr=0.002", 'eval.args=[--concurrency, "2"]') == 0
+    assert ran == ["train_rft"]
+
+
+def test_a_changed_task_file_is_an_input(tmp_path, fake_stages):
+    ran, _ = fake_stages
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"problem": "1+1", "answer": "2"}\n')
+    d = yaml.safe_load(_tiny(tmp_path).read_text())
+    d["curate"] = {"tasks": {"source": "file", "path": str(tasks)}, "teacher": {"kind": "openai", "model": "m",
+                   "api_key_env": ""}, "extractor": {"kind": "offline"}, "dag": {"kind": "offline"}}
+    cfg, out = tmp_path / "file.yaml", tmp_path / "run"
+    cfg.write_text(yaml.safe_dump(d))
+    assert _run(cfg, out) == 0 and ran == STAGES
+    ran.clear()
+    tasks.write_text('{"problem": "1+2", "answer": "3"}\n')
+    assert _run(cfg, out) == 0 and ran == STAGES
+
+
+def test_a_failed_stage_resumes_with_its_outputs_kept(tmp_path, fake_stages, capsys):
+    ran, fail = fake_stages
+    cfg, out = _tiny(tmp_path), tmp_path / "run"
+    fail.add("eval_rft_chains")
+    assert _run(cfg, out) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"sprint-jax recipe: stage eval_rft_chains failed (exit 3); log: {(out / 'eval_rft_chains' / 'log.txt').resolve()}"]
+    assert _status(out, capsys) == {**{s: "done" for s in STAGES[:4]}, "eval_rft_chains": "failed",
+                                    "compare_chains": "pending", "report": "pending"}
+    partial = out / "eval_rft_chains" / "out" / "partial.jsonl"     # what a killed eval leaves to resume from
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_text("{}\n")
+    fail.clear()
+    ran.clear()
+    assert _run(cfg, out) == 0 and ran == STAGES[4:]
+    assert partial.exists()                                          # same inputs: resumed, not wiped
+    # a finished stage whose inputs changed starts afresh
+    assert _run(cfg, out, 'eval.args=[--concurrency, "2"]') == 0 and not partial.exists()
+    assert _status(out, capsys) == {s: "done" for s in STAGES}
+    (out / "eval_sprint_chains" / "out" / "results.jsonl").write_text("edited\n")
+    assert _status(out, capsys)["eval_sprint_chains"] == "stale"
+
+
+def test_status_of_a_directory_without_a_run_is_one_line(tmp_path, capsys):
+    assert main(["recipe", "status", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds no recipe run" in err[0]
