@@ -167,6 +167,7 @@ class ExecutionRecord:
     stop_reason: str              # stop | eos | length
     forced_tokens: int            # the opening (and repair) tokens prefilled for it
     repaired: bool = False        # the sync added the close tag
+    logprobs: list[float] = dataclasses.field(default_factory=list)   # per generated token (Generation.logprobs)
 
 
 @dataclasses.dataclass
@@ -186,6 +187,7 @@ class StageRecord:
     sync_s: float = 0.0
     branch_cache_bytes: int | None = None
     problems: list[str] = dataclasses.field(default_factory=list)
+    planner_logprobs: list[float] = dataclasses.field(default_factory=list)   # per planner token generated
 
     @property
     def executor_tokens(self) -> list[int]:
@@ -213,6 +215,7 @@ class RunRecord:
     final_tokens: int = 0
     final_s: float = 0.0
     final_answer: str | None = None
+    final_logprobs: list[float] = dataclasses.field(default_factory=list)   # per token of the final call
     text: str = ""                # the whole completion (the planner's context after the prompt)
     termination: str = ""
     problems: list[str] = dataclasses.field(default_factory=list)
@@ -444,6 +447,7 @@ class Orchestrator:
         record.final_s = time.perf_counter() - t
         record.final_tokens = len(g.tokens)
         record.final_text = g.text
+        record.final_logprobs = _logprobs(g)
         self._emit("final", record, text=g.text)
         if g.stop_reason == "stop":
             record.termination = "final_answer"
@@ -510,7 +514,7 @@ class Orchestrator:
 
     def _inline_execution(self, state, record: RunRecord, stage: StageRecord, g, dt: float, cut: int, piece: str):
         """Record the planner's own call as the prompt-less plan's execution 1; the state after."""
-        stage.executions.append(ExecutionRecord(1, stage.plan, g.text, len(g.tokens), "stop", 0))
+        stage.executions.append(ExecutionRecord(1, stage.plan, g.text, len(g.tokens), "stop", 0, logprobs=_logprobs(g)))
         stage.executor_mode = "inline"
         stage.executors_s = dt
         if self._trie:   # trained as two pieces: the opening, then the body
@@ -525,6 +529,7 @@ class Orchestrator:
     def _final(self, record: RunRecord, g, dt: float) -> None:
         """The planner closed the final answer: record it and end the run."""
         record.final_text, record.final_tokens, record.final_s = g.text, len(g.tokens), dt
+        record.final_logprobs = _logprobs(g)
         record.final_answer = fmt.parse_completion(g.text)[0].final_answer
         self._emit("final", record, text=g.text)
         if record.final_answer is None:
@@ -535,7 +540,8 @@ class Orchestrator:
               limit_reason: str) -> StageRecord:
         """Stage i's record from a planner call that should have closed its plan; ends the run when
         it did not, or when the stage is past max_stages."""
-        stage = StageRecord(i, g.text, len(g.tokens), which or g.stop_reason, planner_s=dt)
+        stage = StageRecord(i, g.text, len(g.tokens), which or g.stop_reason, planner_s=dt,
+                            planner_logprobs=_logprobs(g))
         record.stages.append(stage)
         if which != fmt.plan_close(i):
             self._emit("planner", record, stage, g.text)
@@ -607,7 +613,7 @@ class Orchestrator:
             sync += [execution_opening(i, j), text + repair]
             stage.executions.append(ExecutionRecord(j, prompt, text, len(gen.tokens), gen.stop_reason,
                                                     len(o) + len(self._encode(repair) if repair else []),
-                                                    bool(repair)))
+                                                    bool(repair), _logprobs(gen)))
         self._emit("executors", record, stage)
         if not self._trie:   # a flat model saw the last close tag and the next block's gap together
             sync.append(fmt.BLOCK_GAP)
@@ -659,6 +665,11 @@ class _Tally:
     """A run's running counts: generated tokens (Σ planner + Σ executors) and engine calls (seeds)."""
     used: int = 0
     call: int = 0
+
+
+def _logprobs(g) -> list[float]:
+    """A call's per-token log-probs (the engine's Generation.logprobs; none from an engine without)."""
+    return list(getattr(g, "logprobs", None) or [])
 
 
 def _stop_end(text: str, stop: str) -> int:
