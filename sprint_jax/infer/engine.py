@@ -20,14 +20,19 @@ import jax
 from sprint_jax.infer import sharding as sh
 from sprint_jax.infer.joins import Joins
 from sprint_jax.infer.programs import STOP_WIDTH
-from sprint_jax.infer.requests import (EngineError, Generation, Op, Row, Seq, checked_sampling, decode_tokens,
-                                       sample_first)
-from sprint_jax.infer.sampling import Sampling, valid_vocab
+from sprint_jax.infer.requests import (DecodeTrace, EngineError, Generation, Op, Row, Seq, checked_sampling,
+                                       decode_tokens, sample_first)
+from sprint_jax.infer.sampling import TOP_LOGPROBS, Sampling, valid_vocab
 from sprint_jax.infer.scheduler import Scheduler
 from sprint_jax.infer.slot_cache import SlotCache
 from sprint_jax.infer.stops import StopScanner
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.model.qwen2 import UNROLL_MAX_LAYERS, per_layer
+
+
+def _check_top(n) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= TOP_LOGPROBS:
+        raise EngineError(f"top_logprobs must be an integer in 0..{TOP_LOGPROBS}, got {n!r}")
 
 
 class Engine(Scheduler, Joins):
@@ -62,10 +67,11 @@ class Engine(Scheduler, Joins):
     def __init__(self, model, tokenizer, *, max_seqs: int = 16, max_children: int = 8, max_seq_len: int = 2048,
                  max_branch_tokens: int = 512, decode_chunk: int = 16, prefill_chunk: int = 256,
                  eos_token_ids: Sequence[int] | None = None, min_bucket: int = 64, mesh=None,
-                 attention_impl: str = "xla", per_layer_weights: bool | None = None):
+                 attention_impl: str = "xla", per_layer_weights: bool | None = None, trace: bool = False):
         if attention_impl not in ("xla", "pallas"):
             raise EngineError(f"attention_impl must be 'xla' or 'pallas', got {attention_impl!r}")
         self.attention_impl = attention_impl
+        self.trace = trace                # each sequence keeps a DecodeTrace (RL's loss layout)
         for name, v in (("max_seqs", max_seqs), ("max_children", max_children), ("max_seq_len", max_seq_len),
                         ("max_branch_tokens", max_branch_tokens), ("decode_chunk", decode_chunk),
                         ("prefill_chunk", prefill_chunk)):
@@ -174,6 +180,9 @@ class Engine(Scheduler, Joins):
             seq = op.seq
             seq.slot = self._free.pop(0)
             seq.tokens = op.tokens
+            if self.trace:
+                seq.trace = DecodeTrace()
+                seq.trace.sync(seq)
             self._groups.pop(seq.slot, None)
             if len(op.tokens) > 1:
                 self._queue_prefill(seq, op.tokens[:-1], 0)
@@ -201,6 +210,8 @@ class Engine(Scheduler, Joins):
         if tokens:
             self._queue_prefill(seq, [seq.tokens[-1]] + tokens[:-1], seq.length)
             seq.tokens = seq.tokens + tokens
+        if seq.trace is not None:
+            seq.trace.sync(seq)
         self._finish(op, seq)
         return op
 
@@ -212,25 +223,30 @@ class Engine(Scheduler, Joins):
         work[1] = work[1] + run
 
     def generate(self, seq: Seq, max_new_tokens: int, stop: Sequence[str] = (), sampling: Sampling | None = None,
-                 tag=None) -> Op:
+                 tag=None, top_logprobs: int = 0) -> Op:
         """Decode on the sequence itself until EOS, a stop string or max_new_tokens; the
-        generated tokens (up to the stop) are appended to it."""
+        generated tokens (up to the stop) are appended to it. The Generation carries each token's
+        log-prob; top_logprobs = n (<= TOP_LOGPROBS) adds the n most likely alternatives."""
         self._check_idle(seq, "generate")
+        _check_top(top_logprobs)
         if max_new_tokens <= 0:
             raise EngineError(f"max_new_tokens must be positive, got {max_new_tokens}")
         if len(seq.tokens) + max_new_tokens > self.max_seq_len:
             raise EngineError(f"{len(seq.tokens)} tokens + max_new_tokens={max_new_tokens} exceeds "
                               f"max_seq_len={self.max_seq_len}")
         op = Op("generate", seq, limits=[max_new_tokens], stops=[list(stop)], sampling=checked_sampling(sampling),
-                tag=tag)
+                tag=tag, top_logprobs=top_logprobs)
         seq.op = op
         row = Row(op, 0, [], max_new_tokens, list(stop), StopScanner(self.decode_text, stop))
         self._groups.setdefault(seq.slot, [None] * (1 + self.max_children))[0] = row
         if seq.after_join:
             # step 0 samples from the join logits (the key that step would use); the row then
             # decodes from that token, whose slot is the one after the join
-            first = sample_first(seq.join_logits, op.sampling, self.n_valid)   # no padded ids
-            row.gen.append(first)
+            first, lp, top = sample_first(seq.join_logits, op.sampling, self.n_valid, top_logprobs and TOP_LOGPROBS)
+            row.gen.append(first)                                               # no padded ids
+            row.lps.append(lp)
+            if top_logprobs:
+                row.tops.append(top[:top_logprobs])
             if row.scanner.feed([first]) is not None:
                 row.reason = "stop"
             elif first in self.eos_token_ids:
@@ -243,7 +259,7 @@ class Engine(Scheduler, Joins):
 
     def fork(self, seq: Seq, prefixes: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
              stop: Sequence[Sequence[str]] | Sequence[str] = (), sampling: Sampling | None = None, tag=None,
-             serial: bool = False, join: bool = False) -> Op:
+             serial: bool = False, join: bool = False, top_logprobs: int = 0) -> Op:
         """len(prefixes) children of `seq`: child j continues seq with prefixes[j] (forced) and
         decodes until its own stops / EOS / limit. Result: one Generation per child (generated
         tokens only); `seq` keeps its content and is read-only until the fork finishes.
@@ -252,8 +268,9 @@ class Engine(Scheduler, Joins):
         join: the fork will be merged (`merge`): a child that ends on device (a one-token stop,
         EOS, its limit) runs one more step feeding its last token, so its slot holds that token's
         KV and the last child keeps its logits: a join whose branches are what the children
-        generated runs no model call. The same tokens either way."""
+        generated runs no model call. The same tokens either way. Log-probs as `generate`'s."""
         self._check_idle(seq, "fork")
+        _check_top(top_logprobs)
         if seq.after_join:
             raise EngineError("fork right after a merge join: the planner must write a token first")
         n = len(prefixes)
@@ -276,7 +293,7 @@ class Engine(Scheduler, Joins):
                 raise EngineError(f"child {j}: prefix of {len(p)} tokens + max_new_tokens={m} exceeds "
                                   f"max_branch_tokens={self.max_branch_tokens}")
         op = Op("fork", seq, prefixes=prefixes, limits=limits, stops=stops, sampling=checked_sampling(sampling),
-                tag=tag, join=join)
+                tag=tag, join=join, top_logprobs=top_logprobs)
         seq.op = op
         group = self._groups.setdefault(seq.slot, [None] * (1 + self.max_children))
         rows = [Row(op, j, [seq.tokens[-1]] + p, m, st, StopScanner(self.decode_text, st))
@@ -287,6 +304,8 @@ class Engine(Scheduler, Joins):
             group[1 + row.j] = row
         op.result = [None] * n
         seq.last_fork = (len(seq.tokens), [None] * n)
+        if seq.trace is not None:
+            seq.trace.fork(seq, n, join)
         return op
 
     def truncate(self, seq: Seq, n: int) -> Seq:
@@ -306,6 +325,8 @@ class Engine(Scheduler, Joins):
             else:
                 work[1] = work[1][:keep]
         seq.tokens = seq.tokens[:n]
+        if seq.trace is not None:
+            seq.trace.sync(seq)
         return seq
 
     @property

@@ -132,6 +132,8 @@ class Joins:
     def _joined(self, seq: Seq, branches: list[list[int]], join_logits, ran: int) -> Seq:
         """The sequence after a merge join (see `Seq`)."""
         lens = [len(b) for b in branches]
+        if seq.trace is not None:
+            seq.trace.merged(branches)
         seq.tokens = seq.tokens + [t for b in branches for t in b]
         seq.pos_offset += max(lens) - sum(lens)
         seq.joined = len(seq.tokens)
@@ -209,6 +211,8 @@ class Joins:
             for j, (i, p) in enumerate(zip(at, pieces)):
                 out[j].append(logits[i, : len(p)])
         seq.last_fork = (len(seq.tokens), [([seq.tokens[-1]] + b, len(r), None) for b, r in zip(branches, runs)])
+        if seq.trace is not None:               # teacher forcing: not followed by the trace
+            seq.trace.exact = False
         return [np.concatenate(o) for o in out]
 
     def flush_sync(self, seq: Seq) -> bool:

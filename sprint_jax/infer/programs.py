@@ -28,7 +28,7 @@ import numpy as np
 
 from sprint_jax.infer import sharding as sh
 from sprint_jax.infer.prefix_attention import pallas_parent_prefix_attention
-from sprint_jax.infer.sampling import advance_rows, mask_padded, sample_tokens
+from sprint_jax.infer.sampling import advance_rows, filtered_logits, mask_padded
 from sprint_jax.infer.slot_cache import SlotCache, constrain, gather_rows, put_slots
 from sprint_jax.model.attention import attend_partial_heads, flash_attention
 from sprint_jax.model.config import Qwen2Config
@@ -261,17 +261,30 @@ class DecodeRows:
         return DecodeRows(*slots, **fields)
 
 
-def _sample_rows(logits, base, steps, temperature, top_k, top_p):
+def _sample_rows(logits, base, steps, temperature, top_k, top_p, top_n: int = 0):
     """Per-row sampling (temperature 0 = argmax); the sorting path, and the per-step keys
-    fold_in(base, steps), run only when a row samples."""
+    fold_in(base, steps), run only when a row samples. Returns (tokens [B], their log-probs [B]
+    fp32, and with top_n > 0 the top_n ids [B, n] and log-probs [B, n] of the same distribution).
+    The distribution is the one the token was drawn from: log softmax of logits / temperature after
+    top-k / top-p for a sampled row (what an importance ratio needs); a greedy row's is the model's
+    own at temperature 1 (the argmax is a point mass, whose log-prob 0 says nothing)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    plain = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
 
     def sampled():
         keys = jax.vmap(jax.random.fold_in)(base, steps)
-        tok = jax.vmap(lambda lg, k, t, tk, tp: sample_tokens(lg[None], k[None], t, tk, tp, False)[0])(
-            logits, keys, temperature, top_k, top_p)
-        return jnp.where(temperature > 0, tok, greedy)
-    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
+        dist = jax.vmap(lambda lg, t, tk, tp: filtered_logits(lg[None], t, tk, tp)[0])(
+            logits, temperature, top_k, top_p)
+        tok = jax.vmap(lambda k, lg: jax.random.categorical(k, lg))(keys, dist).astype(jnp.int32)
+        drawn = temperature > 0
+        lp = dist - jax.nn.logsumexp(dist, axis=-1, keepdims=True)
+        return jnp.where(drawn, tok, greedy), jnp.where(drawn[:, None], lp, plain)
+    tok, dist_lp = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: (greedy, plain))
+    lp = jnp.take_along_axis(dist_lp, tok[:, None], axis=-1)[:, 0]
+    if not top_n:
+        return tok, lp, None, None
+    top_lp, top_ids = jax.lax.top_k(dist_lp, top_n)
+    return tok, lp, top_ids.astype(jnp.int32), top_lp
 
 
 def parent_prefix_attention(pk: jax.Array, pv: jax.Array, layer, pslot: jax.Array, q: jax.Array,
@@ -289,13 +302,15 @@ def parent_prefix_attention(pk: jax.Array, pv: jax.Array, layer, pslot: jax.Arra
 
 
 @functools.partial(jax.jit, static_argnames=("config", "layout", "chunk", "s_b", "c_b", "kv", "attention_impl",
-                                             "n_valid", "feeding"),
+                                             "n_valid", "feeding", "top_logprobs"),
                    donate_argnames=("cache",))
 @sh.slot_local(rows=("rows",),
-               out=lambda a: ("cache", "rows", "rows", "max") + ("rows",) * bool(a["feeding"]),
+               out=lambda a: ("cache", "rows", "rows", "max", "rows") + ("rows",) * bool(a["feeding"])
+               + ("rows", "rows") * bool(a["top_logprobs"]),
                cache_kv=(0, 0, 1, 1))
 def decode(params, config: Qwen2Config, cache: SlotCache, rows, layout: tuple, chunk: int, s_b: int, c_b: int,
-           kv=None, attention_impl: str = "xla", n_valid: int | None = None, feeding: bool = False):
+           kv=None, attention_impl: str = "xla", n_valid: int | None = None, feeding: bool = False,
+           top_logprobs: int = 0):
     """Up to `chunk` decode steps of every active row (`rows, layout = DecodeRows.pack()`), reading
     s_b parent and c_b child slots per row. Forced tokens: step k < n_forced writes the pending token's KV and makes
     forced[k] pending; it emits nothing and is not one of the row's generated steps (its sampling
@@ -307,7 +322,11 @@ def decode(params, config: Qwen2Config, cache: SlotCache, rows, layout: tuple, c
     logits (before the padded ids are masked) are kept; the token that step samples is dropped. A
     merge join's children so hold their close tag's KV, and the last one its join logits.
     Returns the cache, the emitted tokens [B, chunk + F] (-1 = none), per-row reason codes
-    (1 stop id / EOS, 2 length), the steps run, and with feeding the kept logits [B, V]."""
+    (1 stop id / EOS, 2 length), the steps run, each emitted token's log-prob [B, chunk + F] fp32
+    (`_sample_rows`: under the distribution it was drawn from; computed here from the logits the
+    step holds, so it costs no transfer but its [B, chunk + F] floats), with feeding the kept logits
+    [B, V], and with top_logprobs = n (static) the n most likely ids and their log-probs per
+    emitted token [B, chunk + F, n] (a second compiled variant, used only when a request asks)."""
     r = DecodeRows.unpack(rows, layout)
     na, nf = r.a_slot.shape[0], r.b_pslot.shape[0]
     w = r.b_cslot.shape[0] // max(nf, 1)
@@ -355,20 +374,25 @@ def decode(params, config: Qwen2Config, cache: SlotCache, rows, layout: tuple, c
             cv = put_slots(cv, b_cslot, pos[na:], nv[:, na:])
         raw = unembed(params, config, hidden)[:, 0]
         logits = mask_padded(raw, n_valid)                                        # no padded ids
-        tok = _sample_rows(logits, base, steps, r.temperature, r.top_k, r.top_p)
-        return constrain(SlotCache(pk, pv, ck, cv), kv), tok, raw
+        tok, lp, top_ids, top_lp = _sample_rows(logits, base, steps, r.temperature, r.top_k, r.top_p, top_logprobs)
+        return constrain(SlotCache(pk, pv, ck, cv), kv), tok, raw, (lp, top_ids, top_lp)
 
     forced, n_forced = r.forced, r.n_forced
     out = jnp.full((b, chunk + forced.shape[1]), -1, jnp.int32)     # step i's token in column i
     steps_cap = chunk + n_forced                      # a row's forced steps do not count against the chunk
     kept0 = jnp.zeros((b, config.vocab_size if feeding else 0), jnp.float32)
+    lps0 = (jnp.zeros(out.shape, jnp.float32), jnp.zeros(out.shape + (top_logprobs,), jnp.int32),
+            jnp.zeros(out.shape + (top_logprobs,), jnp.float32))
 
     def cond(c):
         return jnp.any(c[4] & (c[0] < steps_cap)) | jnp.any(c[9])
 
     def body(c):
-        i, cache, lengths, pending, active, remaining, steps, out, reason, fed, kept = c
-        cache, tok, raw = one_step(cache, lengths, pending, active, steps, fed)
+        i, cache, lengths, pending, active, remaining, steps, out, reason, fed, kept, lps = c
+        cache, tok, raw, step_lp = one_step(cache, lengths, pending, active, steps, fed)
+        lps = (lps[0].at[:, i].set(step_lp[0], mode="drop"),) + ((
+            lps[1].at[:, i].set(step_lp[1], mode="drop"), lps[2].at[:, i].set(step_lp[2], mode="drop"))
+            if top_logprobs else lps[1:])
         if feeding:                   # the rows fed their last token this step: its logits kept
             kept = jnp.where(fed[:, None], raw.astype(jnp.float32), kept)
         active = active & (i < steps_cap)             # a step past the chunk only feeds
@@ -383,14 +407,12 @@ def decode(params, config: Qwen2Config, cache: SlotCache, rows, layout: tuple, c
         steps = jnp.where(sampling, steps + 1, steps)
         active = active & ~finished
         fed = (finished & r.feed_last) if feeding else fed
-        return i + 1, cache, lengths, pending, active, remaining, steps, out, reason, fed, kept
+        return i + 1, cache, lengths, pending, active, remaining, steps, out, reason, fed, kept, lps
 
     init = (jnp.int32(0), cache, r.lengths, r.pending, r.active, r.remaining, r.steps, out,
-            jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), kept0)
-    i, cache, *_, out, reason, _, kept = jax.lax.while_loop(cond, body, init)
-    if feeding:
-        return cache, out, reason, i, kept
-    return cache, out, reason, i
+            jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), kept0, lps0)
+    i, cache, *_, out, reason, _, kept, lps = jax.lax.while_loop(cond, body, init)
+    return (cache, out, reason, i, lps[0]) + ((kept,) if feeding else ()) + (lps[1:] if top_logprobs else ())
 
 
 @jax.jit

@@ -14,9 +14,10 @@ import itertools
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from sprint_jax.infer.sampling import GREEDY, Sampling, SamplingError, mask_padded, sample_tokens
+from sprint_jax.infer.sampling import GREEDY, Sampling, SamplingError, filtered_logits, mask_padded
 from sprint_jax.infer.stops import StopScanner
 
 
@@ -32,6 +33,12 @@ class Generation:
     stop_reason: str                  # "stop" | "eos" | "length"
     overshoot: int = 0                # tokens decoded past a stop within a chunk and discarded
     steps: int = 0                    # decode steps that ran for this row (its tokens + overshoot)
+    # per token, fp32: log p(token) under the distribution it was drawn from (logits / temperature
+    # after top-k / top-p; greedy: the model's own at temperature 1), computed in the decode program
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    # per token, when the request asked (Op.top_logprobs = n): the n most likely (id, log-prob) of
+    # that distribution, most likely first (ids it cannot draw left out)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class Seq:
@@ -53,6 +60,7 @@ class Seq:
         self.joined = 0
         self.join_logits = None
         self.last_fork: tuple[int, list] | None = None
+        self.trace: DecodeTrace | None = None   # how its tokens were computed (Engine(trace=True))
 
     @property
     def length(self) -> int:              # the slot of the last token (pending unless after_join)
@@ -61,6 +69,96 @@ class Seq:
     @property
     def after_join(self) -> bool:
         return self.join_logits is not None and len(self.tokens) == self.joined
+
+
+class DecodeTrace:
+    """How a sequence's tokens were computed, as the engine ran them (kept when the engine is built
+    with `trace=True`; RL lays its loss out from it). One node per token that was run or sampled:
+    its id, position, `stage` / `branch` tags, `pred` (the node whose logits predicted it, -1
+    none), `up` (its parent in a tree whose ancestors hold everything it may see) and its log-prob
+    (None: forced, not sampled). Row i sees node j iff j is an ancestor of i and `merge_visible`
+    holds (j is branch 0, of an earlier stage, or of i's own (stage, branch)). Planner text after m
+    merge joins has stage 2m; the children of a fork are chains under the parent's pending token
+    (a fork that is merged: stage 2m + 1, branch j + 1, else the planner's tags). A merge join
+    re-hangs branch j under branch j - 1's last token, so the planner after it descends from every
+    branch while the tags keep siblings apart: exactly what the join's KV and positions give.
+    `exact` turns False after a call the trace does not follow (teacher forcing of a fork)."""
+
+    def __init__(self):
+        self.token: list[int] = []
+        self.pos: list[int] = []
+        self.stage: list[int] = []
+        self.branch: list[int] = []
+        self.pred: list[int] = []
+        self.up: list[int] = []
+        self.logprob: list[float | None] = []
+        self.planner: list[int] = []          # the nodes of the sequence's tokens, in slot order
+        self.merges = 0
+        self.exact = True
+        self._fork: tuple | None = None       # (pending node, stage, join, children's nodes)
+
+    def __len__(self) -> int:
+        return len(self.token)
+
+    def _node(self, token: int, pos: int, stage: int, branch: int, pred: int, up: int, lp=None) -> int:
+        for a, v in ((self.token, int(token)), (self.pos, int(pos)), (self.stage, stage), (self.branch, branch),
+                     (self.pred, pred), (self.up, up), (self.logprob, lp)):
+            a.append(v)
+        return len(self.token) - 1
+
+    def sync(self, seq: "Seq", logprobs: Sequence[float] = ()) -> None:
+        """Follow the sequence's tokens: drop nodes past their common prefix (a truncate), add one
+        per new token at slot s (position s + pos_offset); the last len(logprobs) were sampled."""
+        toks = seq.tokens
+        n = common_prefix([self.token[x] for x in self.planner], toks)
+        del self.planner[n:]
+        m = len(toks) - n
+        sampled = [float(x) for x in logprobs][-m:] if m else []
+        lps = [None] * (m - len(sampled)) + sampled
+        for s in range(n, len(toks)):
+            prev = self.planner[-1] if self.planner else -1
+            self.planner.append(self._node(toks[s], s + seq.pos_offset, 2 * self.merges, 0, prev, prev,
+                                           lps[s - n]))
+
+    def fork(self, seq: "Seq", n: int, join: bool) -> None:
+        self.sync(seq)
+        stage = 2 * self.merges + 1 if join else 2 * self.merges
+        self._fork = (self.planner[-1], stage, join, [None] * n)
+
+    def child(self, j: int, tokens: Sequence[int], generated: int, logprobs: Sequence[float]) -> None:
+        """Child j's tokens after the parent's pending one (forced prefix, then `generated` sampled)."""
+        if self._fork is None:
+            self.exact = False
+            return
+        pending, stage, join, kids = self._fork
+        lps = [None] * (len(tokens) - generated) + [float(x) for x in logprobs]
+        prev, nodes = pending, []
+        for k, t in enumerate(tokens):
+            prev = self._node(t, self.pos[pending] + 1 + k, stage, j + 1 if join else 0, prev, prev, lps[k])
+            nodes.append(prev)
+        kids[j] = nodes
+
+    def merged(self, branches: Sequence[Sequence[int]]) -> None:
+        """The fork's children joined into the sequence (`Joins.merge`): branch j keeps child j's
+        nodes over their common prefix; tokens the child never ran are new nodes in its chain."""
+        if self._fork is None or any(k is None for k in self._fork[3]) or len(branches) != len(self._fork[3]):
+            self.exact = False
+            return
+        pending, stage, join, kids = self._fork
+        prev_end = None
+        for j, (b, nodes) in enumerate(zip(branches, kids)):
+            k = common_prefix([self.token[x] for x in nodes], b)
+            chain = nodes[:k]
+            prev = chain[-1] if chain else pending
+            for t in b[k:]:
+                prev = self._node(t, self.pos[prev] + 1, stage, j + 1 if join else 0, prev, prev)
+                chain.append(prev)
+            if prev_end is not None:
+                self.up[chain[0]] = prev_end
+            prev_end = chain[-1]
+            self.planner += chain
+        self.merges += 1
+        self._fork = None
 
 
 @dataclasses.dataclass
@@ -79,6 +177,7 @@ class Op:
     tag: object = None                    # the caller's (e.g. which run this op belongs to)
     queued: list = dataclasses.field(default_factory=list)   # a serial fork's children not yet started
     join: bool = False                    # fork: its children will be merged (they feed their last token)
+    top_logprobs: int = 0                 # generate / fork: alternatives per token to report (0 = none)
 
 
 class Row:
@@ -92,6 +191,8 @@ class Row:
         self.stops = stops
         self.scanner = scanner
         self.gen: list[int] = []
+        self.lps: list[float] = []        # the log-prob of each token of gen (Generation.logprobs)
+        self.tops: list[list[tuple[int, float]]] = []   # with op.top_logprobs: per token of gen
         self.reason: str | None = None
         self.overshoot = 0
         self.prefill_pos = 0              # child: how much of run[:-1] is in its suffix slot
@@ -138,19 +239,40 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-@functools.partial(jax.jit, static_argnames=("n_valid",))
-def _sample_first_fn(logits, seed, temperature, top_k, top_p, n_valid: int | None):
+@functools.partial(jax.jit, static_argnames=("n_valid", "top_n"))
+def _sample_first_fn(logits, seed, temperature, top_k, top_p, n_valid: int | None, top_n: int):
     key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 0), 0)   # row 0, step 0
-    return sample_tokens(mask_padded(logits, n_valid)[None], key[None], temperature, top_k, top_p, False)[0]
+    dist = filtered_logits(mask_padded(logits, n_valid)[None].astype(jnp.float32), temperature, top_k, top_p)
+    tok = jax.random.categorical(key, dist[0]).astype(jnp.int32)
+    lp = dist[0] - jax.nn.logsumexp(dist[0])
+    top = jax.lax.top_k(lp, top_n) if top_n else None
+    return tok, lp[tok], top
 
 
-def sample_first(logits, sampling: Sampling, n_valid: int | None = None) -> int:
+def _host_top(lp: np.ndarray, n: int) -> list[tuple[int, float]]:
+    ids = np.argsort(-lp, kind="stable")[:n]
+    return [(int(i), float(lp[i])) for i in ids if np.isfinite(lp[i])]
+
+
+def sample_first(logits, sampling: Sampling, n_valid: int | None = None,
+                 top_n: int = 0) -> tuple[int, float, list[tuple[int, float]] | None]:
     """The token a one-row decode would sample at step 0 from `logits` [V] (same key stream), never
-    a padded id (>= n_valid). Greedy: the argmax of the logits brought to the host (one small
-    transfer, no device op: this runs on the latency path, once per merge join); else one jitted
-    call with host scalars."""
+    a padded id (>= n_valid), with its log-prob under the same distribution as the decode
+    program's (`programs._sample_rows`) and, with top_n, the top_n (id, log-prob). Greedy: the
+    argmax of the logits brought to the host (one small transfer, no device op: this runs on the
+    latency path, once per merge join); else one jitted call with host scalars."""
     if sampling.greedy:
         host = np.asarray(logits, np.float32)
-        return int(np.argmax(host[:n_valid] if n_valid is not None else host))
-    return int(_sample_first_fn(logits, np.int32(sampling.seed), np.float32(sampling.temperature),
-                                np.int32(sampling.top_k), np.float32(sampling.top_p), n_valid=n_valid))
+        if n_valid is not None:
+            host = np.where(np.arange(host.shape[-1]) < n_valid, host, -np.inf).astype(np.float32)
+        m = host.max()
+        lp = (host - (m + np.log(np.sum(np.exp(host - m), dtype=np.float32)))).astype(np.float32)
+        tok = int(np.argmax(host))
+        return tok, float(lp[tok]), (_host_top(lp, top_n) if top_n else None)
+    tok, lp, top = _sample_first_fn(logits, np.int32(sampling.seed), np.float32(sampling.temperature),
+                                    np.int32(sampling.top_k), np.float32(sampling.top_p), n_valid=n_valid,
+                                    top_n=top_n)
+    if top is not None:
+        vals, ids = jax.device_get(top)
+        top = [(int(i), float(v)) for i, v in zip(ids, vals) if np.isfinite(v)]
+    return int(tok), float(lp), top

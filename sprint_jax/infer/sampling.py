@@ -96,10 +96,12 @@ def mask_padded(logits: jax.Array, n_valid: int | None) -> jax.Array:
     return jnp.where(jnp.arange(logits.shape[-1]) < n_valid, logits, -jnp.inf)
 
 
-def sample_tokens(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p, greedy: bool) -> jax.Array:
-    """logits [B, V] fp32, keys [B] -> tokens [B] int32. temperature/top_k/top_p are traced scalars."""
-    if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+TOP_LOGPROBS = 20       # alternatives per token a decode reports when asked (the OpenAI API's most)
+
+
+def filtered_logits(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
+    """The logits a sampled row draws from, [B, V] fp32: logits / temperature with every id outside
+    top-k and outside the top-p nucleus at -inf (top_k 0 and top_p 1 keep every id)."""
     v = logits.shape[-1]
     logits = logits / jnp.maximum(temperature, 1e-6)
     sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]                       # descending
@@ -111,7 +113,14 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p,
     cutoff_idx = jnp.sum(cum - probs < top_p, axis=-1, keepdims=True) - 1
     pth = jnp.take_along_axis(sorted_logits, cutoff_idx, axis=-1)
     threshold = jnp.maximum(kth, pth)
-    masked = jnp.where(logits >= threshold, logits, -jnp.inf)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def sample_tokens(logits: jax.Array, keys: jax.Array, temperature, top_k, top_p, greedy: bool) -> jax.Array:
+    """logits [B, V] fp32, keys [B] -> tokens [B] int32. temperature/top_k/top_p are traced scalars."""
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    masked = filtered_logits(logits, temperature, top_k, top_p)
     return jax.vmap(lambda kk, lg: jax.random.categorical(kk, lg))(keys, masked).astype(jnp.int32)
 
 

@@ -19,6 +19,7 @@ from sprint_jax.infer import programs
 from sprint_jax.infer import sharding as sh
 from sprint_jax.infer.programs import DecodeRows, PrefillRows
 from sprint_jax.infer.requests import EngineError, Generation, Op, Row
+from sprint_jax.infer.sampling import TOP_LOGPROBS
 from sprint_jax.infer.slot_cache import bucket, bucket_fine
 
 
@@ -198,14 +199,17 @@ class Scheduler:
         s_b = min(bucket_fine(need_p, self.min_bucket), self.parent_capacity)
         c_b = min(bucket_fine(need_c, self.min_bucket), self.child_capacity) if forks else 1
         fed_rows, n_forced = r.feed_last, r.n_forced
+        feeding = bool(fed_rows.any())
+        # the alternatives per token, only when a request asks (a second compiled variant)
+        top_n = TOP_LOGPROBS if any(row.op.top_logprobs for _, row, _ in placed) else 0
         packed, layout = r.pack()
         res = programs.decode(
             self._step_params, self.config, self.cache, packed, layout=layout, chunk=self.decode_chunk, s_b=s_b,
             c_b=c_b, kv=self._kv, attention_impl=self.attention_impl, n_valid=self.n_valid,
-            feeding=bool(fed_rows.any()))
-        self.cache, out, reason = res[:3]
-        kept = res[4] if len(res) > 4 else None
-        out, reason = jax.device_get((out, reason))
+            feeding=feeding, top_logprobs=top_n)
+        self.cache, out, reason, _, lps = res[:5]
+        kept = res[5] if feeding else None
+        out, reason, lps, tops = jax.device_get((out, reason, lps, res[-2:] if top_n else None))
         self.stats["decode_calls"] += 1
         for i, row, child in placed:
             if n_forced[i]:                   # all taken: a row forces before it can finish
@@ -213,13 +217,19 @@ class Scheduler:
                     row.prefill_pos = len(row.run) - 1
                 else:
                     del self._prefill_work[row.op.seq.id]
-            new = [int(t) for t in out[i] if t >= 0]
+            cols = np.flatnonzero(out[i] >= 0)
+            new = [int(t) for t in out[i, cols]]
             self.stats["tokens"] += len(new)
             row.gen.extend(new)
+            row.lps.extend(float(x) for x in lps[i, cols])
+            if row.op.top_logprobs:
+                n = row.op.top_logprobs
+                row.tops.extend([(int(t), float(v)) for t, v in zip(tops[0][i, c, :n], tops[1][i, c, :n])
+                                 if np.isfinite(v)] for c in cols)
             k = row.scanner.feed(new)
             if k is not None:
                 row.overshoot = len(row.gen) - k
-                row.gen = row.gen[:k]
+                row.gen, row.lps, row.tops = row.gen[:k], row.lps[:k], row.tops[:k]
                 row.reason = "stop"
             elif reason[i] == 1:
                 row.reason = "eos" if row.gen and row.gen[-1] in self.eos_token_ids else "stop"
@@ -236,15 +246,20 @@ class Scheduler:
     def _row_done(self, row: Row, child: bool) -> None:
         op, seq = row.op, row.op.seq
         gen = Generation(tokens=row.gen, text=self.decode_text(row.gen), stop_reason=row.reason,
-                         overshoot=row.overshoot, steps=len(row.gen) + row.overshoot)
+                         overshoot=row.overshoot, steps=len(row.gen) + row.overshoot, logprobs=row.lps,
+                         top_logprobs=row.tops if op.top_logprobs else None)
         group = self._groups[seq.slot]
         if not child:
             group[0] = None
             seq.tokens = seq.tokens + row.gen
+            if seq.trace is not None:
+                seq.trace.sync(seq, row.lps)
             self._finish(op, gen)
             return
         group[1 + row.j] = None
         op.result[row.j] = gen
+        if seq.trace is not None:
+            seq.trace.child(row.j, row.run[1:] + row.gen, len(row.gen), row.lps)
         if seq.last_fork is not None:
             # what a merge join needs: the child's tokens, how many of them its slot holds, and the
             # logits after the last (None: not kept). At the end every forced token (prefilled or
