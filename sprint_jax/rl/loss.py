@@ -12,7 +12,10 @@ computed once before the first update and the clip matters (PPO). No KL by defau
 none); `kl_coef > 0` adds the k3 estimator against a frozen reference (the starting weights).
 
 Log-probs are those of the sampling distribution: logits / temperature (top-k / top-p are not
-modelled; keep them off for RL). Shardings, optimizer and train state are the SFT trainer's
+modelled; keep them off for RL). The batch lays each trajectory out as the engine decoded it
+(rl/layout.py `layout_trace`: positions, visibility and merge joins as run), so on-policy these
+log-probs equal the ones the engine sampled with (`rollout_logp`; the metric `rollout_logp_gap`
+is their mean absolute difference: numerics only). Shardings, optimizer and train state are the SFT trainer's
 (train/step.py `build_step`, the model/sharding.py rules table), so checkpoints are the same orbax layout.
 """
 from __future__ import annotations
@@ -30,7 +33,7 @@ from sprint_jax.model.config import Qwen2Config
 from sprint_jax.train import mesh as mesh_lib
 from sprint_jax.train import step as step_lib
 
-BATCH_KEYS = ("tokens", "positions", "parents", "span_end", "advantages", "mask")
+BATCH_KEYS = ("tokens", "positions", "parents", "span_end", "advantages", "mask", "stage", "branch", "rollout_logp")
 
 
 def _chunk_logp(params, config: Qwen2Config, hidden, tokens, temperature, n_valid=None):
@@ -41,12 +44,14 @@ def _chunk_logp(params, config: Qwen2Config, hidden, tokens, temperature, n_vali
 
 def token_logprobs(params, config: Qwen2Config, batch: dict, temperature: float = 1.0, remat: str = "none",
                    loss_chunk: int = 0, n_valid: int | None = None) -> jax.Array:
-    """log p(token | its trie ancestors) at `temperature`, fp32 [B, T] (train/step.py `token_nll`'s
-    layout: each token is predicted from its parent row's hidden state). With `n_valid` the
-    distribution is the engines' sampling one: over the tokenizer's ids only (padded ids masked,
-    infer/sampling.py `mask_padded`)."""
+    """log p(token | what it sees) at `temperature`, fp32 [B, T] (train/step.py `token_nll`'s
+    layout: each token is predicted from its parent row's hidden state; with the batch's stage /
+    branch the merge rule applies too, so a merge-join rollout is scored with the join it ran).
+    With `n_valid` the distribution is the engines' sampling one: over the tokenizer's ids only
+    (padded ids masked, infer/sampling.py `mask_padded`)."""
+    merge = {k: batch[k] for k in ("stage", "branch") if k in batch}
     hidden = qwen2.forward(params, config, batch["tokens"], batch["positions"],
-                           attention_mask=step_lib.attention_mask(batch["span_end"]), remat=remat,
+                           attention_mask=step_lib.attention_mask(batch["span_end"], **merge), remat=remat,
                            return_hidden=True)                               # [B, T, E]
     src = jnp.maximum(batch["parents"], 0)
     hidden = jnp.take_along_axis(hidden, src[..., None], axis=1)
@@ -86,6 +91,8 @@ def policy_loss(params, config: Qwen2Config, batch: dict, denom, s: LossSettings
     aux = {"pg_sum": jnp.sum(mask * per_token),
            "clipped_tokens": jnp.sum(mask * (jnp.abs(ratio - 1.0) > s.clip_eps)),
            "logp_sum": jnp.sum(mask * logp)}
+    if "rollout_logp" in batch:      # on-policy, logp equals the rollout's (the engine's) up to numerics
+        aux["rollout_gap_sum"] = jnp.sum(mask * jnp.abs(logp - batch["rollout_logp"]))
     if ref_logp is not None:
         d = ref_logp - logp
         kl = jnp.exp(d) - d - 1.0
@@ -159,6 +166,8 @@ def update(rl: RLStep, state: dict, arrays: dict, updates_per_batch: int, ref_pa
             out = {"loss": loss, "grad_norm": float(m_apply["grad_norm"]), "lr": float(m_apply["lr"]),
                    "mean_logp": sums["logp_sum"] / max(n_loss, 1.0),
                    "clip_frac": sums["clipped_tokens"] / max(n_loss, 1.0)}
+            if "rollout_gap_sum" in sums:
+                out["rollout_logp_gap"] = sums["rollout_gap_sum"] / max(n_loss, 1.0)
             if "kl_sum" in sums:
                 out["kl"] = sums["kl_sum"] / max(n_loss, 1.0)
     out["update_loss_tokens"] = int(n_loss)

@@ -12,7 +12,10 @@ completion ids):
 This is the same cut the `trie` training layout makes (train/data.py): a planner call sees its
 context, an executor sees the planner context, its plan and its forced `<execution_i.j>`, never
 its siblings. Generated tokens include an EOS the model wrote (it was sampled, so it is learnt);
-forced openings and the orchestrator's repairs are context.
+forced openings and the orchestrator's repairs are context. On an engine built with `trace=True`
+each trajectory also holds its sequence's `DecodeTrace`: every token as the engine computed it
+(positions, join, the log-prob it was sampled with), which the loss lays out for every layout,
+the merge join included (rl/layout.py `layout_trace`); the units stay for accounting and tests.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import time
 from typing import Any, Sequence
 
 from sprint_jax.infer.orchestrator import OrchestratorConfig, RunRecord, run_many
+from sprint_jax.infer.requests import DecodeTrace
 
 
 @dataclasses.dataclass
@@ -33,10 +37,13 @@ class Unit:
 
 @dataclasses.dataclass
 class Trajectory:
-    """One rollout: the run record (text, accounting) and the units that carry loss."""
+    """One rollout: the run record (text, accounting), the units that carry loss, and (on an
+    engine built with `trace=True`) how the engine computed every token (`DecodeTrace`: what the
+    loss lays out, `rl/layout.py` `layout_trace`)."""
     record: RunRecord
     units: list[Unit]
     seed: int
+    trace: DecodeTrace | None = None
 
     @property
     def generated_tokens(self) -> int:
@@ -53,8 +60,11 @@ class Rollouts:
 
     def run(self, queries: Sequence[str], seeds: Sequence[int], mode: str) -> list[Trajectory]:
         units: list[list[Unit]] = [[] for _ in queries]
+        traces: list[DecodeTrace | None] = [None] * len(queries)
 
         def on_call(i: int, call, context: list[int], result) -> None:
+            if traces[i] is None:
+                traces[i] = getattr(call.state, "trace", None)
             if call.kind == "generate":
                 units[i].append(Unit(context, list(result.tokens), "planner"))
             elif call.kind == "branches":
@@ -64,7 +74,7 @@ class Rollouts:
         configs = [dataclasses.replace(self.config, seed=int(s)) for s in seeds]
         records = run_many(self.engine, list(queries), mode, self.config, concurrency=self.concurrency,
                            configs=configs, on_call=on_call)
-        return [Trajectory(r, u, int(s)) for r, u, s in zip(records, units, seeds)]
+        return [Trajectory(r, u, int(s), t) for r, u, s, t in zip(records, units, seeds, traces)]
 
 
 def timed_run(rollouts: Rollouts, queries, seeds, mode) -> tuple[list[Trajectory], float]:
