@@ -226,7 +226,8 @@ def test_compare_sampled_runs_speedup_parallelism_and_the_8k_bin_by_hand(tmp_pat
     assert last["sequential_ratio"] == pytest.approx(7000 / 10500)
     assert last["context_full"] == {"a": 0.5, "b": 0.5}
     assert t["summary"]["SPRINT"]["context_full"] == pytest.approx(1 / 6)
-    assert "activation ratio" in printed and "mean per-problem speedup" in printed and "Avg@k" in printed
+    assert "activation ratio" in printed and "mean per-problem speedup" in printed
+    assert "Avg@2 ± s.e. (%)             66.7±16.7   83.3±16.7" in printed
     # a problem's sample listed twice is refused, naming it
     rows = _rows(A_RUNS, "parallel")
     (tmp_path / "a" / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + rows[:1]))
@@ -336,3 +337,16 @@ def test_eval_samples_with_the_chat_template_on_the_batched_engine(hf_untied, tm
         assert r["outcome"] == ("context_full" if cut else "wrong") and r["sequential_tokens"] <= 12
     assert report["outcomes"]["context_full"] == sum(r["termination"] == "token_budget" for r in results)
     assert report["samples"]["samples_per_problem"] == {"min": 2, "max": 2}
+
+
+def test_wall_clock_per_problem_counts_all_of_a_problem_s_samples(tmp_path):
+    from sprint_jax.eval.report import wall_clock_summary
+
+    rows = [_run("p1", 0, True, wall=2.0), _run("p1", 1, False, wall=2.0), _run("p2", 0, True, wall=1.0),
+            _run("p2", 1, True, wall=3.0)]
+    for r, end in zip(rows, (2.0, 3.0, 4.0, 6.0)):
+        r.update(invocation=1, finished_s=end, concurrency=2)
+    # intervals [0, 2], [1, 3], [3, 4], [3, 6]: 6 s covered; 2 problems, 3 correct runs
+    s = wall_clock_summary(tmp_path, rows)
+    assert s["wall_clock_s"] == pytest.approx(6.0)
+    assert s["wall_per_problem_s"] == pytest.approx(3.0) and s["wall_per_correct_s"] == pytest.approx(2.0)

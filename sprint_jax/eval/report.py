@@ -612,9 +612,11 @@ def _format_bins(bins: Sequence[dict], name_a: str, name_b: str) -> list[str]:
 
     def num(v, f):
         return "-" if v is None else format(v, f)
+    def tokens(v):        # a per-problem mean of a sampled run may be fractional
+        return str(int(v)) if float(v).is_integer() else f"{v:.1f}"
     for b in bins:
-        hi = "inf" if b["max_baseline_tokens"] is None else str(b["max_baseline_tokens"])
-        lines.append(f"  {str(b['min_baseline_tokens']) + '-' + hi:>16} {b['n']:>5} "
+        hi = "inf" if b["max_baseline_tokens"] is None else tokens(b["max_baseline_tokens"])
+        lines.append(f"  {tokens(b['min_baseline_tokens']) + '-' + hi:>16} {b['n']:>5} "
                      f"{num(b['a']['accuracy'], '.3f'):>11} {num(b['b']['accuracy'], '.3f'):>11} "
                      f"{num(b['a']['mean_sequential_tokens'], '.1f'):>10} {num(b['b']['mean_sequential_tokens'], '.1f'):>10} "
                      f"{num(b['sequential_ratio'], '.3f'):>9} {num(b['a']['mean_wall_s'], '.2f'):>10} "
@@ -630,17 +632,18 @@ def _format_extras(table: dict) -> list[str]:
     pct = lambda v: "n/a" if v is None else f"{100 * v:.1f}%"  # noqa: E731
     lines = []
     if "context_full" in table["summary"][name_a]:
-        lines.append(f"{'context_full (cut, not wrong)':26}{pct(table['summary'][name_a]['context_full']):>12}"
+        lines.append(f"{'context_full (cut runs)':26}{pct(table['summary'][name_a]['context_full']):>12}"
                      f"{pct(table['summary'][name_b]['context_full']):>12}")
     samples = table.get("samples") or {}
     if any((samples.get(n) or {}).get("samples_per_problem", {}).get("max", 1) > 1 for n in (name_a, name_b)):
-        cells = []
+        cells, ks = [], set()
         for n in (name_a, name_b):
             s = samples[n]
-            k = s["samples_per_problem"]
-            ks = str(k["min"]) if k["min"] == k["max"] else f"{k['min']}-{k['max']}"
-            cells.append(f"{100 * s['avg_at_k']:.1f}±{100 * (s['avg_at_k_se'] or 0):.1f} (k={ks})")
-        lines.append(f"{'Avg@k ± s.e. (%)':26}{cells[0]:>20}{cells[1]:>20}")
+            ks |= {s["samples_per_problem"]["min"], s["samples_per_problem"]["max"]}
+            se = s["avg_at_k_se"]
+            cells.append(f"{100 * s['avg_at_k']:.1f}" + ("" if se is None else f"±{100 * se:.1f}"))
+        label = f"Avg@{ks.pop() if len(ks) == 1 else 'k'} ± s.e. (%)"
+        lines.append(f"{label:26}{cells[0]:>12}{cells[1]:>12}")
     par = table.get("parallelism") or {}
     if par:
         lines.append(f"{'self-parallelism (tot/seq)':26}"
@@ -712,7 +715,8 @@ def _legacy_report(run_dir: str | Path, n: int) -> tuple[float | None, int | Non
 
 def wall_clock_summary(run_dir: str | Path, results: Sequence[dict]) -> dict:
     """Wall clock of one eval run, from its problems' own timings (`run_wall_clock`, compilation
-    excluded, summed over the invocations of a resumed run): per problem and per correct answer,
+    excluded, summed over the invocations of a resumed run): per problem (all its samples) and per
+    correct answer (a correct run),
     the mean per-problem latency (wall_s), and the concurrency the problems ran at (several
     values for a run resumed at another concurrency). Per problem at concurrency 1 is latency; at
     N it is the inverse throughput. A run written before the per-problem timings falls back on its
@@ -720,7 +724,7 @@ def wall_clock_summary(run_dir: str | Path, results: Sequence[dict]) -> dict:
     wall, conc = run_wall_clock(results), run_concurrency(results)
     if wall is None or conc is None:
         wall, conc = _legacy_report(run_dir, len(results))
-    n = len(results)
+    n = len(by_problem(results))         # problems: a sampled problem's runs all count in its time
     correct = sum(bool(r["correct"]) for r in results)
     return {"concurrency": conc, "wall_clock_s": wall,
             "wall_per_problem_s": wall / n if wall is not None and n else None,
