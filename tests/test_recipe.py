@@ -132,8 +132,10 @@ def test_bad_configs_are_one_line_exit_2(tmp_path, capsys, change, match):
 
 def test_r1_recipe_needs_its_keys_from_the_environment_and_never_writes_them(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("DEEPSEEK_API_KEY", raising=False)
+    assert load_recipe_config(R1).eval.sets[0].data == "math500"   # loading (and `status`) needs no key
     assert main(["recipe", "run", str(R1), "--out", str(tmp_path / "run")]) == 2
     assert "DEEPSEEK_API_KEY is not set" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "state.json").exists()
     monkeypatch.setenv("DEEPSEEK_API_KEY", "sk-deepseek-secret")
     monkeypatch.setenv("OPENAI_API_KEY", "sk-openai-secret")
     cfg = load_recipe_config(R1)
@@ -250,3 +252,14 @@ def test_status_of_a_directory_without_a_run_is_one_line(tmp_path, capsys):
     assert main(["recipe", "status", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "holds no recipe run" in err[0]
+
+
+def test_a_moved_directory_keeps_its_stages(tmp_path, fake_stages, capsys):
+    ran, _ = fake_stages
+    cfg, out = _tiny(tmp_path), tmp_path / "run"
+    assert _run(cfg, out) == 0 and ran == STAGES
+    ran.clear()
+    moved = tmp_path / "elsewhere"
+    out.rename(moved)
+    assert _status(moved, capsys) == {s: "done" for s in STAGES}
+    assert _run(cfg, moved) == 0 and ran == []

@@ -62,9 +62,10 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     from sprint_jax.config import to_dict
-    from sprint_jax.recipe.config import load_recipe_config
+    from sprint_jax.recipe.config import check_api_keys, load_recipe_config
 
     cfg = load_recipe_config(args.target, args.set)
+    check_api_keys(cfg)
     text = (f"# the recipe of the last `sprint-jax recipe run` into this directory ({args.target}"
             + (f" with --set {' '.join(args.set)}" if args.set else "") + ")\n"
             + yaml.safe_dump(to_dict(cfg), sort_keys=False))

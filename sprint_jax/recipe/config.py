@@ -76,12 +76,7 @@ class RecipeConfig:
         from sprint_jax.curation.config import CurateConfig
         from sprint_jax.train.config import TrainConfig
 
-        curate = from_dict(CurateConfig, self.curate, prefix="curate.")
-        for section, endpoint, used in (("teacher", curate.teacher, curate.teacher.kind == "openai"),
-                                        ("extractor", curate.extractor, curate.extractor.kind == "llm"),
-                                        ("dag", curate.dag, curate.dag.kind == "llm")):
-            if used:
-                endpoint.api_key(f"curate.{section}")   # a missing key is a config error now, not hours later
+        from_dict(CurateConfig, self.curate, prefix="curate.")
         data = dict(self.train.get("data") or {})
         for owned in ("train", "layout", "paired"):
             if owned in data:
@@ -94,6 +89,19 @@ class RecipeConfig:
             if s.data not in BUILTIN_DATA and not Path(s.data).exists():
                 raise ValueError(f"eval set {s.name}: data {s.data!r} is not {', '.join(BUILTIN_DATA)} "
                                  f"or an existing file")
+
+
+def check_api_keys(cfg: RecipeConfig) -> None:
+    """ConfigError naming the variable when an endpoint the curation calls has no key in the
+    environment: at the start of a run, not hours later when the stage reaches it."""
+    from sprint_jax.curation.config import CurateConfig
+
+    curate = from_dict(CurateConfig, cfg.curate, prefix="curate.")
+    for section, endpoint, used in (("teacher", curate.teacher, curate.teacher.kind == "openai"),
+                                    ("extractor", curate.extractor, curate.extractor.kind == "llm"),
+                                    ("dag", curate.dag, curate.dag.kind == "llm")):
+        if used:
+            endpoint.api_key(f"curate.{section}")
 
 
 def load_recipe_config(path: str | Path | None, overrides=()) -> RecipeConfig:

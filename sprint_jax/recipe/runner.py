@@ -172,7 +172,8 @@ def stat_print(paths: list[Path]) -> str | None:
             return None
         for p in _files_under(path):
             st = p.stat()
-            h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+            name = path.name if p == path else p.relative_to(path)    # not absolute: DIR may move
+            h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
     return h.hexdigest()
 
 
@@ -183,7 +184,7 @@ def inputs_digest(stage: Stage, out: Path, state: dict) -> str:
     spec = {"command": [a.replace(root, DIR_TOKEN) for a in stage.command or ["(in-process)"]],
             "config": (stage.config or "").replace(root, DIR_TOKEN),
             "after": {u: state["stages"].get(u, {}).get("outputs") for u in stage.after},
-            "files": {str(p): tree_digest(p, cache) for p in stage.files}}
+            "files": {str(p).replace(root, DIR_TOKEN): tree_digest(p, cache) for p in stage.files}}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
