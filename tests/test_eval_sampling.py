@@ -306,6 +306,7 @@ def test_chat_template_equals_transformers_own_and_applies_where_it_should(tmp_p
         model_prompt_fn(str(tmp_path), tiny_vocab_tokenizer(), "on")
 
 
+@pytest.mark.slow
 def test_eval_samples_with_the_chat_template_on_the_batched_engine(hf_untied, tmp_path):
     """The command end to end on a tiny real checkpoint whose tokenizer has a chat template: two
     samples per problem in one batch, the template in every query, eval's context sized by the
@@ -337,6 +338,13 @@ def test_eval_samples_with_the_chat_template_on_the_batched_engine(hf_untied, tm
         assert r["outcome"] == ("context_full" if cut else "wrong") and r["sequential_tokens"] <= 12
     assert report["outcomes"]["context_full"] == sum(r["termination"] == "token_budget" for r in results)
     assert report["samples"]["samples_per_problem"] == {"min": 2, "max": 2}
+    # a sample is its seed's: the same runs one at a time give the same tokens
+    again = tmp_path / "again"
+    assert main(["eval", "--model", str(model), "--data", str(task_file), "--mode", "sequential", "--limit", "2",
+                 "--samples", "2", "--temperature", "0.6", "--top-p", "0.95", "--out", str(again), "--no-progress",
+                 "--decode-chunk", "8", "--prefill-chunk", "32", "--max-prompts", "1", "--max-branch-tokens", "8",
+                 "--max-total-tokens", "12", "--concurrency", "1"]) == 0
+    assert [r["text"] for r in _lines(again / "records.jsonl")] == [r["text"] for r in records]
 
 
 def test_wall_clock_per_problem_counts_all_of_a_problem_s_samples(tmp_path):
@@ -350,3 +358,31 @@ def test_wall_clock_per_problem_counts_all_of_a_problem_s_samples(tmp_path):
     s = wall_clock_summary(tmp_path, rows)
     assert s["wall_clock_s"] == pytest.approx(6.0)
     assert s["wall_per_problem_s"] == pytest.approx(3.0) and s["wall_per_correct_s"] == pytest.approx(2.0)
+
+
+def test_shards_of_a_sampled_eval_merge_to_the_unsharded_one(tmp_path):
+    from sprint_jax.eval.shards import merge_shards, shard_meta
+
+    tasks = TASKS + [Task("c", "math", QUERIES["a"] + " ", "1/2")]     # a third problem (a's script)
+
+    def prompt(t):
+        return t.problem.strip()
+    whole, _ = evaluate(SeededEngine(), tasks, "sequential", prompt_fn=prompt, orchestrator_config=CONFIG,
+                        out_dir=tmp_path / "whole", progress=False, samples=3, meta={"data": "x"})
+    for i in range(2):
+        sh = shard_meta(len(tasks), i, 2)
+        evaluate(SeededEngine(), [tasks[k] for k in sh["positions"]], "sequential", prompt_fn=prompt,
+                 orchestrator_config=CONFIG, out_dir=tmp_path / f"s{i}", progress=False, samples=3,
+                 meta={"data": "x", "shard": sh})
+    report = merge_shards([tmp_path / "s1", tmp_path / "s0"], tmp_path / "merged")
+    merged = _lines(tmp_path / "merged" / "results.jsonl")
+    assert [(r["id"], r["sample"]) for r in merged] == [(p, s) for p in "abc" for s in range(3)]
+    assert [untimed(r) for r in merged] == [untimed(r) for r in json.loads(json.dumps(whole))]
+    # a: 2 of 3 correct (samples 0, 2), b: 1 of 3, c: as a -> Avg@3 = 5/9
+    assert report["samples"]["avg_at_k"] == pytest.approx(5 / 9) and report["problems_in_out"] == 3
+    # a shard missing one sample of a problem is incomplete
+    lines = (tmp_path / "s0" / "results.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "s0" / "results.jsonl").write_text("".join(lines[:-1]))
+    from sprint_jax.errors import UserError
+    with pytest.raises(UserError, match="incomplete"):
+        merge_shards([tmp_path / "s0", tmp_path / "s1"], tmp_path / "merged2")
