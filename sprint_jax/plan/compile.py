@@ -35,6 +35,9 @@ def slice_devices(name: str) -> tuple:
     """The compile-only devices of a libtpu topology name (cached per process). libtpu writes
     start-up warnings about the missing TPU host to the process's stderr; they are held back and
     shown only in the error if the topology cannot be made."""
+    # libtpu takes a host-wide lock for the TPU chips it would drive; a compile-only topology
+    # drives none, and without this a second planning process (or test run) is refused
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         from jax.experimental import topologies
     except ImportError as e:   # pragma: no cover - jax is a dependency

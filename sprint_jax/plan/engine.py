@@ -143,7 +143,9 @@ def engine_programs(shape: EngineShape, devices) -> tuple[list[Program], list[st
     meta = np.zeros((parts, 2 + 2 * k), np.int32)
     out.append(Program(f"join copy {k} children", lambda: programs.copy_join.trace(
         cache, rows_of(meta), w=window, kv=kv), "join_copy", k))
-    return out, notes
+    # the decode calls first: the programs a mesh is most likely to refuse (a search stops there)
+    order = {"decode_stage": 0, "decode_planner": 1, "prefill": 2, "join_copy": 3}
+    return sorted(out, key=lambda p: order[p.kind]), notes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,16 +178,22 @@ def _split(n: int, ways: int) -> float:
     return n / ways if ways > 1 and n % ways == 0 else n
 
 
-def cache_bytes(shape: EngineShape) -> float:
-    """Per-chip bytes of the slot cache: KV bytes per token x (C parent slots x parent capacity
-    + C x K child slots x child capacity), the slots over data x fsdp and the KV heads over tensor
-    where they divide."""
+def cache_parts(shape: EngineShape) -> dict[str, float]:
+    """Per-chip bytes of the slot cache's parent slots (C x parent capacity) and child slots
+    (C x K x child capacity), K and V: the slots over data x fsdp and the KV heads over tensor
+    where they divide (a child slot stays with its parent when the parents do not split)."""
     per_token = kv_chip_bytes_per_token(shape)
     slots = shape.mesh[0] * shape.mesh[1]
     c, k = shape.concurrency, shape.executors
-    parents = _split(c, slots) * shape.parent_capacity
-    children = (_split(c * k, slots) if _split(c, slots) != c else c * k) * shape.child_capacity
-    return per_token * (parents + children)
+    local = _split(c, slots)
+    children = (_split(c * k, slots) if local != c else c * k)
+    return {"parents": per_token * local * shape.parent_capacity,
+            "children": per_token * children * shape.child_capacity}
+
+
+def cache_bytes(shape: EngineShape) -> float:
+    """Per-chip bytes of the whole slot cache (`cache_parts`)."""
+    return sum(cache_parts(shape).values())
 
 
 def memory_estimate(shape: EngineShape, kind: str) -> dict[str, float]:
@@ -205,11 +213,16 @@ def memory_estimate(shape: EngineShape, kind: str) -> dict[str, float]:
     weights = {"join_copy": 0.0, "prefill": weight_bytes(shape, ("lm_head/kernel",))}
     out = {"weights": weights.get(kind, weight_bytes(shape)), "cache": cache_bytes(shape)}
     v_local = _split(cfg.vocab_size, t)
+    cache = cache_parts(shape)
     if kind == "decode_planner":
         rows = local
+        # XLA's TPU compile of the decode loop holds a second copy of the slots it writes (read
+        # off memory_analysis at 7B and toy sizes: temp = those slots + the rest below)
+        out["written_copy"] = cache["parents"]
         out["logits"] = 2 * FP32 * rows * v_local
     elif kind == "decode_stage":
         rows = local * shape.executors
+        out["written_copy"] = cache["children"]
         out["logits"] = 2 * FP32 * rows * v_local
         out["gathered_children"] = 2 * item * rows * hkv * shape.child_capacity * cfg.head_dim
         out["suffix_scores"] = FP32 * rows * _split(cfg.num_attention_heads, t) * shape.child_capacity
@@ -318,11 +331,12 @@ def shape_label(shape: EngineShape, model: str) -> str:
 
 
 def engine_rows(shape: EngineShape, where, model: str, set_mesh: bool = False,
-                progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+                progress: Callable[[str], None] | None = None, stop_at_failure: bool = False) -> list[dict[str, Any]]:
     """Compile each program of `shape` for the slice `where` (a `chips.Slice`; the mesh must use
     all its chips) and return one row per program (plan train's row keys, and `kind`,
     `decode_ms`). set_mesh: trace under the mesh as the active abstract mesh (what the train
-    step does; the engine does not), which the Pallas prefill needs under tensor parallelism."""
+    step does; the engine does not), which the Pallas prefill needs under tensor parallelism.
+    stop_at_failure: no program is compiled after one that does not fit (a search's candidate)."""
     import jax
 
     from sprint_jax.plan.compile import as_tpu, compile_traced, slice_devices
@@ -373,6 +387,8 @@ def engine_rows(shape: EngineShape, where, model: str, set_mesh: bool = False,
             else:
                 progress(f"not compiled: {result.error}")
         rows.append(row)
+        if stop_at_failure and not row["fits"]:
+            break
     return rows
 
 
@@ -510,12 +526,13 @@ def search(shape: EngineShape, top, model: str, set_mesh: bool = False,
                     progress(f"search: {where.name} mesh {mesh_text(mesh)}: estimate {need / 2 ** 30:.1f} GiB per "
                              f"chip > {FILL:.0%} of {where.chip.hbm_gib:g} GiB, skipped")
                 continue
-            rows = engine_rows(candidate, where, model, set_mesh, progress)
+            rows = engine_rows(candidate, where, model, set_mesh, progress, stop_at_failure=True)
             for r in rows:
                 r["search"] = True
             tried.extend(rows)
-            candidates += 1
-            if all(r["fits"] for r in rows):
+            # a program refused while lowering costs seconds; one that reached the compiler, minutes
+            candidates += any(r["compile_s"] > 0 for r in rows)
+            if len(rows) == len(KINDS) and all(r["fits"] for r in rows):
                 return rows, tried
             if candidates >= MAX_SEARCH_CANDIDATES:
                 return None, tried
