@@ -386,3 +386,35 @@ def test_shards_of_a_sampled_eval_merge_to_the_unsharded_one(tmp_path):
     from sprint_jax.errors import UserError
     with pytest.raises(UserError, match="incomplete"):
         merge_shards([tmp_path / "s0", tmp_path / "s1"], tmp_path / "merged2")
+
+
+# ---------------------------------------------------------------------------------------------
+# the 7B eval config
+# ---------------------------------------------------------------------------------------------
+def test_the_7b_eval_config_samples_with_no_cap_below_its_budget_and_its_memory_figures_hold():
+    import re
+
+    from sprint_jax.config import CONFIG_DIR, load_config
+    from sprint_jax.eval.cli import default_max_seq_len
+    from sprint_jax.model.capacity import engine_cache_tokens, kv_cache_bytes
+    from sprint_jax.model.config import Qwen2Config
+
+    path = CONFIG_DIR / "eval_r1_distill_7b.yaml"
+    cfg = load_config(OrchestratorConfig, path)
+    assert (cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_total_tokens) == (0.6, 0.95, 0, 32768)
+    assert cfg.max_planner_tokens >= cfg.max_total_tokens and cfg.max_branch_tokens >= cfg.max_total_tokens
+    model_json = CONFIG_DIR / "model_r1-distill-qwen-7b.json"
+    # eval's context without --max-seq-len: the budget + 2048; never past the model's 131072 positions
+    assert default_max_seq_len(str(model_json), cfg) == 32768 + 2048
+    assert default_max_seq_len(str(model_json), OrchestratorConfig(max_total_tokens=200_000)) == 131072
+    # the KV figures in the config's comments, by hand: 2 (K, V) x 28 layers x 4 KV heads x 128 x 2 bytes
+    per_position = 2 * 28 * 4 * 128 * 2
+    mcfg = Qwen2Config.from_hf_config(model_json).replace(dtype="bfloat16")
+    assert kv_cache_bytes(mcfg, 1) == per_position == 56 * 1024
+    text = path.read_text()
+    run = 34816 + 8 * (32768 + 32)
+    assert engine_cache_tokens(1, 34816, 8, 32768) == run == 297_216 and "297,216 positions" in text
+    for figure, positions in (("15.9 GiB", run), ("63.5 GiB", 4 * run), ("127.0 GiB", 8 * run),
+                              ("3.6 GiB", 34816 + 32768 + 32)):
+        assert figure in text and f"{positions * per_position / 2 ** 30:.1f} GiB" == figure
+    assert "67,616 positions" in text and re.search(r"huggingface\.co/deepseek-ai/DeepSeek-R1", text)
