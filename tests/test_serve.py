@@ -203,7 +203,7 @@ BAD = [
     (dict(model=NAME, prompt="hi", n=2, max_tokens=60), 400, "with n > 1"),
     (dict(model=NAME, prompt="", max_tokens=4), 400, "prompt is empty"),
     (dict(model=NAME, prompt="hi", stop=["a", "b", "c", "d", "e"]), 400, "stop must be"),
-    (dict(model=NAME, prompt="hi", logprobs=2), 400, "logprobs is not supported"),
+    (dict(model=NAME, prompt="hi", logprobs=6), 400, "logprobs must be between 0 and 5"),
     (dict(model=NAME, prompt="caf\u00e9", max_tokens=2), 400, "prompt: the tokenizer cannot encode it"),
     (dict(model=NAME, prompt="hi", extra_body={"top_k": -1}), 400, "top_k must be between 0 and 307"),
     (dict(model=NAME, prompt="hi", extra_body={"seed": "x"}), 400, "seed must be an integer"),

@@ -42,17 +42,18 @@ INLINE_BYTES = 64 * 1024
 # any field neither here nor there is rejected by name, as OpenAI rejects unknown arguments.
 FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
           "user", "sprint"}
-COMPLETION_FIELDS = FIELDS | {"prompt"}
-CHAT_FIELDS = FIELDS | {"messages", "max_completion_tokens", "metadata", "parallel_tool_calls"}
+COMPLETION_FIELDS = FIELDS | {"prompt", "logprobs"}
+CHAT_FIELDS = FIELDS | {"messages", "max_completion_tokens", "metadata", "parallel_tool_calls", "logprobs", "top_logprobs"}
+COMPLETION_TOP_MAX = 5      # completions' `logprobs` (alternatives per token), as OpenAI bounds it
+CHAT_TOP_MAX = 20           # chat's `top_logprobs` (= the engine's TOP_LOGPROBS)
 OFF_ONLY = {        # field: (the accepted values, how the error names them)
-    "presence_penalty": ((0,), "0"), "frequency_penalty": ((0,), "0"), "logprobs": ((False,), "null or false"),
-    "top_logprobs": ((), "null"), "echo": ((False,), "false"), "best_of": ((1,), "1"), "logit_bias": (({},), "{}"),
+    "presence_penalty": ((0,), "0"), "frequency_penalty": ((0,), "0"), "echo": ((False,), "false"), "best_of": ((1,), "1"), "logit_bias": (({},), "{}"),
     "suffix": ((), "null"), "tools": (([],), "[]"), "functions": (([],), "[]"), "tool_choice": (("none",), '"none"'),
     "function_call": (("none",), '"none"'), "response_format": (({"type": "text"},), '{"type": "text"}'),
     "store": ((False,), "false (this server stores nothing)"),
 }
-COMPLETION_OFF = ("presence_penalty", "frequency_penalty", "logprobs", "echo", "best_of", "logit_bias", "suffix")
-CHAT_OFF = ("presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "logit_bias", "tools", "functions",
+COMPLETION_OFF = ("presence_penalty", "frequency_penalty", "echo", "best_of", "logit_bias", "suffix")
+CHAT_OFF = ("presence_penalty", "frequency_penalty", "logit_bias", "tools", "functions",
             "tool_choice", "function_call", "response_format", "store")
 
 
@@ -481,6 +482,10 @@ async def build_job(body: dict, state: ServeState, chat: bool, channel: Channel)
     if not isinstance(stream, bool):
         raise APIError(400, f"stream must be a boolean, got {_show(stream)}", "stream")
     include_usage = _include_usage(body, stream)
+    top = _logprobs_request(body, chat)
+    if top is not None and (sprint or stream):
+        raise APIError(400, f"logprobs {'in SPRINT mode' if sprint else 'with stream'} is not supported: ask "
+                            f"without {'SPRINT' if sprint else 'stream'} for token log-probs", "logprobs")
     n = _int(body, "n", 1, 1, state.engine.max_children)
     stop = _stop(body)
     sampling = _sampling_fields(body, state)
@@ -535,7 +540,24 @@ async def build_job(body: dict, state: ServeState, chat: bool, channel: Channel)
     except SamplingError as e:                 # a range the checks above do not cover: still the request's fault
         raise APIError(400, str(e)) from None
     return Job("plain", channel, prompt=prompt, n=n, max_tokens=max_tokens, stop=stop, sampling=sampling,
-               stream=stream), len(prompt), include_usage
+               stream=stream, logprobs=top is not None, top_logprobs=top or 0), len(prompt), include_usage
+
+
+def _logprobs_request(body: dict, chat: bool) -> int | None:
+    """How many alternatives per token the request asks for with its log-probs; None: no log-probs.
+    Completions: `logprobs` an integer 0..5 (false / null: none). Chat: `logprobs` true, with
+    `top_logprobs` 0..20 (which needs `logprobs` true, as OpenAI has it)."""
+    if not chat:
+        if body.get("logprobs") is False:
+            return None
+        return _int(body, "logprobs", None, 0, COMPLETION_TOP_MAX)
+    on = body.get("logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise APIError(400, f"logprobs must be a boolean, got {_show(on)}", "logprobs")
+    top = _int(body, "top_logprobs", None, 0, CHAT_TOP_MAX)
+    if top is not None and not on:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if on else None
 
 
 def _prompt(body: dict, state: ServeState) -> tuple[str | None, list[int] | None]:
@@ -577,11 +599,37 @@ def _usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _choice(chat: bool, index: int, text: str, finish: str | None) -> dict:
+def _choice(chat: bool, index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
     if chat:
         return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                "logprobs": None}
-    return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+                "logprobs": logprobs}
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+
+
+def _logprobs_json(chat: bool, gen, text: str, n: int, decode) -> dict:
+    """A choice's `logprobs` from the engine's (Generation.logprobs / top_logprobs): one entry per
+    token of the returned text (a token past a stop string, or EOS, is not in it), each token's
+    log-prob under the distribution it was drawn from (a greedy request: the model's own at
+    temperature 1) and its n most likely alternatives. Token strings are each token decoded alone;
+    text_offset (completions) counts their characters."""
+    toks, offsets, at = [], [], 0
+    for t in gen.tokens:
+        if at >= len(text):
+            break
+        s = decode([t])
+        toks.append(s)
+        offsets.append(at)
+        at += len(s)
+    k = len(toks)
+    tops = [[(decode([i]), v) for i, v in alt[:n]] for alt in (gen.top_logprobs or [[]] * k)[:k]]
+    if not chat:
+        return {"tokens": toks, "token_logprobs": [float(x) for x in gen.logprobs[:k]],
+                "top_logprobs": [dict(alt) for alt in tops] if n else None, "text_offset": offsets}
+
+    def entry(s: str, v: float) -> dict:
+        return {"token": s, "logprob": float(v), "bytes": list(s.encode("utf-8"))}
+    return {"content": [dict(entry(s, v), top_logprobs=[entry(a, w) for a, w in alt])
+                        for s, v, alt in zip(toks, gen.logprobs, tops)], "refusal": None}
 
 
 def _delta(chat: bool, index: int, text: str, finish: str | None = None, first: bool = False) -> dict:
@@ -819,7 +867,9 @@ class _Endpoints:
         choices, completion = [], 0
         for i, g in enumerate(value):
             text, finish = _finish(g, job.stop)
-            choices.append(_choice(chat, i, text, finish))
+            lp = _logprobs_json(chat, g, text, job.top_logprobs, self.state.engine.decode_text) if job.logprobs \
+                else None
+            choices.append(_choice(chat, i, text, finish, lp))
             completion += len(g.tokens)
         return _JSON(head.body(choices=choices, usage=_usage(n_prompt, completion)))
 

@@ -173,6 +173,8 @@ class Job:
     stop: list[str] = dataclasses.field(default_factory=list)
     sampling: Sampling = dataclasses.field(default_factory=Sampling)
     stream: bool = False
+    logprobs: bool = False                  # plain: the reply carries token log-probs
+    top_logprobs: int = 0                   # plain: alternatives per token the engine reports
     query: str = ""                         # sprint
     mode: str = "parallel"
     config: Any = None                      # sprint: OrchestratorConfig
@@ -493,10 +495,11 @@ class EngineWorker:
         if not op.done:
             return
         if op.kind == "open":              # an EngineError here ends the job (`_job_failed`: a 400)
+            top = {"top_logprobs": job.top_logprobs} if job.top_logprobs else {}
             if job.n == 1:
-                job.op = self.engine.generate(job.seq, job.max_tokens, job.stop, job.sampling)
+                job.op = self.engine.generate(job.seq, job.max_tokens, job.stop, job.sampling, **top)
             else:
-                job.op = self.engine.fork(job.seq, [[]] * job.n, job.max_tokens, job.stop, job.sampling)
+                job.op = self.engine.fork(job.seq, [[]] * job.n, job.max_tokens, job.stop, job.sampling, **top)
             return
         gens = [op.result] if op.kind == "generate" else list(op.result)
         job.op = None
