@@ -24,6 +24,9 @@ BENCHES = {
               "train step tokens/s vs an HF PyTorch step (MFU on GPU/TPU)"),
     "train-memory": ("sprint_jax.bench.train", "add_train_memory_arguments", "run_train_memory_bench",
                      "per-device memory of the 7B train step on a fake 8-device mesh"),
+    "replay": ("sprint_jax.bench.replay", "add_replay_arguments", "run_replay_bench",
+               "eval records' decode schedules replayed on this CPU, SPRINT vs RFT, vs the latency model "
+               "fed this CPU's measured FLOP/s and bytes/s"),
     "demo-train": ("sprint_jax.bench.demo_train", "add_demo_train_arguments", "run_demo_train_bench",
                    "the demo's training tokens/s vs an older checkout, runs interleaved"),
 }
