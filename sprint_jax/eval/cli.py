@@ -368,11 +368,13 @@ def run(args) -> int:
                                "chat_template": templated, "max_seq_len": engine.max_seq_len,
                                "train_overlap": overlap, **({"shard": shard} if shard else {})})
     wall = report["wall_clock_s"]
-    on_disk = report.get("problems_in_out", report["n"])
-    print(f"over the {report['n']} problem(s) asked for"
-          + (f" ({on_disk} in {Path(args.out) / 'results.jsonl'})" if on_disk != report["n"] else "")
-          + (f", {report['resumed_problems']} of them finished earlier" if report.get("resumed_problems") else "")
-          + f": accuracy {100 * report['accuracy']:.1f}% ({report['correct']}/{report['n']}), "
+    problems = report["samples"]["problems"]
+    on_disk = report.get("problems_in_out", problems)
+    runs = " runs" if args.samples > 1 else ""
+    print(f"over the {problems} problem(s)" + (f" x {args.samples} samples" if runs else "") + " asked for"
+          + (f" ({on_disk} in {Path(args.out) / 'results.jsonl'})" if on_disk != problems else "")
+          + (f", {report['resumed_problems']}{runs} of them finished earlier" if report.get("resumed_problems") else "")
+          + f": accuracy {100 * report['accuracy']:.1f}% ({report['correct']}/{report['n']}{runs}), "
           f"sequential tokens {report['mean_sequential_tokens']:.1f}, total tokens "
           f"{report['mean_total_tokens']:.1f}, format-valid {100 * report['format_valid_rate']:.1f}%, "
           f"wall clock {'n/a' if wall is None else f'{wall:.1f} s'} without XLA compilation "
