@@ -307,7 +307,7 @@ def test_chat_template_equals_transformers_own_and_applies_where_it_should(tmp_p
 
 
 @pytest.mark.slow
-def test_eval_samples_with_the_chat_template_on_the_batched_engine(hf_untied, tmp_path):
+def test_eval_samples_with_the_chat_template_on_the_batched_engine(hf_untied, tmp_path, capsys):
     """The command end to end on a tiny real checkpoint whose tokenizer has a chat template: two
     samples per problem in one batch, the template in every query, eval's context sized by the
     token budget (12 + 2048 positions, under the model's 4096), runs cut by the budget counted as
@@ -325,7 +325,10 @@ def test_eval_samples_with_the_chat_template_on_the_batched_engine(hf_untied, tm
                  "--samples", "2", "--temperature", "0.6", "--top-p", "0.95", "--out", str(out), "--no-progress",
                  "--decode-chunk", "8", "--prefill-chunk", "32", "--max-prompts", "1", "--max-branch-tokens", "8",
                  "--max-total-tokens", "12", "--concurrency", "4"]) == 0
+    printed = capsys.readouterr().out
     report = json.loads((out / "report.json").read_text())
+    assert "over the 2 problem(s) x 2 samples asked for: accuracy 0.0% (0/4 runs)" in printed
+    assert "Avg@2: 0.0% ± 0.0 (standard error over 2 problems)" in printed
     assert report["meta"]["chat_template"] is True and report["meta"]["max_seq_len"] == 12 + 2048
     records = _lines(out / "records.jsonl")
     assert [(r["id"], r["sample"], r["config"]["seed"]) for r in records] == [
