@@ -133,10 +133,12 @@ def test_bad_engine_flags_are_one_clear_error(capsys, argv, words):
 # ---------------------------------------------------------------------------------------------
 # Latency from eval records
 # ---------------------------------------------------------------------------------------------
-def _hand_memory_bound_s(r: dict, w: float, kv: float, bw: float) -> float:
+def _hand_memory_bound_s(r: dict, w: float, kv: float, bw: float, chunk: int = 16) -> float:
     """A record's latency when every step is memory-bound: each one-row decode step moves the
     weights w and its context's KV (kv bytes a token), plus the token it writes; a prefill moves
-    the weights and its context's and tokens' KV. Closed forms for the one-row runs."""
+    the weights and its context's and tokens' KV. Closed forms for the one-row runs. A fork's
+    step moves the weights, the prefix once, each live executor's suffix and new token; an
+    opening longer than a decode chunk is prefilled first (and sits in each suffix on average)."""
     def run(n, ctx):             # n steps at contexts ctx .. ctx + n - 1, each reading ctx + i + 1
         return n * w + kv * (n * ctx + n * (n + 1) / 2)
     t, ctx = w + kv * r["prompt_tokens"], r["prompt_tokens"]
@@ -145,12 +147,14 @@ def _hand_memory_bound_s(r: dict, w: float, kv: float, bw: float) -> float:
         ctx += st["planner_tokens"]
         ex = st["executions"]
         if ex and st["executor_mode"] == "shared":
-            steps = [e["forced_tokens"] + e["tokens"] for e in ex]
+            pre = [e["forced_tokens"] if e["forced_tokens"] > chunk else 0 for e in ex]
+            steps = [e["forced_tokens"] - p + e["tokens"] for e, p in zip(ex, pre)]
+            t += w + kv * (ctx + sum(pre)) if sum(pre) else 0
             for s in range(max(steps)):
                 width = sum(n > s for n in steps)
-                t += w + kv * (ctx + width * s + width)
+                t += w + kv * (ctx + width * (s + sum(pre) / len(ex)) + width)
             t += w + kv * (ctx + st["sync_tokens"]) if st["sync_tokens"] else 0
-            ctx += sum(steps)
+            ctx += sum(e["forced_tokens"] + e["tokens"] for e in ex)
     return (t + run(r["final_tokens"], ctx)) / bw
 
 
@@ -169,6 +173,31 @@ def test_latency_of_a_written_record_by_hand():
     kv = 2 * 2 * 4 * 128 * 2
     assert got["latency_s"] == pytest.approx(_hand_memory_bound_s(r, w, kv, 819e9), rel=1e-9)
     assert got["decode_steps"] == 11 + 14 + 5 + 9
+
+
+def test_latency_from_scripted_evals_records(tmp_path):
+    """`evaluate` of a scripted SPRINT model (three stages, forks of executors) and its scripted
+    RFT baseline writes records.jsonl; the prediction from them against the hand computation."""
+    from test_eval import TASKS, _prompt, _rft_engine, _sprint_engine
+
+    from sprint_jax.eval.evaluate import evaluate
+
+    evaluate(_sprint_engine(), TASKS, "parallel", prompt_fn=_prompt, out_dir=tmp_path / "sprint", progress=False)
+    evaluate(_rft_engine(), TASKS, "sequential", prompt_fn=_prompt, out_dir=tmp_path / "rft", progress=False)
+    loaded = rec.load_records(tmp_path)
+    assert sorted(loaded["sprint"]) == sorted(loaded["rft"]) == sorted(t.id for t in TASKS)
+    forks = [st for r in loaded["sprint"].values() for st in r["stages"] if st["executor_mode"] == "shared"]
+    assert forks and any(len(st["executions"]) > 1 for st in forks)
+    cfg = resolve_model_config("r1-distill-qwen-7b").replace(dtype="bfloat16")
+    v5e = chips.CHIPS["v5e"]
+    pred = rec.predict(loaded, cfg, v5e)
+    from sprint_jax.plan.estimate import matmul_params
+    w, kv = 2 * matmul_params(cfg), 57_344
+    for label in ("sprint", "rft"):
+        for key, r in loaded[label].items():
+            want = _hand_memory_bound_s(r, w, kv, 819e9)
+            assert pred["per_problem"][label][key]["latency_s"] == pytest.approx(want, rel=1e-9), (label, key)
+    assert pred["paired_problems"] == len(TASKS) and 0 < pred["ratio"]
 
 
 @pytest.mark.slow
@@ -200,7 +229,7 @@ def test_latency_from_the_real_evals_records(hf_untied, tmp_path, capsys):
     for label in ("sprint", "rft"):
         for key, r in loaded[label].items():
             assert r["prompt_tokens"] > 0 and (r["stages"] or r["final_tokens"])
-            want = _hand_memory_bound_s(r, w, kv, 819e9)
+            want = _hand_memory_bound_s(r, w, kv, 819e9, chunk=8)
             assert pred["per_problem"][label][key]["latency_s"] == pytest.approx(want, rel=1e-9)
             total[label] = total.get(label, 0.0) + want
         assert pred["total"][label]["latency_s"] == pytest.approx(total[label], rel=1e-9)
@@ -243,7 +272,7 @@ def test_every_engine_program_compiles_for_v5e_with_its_mosaic_kernels(tmp_path,
     """Traced under the mesh: the decode calls hold the parent-prefix kernel, the prefill chunk
     the flash kernel (its prefix and its own keys), each a tpu_custom_call; the estimate is
     within 20% of the compiler on every row."""
-    rc, rows = _plan(tmp_path, SMALL, "--concurrency", "8", "--executors", "4", "--capacity", "8192",
+    rc, rows = _plan(tmp_path, SMALL, "--concurrency", "8", "--executors", "4", "--capacity", "16384",
                      "--mesh", "tensor=4", "--topology", "v5e:2x2", "--set-mesh")
     assert rc == 0, capsys.readouterr().err
     assert sorted(r["kind"] for r in rows) == sorted(KERNELS)
@@ -285,10 +314,13 @@ def test_the_pallas_decode_compiles_with_runs_over_data(tmp_path):
 @pytest.mark.parametrize("model", [SMALL, LARGER], ids=["small", "larger"])
 @pytest.mark.parametrize("mesh, attention", [("tensor=4", "pallas"), ("data=4", "xla")])
 def test_estimate_is_within_20_percent_of_the_compiler(tmp_path, capsys, model, mesh, attention):
+    """The two largest programs (the executors' decode call and the prefill chunk) of each size
+    on each mesh (the runs split over data use the XLA decode attention: see the xfail above)."""
     rc, rows = _plan(tmp_path, model, "--concurrency", "8", "--executors", "4", "--capacity", "16384",
-                     "--mesh", mesh, "--attention", attention, "--topology", "v5e:2x2", "--set-mesh")
+                     "--mesh", mesh, "--attention", attention, "--topology", "v5e:2x2", "--set-mesh",
+                     "--programs", "decode_stage,prefill")
     assert rc == 0, capsys.readouterr().err
-    assert len(rows) == 4
+    assert sorted(r["kind"] for r in rows) == ["decode_stage", "prefill"]
     for r in rows:
         assert r["compiled"], r["error"]
         assert r["estimate_bytes"] == pytest.approx(r["per_chip_bytes"]["total"], rel=0.2), r["program"]
@@ -297,10 +329,10 @@ def test_estimate_is_within_20_percent_of_the_compiler(tmp_path, capsys, model, 
 @needs_libtpu
 @pytest.mark.slow
 def test_search_finds_a_slice_the_compiler_accepts(tmp_path, capsys):
-    """64 runs x 8 executors x 32k of the small model: 72 GiB of KV cache, more than one 4-chip
+    """32 runs x 8 executors x 32k of the small model: 36 GiB of KV cache, more than one 4-chip
     v5e host holds; the search rules it out by the estimate and names a larger slice that the
     compiler accepts for every program."""
-    rc, rows = _plan(tmp_path, SMALL, "--concurrency", "64", "--executors", "8", "--capacity", "32768",
+    rc, rows = _plan(tmp_path, SMALL, "--concurrency", "32", "--executors", "8", "--capacity", "32768",
                      "--attention", "xla", "--topology", "v5e:2x4", "--search", "--set-mesh")
     assert rc == 0, capsys.readouterr().err
     accepted = [r for r in rows if r.get("search") and r["topology"] == "v5e:2x4"]

@@ -82,6 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--set-mesh", action="store_true",
                    help="trace the programs under the mesh as the active mesh (as the train step does; the engine "
                         "does not): what the engine compiles once it does")
+    e.add_argument("--programs", help="compile only these, comma-separated: decode_stage, decode_planner, prefill, "
+                                      "join_copy (default all)")
     e.add_argument("--records", help="a directory of eval records (records.jsonl of a SPRINT eval and of its RFT "
                                      "baseline, anywhere under it): predict each problem's latency on the chip")
 
@@ -341,12 +343,19 @@ def run_engine(args: argparse.Namespace) -> int:
     if not libtpu_available():
         raise UserError("plan compiles with XLA's TPU compiler, which comes with libtpu: "
                         "pip install -e '.[tpu]' (jax[tpu])")
+    kinds = None
+    if args.programs:
+        kinds = tuple(k.strip() for k in args.programs.split(",") if k.strip())
+        unknown = sorted(set(kinds) - set(pe.KINDS))
+        if unknown or not kinds:
+            raise UserError(f"--programs {args.programs!r}: unknown {', '.join(unknown) or 'empty'}; "
+                            f"known: {', '.join(pe.KINDS)}")
     base = pe.EngineShape(cfg, args.concurrency, args.executors, args.capacity, branch, (1, 1, 1),
                           args.decode_chunk, args.prefill_chunk, args.attention)
     rows, failures, accepted = [], [], []
     for where in slices:
         if args.search:
-            found, tried = pe.search(base, where, label, args.set_mesh, _progress)
+            found, tried = pe.search(base, where, label, args.set_mesh, _progress, kinds)
             rows.extend(tried)
             if found is None:
                 top = dataclasses.replace(base, mesh=(where.chips, 1, 1))
@@ -370,7 +379,7 @@ def run_engine(args: argparse.Namespace) -> int:
         if not pe.fits(shape, where.chip.hbm_bytes, fill=1.0):
             failures.append(pe.not_fit_line(shape, where, label))
             continue
-        rows_here = pe.engine_rows(shape, where, label, args.set_mesh, _progress)
+        rows_here = pe.engine_rows(shape, where, label, args.set_mesh, _progress, kinds=kinds)
         rows.extend(rows_here)
         if all(r["fits"] for r in rows_here):
             accepted.extend(rows_here)

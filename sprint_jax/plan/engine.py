@@ -331,12 +331,14 @@ def shape_label(shape: EngineShape, model: str) -> str:
 
 
 def engine_rows(shape: EngineShape, where, model: str, set_mesh: bool = False,
-                progress: Callable[[str], None] | None = None, stop_at_failure: bool = False) -> list[dict[str, Any]]:
+                progress: Callable[[str], None] | None = None, stop_at_failure: bool = False,
+                kinds: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
     """Compile each program of `shape` for the slice `where` (a `chips.Slice`; the mesh must use
     all its chips) and return one row per program (plan train's row keys, and `kind`,
     `decode_ms`). set_mesh: trace under the mesh as the active abstract mesh (what the train
     step does; the engine does not), which the Pallas prefill needs under tensor parallelism.
-    stop_at_failure: no program is compiled after one that does not fit (a search's candidate)."""
+    stop_at_failure: no program is compiled after one that does not fit (a search's candidate).
+    kinds: only these programs (`KINDS`; default all)."""
     import jax
 
     from sprint_jax.plan.compile import as_tpu, compile_traced, slice_devices
@@ -346,6 +348,7 @@ def engine_rows(shape: EngineShape, where, model: str, set_mesh: bool = False,
         from sprint_jax.errors import UserError
         raise UserError(f"mesh {mesh_text(shape.mesh)} uses {shape.chips} chips but {where.name} has {len(devices)}")
     progs, notes = engine_programs(shape, devices)
+    progs = [p for p in progs if kinds is None or p.kind in kinds]
     rows = []
     chip = where.chip
     for prog in progs:
@@ -508,7 +511,8 @@ MAX_SEARCH_CANDIDATES = 3
 
 
 def search(shape: EngineShape, top, model: str, set_mesh: bool = False,
-           progress: Callable[[str], None] | None = None) -> tuple[list[dict] | None, list[dict]]:
+           progress: Callable[[str], None] | None = None,
+           kinds: tuple[str, ...] | None = None) -> tuple[list[dict] | None, list[dict]]:
     """The smallest slice of `top`'s generation (up to `top`) and the least-tensor mesh on it
     whose programs all compile and fit; a candidate is compiled only when the estimate leaves
     10% of HBM free, and the compiler has the last word. Returns (the accepted rows or None,
@@ -526,13 +530,13 @@ def search(shape: EngineShape, top, model: str, set_mesh: bool = False,
                     progress(f"search: {where.name} mesh {mesh_text(mesh)}: estimate {need / 2 ** 30:.1f} GiB per "
                              f"chip > {FILL:.0%} of {where.chip.hbm_gib:g} GiB, skipped")
                 continue
-            rows = engine_rows(candidate, where, model, set_mesh, progress, stop_at_failure=True)
+            rows = engine_rows(candidate, where, model, set_mesh, progress, stop_at_failure=True, kinds=kinds)
             for r in rows:
                 r["search"] = True
             tried.extend(rows)
             # a program refused while lowering costs seconds; one that reached the compiler, minutes
             candidates += any(r["compile_s"] > 0 for r in rows)
-            if len(rows) == len(KINDS) and all(r["fits"] for r in rows):
+            if len(rows) == len(kinds or KINDS) and all(r["fits"] for r in rows):
                 return rows, tried
             if candidates >= MAX_SEARCH_CANDIDATES:
                 return None, tried
