@@ -305,7 +305,7 @@ def _run_stage(stage: Stage, out: Path, state: dict, inputs: str, rec: dict, lab
     if rc or missing:
         entry["status"] = "failed"
         save_state(out, state)
-        why = f"exit {rc}" if rc else f"it wrote no {', '.join(missing)}"
+        why = (f"killed by signal {-rc}" if rc < 0 else f"exit {rc}") if rc else f"it wrote no {', '.join(missing)}"
         print(f"sprint-jax recipe: stage {stage.name} failed ({why}); log: {log}", file=sys.stderr, flush=True)
         return 1
     entry.update(status="done", outputs=outputs_digest(stage), outputs_stat=stat_print(stage.outputs))
