@@ -268,37 +268,33 @@ def check_prompts_fit(tasks, query_of, tokenizer, max_seq_len: int) -> None:
                           f"{longest} tokens, so it must be at least {longest + 1} (the prompt and one generated token)")
 
 
-def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int | None) -> dict:
-    import jax
-    import yaml
+@dataclasses.dataclass
+class _Run:
+    """What every step of a run reads: the config, OUT, the policy's model and tokenizer, the tasks."""
+    cfg: RLConfig
+    out: Path
+    progress: bool
+    model_cfg: Any
+    tok: Any
+    train_tasks: list
+    held_tasks: list
+    query_of: Any
+    t_start: float
 
-    from sprint_jax.eval.evaluate import RECORDS_FILE, RESULTS_FILE, evaluate
-    from sprint_jax.infer.engine import Engine
-    from sprint_jax.infer.sampling import valid_vocab
-    from sprint_jax.model import load_params
+    def say(self, msg: str) -> None:
+        if self.progress:
+            print(msg, file=sys.stderr, flush=True)
+
+
+def _open_run(cfg: RLConfig, out: Path, progress: bool, t_start: float) -> _Run:
+    """The policy's model config and tokenizer and the tasks, each checked against the rollout's
+    sizes (prompts, loss rows, the KV cache) before anything is allocated."""
     from sprint_jax.model.capacity import (BRANCH_TAG_ROOM, check_memory, check_positions, engine_cache_tokens,
                                            kv_cache_bytes)
     from sprint_jax.model.config import Qwen2Config
-    from sprint_jax.model.sharding import make_mesh
-    from sprint_jax.model.tokenizer import load_tokenizer, pad_id
-    from sprint_jax.rl.layout import layout_trace, pack_items
-    from sprint_jax.rl.loss import LossSettings, build_rl_step, update
-    from sprint_jax.rl.rollout import Rollouts, timed_run
-    from sprint_jax.train import checkpoint as ckpt_lib
-    from sprint_jax.train import mesh as mesh_lib
-    from sprint_jax.train import step as step_lib
-    from sprint_jax.train.trainer import Metrics, export_hf
+    from sprint_jax.model.tokenizer import load_tokenizer
 
-    t_start = time.time()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-
-    def say(msg: str) -> None:
-        if progress:
-            print(msg, file=sys.stderr, flush=True)
-
-    # ---- model, tokenizer, tasks -----------------------------------------------------------
-    pol = cfg.policy
+    pol, ro = cfg.policy, cfg.rollout
     model_cfg = Qwen2Config.from_hf_config(Path(pol.path)).replace(param_dtype="float32", dtype=pol.dtype)
     try:
         tok = load_tokenizer(pol.tokenizer or pol.path)
@@ -307,12 +303,10 @@ def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int 
     if len(tok) > model_cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {len(tok)} tokens but the model's vocab_size is {model_cfg.vocab_size}")
     train_tasks, held_tasks = load_tasks(cfg)
-    ro = cfg.rollout
     query_of = prompt_fn(cfg)
     check_prompts_fit(train_tasks + held_tasks, query_of, tok, ro.max_seq_len)
     check_positions(model_cfg, cfg.loss.seq_len, "loss.seq_len")
-    runs_per_step = ro.prompts_per_step * ro.group_size
-    seqs = ro.concurrency or runs_per_step
+    seqs = _rollout_seqs(cfg)
     branch_tokens = ro.orchestrator.max_branch_tokens + BRANCH_TAG_ROOM
     # the engine's KV cache, sized as `sprint-jax eval` sizes it, before anything is allocated
     tokens = engine_cache_tokens(seqs, ro.max_seq_len, ro.orchestrator.max_prompts, ro.orchestrator.max_branch_tokens)
@@ -321,78 +315,166 @@ def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int 
                  f"{ro.orchestrator.max_prompts} branches of {branch_tokens})",
                  "lower rollout.concurrency, rollout.max_seq_len, rollout.orchestrator.max_prompts or "
                  "rollout.orchestrator.max_branch_tokens")
-    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    eval_mode = cfg.eval.mode or ro.mode
-    say(f"rl: {len(train_tasks)} training tasks, {len(held_tasks)} held-out; {ro.prompts_per_step} prompts x "
-        f"G={ro.group_size} {ro.mode} rollouts per step, {cfg.steps} steps")
+    return _Run(cfg, out, progress, model_cfg, tok, train_tasks, held_tasks, query_of, t_start)
 
-    # ---- mesh, update, state ---------------------------------------------------------------
+
+def _rollout_seqs(cfg: RLConfig) -> int:
+    """The engine's sequence slots: every rollout of a step at once unless rollout.concurrency says."""
+    return cfg.rollout.concurrency or cfg.rollout.prompts_per_step * cfg.rollout.group_size
+
+
+def _build_update(run: _Run):
+    """(setup, rl step, checkpointer) on the configured mesh."""
+    from sprint_jax.infer.sampling import valid_vocab
+    from sprint_jax.model.sharding import make_mesh
+    from sprint_jax.rl.loss import LossSettings, build_rl_step
+    from sprint_jax.train import checkpoint as ckpt_lib
+    from sprint_jax.train import mesh as mesh_lib
+    from sprint_jax.train import step as step_lib
+
+    cfg, pol = run.cfg, run.cfg.policy
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     if cfg.loss.rows_per_micro % mesh_lib.batch_divisor(mesh):
         raise ConfigError(f"loss.rows_per_micro ({cfg.loss.rows_per_micro}) must be a multiple of mesh data x fsdp "
                           f"= {mesh_lib.batch_divisor(mesh)}")
-    setup = step_lib.build_step(model_cfg, cfg.optim, cfg.steps, mesh, pol.remat, pol.loss_chunk)
-    settings = LossSettings(ro.orchestrator.temperature, cfg.loss.clip_eps, cfg.loss.kl_coef, pol.remat,
-                            pol.loss_chunk, valid_vocab(tok, model_cfg.vocab_size))   # the engines' distribution
+    setup = step_lib.build_step(run.model_cfg, cfg.optim, cfg.steps, mesh, pol.remat, pol.loss_chunk)
+    settings = LossSettings(cfg.rollout.orchestrator.temperature, cfg.loss.clip_eps, cfg.loss.kl_coef, pol.remat,
+                            pol.loss_chunk, valid_vocab(run.tok, run.model_cfg.vocab_size))   # the engines' distribution
     rl = build_rl_step(setup, settings, cfg.loss.updates_per_batch > 1, cfg.loss.kl_coef > 0)
-    ckpt = ckpt_lib.Checkpointer(out / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+    ckpt = ckpt_lib.Checkpointer(run.out / "checkpoints", keep=cfg.checkpoint.keep,
+                                 async_save=cfg.checkpoint.async_save)
     if not cfg.checkpoint.resume and ckpt.steps():
-        raise ConfigError(f"{out / 'checkpoints'} already holds checkpoints and checkpoint.resume is false")
+        raise ConfigError(f"{run.out / 'checkpoints'} already holds checkpoints and checkpoint.resume is false")
+    return setup, rl, ckpt
+
+
+def _initial_state(run: _Run, setup, ckpt):
+    """(state, start step, task-stream position, resumed?, frozen reference params or None): the
+    latest checkpoint when resuming, else the policy's weights."""
+    from sprint_jax.model import load_params
+
+    cfg, pol = run.cfg, run.cfg.policy
     restored = ckpt.restore_latest(setup.abstract_state()) if cfg.checkpoint.resume else None
     ref_params = None                                        # the frozen reference of the optional KL
     if cfg.loss.kl_coef > 0:
-        _, ref_params = load_params(pol.path, config=model_cfg, param_dtype="float32", shardings=setup.param_shardings)
+        _, ref_params = load_params(pol.path, config=run.model_cfg, param_dtype="float32",
+                                    shardings=setup.param_shardings)
     if restored is not None:
         state, meta = restored
         start_step, position = int(meta["step"]), int(meta["prompts"])
-        say(f"resumed from step {start_step} (prompt {position} of the task stream)")
-    else:
-        _, params = load_params(pol.path, config=model_cfg, param_dtype="float32", shardings=setup.param_shardings)
-        state = setup.init_state(cfg.seed, params=params)
-        start_step, position = 0, 0
+        run.say(f"resumed from step {start_step} (prompt {position} of the task stream)")
+        return state, start_step, position, True, ref_params
+    _, params = load_params(pol.path, config=run.model_cfg, param_dtype="float32", shardings=setup.param_shardings)
+    return setup.init_state(cfg.seed, params=params), 0, 0, False, ref_params
 
-    kw = dict(max_seq_len=ro.max_seq_len, max_branch_tokens=branch_tokens,
-              decode_chunk=ro.decode_chunk, prefill_chunk=ro.prefill_chunk)
-    engine = Engine(_Policy(model_cfg, state["params"]), tok, max_seqs=seqs, max_children=ro.orchestrator.max_prompts,
-                    trace=True, **kw)                       # each rollout's DecodeTrace: the loss's layout
+
+def _rollout_engine(run: _Run, params):
+    """(engine on the trainer's params, each rollout traced; orchestrator config; layout): the
+    layout is the policy's training convention unless rollout.layout names one."""
+    from sprint_jax.infer.engine import Engine
+    from sprint_jax.model.capacity import BRANCH_TAG_ROOM
     from sprint_jax.model.hf import read_export_meta
-    layout = read_export_meta(pol.path).get("layout", "flat") if ro.layout == "auto" else ro.layout
-    orch = dataclasses.replace(ro.orchestrator, layout=layout)       # the policy's training convention
-    say(f"rollouts use the {layout} token convention at forks and syncs")
-    rollouts = Rollouts(engine, orch)
-    greedy = dataclasses.replace(orch, temperature=0.0, seed=0)
-    pad = pad_id(tok)
 
-    def held_out(step: int, out_sub: str) -> dict:
-        if not held_tasks:
-            return {}
-        t = time.perf_counter()
-        _, rep = evaluate(engine, held_tasks, eval_mode, prompt_fn=query_of, orchestrator_config=greedy,
-                          out_dir=out / out_sub, progress=False, overwrite=True,
-                          meta={"model": str(out / "hf"), "rl_step": step, "mode": eval_mode})
-        recs = [json.loads(x) for x in (out / out_sub / RECORDS_FILE).read_text().splitlines()]
-        results = {r["id"]: r["correct"]
-                   for r in map(json.loads, (out / out_sub / RESULTS_FILE).read_text().splitlines())}
-        quality = execution_quality(held_tasks, recs) if eval_mode != "sequential" else {}
-        return {"eval_accuracy": rep["accuracy"], "eval_sequential_tokens": rep["mean_sequential_tokens"],
-                "eval_total_tokens": rep["mean_total_tokens"], "eval_format_valid": rep["format_valid_rate"],
-                **mean_parts(recs, "eval_"), **shape_metrics(recs, [results[r["id"]] for r in recs], "eval_"),
-                **{f"eval_{k}": v for k, v in quality.items()}, "eval_s": time.perf_counter() - t}
+    ro = run.cfg.rollout
+    engine = Engine(_Policy(run.model_cfg, params), run.tok, max_seqs=_rollout_seqs(run.cfg),
+                    max_children=ro.orchestrator.max_prompts, trace=True,   # each rollout's DecodeTrace: the loss's layout
+                    max_seq_len=ro.max_seq_len, max_branch_tokens=ro.orchestrator.max_branch_tokens + BRANCH_TAG_ROOM,
+                    decode_chunk=ro.decode_chunk, prefill_chunk=ro.prefill_chunk)
+    layout = read_export_meta(run.cfg.policy.path).get("layout", "flat") if ro.layout == "auto" else ro.layout
+    run.say(f"rollouts use the {layout} token convention at forks and syncs")
+    return engine, dataclasses.replace(ro.orchestrator, layout=layout), layout
+
+
+def _held_out(run: _Run, engine, orch, step: int, out_sub: str) -> dict:
+    """Greedy evaluation of the held-out tasks into OUT/out_sub (the `sprint-jax eval` path): its metrics."""
+    from sprint_jax.eval.evaluate import RECORDS_FILE, RESULTS_FILE, evaluate
+
+    if not run.held_tasks:
+        return {}
+    mode = run.cfg.eval.mode or run.cfg.rollout.mode
+    t = time.perf_counter()
+    out = run.out / out_sub
+    _, rep = evaluate(engine, run.held_tasks, mode, prompt_fn=run.query_of,
+                      orchestrator_config=dataclasses.replace(orch, temperature=0.0, seed=0),
+                      out_dir=out, progress=False, overwrite=True,
+                      meta={"model": str(run.out / "hf"), "rl_step": step, "mode": mode})
+    recs = [json.loads(x) for x in (out / RECORDS_FILE).read_text().splitlines()]
+    results = {r["id"]: r["correct"] for r in map(json.loads, (out / RESULTS_FILE).read_text().splitlines())}
+    quality = execution_quality(run.held_tasks, recs) if mode != "sequential" else {}
+    return {"eval_accuracy": rep["accuracy"], "eval_sequential_tokens": rep["mean_sequential_tokens"],
+            "eval_total_tokens": rep["mean_total_tokens"], "eval_format_valid": rep["format_valid_rate"],
+            **mean_parts(recs, "eval_"), **shape_metrics(recs, [results[r["id"]] for r in recs], "eval_"),
+            **{f"eval_{k}": v for k, v in quality.items()}, "eval_s": time.perf_counter() - t}
+
+
+def _step_metrics(run: _Run, tasks, trajs, sc, um: dict, packed, rollout_s: float, update_s: float) -> dict:
+    """A step's metrics row (before its held-out eval and wall clock)."""
+    ro = run.cfg.rollout
+    adv = sc["advantages"]
+    groups = adv.reshape(-1, ro.group_size)
+    gen = sum(tr.generated_tokens for tr in trajs)
+    records = [t.record for t in trajs]
+    return {"reward": float(np.mean(sc["rewards"])), "accuracy": float(np.mean(sc["correct"])),
+            "sequential_tokens": float(np.mean([r.sequential_tokens for r in records])),
+            "total_tokens": float(np.mean([r.total_tokens for r in records])),
+            "eta": float(np.mean(sc["etas"])), "bonus": float(np.mean(sc["bonuses"])),
+            "format_valid": float(np.mean([r.format_valid for r in records])),
+            **mean_parts(records), **shape_metrics(records, sc["correct"]),
+            **(execution_quality([t for t in tasks for _ in range(ro.group_size)], records)
+               if ro.mode != "sequential" else {}),
+            "adv_mean": float(adv.mean()), "adv_std": float(adv.std()), "adv_abs_mean": float(np.abs(adv).mean()),
+            "adv_min": float(adv.min()), "adv_max": float(adv.max()),
+            "groups_without_signal": float(np.mean(np.all(groups == 0, axis=1))),
+            **um, "update_tokens": packed.tokens, "truncated_loss_tokens": packed.truncated_loss_tokens,
+            "rollout_s": rollout_s, "update_s": update_s,
+            "rollout_tokens_per_s": gen / max(rollout_s, 1e-9),
+            "update_tokens_per_s": packed.tokens / max(update_s, 1e-9)}
+
+
+def _say_step(run: _Run, rec: dict) -> None:
+    run.say(f"step {rec['step']}/{run.cfg.steps}: reward {rec['reward']:.3f} acc {rec['accuracy']:.2f} "
+            f"seq {rec['sequential_tokens']:.1f} total {rec['total_tokens']:.1f} eta {rec['eta']:.3f} "
+            f"loss {rec['loss']:+.4f} ({rec['rollout_s']:.1f}s rollout, {rec['update_s']:.1f}s update)"
+            + (f" | held-out acc {rec['eval_accuracy']:.3f} seq {rec['eval_sequential_tokens']:.1f}"
+               if "eval_accuracy" in rec else ""))
+
+
+def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int | None) -> dict:
+    import jax
+    import yaml
+
+    from sprint_jax.model.tokenizer import pad_id
+    from sprint_jax.rl.layout import layout_trace, pack_items
+    from sprint_jax.rl.loss import update
+    from sprint_jax.rl.rollout import Rollouts, timed_run
+    from sprint_jax.train.trainer import Metrics, export_hf
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    run = _open_run(cfg, out, progress, time.time())
+    ro = cfg.rollout
+    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    run.say(f"rl: {len(run.train_tasks)} training tasks, {len(run.held_tasks)} held-out; {ro.prompts_per_step} "
+            f"prompts x G={ro.group_size} {ro.mode} rollouts per step, {cfg.steps} steps")
+    setup, rl, ckpt = _build_update(run)
+    state, start_step, position, resumed, ref_params = _initial_state(run, setup, ckpt)
+    engine, orch, layout = _rollout_engine(run, state["params"])
+    rollouts = Rollouts(engine, orch)
+    pad = pad_id(run.tok)
 
     metrics = Metrics(out, cfg.tensorboard, start_step)
     if start_step == 0:
-        ev = held_out(0, "eval_start")
+        ev = _held_out(run, engine, orch, 0, "eval_start")
         if ev:
             metrics.log({"step": 0, **ev})
-            say(f"step 0 (SFT model): held-out accuracy {ev['eval_accuracy']:.3f}, sequential tokens "
-                f"{ev['eval_sequential_tokens']:.1f}")
+            run.say(f"step 0 (SFT model): held-out accuracy {ev['eval_accuracy']:.3f}, sequential tokens "
+                    f"{ev['eval_sequential_tokens']:.1f}")
 
-    last_saved = start_step if restored is not None else -1
+    last_saved = start_step if resumed else -1
     for step in range(start_step, cfg.steps):
-        t0 = time.perf_counter()
-        idx = prompt_indices(len(train_tasks), cfg.seed, position, ro.prompts_per_step)
-        tasks = [train_tasks[i] for i in idx]
-        queries = [query_of(t) for t in tasks for _ in range(ro.group_size)]
+        idx = prompt_indices(len(run.train_tasks), cfg.seed, position, ro.prompts_per_step)
+        tasks = [run.train_tasks[i] for i in idx]
+        queries = [run.query_of(t) for t in tasks for _ in range(ro.group_size)]
         seeds = [rollout_seed(cfg.seed, step, k, g) for k in range(len(tasks)) for g in range(ro.group_size)]
         trajs, rollout_s = timed_run(rollouts, queries, seeds, ro.mode)
         position += ro.prompts_per_step
@@ -404,43 +486,18 @@ def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int 
         state, um = update(rl, state, packed.arrays, cfg.loss.updates_per_batch, ref_params)
         engine.params = state["params"]                      # trainer -> engine, in process
         jax.block_until_ready(engine.params)
-        update_s = time.perf_counter() - t1
-        adv = sc["advantages"]
-        groups = adv.reshape(-1, ro.group_size)
-        gen = sum(tr.generated_tokens for tr in trajs)
-        rec = {"step": step + 1,
-               "reward": float(np.mean(sc["rewards"])), "accuracy": float(np.mean(sc["correct"])),
-               "sequential_tokens": float(np.mean([t.record.sequential_tokens for t in trajs])),
-               "total_tokens": float(np.mean([t.record.total_tokens for t in trajs])),
-               "eta": float(np.mean(sc["etas"])), "bonus": float(np.mean(sc["bonuses"])),
-               "format_valid": float(np.mean([t.record.format_valid for t in trajs])),
-               **mean_parts([t.record for t in trajs]),
-               **shape_metrics([t.record for t in trajs], sc["correct"]),
-               **(execution_quality([t for t in tasks for _ in range(ro.group_size)], [t.record for t in trajs])
-                  if ro.mode != "sequential" else {}),
-               "adv_mean": float(adv.mean()), "adv_std": float(adv.std()), "adv_abs_mean": float(np.abs(adv).mean()),
-               "adv_min": float(adv.min()), "adv_max": float(adv.max()),
-               "groups_without_signal": float(np.mean(np.all(groups == 0, axis=1))),
-               **um, "update_tokens": packed.tokens, "truncated_loss_tokens": packed.truncated_loss_tokens,
-               "rollout_s": rollout_s, "update_s": update_s,
-               "rollout_tokens_per_s": gen / max(rollout_s, 1e-9),
-               "update_tokens_per_s": packed.tokens / max(update_s, 1e-9)}
         done = step + 1
+        rec = {"step": done, **_step_metrics(run, tasks, trajs, sc, um, packed, rollout_s, time.perf_counter() - t1)}
         if (cfg.eval.every and done % cfg.eval.every == 0 and done != cfg.steps):
-            rec.update(held_out(done, f"eval_step{done}"))
+            rec.update(_held_out(run, engine, orch, done, f"eval_step{done}"))
         if done == cfg.steps:
-            rec.update(held_out(done, "eval"))
-        rec["wall_s"] = time.time() - t_start
+            rec.update(_held_out(run, engine, orch, done, "eval"))
+        rec["wall_s"] = time.time() - run.t_start
         metrics.log(rec)
-        say(f"step {done}/{cfg.steps}: reward {rec['reward']:.3f} acc {rec['accuracy']:.2f} seq {rec['sequential_tokens']:.1f} "
-            f"total {rec['total_tokens']:.1f} eta {rec['eta']:.3f} loss {rec['loss']:+.4f} "
-            f"({rollout_s:.1f}s rollout, {update_s:.1f}s update)"
-            + (f" | held-out acc {rec['eval_accuracy']:.3f} seq {rec['eval_sequential_tokens']:.1f}"
-               if "eval_accuracy" in rec else ""))
+        _say_step(run, rec)
         if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done != cfg.steps:
             ckpt.save(done, state, {"prompts": position})
             last_saved = done
-        del t0
         if stop_after is not None and done >= stop_after and done != cfg.steps:
             if last_saved != done:
                 ckpt.save(done, state, {"prompts": position})
@@ -456,16 +513,21 @@ def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int 
     export_dir = None
     if cfg.export.enabled:
         export_dir = out / "hf"
-        export_hf(model_cfg, state["params"], tok, export_dir, cfg.export.dtype,
-                  meta=export_meta(pol.path, layout, [query_of(t) for t in train_tasks]))
-    recs = [r for r in metrics.records if "reward" in r]
-    evs = [r for r in metrics.records if "eval_accuracy" in r]
-    summary = {"steps": cfg.steps, "start_step": start_step, "resumed": restored is not None,
+        export_hf(run.model_cfg, state["params"], run.tok, export_dir, cfg.export.dtype,
+                  meta=export_meta(cfg.policy.path, layout, [run.query_of(t) for t in run.train_tasks]))
+    return _summary(run, metrics.records, start_step, resumed, export_dir)
+
+
+def _summary(run: _Run, records: list[dict], start_step: int, resumed: bool, export_dir: Path | None) -> dict:
+    """The run's summary (first and last step, first and last held-out eval), also OUT/summary.json."""
+    recs = [r for r in records if "reward" in r]
+    evs = [r for r in records if "eval_accuracy" in r]
+    summary = {"steps": run.cfg.steps, "start_step": start_step, "resumed": resumed,
                "first": recs[0] if recs else None, "last": recs[-1] if recs else None,
                "eval_first": evs[0] if evs else None, "eval_last": evs[-1] if evs else None,
-               "wall_s": time.time() - t_start, "out_dir": str(out),
+               "wall_s": time.time() - run.t_start, "out_dir": str(run.out),
                "export_dir": str(export_dir) if export_dir else None}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (run.out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
