@@ -227,9 +227,9 @@ def stage_status(stage: Stage, out: Path, state: dict) -> str:
 
 
 def write_chains_tokenizer(out: Path, cfg: RecipeConfig) -> None:
-    """DIR/tokenizer/vocab_tokenizer.json: the demo's word-level tokenizer of the digit-chains
-    family, sized for the curated tasks; rewritten only when its content changes (its digest is an
-    input of both trainings)."""
+    """DIR/tokenizer/vocab_tokenizer.json: the word-level tokenizer of the digit-chains family that
+    `sprint-jax demo` trains with; rewritten only when its content changes (its digest is an input
+    of both trainings)."""
     from sprint_jax.model.tokenizer import VocabTokenizer
     from sprint_jax.tasks import chains
 
