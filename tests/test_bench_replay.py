@@ -106,6 +106,17 @@ def test_the_probes_report_their_own_arithmetic():
     assert m["matvec_bytes_per_s"] == pytest.approx(m["stream_bytes"] / m["matvec_s"])
 
 
+def test_the_rows_probe_reads_every_matmul_weight_of_the_model():
+    cfg = rp.model_config("tiny", "float32")
+    assert sum(a * b for a, b in rp.weight_shapes(cfg)) == 90112      # hand_latency_p2's figure
+    probe = rp.measure_rows(cfg, [1, 3], 1)
+    assert [p["rows"] for p in probe] == [1, 3]
+    for p in probe:
+        assert p["weights"] == 90112
+        assert p["bytes_per_s"] == pytest.approx(90112 * 4 / p["s"])
+        assert p["flops_per_s"] == pytest.approx(2 * 90112 * p["rows"] / p["s"])
+
+
 @pytest.fixture(scope="module")
 def records_dir(tmp_path_factory):
     return write_records(tmp_path_factory.mktemp("replay") / "records")
@@ -153,6 +164,7 @@ def test_the_cli_replays_pairs_and_prints_the_models_prediction(records_dir, tmp
     assert rows["p2"]["predicted_rft_s"] == pytest.approx(hand["rft"], rel=1e-9)
     assert report["chip"] == {"name": "this CPU (%d cores)" % report["cpu_count"], "peak_flops": FLOPS,
                               "hbm_bandwidth": BYTES_PER_S}
+    assert [p["rows"] for p in report["matmul_rows"]] == [1, 2]    # one row and the records' fork width
     tot = report["total"]
     assert tot["measured"]["sprint"] == pytest.approx(rows["p1"]["sprint_s"] + rows["p2"]["sprint_s"])
     assert tot["ratio"] == pytest.approx(tot["measured"]["sprint"] / tot["measured"]["rft"])

@@ -28,6 +28,9 @@ This CPU as the model's chip, measured in the same run (best of --probe-repeats,
   bytes/s  a matrix-vector product over a [8192 x 8192] fp32 matrix (256 MiB, 8x the L3 here):
            matrix bytes / time: the weights-streaming access of a one-row decode step. A plain
            reduction over the same bytes (jnp.sum) is reported alongside, not used.
+  rows     the model's matmul weights alone at 1 row and at each fork width the records use:
+           time, and the bytes/s and FLOP/s it means (is a k-row step a one-row step's weight
+           read, as the roofline takes it when memory-bound, or k times the matmul work?).
 `plan.records.predict` then gives each record's latency on that chip (accelerator side only: no
 host round trips or sampling), printed next to the measured figures with predicted / measured.
 
@@ -232,6 +235,45 @@ def measure_cpu(repeats: int, matmul_n: int = MATMUL_N, stream_rows: int = STREA
             "sum_s": t_sum, "sum_bytes_per_s": nbytes / t_sum}
 
 
+def weight_shapes(config) -> list[tuple[int, int]]:
+    """[in, out] of every matmul weight a decode step reads: each layer's q, k, v, o, gate, up,
+    down projections and the lm_head."""
+    h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
+    q = config.num_attention_heads * config.head_dim
+    layer = [(h, q), (h, kv), (h, kv), (q, h), (h, config.intermediate_size), (h, config.intermediate_size),
+             (config.intermediate_size, h)]
+    return layer * config.num_hidden_layers + [(h, config.vocab_size)]
+
+
+def measure_rows(config, rows: list[int], repeats: int) -> list[dict[str, float]]:
+    """The model's matmuls alone (random weights of `weight_shapes`, in its dtype) at each row
+    count: best time of `repeats`, and the bytes/s (weights once) and FLOP/s (2 x weights x rows)
+    that time means. Shows whether extra rows ride on the weight read here (the roofline's
+    assumption for a memory-bound step) or cost matmul time of their own."""
+    import jax
+    import jax.numpy as jnp
+
+    from sprint_jax.dtypes import dtype_of
+
+    dt = dtype_of(config.dtype)
+    shapes = weight_shapes(config)
+    keys = jax.random.split(jax.random.key(2), len(shapes))
+    ws = [jax.random.normal(k, s, jnp.float32).astype(dt) for k, s in zip(keys, shapes)]
+    n = sum(a * b for a, b in shapes)
+    item = jnp.dtype(dt).itemsize
+    widest = max(a for a, _ in shapes)
+
+    @jax.jit
+    def step(x, ws):
+        return sum(jnp.sum(x[:, :w.shape[0]] @ w) for w in ws)
+
+    out = []
+    for r in rows:
+        t = _best_time(lambda x: step(x, ws), jnp.ones((r, widest), dt), repeats)
+        out.append({"rows": r, "s": t, "weights": n, "bytes_per_s": n * item / t, "flops_per_s": 2.0 * n * r / t})
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # the run
 # ---------------------------------------------------------------------------------------------
@@ -304,6 +346,9 @@ def run_replay_bench(args: argparse.Namespace) -> int:
                 samples[m][k].append(time.perf_counter() - t)
     del engine
     probe = measure_cpu(args.probe_repeats)
+    widths = sorted({1} | {len(st["executions"]) for r in chosen["sprint"].values() for st in r["stages"]
+                           if _executors_run(st)})
+    rows_probe = measure_rows(config, widths, args.probe_repeats)
     chip = MeasuredChip(f"this CPU ({ncpu} cores)", probe["flops_per_s"], probe["matvec_bytes_per_s"])
     pred = predict(chosen, config, chip, decode_chunk=args.decode_chunk)
     load_end = _loadavg()
@@ -313,6 +358,10 @@ def run_replay_bench(args: argparse.Namespace) -> int:
     print(f"this CPU: {probe['flops_per_s'] / 1e9:.1f} GFLOP/s ({MATMUL_N}^3 fp32 matmul), "
           f"{probe['matvec_bytes_per_s'] / 1e9:.2f} GB/s (matrix-vector over {probe['stream_bytes'] / 2**20:.0f} MiB; "
           f"jnp.sum over it: {probe['sum_bytes_per_s'] / 1e9:.2f} GB/s, not used)")
+    one = rows_probe[0]["s"]
+    print("the model's matmuls alone (" + f"{rows_probe[0]['weights'] / 1e6:.0f}M weights): "
+          + ", ".join(f"{p['rows']} row(s) {p['s'] * 1e3:.1f} ms ({p['s'] / one:.2f}x, "
+                      f"{p['bytes_per_s'] / 1e9:.2f} GB/s, {p['flops_per_s'] / 1e9:.1f} GFLOP/s)" for p in rows_probe))
     print("measured = best wall clock of the replay; predicted = plan.records on this CPU's figures")
     print(HEADER)
     print("-" * len(HEADER))
@@ -355,7 +404,7 @@ def run_replay_bench(args: argparse.Namespace) -> int:
                       param_count=n_params, config=dataclasses.asdict(config), cpu_count=ncpu,
                       per_layer_weights=not args.stacked_weights, decode_chunk=args.decode_chunk,
                       repeats=args.repeats, loadavg_start=load_start, loadavg_end=load_end, total_s=total_s,
-                      compile_replay_s=warm_s, cpu=probe, chip=dataclasses.asdict(chip), rows=rows,
+                      compile_replay_s=warm_s, cpu=probe, matmul_rows=rows_probe, chip=dataclasses.asdict(chip), rows=rows,
                       total=dict(measured=total, predicted=ptotal, ratio=ratio, predicted_ratio=pred["ratio"],
                                  predicted_over_measured=within),
                       timing="best (min) wall clock over --repeats per problem and mode, SPRINT and RFT "
