@@ -332,12 +332,27 @@ def test_search_finds_a_slice_the_compiler_accepts(tmp_path, capsys):
     """32 runs x 8 executors x 32k of the small model: 36 GiB of KV cache, more than one 4-chip
     v5e host holds; the search rules it out by the estimate and names a larger slice that the
     compiler accepts for every program."""
+    from test_eval import TASKS, _prompt, _rft_engine, _sprint_engine
+
+    from sprint_jax.eval.evaluate import evaluate
+
+    evaluate(_sprint_engine(), TASKS, "parallel", prompt_fn=_prompt, out_dir=tmp_path / "r" / "s", progress=False)
+    evaluate(_rft_engine(), TASKS, "sequential", prompt_fn=_prompt, out_dir=tmp_path / "r" / "b", progress=False)
     rc, rows = _plan(tmp_path, SMALL, "--concurrency", "32", "--executors", "8", "--capacity", "32768",
-                     "--attention", "xla", "--topology", "v5e:2x4", "--search", "--set-mesh")
+                     "--attention", "xla", "--topology", "v5e:2x4", "--search", "--set-mesh",
+                     "--records", str(tmp_path / "r"))
     assert rc == 0, capsys.readouterr().err
     accepted = [r for r in rows if r.get("search") and r["topology"] == "v5e:2x4"]
     assert len(accepted) == 4 and all(r["compiled"] and r["fits"] for r in accepted)
-    assert "search: v5e:2x2" in capsys.readouterr().err        # the 4-chip host was ruled out first
+    out = capsys.readouterr()
+    assert "search: v5e:2x2" in out.err        # the 4-chip host was ruled out first
+    # the latency predicted from the records on the accepted slice's chip and tensor parallelism
+    (latency,) = [r for r in rows if r["program"] == "latency from records"]
+    tensor = accepted[0]["mesh"]["tensor"]
+    want = rec.predict(rec.load_records(tmp_path / "r"), _config(SMALL), chips.CHIPS["v5e"], tensor)
+    assert latency["tensor"] == tensor and latency["ratio"] == pytest.approx(want["ratio"])
+    assert latency["total"]["sprint"]["latency_s"] == pytest.approx(want["total"]["sprint"]["latency_s"])
+    assert "predicted latency on v5e:2x4" in out.out and "SPRINT / RFT" in out.out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -233,7 +233,10 @@ def memory_estimate(shape: EngineShape, kind: str) -> dict[str, float]:
     elif kind == "join_copy":
         window = min(1 << max(shape.child_capacity - 1, 0).bit_length(), shape.child_capacity,
                      shape.parent_capacity)
-        out["windows"] = 4 * item * cfg.num_hidden_layers * hkv * window * cfg.head_dim
+        # per K and V: the child's window, its zero-padded double-length copy, the shifted slice,
+        # the parent's old rows and the merged ones, alive at once: 8 windows' worth of K and V
+        # (read off the TPU compiler's temporaries of the 7B join at data=16, tensor=4: 1.75 GiB)
+        out["windows"] = 2 * 8 * item * cfg.num_hidden_layers * hkv * window * cfg.head_dim
     out["total"] = sum(out.values())
     return out
 
