@@ -421,3 +421,28 @@ def test_the_7b_eval_config_samples_with_no_cap_below_its_budget_and_its_memory_
                               ("3.6 GiB", 34816 + 32768 + 32)):
         assert figure in text and f"{positions * per_position / 2 ** 30:.1f} GiB" == figure
     assert "67,616 positions" in text and re.search(r"huggingface\.co/deepseek-ai/DeepSeek-R1", text)
+
+
+def test_eval_sizes_its_engine_by_the_budget_and_a_sequential_run_with_one_branch(tmp_path, monkeypatch):
+    import sprint_jax.infer.infer_cli as infer_cli
+    from sprint_jax.errors import UserError
+
+    seen = []
+
+    def fake_build_engine(args, config, concurrency=1):
+        seen.append((args.mode, config.max_prompts, args.max_seq_len, config.max_total_tokens))
+        raise UserError("stop here: no model to load")
+    monkeypatch.setattr(infer_cli, "build_engine", fake_build_engine)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 131072,
+                                                   "vocab_size": 64, "hidden_size": 8, "num_hidden_layers": 1,
+                                                   "num_attention_heads": 2, "num_key_value_heads": 1,
+                                                   "intermediate_size": 16}))
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text(json.dumps({"id": "t1", "problem": "What is 1+1?", "answer": "2"}) + "\n")
+    for mode in ("sequential", "parallel"):
+        assert main(["eval", "--model", str(model), "--data", str(tasks), "--mode", mode, "--out",
+                     str(tmp_path / mode), "--config", "configs/eval_r1_distill_7b.yaml"]) == 2
+    # the context holds the 32768-token budget + 2048; only a forking run gets 8 branches per slot
+    assert seen == [("sequential", 1, 34816, 32768), ("parallel", 8, 34816, 32768)]
