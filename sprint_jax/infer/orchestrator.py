@@ -238,8 +238,15 @@ class RunRecord:
         return not self.problems and self.termination == "final_answer"
 
     def to_json(self) -> dict[str, Any]:
+        """The record as eval writes it, without the per-token log-probs (for in-process readers
+        such as RL: one float per token would double a records file, and their last bits depend on
+        the batch the call shared, where the records of a run are otherwise reproducible)."""
         d = dataclasses.asdict(self)
+        d.pop("final_logprobs")
         for sd, s in zip(d["stages"], self.stages):
+            sd.pop("planner_logprobs")
+            for e in sd["executions"]:
+                e.pop("logprobs")
             sd["sequential_tokens"] = s.sequential_tokens
             sd["total_tokens"] = s.total_tokens
         d.update(sequential_tokens=self.sequential_tokens, total_tokens=self.total_tokens,
