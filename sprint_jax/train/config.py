@@ -205,7 +205,8 @@ class TrainConfig:
     export: ExportSection = dataclasses.field(default_factory=ExportSection)
     distributed: DistributedSection = dataclasses.field(default_factory=DistributedSection)
     steps: int = 100                           # optimizer steps (replaced by the derived count when epochs is set)
-    epochs: float | None = None                # passes over the packed rows; load_train_config derives steps
+    epochs: float | None = None                # passes over the packed rows: load_train_config sets steps from
+    #                                            the data; a TrainConfig built otherwise trains `steps`
     log_every: int = 10                        # metrics.jsonl / TensorBoard / progress bar cadence
     seed: int = 0                              # the train-state RNG
     tensorboard: bool = True                   # TensorBoard events under OUT/tb
