@@ -55,8 +55,9 @@ def _status(out: Path, capsys) -> dict[str, str]:
     return {line.split()[0]: line.split()[1] for line in lines[1:]}
 
 
-def _table_row(report: str, metric: str) -> list[str]:
-    row = next(line for line in report.splitlines() if line.startswith(f"| {metric} |"))
+def _table_row(report: str, metric: str, after: str = "") -> list[str]:
+    """The cells of the first table row named `metric` after the text `after`."""
+    row = next(line for line in report[report.index(after):].splitlines() if line.startswith(f"| {metric} |"))
     return [c.strip() for c in row.strip("|").split("|")]
 
 
@@ -81,6 +82,10 @@ def test_tiny_recipe_end_to_end_rerun_and_one_change(tmp_path, capsys):
         r = rows[arm]
         assert acc[col] == f"{100 * sum(bool(x['correct']) for x in r) / len(r):.1f}%"
         assert seq[col] == f"{sum(x['sequential_tokens'] for x in r) / len(r):.1f}"
+    sprint_row = _table_row(report, "SPRINT", "| model | samples per problem")   # samples, Avg@k, ...
+    r = rows["sprint"]
+    assert sprint_row[1] == "1" and sprint_row[4] == (
+        f"{sum(x['total_tokens'] for x in r) / sum(x['sequential_tokens'] for x in r):.3f}")   # self-parallelism
     assert "### By RFT sequential length (fixed bins)" in report
     steps = {arm: json.loads((out / f"train_{arm}" / "out" / "summary.json").read_text())["steps"]
              for arm in ("sprint", "rft")}
@@ -152,8 +157,13 @@ def test_r1_recipe_needs_its_keys_from_the_environment_and_never_writes_them(tmp
     # the pair: each arm trains on its own file and names the other's as its partner
     assert sprint.data.train == rft.data.paired.train and rft.data.train == sprint.data.paired.train
     assert sprint.data.train[0].endswith("sprint.jsonl") and rft.data.layout == "flat"
-    ev = next(s for s in stages if s.name == "eval_sprint_math500").command
-    assert ev[ev.index("--mode") + 1] == "parallel" and "temperature=0.6" in ev and "top_p=0.95" in ev
+    ev = next(s for s in stages if s.name == "eval_sprint_math500")
+    assert ev.command[ev.command.index("--mode") + 1] == "parallel"
+    assert ev.command[ev.command.index("--samples") + 1] == "8"
+    decoding = Path(ev.command[ev.command.index("--config") + 1])
+    assert decoding.name == "eval_r1_distill_7b.yaml" and decoding in ev.files       # its content is an input
+    orch = yaml.safe_load(decoding.read_text())
+    assert (orch["temperature"], orch["top_p"], orch["max_total_tokens"]) == (0.6, 0.95, 32768)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,3 +273,14 @@ def test_a_moved_directory_keeps_its_stages(tmp_path, fake_stages, capsys):
     out.rename(moved)
     assert _status(moved, capsys) == {s: "done" for s in STAGES}
     assert _run(cfg, moved) == 0 and ran == []
+
+
+def test_the_eval_config_file_is_an_input_of_the_evals(tmp_path, fake_stages):
+    ran, _ = fake_stages
+    decoding = tmp_path / "eval.yaml"
+    decoding.write_text("max_stages: 3\n")
+    cfg, out = _tiny(tmp_path, **{"eval.config": str(decoding)}), tmp_path / "run"
+    assert _run(cfg, out) == 0 and ran == STAGES
+    ran.clear()
+    decoding.write_text("max_stages: 2\n")
+    assert _run(cfg, out) == 0 and ran == STAGES[3:]

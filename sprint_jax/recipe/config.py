@@ -40,12 +40,18 @@ class EvalSection:
     sets: list[EvalSet] = dataclasses.field(default_factory=lambda: [EvalSet("math500", "math500")])
     sprint_mode: Literal["parallel", "serial"] = "parallel"   # the SPRINT model runs its executors side by side
     rft_mode: Literal["sequential"] = "sequential"            # the RFT baseline decodes one sequence
+    config: str | None = None                  # `eval --config`: an OrchestratorConfig YAML, e.g.
+    #                                            configs/eval_r1_distill_7b.yaml (its content is an input)
     orchestrator: dict[str, Any] = dataclasses.field(default_factory=dict)  # OrchestratorConfig fields (`eval --set`)
     args: list[str] = dataclasses.field(default_factory=list)  # more `sprint-jax eval` flags, every set
 
     def __post_init__(self) -> None:
         if not self.sets:
             raise ValueError("sets is empty: give at least one eval set")
+        if self.config is not None:
+            from sprint_jax.config import resolve_config_path
+            if not resolve_config_path(self.config).is_file():
+                raise ValueError(f"config {self.config!r}: no such file")
         names = [s.name for s in self.sets]
         if len(set(names)) != len(names):
             raise ValueError(f"set names must differ, got {names}")

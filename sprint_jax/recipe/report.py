@@ -44,6 +44,27 @@ def _bins(bins: list[dict], names: list[str]) -> list[str]:
                    f"seq tokens {b}", f"seq ratio {a}/{b}"], rows)
 
 
+def _per_model(table: dict, names: list[str]) -> list[str]:
+    """Avg@k with its standard error, pass@k, self-parallelism and activation ratio per model,
+    where compare.json has them (an eval with --samples, a compare that reports parallelism)."""
+    samples, par = table.get("samples") or {}, table.get("parallelism") or {}
+    if not samples and not par:
+        return []
+    rows = []
+    for n in names:
+        s, p = samples.get(n) or {}, par.get(n) or {}
+        k = (s.get("samples_per_problem") or {}).get("min")
+        se = s.get("avg_at_k_se")
+        avg = "-" if s.get("avg_at_k") is None else (f"{100 * s['avg_at_k']:.1f}%"
+                                                     + ("" if se is None else f" ± {100 * se:.1f}"))
+        passes = ", ".join(f"@{j} {100 * v:.1f}%" for j, v in (s.get("pass_at_k") or {}).items())
+        rows.append([n, str(k or "-"), avg, passes or "-",
+                     _num((p.get("self_parallelism") or {}).get("ratio_of_sums"), ".3f"),
+                     _num(p.get("activation_ratio"), ".3f")])
+    return [""] + _table(["model", "samples per problem", "Avg@k ± SE", "pass@k", "self-parallelism",
+                          "activation ratio"], rows)
+
+
 def _eval_set(root: Path, name: str, data: str) -> list[str]:
     table = json.loads((root / f"compare_{name}" / "out" / "compare.json").read_text())
     a, b = table["names"]
@@ -57,6 +78,7 @@ def _eval_set(root: Path, name: str, data: str) -> list[str]:
             cells = [_num(r[a], spec), _num(r[b], spec), "n/a" if rel is None else f"{100 * rel:+.1f}%"]
         rows.append([r["metric"], *cells])
     lines = [f"## {name} ({data}, {table['n']} problems)", ""] + _table(["", a, b, "change"], rows)
+    lines += _per_model(table, [a, b])
     tok = (table.get("speedups") or {}).get("tokens") or []
     if tok:
         lines += ["", f"Mean per-problem speedup in sequential tokens ({b} / {a}): "

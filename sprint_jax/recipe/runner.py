@@ -97,11 +97,16 @@ def plan(cfg: RecipeConfig, out: Path) -> list[Stage]:
                             yaml.safe_dump(train, sort_keys=False), list(train_files)))
 
     orch = [a for k, v in cfg.eval.orchestrator.items() for a in ("--set", f"{k}={v}")]
+    eval_files = []
+    if cfg.eval.config:
+        from sprint_jax.config import resolve_config_path
+        eval_files.append(resolve_config_path(cfg.eval.config).resolve())
+        orch = ["--config", str(eval_files[0]), *orch]           # --set fields override the file's
     compares = []
     for s in cfg.eval.sets:
         data_args = ["--data", s.data if s.data in BUILTIN_DATA else str(Path(s.data).resolve()),
                      "--task-kind", s.task_kind] + (["--limit", str(s.limit)] if s.limit else [])
-        set_files = [] if s.data in BUILTIN_DATA else [Path(s.data)]
+        set_files = eval_files + ([] if s.data in BUILTIN_DATA else [Path(s.data).resolve()])
         runs = {}
         for arm, mode in (("sprint", cfg.eval.sprint_mode), ("rft", cfg.eval.rft_mode)):
             d = stage_dir(out, f"eval_{arm}_{s.name}")
