@@ -1,5 +1,6 @@
-"""`sprint-jax plan train ...`: compile the SFT step for TPU slices from this host, and print
-what each chip would hold, its headroom, and the step's roofline.
+"""`sprint-jax plan train|engine ...`: compile the SFT step, or the inference engine's programs,
+for TPU slices from this host, and print what each chip would hold, its headroom, and the
+roofline (engine: also the capacity that fits and, from eval records, SPRINT's and RFT's latency).
 """
 from __future__ import annotations
 

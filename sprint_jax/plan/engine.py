@@ -197,12 +197,12 @@ def cache_bytes(shape: EngineShape) -> float:
 
 
 def memory_estimate(shape: EngineShape, kind: str) -> dict[str, float]:
-    """Per-chip bytes of one program (`Program.kind`) by component; 'total' their sum. The cache
-    is donated and updated in place (counted once); temporaries are the program's largest live
-    arrays: a decode call's fp32 logits for its rows (and the copy `sample` keeps) and the child
-    rows its suffix attention gathers per layer; a prefill's gathered parent rows (K and V, and
-    the transposed copy flash attention takes) and its [rows x chunk] activations; a join's
-    windows."""
+    """Per-chip bytes of one program (`Program.kind`) by component; 'total' their sum: the
+    weights it reads, the cache (donated and updated in place: counted once), and temporaries,
+    its largest live arrays: a decode call's second copy of the slots it writes (what the TPU
+    compile of the decode loop holds), its rows' fp32 logits and one layer's gathered child rows;
+    a prefill's gathered parent rows (K and V, and the transposed copy flash attention takes) and
+    its [rows x chunk] activations; a join's windows."""
     cfg = serving_config(shape)
     item = 2 if cfg.dtype == "bfloat16" else 4
     t = shape.mesh[2]
