@@ -15,23 +15,12 @@ from sprint_jax.eval.shards import parse_shard, shard_positions
 
 
 def _untimed(x):
-    """Drop timings (keys ending in _s: wall_s, final_s, wall_clock_s, ...) and logprobs (keys
-    ending in _logprobs: compared apart, `_logprobs`) at any depth."""
+    """Drop timings (keys ending in _s: wall_s, final_s, wall_clock_s, ...) at any depth."""
     if isinstance(x, dict):
-        return {k: _untimed(v) for k, v in x.items() if not (k.endswith("_s") or k.endswith("_logprobs"))}
+        return {k: _untimed(v) for k, v in x.items() if not k.endswith("_s")}
     if isinstance(x, list):
         return [_untimed(v) for v in x]
     return x
-
-
-def _logprobs(x) -> list[float]:
-    """Every logprob in x, in order. A shard runs its problems in other batches than the whole
-    run, and float32 sums over another batch shape differ in the last bits: compared to 1e-4."""
-    if isinstance(x, dict):
-        return [v for k in x for v in (x[k] if k.endswith("_logprobs") else _logprobs(x[k]))]
-    if isinstance(x, list):
-        return [v for item in x for v in _logprobs(item)]
-    return []
 
 
 def _run_files(d):
@@ -81,9 +70,6 @@ def test_three_shards_merge_to_the_unsharded_eval(hf_untied, tmp_path, capsys):
     ref = _run_files(tmp_path / "full")
     assert ref[2]["n"] == 7 and sum(r["total_tokens"] for r in ref[0]) > 0
     assert _run_files(merged) == ref
-    full_records = [json.loads(x) for x in (tmp_path / "full" / "records.jsonl").read_text().splitlines()]
-    merged_records = [json.loads(x) for x in (merged / "records.jsonl").read_text().splitlines()]
-    assert _logprobs(full_records) and _logprobs(merged_records) == pytest.approx(_logprobs(full_records), abs=1e-4)
     assert json.loads((merged / "merge.json").read_text())["shards"][2]["index"] == 2
 
     # shard 1 "dies": no report, a cut results file -> the merge refuses with one line, exit 2
