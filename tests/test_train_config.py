@@ -112,3 +112,23 @@ def test_epochs_derive_steps_from_the_data(tmp_path):
     assert load_train_config(None, base).steps == 999          # no epochs: steps as given
     with pytest.raises(ConfigError, match="epochs must be > 0"):
         load_train_config(None, base + ["epochs=0"])
+
+
+def test_train_derives_steps_from_epochs_for_a_config_built_in_python(tmp_path):
+    """`train()` on a TrainConfig that did not pass through load_train_config (the demo, the
+    recipe's Python callers) trains the epochs too, not the `steps` placeholder."""
+    from sprint_jax.config import from_dict
+    from sprint_jax.train.config import TrainConfig
+    from sprint_jax.train.trainer import train
+
+    data = tmp_path / "rft.jsonl"
+    _one_row_examples(data, 6, 10)
+    cfg = from_dict(TrainConfig, {
+        "model": {"name": "tiny", "dtype": "float32", "remat": "none", "loss_chunk": 0},
+        "data": {"train": [str(data)], "tokenizer": "bytes", "layout": "flat", "seq_len": 256},
+        "optim": {"batch_size": 4}, "mesh": {"data": 1, "fsdp": 1, "tensor": 1},
+        "checkpoint": {"every": 0, "resume": False}, "export": {"enabled": False},
+        "steps": 999, "epochs": 1.5, "tensorboard": False, "plot": False})
+    summary = train(cfg, tmp_path / "out", progress=False)
+    assert summary["steps"] == 5                      # 13 rows / 4 per step x 1.5 epochs, as above
+    assert "steps: 5\n" in (tmp_path / "out" / "config.yaml").read_text()

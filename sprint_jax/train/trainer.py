@@ -271,6 +271,14 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
 
     model_cfg, tokenizer, tokenizer_name = _model_and_tokenizer(cfg, tokenizer)
     data = _load_data(cfg, tokenizer, model_cfg.vocab_size, out, say)
+    if cfg.epochs is not None:    # as load_train_config does, for a config built in Python: the rows as packed
+        from sprint_jax.train.config import steps_for_epochs
+        cfg = dataclasses.replace(cfg, steps=steps_for_epochs(cfg.epochs, data.stream.describe()))
+        if main:
+            import yaml
+            from sprint_jax.config import to_dict
+            (out / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        say(f"{cfg.epochs:g} epoch(s) of the packed rows: {cfg.steps} steps")
     mesh, setup = _build_step(cfg, model_cfg, say)
     ckpt = _open_checkpoints(cfg, out)
     state, start, resumed = _restore_or_init(cfg, ckpt, setup, model_cfg, data, out, progress and main, say)
