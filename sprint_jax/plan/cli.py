@@ -50,6 +50,19 @@ examples:
 PROGRAMS = ("train", "engine")
 
 
+def _print_table(cols: list[tuple[str, str]], cells: list[list[str]]) -> None:
+    """A header, a rule and one line per row; `cols` is [(name, format alignment)], cells are strings."""
+    widths = [max(len(name), *(len(c[i]) for c in cells)) for i, (name, _) in enumerate(cols)]
+
+    def line(values):
+        return "  ".join(f"{v:{align}{w}}" for v, (_, align), w in zip(values, cols, widths)).rstrip()
+
+    print(line([name for name, _ in cols]))
+    print("-" * sum(w + 2 for w in widths))
+    for c in cells:
+        print(line(c))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("program", choices=PROGRAMS, help="what to plan (train: the SFT step; engine: the inference "
                                                      "engine's programs)")
@@ -171,15 +184,7 @@ def print_table(rows: list[dict], chips_used: list) -> None:
             "-" if r["headroom"] is None else f"{r['headroom'] * 100:.0f}%", _gib(r["estimate_bytes"]),
             f"{r['flops'] / 1e12:.1f}", f"{r['hbm_traffic_bytes'] / 1e9:.1f}", f"{r['roofline_s']:.3f}",
             f"{r['mfu_bound'] * 100:.0f}%", f"{r['tokens_per_s']:.0f}"])
-    widths = [max(len(name), *(len(c[i]) for c in cells)) for i, (name, _) in enumerate(cols)]
-
-    def line(values):
-        return "  ".join(f"{v:{align}{w}}" for v, (_, align), w in zip(values, cols, widths)).rstrip()
-
-    print(line([name for name, _ in cols]))
-    print("-" * sum(w + 2 for w in widths))
-    for c in cells:
-        print(line(c))
+    _print_table(cols, cells)
     for chip in chips_used:
         print(f"{chip.name}: {chip.hbm_gib:g} GiB HBM, {chip.peak_flops / 1e12:g} TFLOP/s bf16, "
               f"{chip.hbm_bandwidth / 1e9:g} GB/s per chip (published figures)")
@@ -294,15 +299,7 @@ def print_engine_table(rows: list[dict], chips_used: list) -> None:
             f"{r['compile_s']:.0f}", _gib(total), f"{r['hbm_bytes'] / 2 ** 30:.0f}",
             "-" if r["headroom"] is None else f"{r['headroom'] * 100:.0f}%", _gib(r["estimate_bytes"]),
             f"{r['flops'] / 1e9:.1f}", f"{r['hbm_traffic_bytes'] / 1e9:.2f}", f"{r['roofline_s'] * 1e3:.2f}"])
-    widths = [max(len(name), *(len(c[i]) for c in cells)) for i, (name, _) in enumerate(cols)]
-
-    def line(values):
-        return "  ".join(f"{v:{align}{w}}" for v, (_, align), w in zip(values, cols, widths)).rstrip()
-
-    print(line([name for name, _ in cols]))
-    print("-" * sum(w + 2 for w in widths))
-    for c in cells:
-        print(line(c))
+    _print_table(cols, cells)
     seen = set()
     for r in rows:
         key = (r["engine"], r["topology"], tuple(r["mesh"].values()))
