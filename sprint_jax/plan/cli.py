@@ -50,6 +50,19 @@ examples:
 PROGRAMS = ("train", "engine")
 
 
+_MEMORY_COLS = [("program", "<"), ("topology", "<"), ("mesh", "<"), ("compiled", "<"), ("compile s", ">"),
+                ("GiB/chip", ">"), ("HBM GiB", ">"), ("headroom", ">"), ("est GiB", ">")]
+
+
+def _memory_cells(r: dict) -> list[str]:
+    """A row's cells under _MEMORY_COLS: what was compiled where, and its per-chip memory."""
+    total = r["per_chip_bytes"]["total"] if r["per_chip_bytes"] else None
+    return [r["program"], f"{r['topology']} ({r['accelerator_type']})",
+            ",".join(f"{k}={v}" for k, v in r["mesh"].items()), "yes" if r["compiled"] else "no",
+            f"{r['compile_s']:.0f}", _gib(total), f"{r['hbm_bytes'] / 2 ** 30:.0f}",
+            "-" if r["headroom"] is None else f"{r['headroom'] * 100:.0f}%", _gib(r["estimate_bytes"])]
+
+
 def _print_table(cols: list[tuple[str, str]], cells: list[list[str]]) -> None:
     """A header, a rule and one line per row; `cols` is [(name, format alignment)], cells are strings."""
     widths = [max(len(name), *(len(c[i]) for c in cells)) for i, (name, _) in enumerate(cols)]
@@ -171,17 +184,11 @@ def _gib(x) -> str:
 
 def print_table(rows: list[dict], chips_used: list) -> None:
     """The rows as one table (columns as wide as their widest cell), the chip figures under it."""
-    cols = [("program", "<"), ("topology", "<"), ("mesh", "<"), ("compiled", "<"), ("compile s", ">"),
-            ("GiB/chip", ">"), ("HBM GiB", ">"), ("headroom", ">"), ("est GiB", ">"), ("TFLOP/step", ">"),
-            ("HBM GB/chip", ">"), ("roofline s", ">"), ("MFU bound", ">"), ("tokens/s", ">")]
+    cols = _MEMORY_COLS + [("TFLOP/step", ">"), ("HBM GB/chip", ">"), ("roofline s", ">"), ("MFU bound", ">"),
+                           ("tokens/s", ">")]
     cells = []
     for r in rows:
-        total = r["per_chip_bytes"]["total"] if r["per_chip_bytes"] else None
-        cells.append([
-            r["program"], f"{r['topology']} ({r['accelerator_type']})",
-            ",".join(f"{k}={v}" for k, v in r["mesh"].items()), "yes" if r["compiled"] else "no",
-            f"{r['compile_s']:.0f}", _gib(total), f"{r['hbm_bytes'] / 2 ** 30:.0f}",
-            "-" if r["headroom"] is None else f"{r['headroom'] * 100:.0f}%", _gib(r["estimate_bytes"]),
+        cells.append(_memory_cells(r) + [
             f"{r['flops'] / 1e12:.1f}", f"{r['hbm_traffic_bytes'] / 1e9:.1f}", f"{r['roofline_s']:.3f}",
             f"{r['mfu_bound'] * 100:.0f}%", f"{r['tokens_per_s']:.0f}"])
     _print_table(cols, cells)
@@ -287,17 +294,10 @@ def _engine_shape_args(args):
 
 def print_engine_table(rows: list[dict], chips_used: list) -> None:
     """The engine rows as one table, the decode roofline and chip figures under it."""
-    cols = [("program", "<"), ("topology", "<"), ("mesh", "<"), ("compiled", "<"), ("compile s", ">"),
-            ("GiB/chip", ">"), ("HBM GiB", ">"), ("headroom", ">"), ("est GiB", ">"), ("GFLOP", ">"),
-            ("HBM GB/chip", ">"), ("roofline ms", ">")]
+    cols = _MEMORY_COLS + [("GFLOP", ">"), ("HBM GB/chip", ">"), ("roofline ms", ">")]
     cells = []
     for r in rows:
-        total = r["per_chip_bytes"]["total"] if r["per_chip_bytes"] else None
-        cells.append([
-            r["program"], f"{r['topology']} ({r['accelerator_type']})",
-            ",".join(f"{k}={v}" for k, v in r["mesh"].items()), "yes" if r["compiled"] else "no",
-            f"{r['compile_s']:.0f}", _gib(total), f"{r['hbm_bytes'] / 2 ** 30:.0f}",
-            "-" if r["headroom"] is None else f"{r['headroom'] * 100:.0f}%", _gib(r["estimate_bytes"]),
+        cells.append(_memory_cells(r) + [
             f"{r['flops'] / 1e9:.1f}", f"{r['hbm_traffic_bytes'] / 1e9:.2f}", f"{r['roofline_s'] * 1e3:.2f}"])
     _print_table(cols, cells)
     seen = set()
