@@ -95,7 +95,8 @@ def test_top_level_and_bench_help_list_the_same_benchmarks(capsys, monkeypatch):
     except SystemExit as e:
         assert e.code == 0
     bench_names = set(re.findall(r"sprint-jax bench ([a-z-]+) ", capsys.readouterr().out))
-    assert top_names == bench_names == set(BENCHES) and len(BENCHES) == 7
+    assert top_names == bench_names == set(BENCHES)
+    assert {"decode", "kernels", "replay", "serve", "train"} <= top_names     # not an empty parse
 
 
 def _fake_venv(tmp_path: Path) -> tuple[Path, Path]:
