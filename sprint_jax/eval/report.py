@@ -367,6 +367,26 @@ def speedups(pairs: Sequence[tuple[dict, dict]]) -> dict:
     return {"tokens": tok, "wall": wall}
 
 
+def speedup_summary(pairs: Sequence[tuple[dict, dict]]) -> dict:
+    """The distribution of per-problem token speedups of A over B (B's sequential tokens / A's, as
+    `speedups`; ThreadWeaver reports its histogram and its maximum on correct answers), as numbers:
+    n, min, median (the mean of the middle two for an even n), max, `faster` (the share of problems
+    with a speedup > 1), and `max_both_solved`, the largest speedup among the problems both runs
+    solved (more than half of a sampled problem's samples correct, as `mean_speedup`). Problems
+    where A generated no token are left out; each value is None when nothing is left."""
+    import statistics
+
+    def ratio(p):
+        return p[1]["sequential_tokens"] / p[0]["sequential_tokens"]
+    kept = [p for p in pairs if p[0]["sequential_tokens"] > 0]
+    tok = [ratio(p) for p in kept]
+    solved = [ratio(p) for p in kept if float(p[0]["correct"]) > 0.5 and float(p[1]["correct"]) > 0.5]
+    return {"n": len(tok), "min": min(tok, default=None),
+            "median": statistics.median(tok) if tok else None, "max": max(tok, default=None),
+            "faster": _mean([float(x > 1) for x in tok]) if tok else None,
+            "max_both_solved": max(solved, default=None), "n_both_solved": len(solved)}
+
+
 def _pyplot():
     import matplotlib
     matplotlib.use("Agg")
@@ -557,9 +577,9 @@ def compare(results_a: Sequence[dict], results_b: Sequence[dict], name_a: str = 
     of like with like). A run with several samples per problem is compared through its
     per-problem means (`problem_rows`): accuracy is then Avg@k. Change is A - B in percentage
     points for accuracy and (A - B) / B for the rest. Also returns `length_bins` (by B's
-    sequential length: fixed `bins` thresholds and `quantiles`), the per-problem `speedups` and
-    their `mean_speedup`, each run's `parallelism` (self-parallelism and activation ratios) and
-    `samples` (`sample_summary` without the per-problem list).
+    sequential length: fixed `bins` thresholds and `quantiles`), the per-problem `speedups`,
+    their `mean_speedup` and `speedup_summary`, each run's `parallelism` (self-parallelism and
+    activation ratios) and `samples` (`sample_summary` without the per-problem list).
     """
     for name, rows in ((name_a, results_a), (name_b, results_b)):
         keys = [(str(r["id"]), sample_of(r)) for r in rows]
@@ -602,7 +622,7 @@ def compare(results_a: Sequence[dict], results_b: Sequence[dict], name_a: str = 
     pairs = list(zip(results_a, b_sorted))
     return {"n": len(ids_a), "names": [name_a, name_b], "rows": rows, "summary": summary,
             "length_bins": length_bins(pairs, bins, quantiles), "speedups": speedups(pairs),
-            "mean_speedup": mean_speedup(pairs), **extra}
+            "mean_speedup": mean_speedup(pairs), "speedup_summary": speedup_summary(pairs), **extra}
 
 
 def _format_bins(bins: Sequence[dict], name_a: str, name_b: str) -> list[str]:
@@ -655,6 +675,11 @@ def _format_extras(table: dict) -> list[str]:
         lines.append(f"mean per-problem speedup ({name_b} / {name_a} sequential tokens): "
                      f"{num(ms['all'], '.3f')} over all {ms['n_all']} problems, {num(ms['both_solved'], '.3f')} "
                      f"over the {ms['n_both_solved']} both solved")
+    ss = table.get("speedup_summary")
+    if ss and ss["n"]:
+        lines.append(f"per-problem speedup: median {num(ss['median'], '.3f')}, max {num(ss['max'], '.3f')} "
+                     f"(max {num(ss['max_both_solved'], '.3f')} over the {ss['n_both_solved']} both solved), "
+                     f"{pct(ss['faster'])} of problems faster")
     return lines
 
 
@@ -758,4 +783,5 @@ __all__ = ["RunFileError", "make_report", "sequential_to_total_by_length", "leng
            "BINS_PLOT", "wall_clock_summary", "format_wall_clock", "TIMING_FIELDS", "untimed", "union_length",
            "run_wall_clock", "run_concurrency", "check_result_row", "internal_title", "format_concurrency",
            "CONTEXT_FULL_TERMINATIONS", "SE_ESTIMATOR", "outcome", "context_full_share", "sample_of", "by_problem",
-           "pass_at_k", "sample_summary", "problem_rows", "parallelism", "mean_speedup"]
+           "pass_at_k", "sample_summary", "problem_rows", "parallelism", "mean_speedup",
+           "speedup_summary"]
