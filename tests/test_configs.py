@@ -71,3 +71,30 @@ def test_rl_configs_hold_out_a_set_that_exists():
         if source is not None:
             assert len(load_tasks(source)) > 0, path.name
     assert len(load_tasks(load_config(RLConfig, CONFIG_DIR / "rl_r1_distill_7b.yaml").tasks.eval_source)) == 500
+
+
+def test_qwen3_8b_configs_fit_the_model_and_agree():
+    """The Qwen3-8B SFT, RL and recipe configs name the qwen3-8b preset's checkpoint, use no more
+    positions than the model has, and the recipe trains the step the SFT config was planned with."""
+    import json
+
+    from sprint_jax.recipe.config import load_recipe_config
+    from sprint_jax.rl.config import RLConfig
+    from sprint_jax.train.config import load_train_config
+
+    positions = json.loads((CONFIG_DIR / "model_qwen3-8b.json").read_text())["max_position_embeddings"]
+    assert positions == 40960                                  # the HF config of Qwen/Qwen3-8B
+    sft = load_train_config(CONFIG_DIR / "sft_qwen3_8b_sprint.yaml")
+    assert Path(sft.model.name).name.lower() == "qwen3-8b"    # planned as that preset when not on the host
+    assert sft.data.seq_len == positions and sft.data.layout == "trie"
+    rl = load_config(RLConfig, CONFIG_DIR / "rl_qwen3_8b.yaml")
+    assert rl.loss.seq_len <= positions and rl.rollout.max_seq_len <= positions
+    assert rl.rollout.orchestrator.max_total_tokens <= rl.loss.seq_len    # one run's trie fits a row
+    recipe = load_recipe_config(CONFIG_DIR / "recipe_qwen3_8b.yaml")
+    assert recipe.sprint_layout == sft.data.layout and recipe.train["model"]["name"] == sft.model.name
+    data = recipe.train["data"]
+    assert (data["seq_len"], data["buckets"], data["trie_whole_trajectory"]) == (
+        sft.data.seq_len, sft.data.buckets, sft.data.trie_whole_trajectory)
+    optim = recipe.train["optim"]
+    assert (optim["batch_size"], optim["grad_accum"]) == (sft.optim.batch_size, sft.optim.grad_accum)
+    assert recipe.train["mesh"] == {"data": sft.mesh.data, "fsdp": sft.mesh.fsdp, "tensor": sft.mesh.tensor}
