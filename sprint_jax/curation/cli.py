@@ -4,15 +4,20 @@ from __future__ import annotations
 import argparse
 
 from sprint_jax.errors import UserError
-from sprint_jax.curation.store import STAGES
+from sprint_jax.curation.store import ALL_STAGES
 
 DESCRIPTION = """\
 Curation pipeline (paper §4-5): teacher traces -> correctness filter -> steps -> DAG -> σ stages
 -> ρ filter -> sprint.jsonl + rft.jsonl + curation_report.json in the output directory.
 
   sprint-jax curate --config configs/curate_countdown_offline.yaml [--set key=value ...] [--out DIR]
-                    [--stage tasks|teacher|filter|extract|dag|pack|reformat]
+                    [--stage tasks|teacher|filter|extract|dag|pack|rewrite|reformat]
   sprint-jax curate status DIR
+
+`restructure: rewrite` (configs/curate_math_rewrite_openai.yaml) replaces extract, dag and pack by
+one stage, `rewrite`: the `rewriter` LLM restructures each correct trace into SPRINT tags, and a
+reply is kept only if it parses, runs two or more executions in some stage, no execution uses a
+number that only a sibling execution derives, and its final answer is the trace's, graded correct.
 
 Every LLM call and every record is committed to DIR/curation.sqlite as it completes: rerunning the
 same command resumes a killed run without repeating a paid call. API keys are read from the
@@ -28,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config field by dotted key, e.g. --set teacher.concurrency=4")
     parser.add_argument("--out", help="output directory (default: the config's `out`)")
-    parser.add_argument("--stage", action="append", choices=STAGES,
-                        help="run only this stage (repeatable); default: all stages in order")
+    parser.add_argument("--stage", action="append", choices=ALL_STAGES,
+                        help="run only this stage (repeatable); default: all stages of the config's "
+                             "restructure path in order (rewrite: tasks, teacher, filter, rewrite, reformat)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 

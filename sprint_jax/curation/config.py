@@ -102,12 +102,23 @@ class DagConfig(EndpointConfig):
 
 
 @dataclasses.dataclass
+class RewriterConfig(EndpointConfig):
+    """`restructure: rewrite`: the LLM that rewrites each correct serial trace into SPRINT tags."""
+
+
+@dataclasses.dataclass
 class CurateConfig:
     """One curation run; everything it writes goes to `out` (or the CLI's --out)."""
     tasks: TasksConfig = dataclasses.field(default_factory=TasksConfig)
     teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
     extractor: ExtractorConfig = dataclasses.field(default_factory=ExtractorConfig)
     dag: DagConfig = dataclasses.field(default_factory=DagConfig)
+    # how correct traces become SPRINT examples: `dag` = extract steps -> dependency DAG -> σ packing
+    # -> ρ filter (paper §4-5); `rewrite` = the `rewriter` LLM restructures the whole trace in one
+    # call, and the reply is checked (well-formed, parallel, no executor using a sibling's result,
+    # the same correct final answer)
+    restructure: Literal["dag", "rewrite"] = "dag"
+    rewriter: RewriterConfig = dataclasses.field(default_factory=RewriterConfig)
     merge_min_chars: int = 80       # executions shorter than this merge into their plan (E_i := empty)
     min_ratio: float = 1.5          # keep a trace if rho = |S| / #stages >= this (paper §5)
     rft_source: Literal["sprint", "correct"] = "sprint"  # RFT set: the traces kept for SPRINT, or every correct one
@@ -125,6 +136,8 @@ class CurateConfig:
             raise ValueError("extractor.model is required when extractor.kind is llm")
         if self.dag.kind == "llm" and not self.dag.model:
             raise ValueError("dag.model is required when dag.kind is llm")
+        if self.restructure == "rewrite" and not self.rewriter.model:
+            raise ValueError("rewriter.model is required when restructure is rewrite")
         if self.teacher.kind == "programmatic" and self.tasks.source not in ("countdown", "chains"):
             raise ValueError("teacher.kind programmatic only solves generated tasks "
                              "(tasks.source: countdown or chains)")
@@ -133,15 +146,20 @@ class CurateConfig:
 # Fields that change how a run is executed but not what it produces; they may differ on resume.
 EXECUTION_ONLY = frozenset({"out", "concurrency", "max_retries", "timeout_s", "backoff_base_s",
                             "backoff_max_s", "max_retry_after_s", "api_key_env", "base_url"})
+# Top-level fields only one restructuring path reads (config `restructure`).
+PATH_ONLY = {"dag": frozenset({"restructure", "rewriter"}),
+             "rewrite": frozenset({"extractor", "dag", "merge_min_chars", "min_ratio"})}
 
 
 def data_fingerprint(cfg: CurateConfig) -> dict:
-    """The config with execution-only fields removed: a resumed run must match it exactly."""
+    """The config with execution-only fields and the fields the other restructuring path reads
+    removed: a resumed run must match it exactly. (A `dag` run's fingerprint has no `restructure`
+    or `rewriter`, so stores written before those fields existed still resume.)"""
     def strip(node):
         if isinstance(node, dict):
             return {k: strip(v) for k, v in node.items() if k not in EXECUTION_ONLY}
         return node
-    return strip(to_dict(cfg))
+    return {k: v for k, v in strip(to_dict(cfg)).items() if k not in PATH_ONLY[cfg.restructure]}
 
 
 def load_curate_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> CurateConfig:

@@ -2,7 +2,9 @@
 
 tasks -> teacher traces -> correctness filter -> step extraction (+ merge short executions)
 -> dependency DAG -> σ packing and the ρ filter -> reformat (sprint.jsonl, and rft.jsonl from the
-same correct traces, unrestructured).
+same correct traces, unrestructured). With `restructure: rewrite` the three middle stages are one,
+`rewrite`: an LLM rewrites each correct trace into SPRINT tags and the reply is checked
+(curation/rewrite.py).
 
 Stages run one after another over the tasks still pending at each (store.pending), every record
 committed as soon as it is done, so `run_pipeline` can be killed at any point and called again
@@ -27,7 +29,7 @@ from sprint_jax.curation.config import CurateConfig, data_fingerprint
 from sprint_jax.curation.dag import DagFailed, propose_llm, propose_offline, validate_edges
 from sprint_jax.curation.extract import ExtractFailed, extract_llm, extract_offline, merge_short
 from sprint_jax.curation.llm import CachedChat, CallStats, EndpointRefused, LLMCallError
-from sprint_jax.curation.store import STAGES, Store
+from sprint_jax.curation.store import ALL_STAGES, STAGES, STAGES_OF, Store
 from sprint_jax.curation.teacher import TeacherRejected, check_answer, make_teacher, task_prompt
 from sprint_jax.schema import Example
 from sprint_jax.tasks.types import Task
@@ -73,7 +75,7 @@ class Curation:
         self.cfg = cfg
         self.out = Path(out_dir)
         self.progress = progress
-        self.store = Store(self.out / DB_NAME)
+        self.store = Store(self.out / DB_NAME, stages=STAGES_OF[cfg.restructure])
         self.stats = CallStats()
         self._chats: dict[str, CachedChat] = {}
         try:
@@ -102,20 +104,24 @@ class Curation:
         if section not in self._chats:
             endpoint = getattr(self.cfg, section)
             endpoint.api_key(section)
-            purpose = {"teacher": "teacher", "extractor": "extract", "dag": "dag"}[section]
+            purpose = {"teacher": "teacher", "extractor": "extract", "dag": "dag", "rewriter": "rewrite"}[section]
             self._chats[section] = CachedChat(endpoint, self.store, purpose, section, self.stats,
                                               seed=self.cfg.seed)
         return self._chats[section]
 
     # ---- driver --------------------------------------------------------------------------------
     def run(self, stages: Iterable[str] | None = None) -> dict:
-        stages = list(STAGES if stages is None else stages)
+        mine = self.store.stages
+        stages = list(mine if stages is None else stages)
         for s in stages:
-            if s not in STAGES:
-                raise UserError(f"unknown stage {s!r}; choose from {', '.join(STAGES)}")
+            if s not in ALL_STAGES:
+                raise UserError(f"unknown stage {s!r}; choose from {', '.join(mine)}")
+            if s not in mine:
+                raise UserError(f"stage {s} is not part of restructure: {self.cfg.restructure} "
+                                f"(its stages: {', '.join(mine)})")
         t0 = time.time()
         self.store.clear_retryable_failures()
-        for stage in STAGES:
+        for stage in mine:
             if stage in stages:
                 getattr(self, f"_stage_{stage}")()
         self.write_outputs()
@@ -251,11 +257,54 @@ class Curation:
 
         self._each("pack", work, 1)
 
-    def _stage_reformat(self) -> None:
+    def _stage_rewrite(self) -> None:
+        from sprint_jax.curation import rewrite
+
+        if not self.store.pending("rewrite"):
+            return
+        chat = self.chat("rewriter")
+        replies = {}
+
+        def fetch(task: Task) -> None:
+            def go() -> None:
+                replies[task.id] = chat.complete(rewrite.rewrite_messages(task, self.store.trace(task.id)))
+            self._llm_guard("rewrite", task, go)
+
+        def check(task: Task) -> None:
+            reply = replies.pop(task.id)
+            try:
+                ok = rewrite.check_reply(task, self.store.trace(task.id), reply.content, reply.finish_reason)
+            except rewrite.RewriteRejected as e:
+                self.store.put_failure(task.id, "rewrite", e.reason, e.detail)
+                return
+            self.store.put_rewrite(task.id, ok.completion, ok.widths)
+
+        # paid calls in parallel (each stored as it lands); the checks grade, and graders may use
+        # signal-based timeouts, which only work on the main thread
+        self._each("rewrite", fetch, self.cfg.rewriter.concurrency)
+        self._each("rewrite", check, 1)
+
+    def _sprint_example(self, task: Task, prompt: str, final_answer: str, base: dict) -> tuple[str, dict]:
+        """(completion, meta) of a kept task's SPRINT example, from the path this run restructures by.
+        Raises ValueError when it cannot be rendered."""
         from sprint_jax import format as fmt
         from sprint_jax.curation import reformat
 
-        kept = set(self.store.survivors("pack"))
+        if self.cfg.restructure == "rewrite":
+            rw = self.store.rewrite(task.id)
+            return rw["completion"], {**base, "restructure": "rewrite", "rewriter": self.cfg.rewriter.model,
+                                      "n_stages": len(rw["widths"]), "widths": rw["widths"]}
+        steps = self.store.steps(task.id)
+        edges = self.store.dag(task.id)["edges"]
+        pack = self.store.packing(task.id)
+        completion = fmt.render_completion(reformat.to_sprint(prompt, steps, edges, final_answer))
+        return completion, {**base, "n_steps": len(steps), "n_stages": pack["n_stages"], "ratio": pack["ratio"],
+                            "sigma": pack["sigma"], "edges": [list(e) for e in edges]}
+
+    def _stage_reformat(self) -> None:
+        from sprint_jax.curation import reformat
+
+        kept = set(self.store.survivors(self.store.stages[-2]))     # pack, or rewrite
 
         def work(task: Task) -> None:
             trace = self.store.trace(task.id)
@@ -263,14 +312,10 @@ class Curation:
             base = {"task_id": task.id, "task_kind": task.kind, "teacher": trace.teacher}
             examples = []
             failure = None
-            sprint_completion = None
+            sprint_completion = sprint_meta = None
             if task.id in kept:
-                steps = self.store.steps(task.id)
-                edges = self.store.dag(task.id)["edges"]
-                pack = self.store.packing(task.id)
                 try:
-                    sprint_completion = fmt.render_completion(
-                        reformat.to_sprint(prompt, steps, edges, trace.final_answer))
+                    sprint_completion, sprint_meta = self._sprint_example(task, prompt, trace.final_answer, base)
                 except ValueError as e:   # e.g. an extracted step that contains a SPRINT tag
                     failure = ("render_error", f"sprint: {e}")
             if (sprint_completion is not None) or self.cfg.rft_source == "correct":
@@ -286,8 +331,7 @@ class Curation:
             if sprint_completion is not None:
                 examples.insert(0, Example(
                     id=task.id, kind="sprint", prompt=prompt, completion=sprint_completion, answer=task.answer,
-                    meta={**base, "n_steps": len(steps), "n_stages": pack["n_stages"],
-                          "ratio": pack["ratio"], "sigma": pack["sigma"], "edges": [list(e) for e in edges]}))
+                    meta=sprint_meta))
             self.store.put_examples(task.id, examples, failure)
 
         self._each("reformat", work, 1)
@@ -356,7 +400,10 @@ def status(out_dir: str | Path) -> dict:
     from sprint_jax.curation.store import StoreError
     with Store(path, read_only=True) as store:        # status never writes (not even a schema)
         try:
+            fingerprint = store.get_meta("config")       # the run's stages follow its `restructure`
+            restructure = fingerprint.get("restructure", "dag") if isinstance(fingerprint, dict) else "dag"
+            store.stages = STAGES_OF.get(restructure, STAGES)
             return {"stages": store.stage_counts(), "discards": store.failure_counts(),
                     "dropped_edges": store.dropped_edge_counts(), "llm": store.call_totals()}
-        except sqlite3.DatabaseError as e:
+        except (sqlite3.DatabaseError, ValueError) as e:   # ValueError: a meta record that is not JSON
             raise StoreError(f"{path} is not a readable curation store ({e})") from None

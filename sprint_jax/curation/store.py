@@ -8,7 +8,9 @@ pays twice. API keys are never part of a request hash or of anything written her
 
 Stage bookkeeping: a task that leaves the pipeline at stage X has one row in `failures` with
 (stage X, reason). Stage X has *survivors* (an outcome row for X and no failure at X) and *pending*
-tasks (survivors of the stage before X with neither an outcome nor a failure at X yet).
+tasks (survivors of the stage before X with neither an outcome nor a failure at X yet). A run's
+stage list (`Store.stages`) is `STAGES`, or `REWRITE_STAGES` when a teacher LLM restructures each
+trace in one call (config `restructure: rewrite`) instead of extract / dag / pack.
 """
 from __future__ import annotations
 
@@ -26,10 +28,13 @@ from sprint_jax.tasks.types import Task, Trace
 from sprint_jax.errors import UserError
 
 STAGES = ("tasks", "teacher", "filter", "extract", "dag", "pack", "reformat")
+REWRITE_STAGES = ("tasks", "teacher", "filter", "rewrite", "reformat")
+ALL_STAGES = ("tasks", "teacher", "filter", "extract", "dag", "pack", "rewrite", "reformat")
+STAGES_OF = {"dag": STAGES, "rewrite": REWRITE_STAGES}     # config `restructure` -> the run's stages
 
 # stage -> the table whose row for a task is that stage's outcome
 _OUTCOME_TABLE = {"tasks": "tasks", "teacher": "traces", "filter": "verdicts", "extract": "steps",
-                  "dag": "dags", "pack": "packings", "reformat": "reformats"}
+                  "dag": "dags", "pack": "packings", "rewrite": "rewrites", "reformat": "reformats"}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -50,6 +55,8 @@ CREATE TABLE IF NOT EXISTS dags (
   task_id TEXT PRIMARY KEY, edges TEXT NOT NULL, proposed TEXT NOT NULL, dropped TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS packings (
   task_id TEXT PRIMARY KEY, sigma TEXT NOT NULL, n_stages INTEGER NOT NULL, ratio REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS rewrites (
+  task_id TEXT PRIMARY KEY, completion TEXT NOT NULL, widths TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS reformats (task_id TEXT PRIMARY KEY, sprint INTEGER NOT NULL, rft INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS examples (
   task_id TEXT NOT NULL, kind TEXT NOT NULL, ord INTEGER NOT NULL, record TEXT NOT NULL,
@@ -79,13 +86,15 @@ def _dumps(obj: Any) -> str:
 class Store:
     """Thread-safe handle on one run's database. Each write method is one committed transaction."""
 
-    def __init__(self, path: str | Path, read_only: bool = False):
-        """Open (or, unless `read_only`, create) the store at `path`.
+    def __init__(self, path: str | Path, read_only: bool = False, stages: tuple[str, ...] = STAGES):
+        """Open (or, unless `read_only`, create) the store at `path`; `stages` is the run's stage
+        list (`STAGES_OF[restructure]`), which `pending` and `stage_counts` follow.
 
         A file that is not a store (garbage, truncated, another program's SQLite database) raises
         StoreError naming it, and is never written: the schema goes only into a new or empty file
         or an existing store. `read_only` (for `curate status`) writes nothing at all."""
         self.path = Path(path)
+        self.stages = stages
         self._lock = threading.RLock()
         if read_only:
             if not self.path.is_file():
@@ -263,6 +272,15 @@ class Store:
         rows = self._query("SELECT sigma, n_stages, ratio FROM packings WHERE task_id=?", (task_id,))
         return {"sigma": json.loads(rows[0][0]), "n_stages": rows[0][1], "ratio": rows[0][2]} if rows else None
 
+    def put_rewrite(self, task_id: str, completion: str, widths: list[int]) -> None:
+        """An accepted rewrite: its canonical SPRINT completion and the executions per stage."""
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO rewrites VALUES (?,?,?)", (task_id, completion, _dumps(widths)))
+
+    def rewrite(self, task_id: str) -> dict | None:
+        rows = self._query("SELECT completion, widths FROM rewrites WHERE task_id=?", (task_id,))
+        return {"completion": rows[0][0], "widths": json.loads(rows[0][1])} if rows else None
+
     def put_examples(self, task_id: str, examples: list[Example],
                      failure: tuple[str, str] | None = None) -> None:
         """A task's examples (and, when its SPRINT example could not be written, the reason) at once."""
@@ -287,7 +305,7 @@ class Store:
                     retryable: bool = False) -> None:
         """Record that `task_id` left the pipeline at `stage`. Retryable failures (an endpoint that
         stayed down through every retry) are cleared and tried again by the next run."""
-        if stage not in STAGES:
+        if stage not in ALL_STAGES:
             raise ValueError(f"unknown stage {stage!r}")
         with self._tx() as db:
             db.execute("INSERT OR REPLACE INTO failures VALUES (?,?,?,?,?)",
@@ -333,7 +351,8 @@ class Store:
     def pending(self, stage: str) -> list[str]:
         """Task ids (in task order) that reached `stage` and have neither an outcome nor a failure there.
         reformat is pending for a correct trace once its SPRINT branch has concluded (kept by the ρ
-        filter, or discarded at extract / dag / pack), because its RFT example may still be written."""
+        filter or the rewrite check, or discarded at a stage between filter and reformat), because
+        its RFT example may still be written."""
         if stage == "tasks":
             return []
         table = _OUTCOME_TABLE[stage]
@@ -341,11 +360,13 @@ class Store:
                 f"NOT EXISTS (SELECT 1 FROM failures f WHERE f.task_id=t.id AND f.stage='{stage}')")
         if stage == "reformat":
             correct = set(self.survivors("filter"))
-            concluded = set(self.survivors("pack")) | set(self._ids(
-                "SELECT task_id FROM failures WHERE stage IN ('extract','dag','pack')"))
+            branch = self.stages[self.stages.index("filter") + 1:-1]     # extract, dag, pack | rewrite
+            marks = ",".join("?" * len(branch))
+            concluded = set(self.survivors(branch[-1])) | set(self._ids(
+                f"SELECT task_id FROM failures WHERE stage IN ({marks})", tuple(branch)))
             return [i for i in self._ids(f"SELECT t.id FROM tasks t WHERE {done} ORDER BY t.ord")
                     if i in correct and i in concluded]
-        prev = set(self.survivors(STAGES[STAGES.index(stage) - 1]))
+        prev = set(self.survivors(self.stages[self.stages.index(stage) - 1]))
         return [i for i in self._ids(f"SELECT t.id FROM tasks t WHERE {done} ORDER BY t.ord") if i in prev]
 
     def ratios(self) -> list[float]:
@@ -362,7 +383,7 @@ class Store:
         """Per stage: how many tasks survived it, were discarded at it, and are still pending there."""
         fails = {s: n for s, n in self._query("SELECT stage, COUNT(*) FROM failures GROUP BY stage")}
         out = {}
-        for stage in STAGES:
+        for stage in self.stages:
             out[stage] = {"kept": len(self.survivors(stage)), "discarded": fails.get(stage, 0),
                           "pending": len(self.pending(stage))}
         out["reformat"]["sprint_examples"] = self._query("SELECT COUNT(*) FROM examples WHERE kind='sprint'")[0][0]
