@@ -20,7 +20,7 @@ from test_curation_pipeline import KEY_ENV, REPO, SECRET, config_data, outputs, 
 from sprint_jax.config import ConfigError, load_config
 from sprint_jax.curation.config import CurateConfig, data_fingerprint
 from sprint_jax.curation.pipeline import DB_NAME, run_pipeline, status
-from sprint_jax.curation.rewrite import SYSTEM_PROMPT, first_uses, numbers, sibling_dependencies
+from sprint_jax.curation.rewrite import REASONS, SYSTEM_PROMPT, first_uses, numbers, sibling_dependencies
 from sprint_jax.curation.store import Store
 from sprint_jax.errors import UserError
 from sprint_jax.format import Prompt, Stage, Trajectory, parse_completion
@@ -97,6 +97,7 @@ T1_EXPECTED = (
 
 REJECTED = {"t3": "no_parallelism", "t5": "sibling_dependency", "t6": "answer_changed", "t7": "answer_wrong",
             "t8": "malformed", "t9": "truncated"}
+assert sorted(REJECTED.values()) == sorted(REASONS)        # every reason the check names has its case here
 
 
 class RewriteCurator(ScriptedCurator):
