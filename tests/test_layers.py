@@ -33,8 +33,8 @@ LAYERS: list[tuple[str, str, dict[str, tuple[str, ...]]]] = [
       "kernels": ("sprint_jax.kernels",)}),
     ("model", "the decoder, attention dispatch, sharding rules and mesh helpers, checkpoints, "
      "tokenizers, KV capacity", {"model": ("sprint_jax.model",)}),
-    ("schema", "the SPRINT text format, training examples and the prompt format",
-     {"schema": ("sprint_jax.format", "sprint_jax.schema")}),
+    ("schema", "the SPRINT and ThreadWeaver text formats, training examples and the prompt format",
+     {"schema": ("sprint_jax.format", "sprint_jax.threadweaver", "sprint_jax.schema")}),
     ("tasks", "task kinds: loaders, prompts, graders", {"tasks": ("sprint_jax.tasks",)}),
     ("pipelines", "curation (traces -> examples), training (examples -> weights), inference "
      "(weights -> text); independent of each other",
