@@ -607,7 +607,10 @@ def _threadweaver_to_rft(completion: str) -> str:
 def convert_example(ex: Example, to: Format) -> Example:
     """`ex` with its completion in format `to` (the prompt, id, kind and answer unchanged).
     A "sprint" example converts through `from_sprint` / `to_sprint`; an "rft" one (a serial
-    trace) is a ThreadWeaver trace with no block. Raises ConversionError."""
+    trace) is a ThreadWeaver trace with no block. Raises ConversionError (ValueError for an
+    unknown `to`)."""
+    if to not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {to!r}")
     find_foreign = find_tags if to == "threadweaver" else sf.find_tags
     tags = find_foreign(ex.prompt)
     if tags:

@@ -616,6 +616,8 @@ def test_threadweaver_convert_example_rft_both_ways():
     assert out == Example("r", "rft", "p\n", "<think>\nstep one\nstep two\n</think>\n7", 7,
                           {"k": 1, "format": "threadweaver"})
     assert tw.convert_example(out, "sprint") == rft
+    with pytest.raises(ValueError, match="format must be one of sprint, threadweaver, got 'tw'"):
+        tw.convert_example(rft, "tw")
     assert tw.convert_example(Example("r", "rft", "p", "<Final Answer> 7 </Final Answer>"), "threadweaver"
                               ).completion == "<think>\n</think>\n7"
     with pytest.raises(tw.ConversionError) as e:
