@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("sprint_jax.model.convert", "convert between an HF safetensors directory and an orbax checkpoint"),
     "generate": ("sprint_jax.infer.generate_cli", "generate text from a checkpoint (plain decoding)"),
     "curate": ("sprint_jax.curation.cli", "curation pipeline: teacher traces -> steps -> DAG -> stages -> SFT examples"),
+    "convert-format": ("sprint_jax.curation.format_cli", "convert training examples between SPRINT's tags and ThreadWeaver's"),
     "train": ("sprint_jax.train.cli", "sharded SFT (SPRINT or RFT) from a config"),
     "infer": ("sprint_jax.infer.infer_cli", "run the SPRINT orchestrator on one query and show the stages live"),
     "eval": ("sprint_jax.eval.cli", "evaluate a model on math500 / countdown / a jsonl file; `eval compare A B`"),
