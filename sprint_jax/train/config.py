@@ -14,6 +14,7 @@ from typing import Any, Literal
 from sprint_jax.config import ConfigError, load_config, to_dict
 from sprint_jax.dtypes import DType
 from sprint_jax.format import Layout
+from sprint_jax.threadweaver import Format
 
 # A shorter row bucket's length must be a multiple of this: the GPU flash tile and the TPU splash
 # block are 128 rows (model/attention.py default_blocks); a row is padded up to whole tiles.
@@ -48,6 +49,7 @@ class PairedSection:
     train: list[str] = dataclasses.field(default_factory=list)  # the partner run's data.train
     layout: Layout = "flat"                    # the partner run's data.layout
     trie_whole_trajectory: bool = False        # the partner run's data.trie_whole_trajectory
+    format: Format | None = None               # the partner run's data.format (null: this run's)
 
 
 @dataclasses.dataclass
@@ -75,6 +77,7 @@ class DataSection:
     trim_rows: bool = True                     # cut each batch's trailing padding to the next quarter of its row length
     max_examples: int | None = None            # use only the first N examples read (None = all)
     trie_whole_trajectory: bool = False        # trie: also train the whole trajectory as one unit (ThreadWeaver)
+    format: Format = "sprint"                  # the examples' text format: sprint | threadweaver (tag grammar)
     paired: PairedSection = dataclasses.field(default_factory=lambda: PairedSection())
 
     def __post_init__(self) -> None:
@@ -112,6 +115,11 @@ class DataSection:
             if self.seq_len % x:
                 raise ValueError(f"bucket {x} does not divide data.seq_len ({self.seq_len}), so a step "
                                  f"of it cannot hold a whole number of rows")
+
+    @property
+    def paired_format(self) -> str:
+        """The partner set's text format: `paired.format`, or this run's `format` when unset."""
+        return self.paired.format or self.format
 
     @property
     def row_buckets(self) -> list[int]:
@@ -260,10 +268,10 @@ def epoch_buckets(cfg: TrainConfig, tokenizer=None) -> dict[str, dict]:
         tokenizer = data_lib.resolve_tokenizer(d.tokenizer, cfg.model.name, cfg.model.init == "pretrained")
     paired = None
     if d.paired.train:
-        paired = data_lib.Paired(data_lib.read_examples(d.paired.train), d.paired.layout,
-                                 d.paired.trie_whole_trajectory, list(d.paired.train))
-    items, _ = data_lib.build_items(data_lib.read_examples(d.train, d.max_examples), tokenizer, d.layout,
-                                    d.seq_len, d.overlong, d.span_weights, None, d.trie_whole_trajectory,
-                                    paired)
+        paired = data_lib.Paired(data_lib.read_examples(d.paired.train, None, d.paired_format), d.paired.layout,
+                                 d.paired.trie_whole_trajectory, list(d.paired.train), d.paired_format)
+    items, _ = data_lib.build_items(data_lib.read_examples(d.train, d.max_examples, d.format), tokenizer,
+                                    d.layout, d.seq_len, d.overlong, d.span_weights, None,
+                                    d.trie_whole_trajectory, paired, d.format)
     return data_lib.BucketStream(items, d.row_buckets, cfg.optim.batch_size, d.seed, pad_id(tokenizer),
                                  d.pack_open_rows).describe()

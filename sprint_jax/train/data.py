@@ -29,6 +29,13 @@ layouts, so the train step has a single attention mask and a single loss:
     rule: row i sees j iff j <= i < span_end[j] and (branch[j] == 0 or stage[j] < stage[i] or
     (stage, branch) of i and j are equal). span_end is the end of the example (packing). flat / trie
     items have no stage / branch (the merge rule is then true everywhere).
+Formats (`data.format`): the examples are SPRINT text (`sprint_jax.format`) or ThreadWeaver text
+(`sprint_jax.threadweaver`); parsing, span labels and the cut into inference calls follow the format,
+and every layout above is then built from the same pieces and labels. ThreadWeaver's calls: the main
+sequence through `</Outlines>` of block k is planner call k; thread j of the block is forced open with
+`gap <Thread>j:` and its body through `</Thread>` is an executor call; after the threads the join
+forces `gap </Parallel>` (context, like an opening), and the main sequence goes on to the next
+`</Outlines>` or to the end (EOS).
 Paired sets (paper §9: SPRINT and RFT train on the same problems): `build_items(paired=...)` drops an
 example whose partner (same id in the other set) is unusable or over-long there, and counts it.
 Several items are packed into one row (first-fit, deterministic order from the seed); items never
@@ -46,12 +53,28 @@ import numpy as np
 
 from sprint_jax.jsonl import iter_objects, require_fields
 from sprint_jax import format as fmt
+from sprint_jax import threadweaver as tw
 from sprint_jax.errors import UserError
 from sprint_jax.model.tokenizer import byte_tokenizer, encode_with_offsets, eos_id
 from sprint_jax.schema import Example
 
 LABEL_IDS = {k: i for i, k in enumerate(fmt.SPAN_KINDS)}
 EOS_LABEL = "tag"   # EOS ends the model's output like a closing tag; it is written, so it is learnt
+DATA_FORMATS = tw.FORMATS           # `data.format`: the text format of the training examples
+assert tw.SPAN_KINDS == fmt.SPAN_KINDS      # one label table for both formats (LABEL_IDS, span_weights)
+
+
+def _check_format(data_format: str) -> None:
+    if data_format not in DATA_FORMATS:
+        raise ValueError(f"data format must be one of {', '.join(DATA_FORMATS)}, got {data_format!r}")
+
+
+def char_labels(ex: Example, data_format: str = "sprint") -> list[str]:
+    """One label from SPAN_KINDS per character of `ex.prompt + ex.completion`, by the format's
+    grammar (`format.span_labels` or `threadweaver.span_labels`)."""
+    _check_format(data_format)
+    labels = tw.span_labels if data_format == "threadweaver" else fmt.span_labels
+    return labels(ex.prompt, ex.completion)
 
 
 class DataError(UserError):
@@ -87,8 +110,12 @@ def resolve_tokenizer(spec: str, model_name: Any = None, pretrained: bool = Fals
 # ---------------------------------------------------------------------------------------------
 # Reading examples
 # ---------------------------------------------------------------------------------------------
-def read_examples(paths: Iterable[str | Path], limit: int | None = None) -> list[Example]:
-    """Examples from jsonl files; a malformed line is an error naming the file and line."""
+def read_examples(paths: Iterable[str | Path], limit: int | None = None,
+                  data_format: str = "sprint") -> list[Example]:
+    """Examples from jsonl files; a malformed line is an error naming the file and line, and so is
+    an example whose `meta.format` (written by `threadweaver.convert_examples`) names another
+    format than `data_format` (no `meta.format`: no claim, read as `data_format`)."""
+    _check_format(data_format)
     out: list[Example] = []
     fields = {f.name for f in dataclasses.fields(Example)}
     from sprint_jax.config import REPO_ROOT
@@ -107,6 +134,11 @@ def read_examples(paths: Iterable[str | Path], limit: int | None = None) -> list
                     raise DataError(f"{where}: field {k!r} must be a string")
             if d["kind"] not in ("sprint", "rft"):
                 raise DataError(f"{where}: kind must be 'sprint' or 'rft', got {d['kind']!r}")
+            claimed = d["meta"].get(tw.FORMAT_META_KEY) if isinstance(d.get("meta"), dict) else None
+            if claimed is not None and claimed != data_format:
+                raise DataError(f"{where}: the example is in the {claimed!r} format (meta.{tw.FORMAT_META_KEY}) "
+                                f"but data.format is {data_format!r}: set data.format to match, or convert "
+                                "the file (threadweaver.convert_examples)")
             out.append(Example.from_json({k: v for k, v in d.items() if k in fields}))
             if limit is not None and len(out) >= limit:
                 return out
@@ -120,11 +152,14 @@ def read_examples(paths: Iterable[str | Path], limit: int | None = None) -> list
 class Pieces:
     """An example cut into text pieces; piece 0 is the prompt.
 
-    Piece boundaries are the points where inference switches between generated and forced text:
-    a planner piece is `gap <Plan_k> ... </Plan_k>` (or the final-answer block + trailing text),
-    an opening piece is `gap <execution_k.j>` (forced by the orchestrator), a body piece is
-    `content </execution_k.j>`. `units` are paths of piece indices: every piece but the last is
-    context, the last is the completion the call writes.
+    Piece boundaries are the points where inference switches between generated and forced text.
+    SPRINT: a planner piece is `gap <Plan_k> ... </Plan_k>` (or the final-answer block + trailing
+    text), an opening piece is `gap <execution_k.j>` (forced by the orchestrator), a body piece is
+    `content </execution_k.j>`. ThreadWeaver: a planner piece runs through `</Outlines>` of its
+    block (or to the end), an opening piece is `gap <Thread>j:` (forced), a body piece is
+    `content </Thread>`, and a join piece `gap </Parallel>` (forced) follows a block's threads.
+    `units` are paths of piece indices: every piece but the last is context, the last is the
+    completion the call writes. `forced[p]`: the orchestrator writes piece p (never in the loss).
     """
     texts: list[str]
     starts: list[int]            # character offset of each piece in prompt + completion
@@ -132,20 +167,47 @@ class Pieces:
     unit_kinds: list[str]        # "planner" | "executor" per unit
     stage: list[int]             # per piece: the stage it belongs to (prompt 0, final answer last + 1)
     branch: list[int]            # per piece: 0 = planner text, j = executor j of its stage
+    forced: list[bool]           # per piece: the orchestrator writes it (the prompt: False)
 
 
-def split_pieces(prompt: str, completion: str, trajectory: fmt.Trajectory) -> Pieces:
-    """Cut a problem-free SPRINT completion (or an RFT one, which has no stages) into pieces."""
-    texts, starts, p_stage, p_branch = [prompt], [0], [0], [0]
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """One fork of the orchestrator, as the tags that end each call: the planner call stops after
+    `stop`; executor j is forced open through `openings[j-1]` and stops after `closes[j-1]`; the
+    join forces text through `join` (None: nothing forced)."""
+    stage: int
+    stop: str
+    openings: list[str]
+    closes: list[str]
+    join: str | None
+
+
+def _blocks(trajectory: fmt.Trajectory | tw.TWTrajectory) -> list[_Block]:
+    if isinstance(trajectory, tw.TWTrajectory):
+        return [_Block(k, tw.OUTLINES_CLOSE, [tw.thread_opening(j) for j in range(1, len(b.threads) + 1)],
+                       [tw.THREAD_CLOSE] * len(b.threads), tw.PARALLEL_CLOSE)
+                for k, b in enumerate(trajectory.blocks, start=1)]
+    return [_Block(st.index, fmt.plan_close(st.index),
+                   [fmt.execution_open(st.index, j) for j in range(1, len(st.executions) + 1)],
+                   [fmt.execution_close(st.index, j) for j in range(1, len(st.executions) + 1)], None)
+            for st in trajectory.stages]
+
+
+def split_pieces(prompt: str, completion: str, trajectory: fmt.Trajectory | tw.TWTrajectory) -> Pieces:
+    """Cut a checked completion (`check_example`: SPRINT's `Trajectory` or ThreadWeaver's
+    `TWTrajectory`; an RFT one has no stage / block) into pieces, one per inference call's output
+    or forced text."""
+    texts, starts, p_stage, p_branch, p_forced = [prompt], [0], [0], [0], [False]
     base = len(prompt)
     cursor = 0
 
-    def add(end: int, stage: int, branch: int = 0) -> int:
+    def add(end: int, stage: int, branch: int = 0, forced: bool = False) -> int:
         nonlocal cursor
         texts.append(completion[cursor:end])
         starts.append(base + cursor)
         p_stage.append(stage)
         p_branch.append(branch)
+        p_forced.append(forced)
         cursor = end
         return len(texts) - 1
 
@@ -158,23 +220,26 @@ def split_pieces(prompt: str, completion: str, trajectory: fmt.Trajectory) -> Pi
     units: list[tuple[int, ...]] = []
     kinds: list[str] = []
     trunk: list[int] = [0]                      # the planner's context so far
-    for stage in trajectory.stages:
-        k = stage.index
-        plan = add(through(fmt.plan_close(k)), k)
+    blocks = _blocks(trajectory)
+    for block in blocks:
+        k = block.stage
+        plan = add(through(block.stop), k)
         units.append(tuple(trunk + [plan]))
         kinds.append("planner")
         trunk.append(plan)
         after_plan = list(trunk)
-        for j in range(1, len(stage.executions) + 1):
-            opening = add(through(fmt.execution_open(k, j)), k, j)
-            body = add(through(fmt.execution_close(k, j)), k, j)
+        for j, (opening_tag, close_tag) in enumerate(zip(block.openings, block.closes), start=1):
+            opening = add(through(opening_tag), k, j, forced=True)
+            body = add(through(close_tag), k, j)
             units.append(tuple(after_plan + [opening, body]))
             kinds.append("executor")
             trunk += [opening, body]            # sync: executions join the planner in prompt order
-    final = add(len(completion), (trajectory.stages[-1].index if trajectory.stages else 0) + 1)
+        if block.join is not None:              # forced after the join: the next planner's context
+            trunk.append(add(through(block.join), k + 1, forced=True))
+    final = add(len(completion), (blocks[-1].stage if blocks else 0) + 1)
     units.append(tuple(trunk + [final]))
     kinds.append("planner")
-    return Pieces(texts, starts, units, kinds, p_stage, p_branch)
+    return Pieces(texts, starts, units, kinds, p_stage, p_branch, p_forced)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,11 +283,11 @@ def _weights(labels: Sequence[str], span_weights: dict[str, float]) -> np.ndarra
     return np.asarray([span_weights[l] for l in labels], np.float32)
 
 
-def layout_flat(tokenizer, ex: Example, span_weights: dict[str, float]) -> Item:
+def layout_flat(tokenizer, ex: Example, span_weights: dict[str, float], data_format: str = "sprint") -> Item:
     """prompt + completion (tokenized separately, so the boundary is exact) + EOS, one chain."""
-    char_labels = fmt.span_labels(ex.prompt, ex.completion)
-    p = _tokenize_piece(tokenizer, ex.prompt, 0, char_labels)
-    c = _tokenize_piece(tokenizer, ex.completion, len(ex.prompt), char_labels)
+    labels = char_labels(ex, data_format)
+    p = _tokenize_piece(tokenizer, ex.prompt, 0, labels)
+    c = _tokenize_piece(tokenizer, ex.completion, len(ex.prompt), labels)
     ids = p.ids + c.ids + [eos_id(tokenizer)]
     labels = p.labels + c.labels + [EOS_LABEL]
     n = len(ids)
@@ -232,30 +297,31 @@ def layout_flat(tokenizer, ex: Example, span_weights: dict[str, float]) -> Item:
                 np.full(n, n, np.int32), w, np.asarray([LABEL_IDS[l] for l in labels], np.int8))
 
 
-def tokenize_pieces(tokenizer, ex: Example, pieces: Pieces) -> list[_Tok]:
+def tokenize_pieces(tokenizer, ex: Example, pieces: Pieces, data_format: str = "sprint") -> list[_Tok]:
     """The token convention of the piecewise layouts (`format.PIECEWISE_LAYOUTS`: trie, merge):
     every piece of `split_pieces` tokenized on its own, EOS after the last piece (the final
     answer). Pieces are what the orchestrator forces or a call writes: the prompt; each planner
     call's output `gap <Plan_k> ... </Plan_k>` (and the final `gap <Final Answer> ... </Final
     Answer>`), cut right after its stop tag; each forced opening `gap <execution_k.j>`; each
     execution body `content </execution_k.j>`. So no token spans a piece boundary; inference
-    follows the same cut (orchestrator "token boundaries": encode each piece alone)."""
-    char_labels = fmt.span_labels(ex.prompt, ex.completion)
-    toks = [_tokenize_piece(tokenizer, t, s, char_labels) for t, s in zip(pieces.texts, pieces.starts)]
+    follows the same cut (orchestrator "token boundaries": encode each piece alone). ThreadWeaver
+    pieces (`split_pieces`) follow the same convention."""
+    labels = char_labels(ex, data_format)
+    toks = [_tokenize_piece(tokenizer, t, s, labels) for t, s in zip(pieces.texts, pieces.starts)]
     last = pieces.units[-1][-1]
     toks[last] = _Tok(toks[last].ids + [eos_id(tokenizer)], toks[last].labels + [EOS_LABEL])
     return toks
 
 
 def layout_trie(tokenizer, ex: Example, pieces: Pieces, span_weights: dict[str, float],
-                whole_trajectory: bool = False) -> Item:
-    """The units of `pieces` as a prefix trie of pieces, depth-first; loss on unit completions only.
+                whole_trajectory: bool = False, data_format: str = "sprint") -> Item:
+    """The units of `pieces` as a prefix trie of pieces, depth-first; loss on unit completions only
+    (a forced piece is never a unit's completion: `split_pieces`).
     `whole_trajectory`: one more unit, the completion as one piece after the prompt (the flat chain)."""
-    toks = tokenize_pieces(tokenizer, ex, pieces)
+    toks = tokenize_pieces(tokenizer, ex, pieces, data_format)
     units = list(pieces.units)
     if whole_trajectory and len(units) > 1:     # one unit already is the whole trajectory
-        char_labels = fmt.span_labels(ex.prompt, ex.completion)
-        whole = _tokenize_piece(tokenizer, ex.completion, len(ex.prompt), char_labels)
+        whole = _tokenize_piece(tokenizer, ex.completion, len(ex.prompt), char_labels(ex, data_format))
         toks.append(_Tok(whole.ids + [eos_id(tokenizer)], whole.labels + [EOS_LABEL]))
         units.append((0, len(toks) - 1))
 
@@ -319,7 +385,8 @@ def layout_trie(tokenizer, ex: Example, pieces: Pieces, span_weights: dict[str, 
                 weights, np.asarray([LABEL_IDS[l] for l in lab], np.int8))
 
 
-def layout_merge(tokenizer, ex: Example, pieces: Pieces, span_weights: dict[str, float]) -> Item:
+def layout_merge(tokenizer, ex: Example, pieces: Pieces, span_weights: dict[str, float],
+                 data_format: str = "sprint") -> Item:
     """The pieces once each, in text order (docs/design.md "Layouts: flat, trie, merge"):
       * positions: planner text continues its own count; the executors of stage k all start at the
         fork position F (just after `</Plan_k>`) and the planner resumes at F + max_j len(executor j)
@@ -330,11 +397,12 @@ def layout_merge(tokenizer, ex: Example, pieces: Pieces, span_weights: dict[str,
         (the last token of `</Plan_k>`), as every branch of the stage is. The planner's first token
         after a join is predicted from the row before it, the last executor's close tag;
       * weights: the trie's: what a call writes (plans, bodies, the final answer + EOS) carries the
-        span weights; the query and the forced openings carry none;
+        span weights; the query and the forced pieces (`Pieces.forced`: openings, ThreadWeaver's
+        `</Parallel>` join) carry none;
       * span_end: the end of the example (examples packed into one row never see each other).
     With a tokenizer that never merges across a piece boundary (the byte tokenizer) the tokens are
     exactly the flat layout's."""
-    toks = tokenize_pieces(tokenizer, ex, pieces)
+    toks = tokenize_pieces(tokenizer, ex, pieces, data_format)
     opening_pieces = {path[-2] for path, kind in zip(pieces.units, pieces.unit_kinds) if kind == "executor"}
     ids: list[int] = []
     lab: list[str] = []
@@ -371,7 +439,7 @@ def layout_merge(tokenizer, ex: Example, pieces: Pieces, span_weights: dict[str,
         par.extend(([parent] + list(range(first, first + n - 1))) if n else [])
         stg.extend([k] * n)
         brn.extend([j] * n)
-        trained = p > 0 and p not in opening_pieces
+        trained = p > 0 and not pieces.forced[p]
         wts.append(_weights(t.labels, span_weights) if trained else np.zeros(n, np.float32))
     n = len(ids)
     weights = np.concatenate(wts) if wts else np.zeros(0, np.float32)
@@ -382,9 +450,24 @@ def layout_merge(tokenizer, ex: Example, pieces: Pieces, span_weights: dict[str,
                 np.asarray(stg, np.int32), np.asarray(brn, np.int32))
 
 
-def check_example(ex: Example) -> tuple[fmt.Trajectory | None, str | None]:
+def check_example(ex: Example, data_format: str = "sprint"
+                  ) -> tuple[fmt.Trajectory | tw.TWTrajectory | None, str | None]:
     """(trajectory, None) if `ex` can be trained on, else (None, why). SPRINT examples must parse
-    with no problem; RFT examples (a serial trace, paper §9) need a final answer and no stage."""
+    with no problem; RFT examples (a serial trace, paper §9) need a final answer and no stage.
+    ThreadWeaver (`data_format="threadweaver"`, a `TWTrajectory`): a "sprint" example must parse
+    with no problem (`<think>`, `</think>`, well-formed blocks; a trace with no block is
+    ThreadWeaver's sequential baseline, as a SPRINT plan-only stage converts to); an "rft" one
+    needs `</think>` (the answer follows it) and no `<Parallel>` block."""
+    _check_format(data_format)
+    if data_format == "threadweaver":
+        tw_traj, problems = tw.parse_completion(ex.completion)
+        if ex.kind == "sprint":
+            return (None, problems[0]) if problems else (tw_traj, None)
+        if tw_traj.answer is None:
+            return None, f"missing {tw.THINK_CLOSE}"
+        if tw_traj.blocks:
+            return None, f"an RFT example contains a {tw.PARALLEL_OPEN} block"
+        return tw_traj, None
     traj, problems = fmt.parse_completion(ex.completion)
     if ex.kind == "sprint":
         if problems:
@@ -400,16 +483,17 @@ def check_example(ex: Example) -> tuple[fmt.Trajectory | None, str | None]:
 
 
 def layout_example(tokenizer, ex: Example, layout: str, span_weights: dict[str, float],
-                   whole_trajectory: bool = False) -> Item:
-    traj, why = check_example(ex)
+                   whole_trajectory: bool = False, data_format: str = "sprint") -> Item:
+    """`ex` checked (`check_example`, ValueError naming why not) and laid out in `layout`."""
+    traj, why = check_example(ex, data_format)
     if traj is None:
         raise ValueError(why)
     if layout == "flat":
-        return layout_flat(tokenizer, ex, span_weights)
+        return layout_flat(tokenizer, ex, span_weights, data_format)
     pieces = split_pieces(ex.prompt, ex.completion, traj)
     if layout == "merge":
-        return layout_merge(tokenizer, ex, pieces, span_weights)
-    return layout_trie(tokenizer, ex, pieces, span_weights, whole_trajectory)
+        return layout_merge(tokenizer, ex, pieces, span_weights, data_format)
+    return layout_trie(tokenizer, ex, pieces, span_weights, whole_trajectory, data_format)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -466,21 +550,23 @@ class DataStats:
 
 @dataclasses.dataclass
 class Paired:
-    """The partner set of a paired run (SPRINT <-> RFT) and the layout its own run uses."""
+    """The partner set of a paired run (SPRINT <-> RFT) and the layout and format its own run uses."""
     examples: Sequence[Example]
     layout: str
     whole_trajectory: bool = False
     files: list[str] = dataclasses.field(default_factory=list)
+    data_format: str = "sprint"
 
 
 def usable_ids(examples: Sequence[Example], tokenizer, layout: str, seq_len: int, overlong: str,
-               span_weights: dict[str, float], whole_trajectory: bool = False) -> set[str]:
+               span_weights: dict[str, float], whole_trajectory: bool = False,
+               data_format: str = "sprint") -> set[str]:
     """Ids of the examples `build_items` would keep with these settings (parsable; within seq_len
     unless over-long ones are truncated)."""
     keep = set()
     for ex in examples:
         try:
-            item = layout_example(tokenizer, ex, layout, span_weights, whole_trajectory)
+            item = layout_example(tokenizer, ex, layout, span_weights, whole_trajectory, data_format)
         except ValueError:
             continue
         if len(item) <= seq_len or overlong == "truncate":
@@ -490,23 +576,26 @@ def usable_ids(examples: Sequence[Example], tokenizer, layout: str, seq_len: int
 
 def build_items(examples: Sequence[Example], tokenizer, layout: str, seq_len: int, overlong: str,
                 span_weights: dict[str, float], vocab_size: int | None = None,
-                whole_trajectory: bool = False, paired: Paired | None = None) -> tuple[list[Item], DataStats]:
+                whole_trajectory: bool = False, paired: Paired | None = None,
+                data_format: str = "sprint") -> tuple[list[Item], DataStats]:
     """Lay out every example; unparsable (and empty) ones are counted and skipped, over-long ones
     dropped or truncated per `overlong`, counted (never silently: `DataStats.dropped` by reason).
     With `paired`, an example whose partner (same id in `paired.examples`, laid out in
     `paired.layout` with the same seq_len) is missing, unparsable or over-long is dropped too
     (`dropped_paired`): both runs of the pair, each naming the other, keep exactly the same
-    problems. `seq_len` is the longest row (the last length bucket)."""
+    problems. `seq_len` is the longest row (the last length bucket). `data_format`: the examples'
+    text format (`check_example`)."""
+    _check_format(data_format)
     stats = DataStats(read=len(examples), max_len=seq_len)
     partner_ok = None
     if paired is not None:
         partner_ok = usable_ids(paired.examples, tokenizer, paired.layout, seq_len, overlong, span_weights,
-                                paired.whole_trajectory)
+                                paired.whole_trajectory, paired.data_format)
         stats.paired_with = list(paired.files)
     items: list[Item] = []
     for ex in examples:
         try:
-            item = layout_example(tokenizer, ex, layout, span_weights, whole_trajectory)
+            item = layout_example(tokenizer, ex, layout, span_weights, whole_trajectory, data_format)
         except ValueError as e:
             stats.skipped_unparsable += 1
             if len(stats.first_skip_reasons) < 5:

@@ -333,14 +333,15 @@ def _load_data(cfg: TrainConfig, tokenizer, vocab_size: int, out: Path, say) -> 
     from sprint_jax.model.tokenizer import pad_id
     from sprint_jax.train import data as data_lib
 
-    examples = data_lib.read_examples(cfg.data.train, cfg.data.max_examples)
+    examples = data_lib.read_examples(cfg.data.train, cfg.data.max_examples, cfg.data.format)
     paired = None
     if cfg.data.paired.train:
-        p = cfg.data.paired
-        paired = data_lib.Paired(data_lib.read_examples(p.train), p.layout, p.trie_whole_trajectory, list(p.train))
+        p, pf = cfg.data.paired, cfg.data.paired_format
+        paired = data_lib.Paired(data_lib.read_examples(p.train, None, pf), p.layout, p.trie_whole_trajectory,
+                                 list(p.train), pf)
     items, stats = data_lib.build_items(examples, tokenizer, cfg.data.layout, cfg.data.seq_len,
                                         cfg.data.overlong, cfg.data.span_weights, vocab_size,
-                                        cfg.data.trie_whole_trajectory, paired)
+                                        cfg.data.trie_whole_trajectory, paired, cfg.data.format)
     if sum(stats.dropped.values()) and _is_main():
         print(stats.drop_line(), file=sys.stderr, flush=True)     # also without progress: never silent
     else:
@@ -562,6 +563,6 @@ def _export(cfg: TrainConfig, model_cfg, params, tokenizer, tokenizer_name: str,
     # the prompt format travels with the model: inference applies it to a user's query (null
     # when the training prompts end differently: nothing to apply, and a stale value replaced)
     export_hf(model_cfg, params, tokenizer, export_dir, cfg.export.dtype,
-              meta={"layout": cfg.data.layout, "tokenizer": tokenizer_name,
+              meta={"layout": cfg.data.layout, "format": cfg.data.format, "tokenizer": tokenizer_name,
                     "train_fingerprint": fingerprint(stats.used_prompts),
                     META_KEY: prompt_format_of(stats.used_prompts)})
