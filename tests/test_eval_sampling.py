@@ -304,6 +304,11 @@ def test_chat_template_equals_transformers_own_and_applies_where_it_should(tmp_p
     assert model_prompt_fn(str(tmp_path), tok, "on")(task) == expected
     with pytest.raises(UserError, match="no chat template"):
         model_prompt_fn(str(tmp_path), tiny_vocab_tokenizer(), "on")
+    # --instruction: after the task text and a blank line, inside the user turn; r1-math by name
+    r1 = "Please reason step by step, and put your final answer within \\boxed{}."
+    assert model_prompt_fn(str(tmp_path), tok, "on", "r1-math")(task) == \
+        f"{BOS}{USER}What is 1/2?\n\n{r1}{ASSISTANT}<think>\n"
+    assert model_prompt_fn(str(tmp_path), tok, "off", " Be brief. ")(task) == "What is 1/2?\n\nBe brief."
 
 
 @pytest.mark.slow

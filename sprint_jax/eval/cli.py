@@ -40,9 +40,12 @@ then run with --data gpqa.jsonl --task-kind choice. Answers are graded as letter
 Prompts: the model sees the task's problem text (Countdown: TinyZero's prompt), the same text
 curation put in the training prompts (sprint_jax.tasks.task_prompt). --chat-template auto (default)
 wraps it in the checkpoint's own chat template (transformers' apply_chat_template, one user turn,
-generation prompt added: R1-Distill's ends in "<think>\n") when the tokenizer has one and the
+generation prompt added: R1-Distill's ends in "<think>\\n") when the tokenizer has one and the
 model has no sprint_jax.json, i.e. was not trained here (a model trained here saw the raw text);
-on: always; off: never. report.json meta.chat_template says which ran.
+on: always; off: never. report.json meta.chat_template says which ran. --instruction adds a line
+after the task text (r1-math: DeepSeek-R1's "Please reason step by step, and put your final answer
+within \\boxed{}.", for a released R1 model, with --answer-from auto); none by default, as a model
+trained here saw the task text alone.
 
 Decoding: greedy unless the config samples. configs/eval_r1_distill_7b.yaml is the papers'
 decoding for R1-Distill-Qwen-7B and models tuned from it: temperature 0.6, top-p 0.95 (the
@@ -160,6 +163,11 @@ def add_arguments(p) -> None:
                    help="wrap each prompt in the tokenizer's own chat template (apply_chat_template, "
                         "generation prompt added): auto = when the tokenizer has one and the model was not "
                         "trained here (no sprint_jax.json: its prompts are the raw task text); on; off")
+    p.add_argument("--instruction", default="", metavar="TEXT|r1-math",
+                   help="text added to every problem after a blank line (inside the chat template's user turn), "
+                        "e.g. r1-math: the DeepSeek-R1 card's 'Please reason step by step, and put your final answer "
+                        "within \\boxed{}.' for a released R1 model (pair with --answer-from auto); default none: "
+                        "a model trained here saw the task text alone")
     p.add_argument("--concurrency", type=int, default=8,
                    help="problems run at once on the batched engine (every planner and executor of them "
                         "decodes in one step); 1 = one at a time. results.jsonl does not depend on it "
@@ -264,19 +272,29 @@ def check_overlap(model_dir: str | Path, tasks, allow: bool) -> dict:
     return {"checked": True, "overlap": len(hit), "overlap_ids": hit}
 
 
-def model_prompt_fn(model: str, tokenizer=None, chat_template: str = "off"):
+def model_prompt_fn(model: str, tokenizer=None, chat_template: str = "off", instruction: str = ""):
     """task -> the text the model sees: the task as curation wrote it into training prompts, in
     the prompt format the model's export records (sprint_jax.schema; unchanged for a
     model trained on these prompts, which already end as the format says); or, where
-    `uses_chat_template`, that task text as the user turn of the tokenizer's chat template."""
+    `uses_chat_template`, that task text as the user turn of the tokenizer's chat template.
+    `instruction` (`--instruction`; a name in INSTRUCTIONS or free text) follows the task text
+    after a blank line, inside the user turn."""
     from sprint_jax.eval.evaluate import default_prompt
     from sprint_jax.infer.infer_cli import export_meta
     from sprint_jax.schema import apply_prompt_format
 
     meta = export_meta(model)
+    extra = INSTRUCTIONS.get(instruction, instruction).strip()
+
+    def text(task) -> str:
+        return f"{default_prompt(task)}\n\n{extra}" if extra else default_prompt(task)
     if uses_chat_template(chat_template, tokenizer, meta, model):
-        return lambda task: chat_prompt(tokenizer, default_prompt(task))
-    return lambda task: apply_prompt_format(default_prompt(task), meta)
+        return lambda task: chat_prompt(tokenizer, text(task))
+    return lambda task: apply_prompt_format(text(task), meta)
+
+
+# --instruction by name: the DeepSeek-R1 model card's "Usage Recommendations" for math problems
+INSTRUCTIONS = {"r1-math": "Please reason step by step, and put your final answer within \\boxed{}."}
 
 
 def uses_chat_template(mode: str, tokenizer, meta: dict, model: str = "the model") -> bool:
@@ -358,7 +376,7 @@ def run(args) -> int:
     # (the KV cache of a 7B sequential eval at a 32k budget: 8x smaller than with 8 branches)
     sizing = dataclasses.replace(config, max_prompts=1) if args.mode == "sequential" else config
     engine = build_engine(args, sizing, args.concurrency)
-    prompt_fn = model_prompt_fn(args.model, engine.tokenizer, args.chat_template)
+    prompt_fn = model_prompt_fn(args.model, engine.tokenizer, args.chat_template, args.instruction)
     templated = uses_chat_template(args.chat_template, engine.tokenizer, _export_meta(args.model), args.model)
     for task in tasks:   # a tokenizer that cannot read the data is a setup mistake, caught up front
         try:
@@ -369,7 +387,8 @@ def run(args) -> int:
                          progress=not args.no_progress, answer_from=args.answer_from, overwrite=args.overwrite,
                          concurrency=args.concurrency, samples=args.samples,
                          meta={"model": str(args.model), "data": str(args.data), "limit": args.limit,
-                               "chat_template": templated, "max_seq_len": engine.max_seq_len,
+                               "chat_template": templated, "instruction": args.instruction,
+                               "max_seq_len": engine.max_seq_len,
                                "train_overlap": overlap, **({"shard": shard} if shard else {})})
     wall = report["wall_clock_s"]
     problems = report["samples"]["problems"]
