@@ -245,7 +245,7 @@ def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
     out = Path(out_dir)
     with outlock.locked(out, "eval --out"):
         params = getattr(engine, "params", None)
-        run = {"mode": mode, "answer_from": answer_from, "config": dict(config.__dict__),
+        run = {"mode": mode, "answer_from": answer_from, "config": config.to_json(),
                "meta": {k: v for k, v in (meta or {}).items() if k not in _UNCHECKED_META}}
         if params is not None:
             from sprint_jax.treesum import digest
@@ -321,7 +321,7 @@ def _evaluate(engine, tasks, mode, prompt_fn, config, out: Path | None, progress
             bar.close()
     results = [results_by_id[(str(t.id), s)] for t, s in wanted]
     report = make_report(results, mode, compile_s=compile_s, meta={
-        **(meta or {}), "answer_from": answer_from, "config": config.__dict__, "concurrency": concurrency})
+        **(meta or {}), "answer_from": answer_from, "config": config.to_json(), "concurrency": concurrency})
     if done:
         report["resumed_problems"] = len(done)   # finished by an earlier invocation; their timings are kept
     if out is not None:

@@ -61,7 +61,8 @@ def add_run_arguments(p) -> None:
 
     g = p.add_argument_group("budgets and sampling (OrchestratorConfig; flags override --config/--set)")
     add_config_flags(g, OrchestratorConfig, defaults={"layout": "the model's sprint_jax.json, else flat",
-                                                      "join": "merge for a merge-layout model, else reprefill"})
+                                                      "join": "merge for a merge-layout model, else reprefill",
+                                                      "format": "the model's sprint_jax.json, else sprint"})
     e = p.add_argument_group("engine capacities")
     e.add_argument("--max-seq-len", type=int, default=None,
                    help="planner context capacity in tokens (default: 8192, or the model's "
@@ -91,10 +92,10 @@ def config_from_args(args):
 
 
 def model_defaults(model: str | None) -> dict:
-    """OrchestratorConfig fields fixed by how the model was trained: its layout, from the export's
-    sprint_jax.json (none for a model without one: the layout default, flat, applies)."""
-    layout = export_meta(model).get("layout")
-    return {"layout": layout} if layout is not None else {}
+    """OrchestratorConfig fields fixed by how the model was trained: its layout and tag format,
+    from the export's sprint_jax.json (a key it lacks leaves the default: flat, sprint)."""
+    meta = export_meta(model)
+    return {k: meta[k] for k in ("layout", "format") if meta.get(k) is not None}
 
 
 def export_meta(model: str | None) -> dict:

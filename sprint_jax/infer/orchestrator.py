@@ -34,6 +34,18 @@ longest common token prefix before prefilling the rest (`engine.truncate` + `ext
 So after every fork and every sync, a model that writes what it was trained on holds exactly
 its training tokens: the flat prefix, or the trie unit's context.
 
+Formats (`config.format`, from the model's training): `sprint` (above) or `threadweaver`
+(`sprint_jax.threadweaver`, one level of parallelism): a stage is one `<Parallel>` block. The main
+sequence decodes to `</Outlines>`; its last block's outlines are the prompts; thread j is forced
+open with `BLOCK_GAP + <Thread>j:` and stops at `</Thread>` (a repair adds `</Thread>` alone); the
+sync appends the threads in order, then `BLOCK_GAP + </Parallel>` (+ `BLOCK_GAP` for a flat model),
+which is `threadweaver.render_completion`'s text. The answer follows `</think>` and runs to EOS, so
+a call that ends (EOS) after `</think>` is the final one (a call cut by its limit is not). There is
+no implicit prompt: a block with no outline is closed with no thread (reported). Accounting is the
+same (a block's planner tokens + its longest thread). Flat and trie models, reprefill join only.
+The per-format strings and parsing sit in one grammar object per run (`_SprintGrammar`,
+`_ThreadWeaverGrammar`).
+
 Modes:
   parallel    executors of a stage decode together over a shared-prefix fork (`mode="shared"`).
   serial      the same executors one after another on the planner's cache (`mode="serial"`):
@@ -80,19 +92,23 @@ import time
 from typing import Any, Callable
 
 from sprint_jax import format as fmt
+from sprint_jax import threadweaver as tw
 from sprint_jax.infer.requests import EngineError, common_prefix
 from sprint_jax.infer.sampling import Sampling, SamplingError
 
 MODES = ("parallel", "serial", "sequential")
 JOINS = ("reprefill", "merge")
+FORMATS = tw.FORMATS            # the model's tag format: sprint (sprint_jax.format) | threadweaver
 _BRANCH_MODE = {"parallel": "shared", "serial": "serial"}
 
 TERMINATIONS = {
-    "final_answer": "the planner closed </Final Answer>",
+    "final_answer": "the planner closed </Final Answer> (threadweaver: the model ended (EOS) after </think>)",
     "eos": "the model ended its output (EOS) without a final answer",
-    "planner_token_limit": "a planner call reached max_planner_tokens without closing its plan or answer",
+    "planner_token_limit": "a planner call reached max_planner_tokens without closing its plan or answer "
+                           "(threadweaver: its outlines, or its answer with EOS)",
     "token_budget": "the total generated-token budget (max_total_tokens) was used up",
-    "max_stages": "max_stages plans ran and the planner wrote another plan instead of answering",
+    "max_stages": "max_stages plans (threadweaver: parallel blocks) ran and the planner wrote another "
+                  "instead of answering",
     "context_full": "the planner context reached the engine's max_seq_len (or a branch its capacity)",
     "wall_clock": "the wall-clock limit (time_limit_s) passed",
     "malformed": "the planner stopped at a tag it may not write there (e.g. closed an execution it never opened), "
@@ -107,6 +123,130 @@ _FLAT_MARGIN = 8                # flat: tokens re-tokenized before the last boun
 def execution_opening(i: int, j: int) -> str:
     """The forced start of executor j of stage i: what render_completion writes before its content."""
     return fmt.BLOCK_GAP + fmt.execution_open(i, j)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tag formats: what the stage loop writes, stops at and parses (one grammar chosen per run)
+# ---------------------------------------------------------------------------------------------
+class _SprintGrammar:
+    """SPRINT's tags (sprint_jax.format): numbered plans, prompts and executions, a closed final
+    answer, and the implicit prompt."""
+    implicit_prompts = True          # a prompt-less plan may get one inline execution
+    strips_eos = False               # the answer has a closing tag: an EOS after it is not read
+    unit = "execution"
+    sequential_stops = [fmt.FINAL_CLOSE]
+    unfinished = f"without {fmt.FINAL_CLOSE}"
+
+    def planner_stops(self, i: int) -> list[str]:
+        return fmt.planner_stop_strings(i)
+
+    def plan_close(self, i: int) -> str:
+        return fmt.plan_close(i)
+
+    def awaited(self, i: int) -> str:
+        return f"{fmt.plan_close(i)} or {fmt.FINAL_CLOSE}"
+
+    def is_final(self, g, which: str | None, text: str) -> bool:
+        """Whether a planner call (text: its output) wrote the final answer."""
+        return which == fmt.FINAL_CLOSE
+
+    def sequential_final(self, g, text: str) -> bool:
+        return g.stop_reason == "stop"
+
+    def answer(self, text: str) -> str | None:
+        return fmt.parse_completion(text)[0].final_answer
+
+    def read_plan(self, g, piece: str, i: int, context: Callable[[], str]) -> tuple[str, list[str], list[str]] | None:
+        """(free plan text, prompts, problems) of a planner call stopped at its plan's close."""
+        pieces, prompts, problems = fmt.parse_plan(g.text, i)
+        return " ".join(p for p in pieces if isinstance(p, str)), prompts, problems
+
+    def opening(self, i: int, j: int) -> str:
+        return execution_opening(i, j)
+
+    def close(self, i: int, j: int) -> str:
+        return fmt.execution_close(i, j)
+
+    def repair(self, text: str, close: str) -> str:
+        return ("" if (not text or text[-1].isspace()) else fmt.CLOSE_GAP) + close
+
+    def join_tail(self, trie: bool) -> str:
+        """Forced after the last execution: a flat model saw its close tag and the next block's
+        gap together."""
+        return "" if trie else fmt.BLOCK_GAP
+
+    def final_parse(self, text: str) -> tuple[bool, str | None, list[str]]:
+        """(has stages, final answer, problems) of a whole completion."""
+        traj, problems = fmt.parse_completion(text)
+        return bool(traj.stages), traj.final_answer, problems
+
+
+class _ThreadWeaverGrammar:
+    """ThreadWeaver's tags (sprint_jax.threadweaver): a stage is one `<Parallel>` block, its
+    outlines are the prompts, its threads the executions; the answer follows `</think>` and runs
+    to EOS. No implicit prompt; a block with no outline is closed with no thread."""
+    implicit_prompts = False
+    strips_eos = True                # the answer runs to EOS: the EOS token is not part of the text
+    unit = "thread"
+    sequential_stops: list[str] = []
+    unfinished = f"without ending (EOS) after {tw.THINK_CLOSE}"
+
+    def planner_stops(self, i: int) -> list[str]:
+        return tw.sequential_stop_strings()
+
+    def plan_close(self, i: int) -> str:
+        return tw.OUTLINES_CLOSE
+
+    def awaited(self, i: int) -> str:
+        return f"{tw.OUTLINES_CLOSE} or {tw.THINK_CLOSE} and EOS"
+
+    def is_final(self, g, which: str | None, text: str) -> bool:
+        return g.stop_reason == "eos" and tw.THINK_CLOSE in text
+
+    def sequential_final(self, g, text: str) -> bool:
+        return self.is_final(g, None, text)
+
+    def answer(self, text: str) -> str | None:
+        return tw.parse_completion(text)[0].answer
+
+    def read_plan(self, g, piece: str, i: int, context: Callable[[], str]) -> tuple[str, list[str], list[str]] | None:
+        """The block whose outlines the call closed, read in the completion so far (`context()`,
+        which ends with this call's output up to `</Outlines>`): (its text before, its outlines,
+        the problems the call added); None when the call opened no new block."""
+        full = context()
+        prior = full[:len(full) - len(piece)]
+        before, old = tw.parse_completion(prior)
+        traj, _ = tw.parse_completion(full)
+        if len(traj.blocks) != len(before.blocks) + 1:
+            return None
+        block = traj.blocks[-1]
+        # the block closed as the orchestrator will close it, so that only the call's own faults remain
+        closed = full + "".join(fmt.BLOCK_GAP + tw.thread_opening(j) + tw.THREAD_CLOSE
+                                for j in range(1, len(block.outlines) + 1)) + self.join_tail(True)
+        _, problems = tw.parse_completion(closed)
+        return block.before, block.outlines, [p for p in problems if p not in old]
+
+    def opening(self, i: int, j: int) -> str:
+        return fmt.BLOCK_GAP + tw.thread_opening(j)
+
+    def close(self, i: int, j: int) -> str:
+        return tw.THREAD_CLOSE
+
+    def repair(self, text: str, close: str) -> str:
+        return close                 # `<Thread>j: text</Thread>`: no gap before the close tag
+
+    def join_tail(self, trie: bool) -> str:
+        """Forced after the last thread: the block's close after a gap, as `tw.render` writes it; a
+        trie model's next main-sequence call writes the gap after it, a flat one is handed it (it
+        saw the close and the gap together)."""
+        return fmt.BLOCK_GAP + tw.PARALLEL_CLOSE + ("" if trie else fmt.BLOCK_GAP)
+
+    def final_parse(self, text: str) -> tuple[bool, str | None, list[str]]:
+        traj, problems = tw.parse_completion(text)
+        return bool(traj.blocks), traj.answer, problems
+
+
+_GRAMMARS = {"sprint": _SprintGrammar(), "threadweaver": _ThreadWeaverGrammar()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,6 +267,7 @@ class OrchestratorConfig:
     seed: int = 0                        # each engine call gets its own seed derived from this
     layout: fmt.Layout = "flat"          # the model's training layout: token convention at boundaries
     join: str | None = None              # reprefill | merge; None: merge for a merge-layout model, else reprefill
+    format: tw.Format = "sprint"         # the model's tag format: sprint | threadweaver (from its training)
 
     def __post_init__(self) -> None:
         for name in ("max_stages", "max_prompts", "max_planner_tokens", "max_branch_tokens", "max_total_tokens"):
@@ -135,6 +276,11 @@ class OrchestratorConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if self.layout not in fmt.LAYOUTS:
             raise ValueError(f"layout must be one of {list(fmt.LAYOUTS)}, got {self.layout!r}")
+        if self.format not in FORMATS:
+            raise ValueError(f"format must be one of {list(FORMATS)}, got {self.format!r}")
+        if self.format == "threadweaver" and "merge" in (self.layout, self.join):
+            raise ValueError("format='threadweaver' joins by reprefill (a flat or trie model): where a merge "
+                             f"join would place </Parallel> is not defined (layout={self.layout!r}, join={self.join!r})")
         if self.join is not None and self.join not in JOINS:
             raise ValueError(f"join must be one of {list(JOINS)} or null, got {self.join!r}")
         if self.resolved_join == "merge" and self.layout not in fmt.PIECEWISE_LAYOUTS:
@@ -152,6 +298,14 @@ class OrchestratorConfig:
     def resolved_join(self) -> str:
         """The join that runs: `join`, or the one the training layout implies."""
         return self.join or ("merge" if self.layout == "merge" else "reprefill")
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields as a record stores them. `format` is left out when it is the default, sprint,
+        so SPRINT records (and the eval --out resume check, which compares them) read as before."""
+        d = dataclasses.asdict(self)
+        if self.format == "sprint":
+            d.pop("format")
+        return d
 
     def sampling(self, call: int) -> Sampling:
         """Sampling for the call-th engine call: branches of one call fold in their index on top."""
@@ -300,6 +454,7 @@ class Orchestrator:
         self.engine = engine
         self.config = config or OrchestratorConfig()
         self.on_event = on_event
+        self._g = _GRAMMARS[self.config.format]
 
     # -- helpers ------------------------------------------------------------------------------
     def _emit(self, kind: str, record: RunRecord, stage: StageRecord | None = None, text: str = "",
@@ -325,6 +480,23 @@ class Orchestrator:
 
     def _text_of(self, tokens: list[int]) -> str:
         return self.engine.decode_text(tokens) if tokens else ""
+
+    def _said(self, g) -> str:
+        """A call's text as the completion keeps it: without the EOS text where the format's answer
+        runs to EOS (an engine that decodes EOS to text, such as a test double, would add it)."""
+        return self._text_of(g.tokens[:-1]) if self._g.strips_eos and g.stop_reason == "eos" else g.text
+
+    def _context(self, state, cut: int) -> str:
+        """The completion so far (the planner state's text after the query), less its last `cut`
+        characters (decoded past a stop)."""
+        text = self._text_of(list(state.tokens)[self._prompt_len:])
+        return text[:len(text) - cut]
+
+    def _completion_tokens(self, state) -> list[int]:
+        tokens = list(state.tokens)[self._prompt_len:]
+        if self._g.strips_eos and tokens and tokens[-1] in set(getattr(self.engine, "eos_token_ids", ())):
+            tokens = tokens[:-1]
+        return tokens
 
     # -- token boundaries (see the module docstring) --------------------------------------------
     def _window(self, state, cut: int) -> tuple[int, str]:
@@ -399,7 +571,7 @@ class Orchestrator:
         if join == "merge" and mode == "serial":
             raise ValueError("mode 'serial' runs executors on the planner's own cache, so there are no "
                              "branches to merge; use mode 'parallel' or join='reprefill'")
-        record = RunRecord(query=query, mode=mode, config=dataclasses.asdict(self.config),
+        record = RunRecord(query=query, mode=mode, config=self.config.to_json(),
                            join=join if mode != "sequential" else "")
         t0 = time.perf_counter()
         self._emit("start", record)
@@ -426,7 +598,7 @@ class Orchestrator:
             record.termination = "engine_error"
             record.problems.append(f"engine error: {e}")
         if state is not None:
-            record.text = self._text_of(list(state.tokens)[len(prompt_ids):])
+            record.text = self._text_of(self._completion_tokens(state))
         self._finish(record)
         record.wall_s = time.perf_counter() - t0
         self._emit("end", record)
@@ -436,10 +608,10 @@ class Orchestrator:
         """The final parse of the whole completion: the format problems of the model's output
         (a plan's problems found by parse_plan stay in its StageRecord; this parse reports them
         again for the run, with positions in the whole text)."""
-        traj, problems = fmt.parse_completion(record.text)
+        staged, answer, problems = self._g.final_parse(record.text)
         if record.mode == "sequential":
-            record.final_answer = traj.final_answer
-            if not traj.stages:   # an RFT trace: untagged reasoning, then the answer block
+            record.final_answer = answer
+            if not staged and not self._g.strips_eos:   # an RFT trace: untagged reasoning, then the answer block
                 return
         record.problems += [f"format: {p}" for p in problems]
 
@@ -449,20 +621,20 @@ class Orchestrator:
         limit, reason = min((self.config.max_total_tokens, "token_budget"),
                             (self.engine.max_seq_len - len(state.tokens), "context_full"), key=lambda o: o[0])
         t = time.perf_counter()
-        g = yield EngineCall("generate", state, limits=[limit], stops=[[fmt.FINAL_CLOSE]],
+        g = yield EngineCall("generate", state, limits=[limit], stops=[list(self._g.sequential_stops)],
                              sampling=self.config.sampling(0))
         record.final_s = time.perf_counter() - t
         record.final_tokens = len(g.tokens)
-        record.final_text = g.text
+        record.final_text = self._said(g)
         record.final_logprobs = _logprobs(g)
-        self._emit("final", record, text=g.text)
-        if g.stop_reason == "stop":
+        self._emit("final", record, text=record.final_text)
+        if self._g.sequential_final(g, record.final_text):
             record.termination = "final_answer"
         elif g.stop_reason == "eos":
             record.termination = "eos"
         else:
             record.termination = reason
-            record.problems.append(f"the output reached {limit} tokens without {fmt.FINAL_CLOSE}")
+            record.problems.append(f"the output reached {limit} tokens {self._g.unfinished}")
 
     # -- SPRINT stages ------------------------------------------------------------------------
     def _stages(self, state, record: RunRecord, t0: float, branch_mode: str) -> None:
@@ -475,7 +647,7 @@ class Orchestrator:
         while True:
             self._check_clock(t0)
             limit, limit_reason = self._planner_limit(state, tally.used)
-            stops = fmt.planner_stop_strings(i)
+            stops = self._g.planner_stops(i)
             if implicit is not None:
                 stops = stops + [fmt.execution_close(implicit.index, 1)]
             t = time.perf_counter()
@@ -493,11 +665,13 @@ class Orchestrator:
                 if self._is_inline_execution(inline, g, which):
                     state = yield from self._inline_execution(state, record, inline, g, dt, cut, piece)
                     continue
-            if which == fmt.FINAL_CLOSE:
+            if self._g.is_final(g, which, self._said(g)):
                 self._final(record, g, dt)
-            stage = self._plan(record, i, g, which, dt, limit, limit_reason)
+            stage = self._plan(record, i, g, which, dt, limit, limit_reason, piece, state)
             w, head = self._window(state, cut)
-            if not stage.prompts:
+            if not stage.prompts and not self._g.implicit_prompts:
+                state = yield from self._close_empty(state, record, stage, w, head, piece)
+            elif not stage.prompts:
                 if self._trie:   # the plan is a piece of its own; the planner's next call starts a new one
                     state, _ = yield from self._settle(state, w, [head])
                 self._emit("text", record, stage, piece if self._trie else g.text)
@@ -506,6 +680,18 @@ class Orchestrator:
                 sync, openings = yield from self._fork(state, record, stage, w, head, piece, tally, t0, branch_mode)
                 state = yield from self._join(state, record, stage, w, sync, openings, t0)
             i += 1
+
+    def _close_empty(self, state, record: RunRecord, stage: StageRecord, w: int, head: str, piece: str):
+        """A block with no outline (a format without implicit prompts): closed as it is, no thread runs."""
+        tail = self._g.join_tail(self._trie)
+        _problem(record, stage, f"stage {stage.index}: a block with no prompt; closed with {tail.strip()!r}, "
+                                f"no {self._g.unit} ran")
+        t = time.perf_counter()
+        state, stage.sync_tokens = yield from self._settle(state, w, [head, tail])
+        stage.sync_s = time.perf_counter() - t
+        self._emit("text", record, stage, piece)
+        self._emit("text", record, stage, tail)
+        return state
 
     @property
     def _trie(self) -> bool:
@@ -535,32 +721,33 @@ class Orchestrator:
 
     def _final(self, record: RunRecord, g, dt: float) -> None:
         """The planner closed the final answer: record it and end the run."""
-        record.final_text, record.final_tokens, record.final_s = g.text, len(g.tokens), dt
+        record.final_text, record.final_tokens, record.final_s = self._said(g), len(g.tokens), dt
         record.final_logprobs = _logprobs(g)
-        record.final_answer = fmt.parse_completion(g.text)[0].final_answer
-        self._emit("final", record, text=g.text)
+        record.final_answer = self._g.answer(record.final_text)
+        self._emit("final", record, text=record.final_text)
         if record.final_answer is None:
             raise _Stop("malformed", f"the planner closed {fmt.FINAL_CLOSE} without opening it")
         raise _Stop("final_answer")
 
     def _plan(self, record: RunRecord, i: int, g, which: str | None, dt: float, limit: int,
-              limit_reason: str) -> StageRecord:
+              limit_reason: str, piece: str, state) -> StageRecord:
         """Stage i's record from a planner call that should have closed its plan; ends the run when
         it did not, or when the stage is past max_stages."""
         stage = StageRecord(i, g.text, len(g.tokens), which or g.stop_reason, planner_s=dt,
                             planner_logprobs=_logprobs(g))
         record.stages.append(stage)
-        if which != fmt.plan_close(i):
+        plan = None
+        if which == self._g.plan_close(i):
+            plan = self._g.read_plan(g, piece, i, lambda: self._context(state, len(g.text) - len(piece)))
+        if plan is None:
             self._emit("planner", record, stage, g.text)
             if g.stop_reason == "eos":
-                raise _Stop("eos", f"stage {i}: the planner ended (EOS) without {fmt.plan_close(i)} "
-                                   f"or {fmt.FINAL_CLOSE}")
+                raise _Stop("eos", f"stage {i}: the planner ended (EOS) without {self._g.awaited(i)}")
             if g.stop_reason == "length":
                 raise _Stop(limit_reason, f"stage {i}: the planner call reached {limit} tokens without "
-                                          f"{fmt.plan_close(i)} or {fmt.FINAL_CLOSE}")
+                                          f"{self._g.awaited(i)}")
             raise _Stop("malformed", f"stage {i}: the planner stopped at {which!r} with no matching opening")
-        pieces, prompts, problems = fmt.parse_plan(g.text, i)
-        stage.plan = " ".join(p for p in pieces if isinstance(p, str))
+        stage.plan, prompts, problems = plan
         stage.prompts = prompts
         stage.problems += [f"stage {i} plan: {p}" for p in problems]
         self._emit("planner", record, stage, g.text)
@@ -596,7 +783,7 @@ class Orchestrator:
         run_prompts = stage.prompts[:cap]
         k = len(run_prompts)
         # fork: roll the planner back to where every executor's canonical context agrees with it
-        keep, openings = self._rejoin(state, w, [[head, execution_opening(i, j)] for j in range(1, k + 1)])
+        keep, openings = self._rejoin(state, w, [[head, self._g.opening(i, j)] for j in range(1, k + 1)])
         limits = self._branch_limits(stage, openings, keep, tally.used)
         self._check_clock(t0)
         self._emit("executors_start", record, stage, f"{k} executor(s), {branch_mode} fork")
@@ -605,7 +792,7 @@ class Orchestrator:
             state = yield EngineCall("truncate", state, n=keep)
         self._emit("text", record, stage, piece)
         gens = yield EngineCall("branches", state, prefixes=openings, limits=limits,
-                                stops=[[fmt.execution_close(i, j)] for j in range(1, k + 1)],
+                                stops=[[self._g.close(i, j)] for j in range(1, k + 1)],
                                 sampling=cfg.sampling(tally.call), mode=branch_mode,
                                 join=cfg.resolved_join == "merge")
         stage.executors_s = time.perf_counter() - t
@@ -617,26 +804,26 @@ class Orchestrator:
         for j, (prompt, o, gen, m) in enumerate(zip(run_prompts, openings, gens, limits), start=1):
             tally.used += len(gen.tokens)
             text, repair = self._closed_body(record, stage, j, gen, m)
-            sync += [execution_opening(i, j), text + repair]
+            sync += [self._g.opening(i, j), text + repair]
             stage.executions.append(ExecutionRecord(j, prompt, text, len(gen.tokens), gen.stop_reason,
                                                     len(o) + len(self._encode(repair) if repair else []),
                                                     bool(repair), _logprobs(gen)))
         self._emit("executors", record, stage)
-        if not self._trie:   # a flat model saw the last close tag and the next block's gap together
-            sync.append(fmt.BLOCK_GAP)
+        if self._g.join_tail(self._trie):
+            sync.append(self._g.join_tail(self._trie))
         return sync, openings
 
     def _closed_body(self, record: RunRecord, stage: StageRecord, j: int, gen, m: int) -> tuple[str, str]:
         """Executor j's body up to its close tag, and the text the orchestrator adds to close it
         when the executor did not (empty when it did)."""
-        close = fmt.execution_close(stage.index, j)
+        close = self._g.close(stage.index, j)
         if gen.stop_reason == "stop" and close in gen.text:
             return gen.text[:_stop_end(gen.text, close)], ""
         text = self._text_of(gen.tokens[:-1]) if gen.stop_reason == "eos" else gen.text
         how = {"eos": "ended (EOS)", "length": f"reached its {m}-token limit"}.get(gen.stop_reason, "stopped")
-        _problem(record, stage, f"stage {stage.index}: execution {stage.index}.{j} {how} before {close}; closed by "
-                                f"the orchestrator")
-        return text, ("" if (not text or text[-1].isspace()) else fmt.CLOSE_GAP) + close
+        _problem(record, stage, f"stage {stage.index}: {self._g.unit} {stage.index}.{j} {how} before {close}; "
+                                f"closed by the orchestrator")
+        return text, self._g.repair(text, close)
 
     def _join(self, state, record: RunRecord, stage: StageRecord, w: int, sync: list[str],
               openings: list[list[int]], t0: float):
@@ -661,8 +848,8 @@ class Orchestrator:
         stage.sync_s = time.perf_counter() - t
         for j in range(1, len(openings) + 1):            # the planner's context holds them now
             self._emit("text", record, stage, "".join(sync[2 * j - 1: 2 * j + 1]), executor=j)
-        if not self._trie:
-            self._emit("text", record, stage, fmt.BLOCK_GAP)
+        if self._g.join_tail(self._trie):
+            self._emit("text", record, stage, self._g.join_tail(self._trie))
         self._emit("sync", record, stage)
         return state
 

@@ -435,7 +435,7 @@ def _sprint_config(extra: dict, state: ServeState, sampling: dict, max_tokens: i
     (temperature, top_p, top_k, seed), max_tokens as max_total_tokens, then extra_body["sprint"]."""
     from sprint_jax.infer.orchestrator import MODES, OrchestratorConfig
 
-    fields = {f.name for f in dataclasses.fields(OrchestratorConfig)} - {"layout"}
+    fields = {f.name for f in dataclasses.fields(OrchestratorConfig)} - {"layout", "format"}   # fixed by training
     upd: dict[str, Any] = dict(sampling)
     if max_tokens is not None:
         upd["max_total_tokens"] = max_tokens
