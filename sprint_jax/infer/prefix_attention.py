@@ -15,8 +15,8 @@ of every group reach every slot shard (replicated over the slot axes, split over
 KV heads); a group whose parent slot lives on another shard reads nothing and gives out 0 and lse
 NEG_INF there, so a sum over the slot axes of the outputs and a max of the lse are exact.
 (With slots over data the engine's step itself already runs per slot shard, `sharding.slot_local`,
-and calls this with kv=None on its shard's slots; the KV heads, still split over `tensor` there,
-get a nested shard_map of their own.)
+and calls this with kv=None on its shard's slots; the kernel gets a nested shard_map over the
+mesh axes still automatic there, split over `tensor` like the KV heads where they are.)
 """
 from __future__ import annotations
 
@@ -71,19 +71,23 @@ def pallas_parent_prefix_attention(q, pk, pv, layer, pslot, plen, kv=None):
     NamedShardings on a mesh (None: one device). Returns (out [Rg, W, H, D], lse [Rg, W, H])."""
     if kv is None:
         from sprint_jax.infer.sharding import local_head_axes
-        head = local_head_axes()
-        if head is None:
-            return _kernel(q, pk, pv, layer, pslot, plen)
-        # Traced per slot shard (`sharding.slot_local`, data manual) with the KV heads still split
-        # over an automatic axis: run the kernel per head shard too (a nested shard_map), never
-        # as one program XLA would partition (the interpreter's loops would hold collectives).
         mesh = jax.sharding.get_abstract_mesh()
+        auto = frozenset(n for n, t in zip(mesh.axis_names, mesh.axis_types)
+                         if t != jax.sharding.AxisType.Manual)
+        if mesh.empty or not auto:
+            return _kernel(q, pk, pv, layer, pslot, plen)
+        # Traced per slot shard (`sharding.slot_local`, the slot axes manual): the other mesh
+        # axes are still automatic there, and a Mosaic kernel must sit fully inside a shard_map
+        # (one XLA would partition is refused, and the interpreter's loops would hold
+        # collectives). So a nested shard_map over every remaining axis: per KV head shard
+        # where the heads are split (`local_head_axes`), a replicated call on each device else.
+        head = local_head_axes()
         axes = _axes(head)
         if q.shape[2] % math.prod(mesh.shape[a] for a in axes):
             raise ValueError(f"{q.shape[2]} query heads do not split over {axes} like the KV heads")
         run = jax.shard_map(
             lambda q, pk, pv, layer, pslot, plen: _kernel(q, pk, pv, layer, pslot, plen),
-            mesh=mesh, axis_names=frozenset(axes),
+            mesh=mesh, axis_names=auto,
             in_specs=(P(None, None, head, None), P(None, None, head, None, None), P(None, None, head, None, None),
                       P(), P(None), P(None, None)),
             out_specs=(P(None, None, head, None), P(None, None, head)), check_vma=False)

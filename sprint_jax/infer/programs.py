@@ -5,7 +5,10 @@ Each program takes its per-row arguments as one pytree (`PrefillRows`, `DecodeRo
 arrays with a leading row axis, built by the scheduler in `sprint_jax.infer.engine`) and donates
 the cache, which it updates in place. Under slot shards (data > 1, `sharding.slot_local`) every
 row array is `parts` equal blocks and a program's body sees one block; slot ids stay global and
-are taken modulo the slots the body holds.
+are taken modulo the slots the body holds. On a mesh every program is traced with the engine's
+mesh as the active abstract mesh (`sharding.traced_on_mesh`, entered by `slot_local`), as a TPU
+needs: a Mosaic kernel (the prefill's flash attention, the Pallas parent-prefix attention) runs
+per shard inside a shard_map, never as one program XLA would partition.
 
 Decode step. The rows are grouped by parent slot, [parent row, child rows...], and one attention
 over the parent's cache serves the whole group (the children's queries ride along the query

@@ -13,10 +13,13 @@ head of every slot instead of all 4).
 
 The jitted engine steps get these shardings explicitly (the cache is constrained to its
 NamedSharding inside each step, and donated), so GSPMD inserts the collectives; only token ids
-and stop codes cross to the host.
+and stop codes cross to the host. Each step is traced with the engine's mesh as the active
+abstract mesh (`traced_on_mesh`), so a Mosaic kernel in it (the prefill's flash attention, the
+Pallas parent-prefix attention) runs per shard inside a shard_map, as a TPU requires.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -316,11 +319,22 @@ def local_head_axes():
     return getattr(_LOCAL, "heads", None)
 
 
+def traced_on_mesh(kv):
+    """The context an engine step is traced in: the mesh of `kv` (the engine's (parent, child)
+    KV shardings) as the active abstract mesh, as the train step traces; a no-op for kv None (one
+    device) or when a mesh is already active. The model reads it: activation constraints
+    (`qwen2.constrain`) and the Pallas flash attention of a prefill, which runs per shard in a
+    shard_map only under an active mesh (Mosaic refuses a kernel XLA would partition)."""
+    if kv is None or not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(kv[0].mesh.abstract_mesh)
+
+
 def slot_local(rows: Sequence[str], out: Sequence[str] | str, cache_kv: Sequence[int]):
-    """Decorator for an engine step `fn(params, config, cache, ..., kv=None)` (under jax.jit):
-    when `kv` splits the slots over mesh axes (data > 1), `fn` runs once per slot shard
-    (`jax.shard_map` manual over those axes; tensor stays automatic inside), on its own slots and
-    its own block of rows (`slot_blocks` placed them), so no collective over data touches the
+    """Decorator for an engine step `fn(params, config, cache, ..., kv=None)` (under jax.jit),
+    traced under kv's mesh (`traced_on_mesh`). When `kv` splits the slots over mesh axes (data >
+    1), `fn` runs once per slot shard (`jax.shard_map` manual over those axes; tensor stays
+    automatic inside), on its own slots and its own block of rows (`slot_blocks` placed them), so no collective over data touches the
     cache or the gathered rows. Slot indices stay global: the step takes them modulo its (local)
     slot count. `rows`: the argument names with a leading row axis; `out`: per output, "cache",
     "rows" (leading row axis) or "max" (a scalar, the max over shards); `cache_kv[i]`: which
@@ -337,6 +351,10 @@ def slot_local(rows: Sequence[str], out: Sequence[str] | str, cache_kv: Sequence
             bound = sig.bind(*args, **kwargs)
             bound.apply_defaults()
             a = dict(bound.arguments)
+            with traced_on_mesh(a["kv"]):
+                return run(a)
+
+        def run(a):
             kv = a["kv"]
             axes = slot_axes(kv)
             if not axes:
