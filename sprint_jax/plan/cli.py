@@ -107,8 +107,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--attention", choices=("pallas", "xla"), default="pallas",
                    help="the decode step's parent-prefix attention: pallas (the Mosaic kernel) or xla (default pallas)")
     e.add_argument("--set-mesh", action="store_true",
-                   help="trace the programs under the mesh as the active mesh (as the train step does; the engine "
-                        "does not): what the engine compiles once it does")
+                   help="no effect, the default: the programs are traced under the mesh as the active mesh, as the "
+                        "engine traces them (kept so that older command lines still run)")
     e.add_argument("--programs", help="compile only these, comma-separated: decode_stage, decode_planner, prefill, "
                                       "join_copy (default all)")
     e.add_argument("--records", help="a directory of eval records (records.jsonl of a SPRINT eval and of its RFT "
@@ -353,7 +353,7 @@ def run_engine(args: argparse.Namespace) -> int:
     rows, failures, accepted = [], [], []
     for where in slices:
         if args.search:
-            found, tried = pe.search(base, where, label, args.set_mesh, _progress, kinds)
+            found, tried = pe.search(base, where, label, _progress, kinds)
             rows.extend(tried)
             if found is None:
                 top = dataclasses.replace(base, mesh=(where.chips, 1, 1))
@@ -377,7 +377,7 @@ def run_engine(args: argparse.Namespace) -> int:
         if not pe.fits(shape, where.chip.hbm_bytes, fill=1.0):
             failures.append(pe.not_fit_line(shape, where, label))
             continue
-        rows_here = pe.engine_rows(shape, where, label, args.set_mesh, _progress, kinds=kinds)
+        rows_here = pe.engine_rows(shape, where, label, _progress, kinds=kinds)
         rows.extend(rows_here)
         if all(r["fits"] for r in rows_here):
             accepted.extend(rows_here)

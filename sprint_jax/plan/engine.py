@@ -333,17 +333,14 @@ def shape_label(shape: EngineShape, model: str) -> str:
             f"{shape.capacity}/{shape.branch_capacity}")
 
 
-def engine_rows(shape: EngineShape, where, model: str, set_mesh: bool = False,
-                progress: Callable[[str], None] | None = None, stop_at_failure: bool = False,
-                kinds: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+def engine_rows(shape: EngineShape, where, model: str, progress: Callable[[str], None] | None = None,
+                stop_at_failure: bool = False, kinds: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
     """Compile each program of `shape` for the slice `where` (a `chips.Slice`; the mesh must use
     all its chips) and return one row per program (plan train's row keys, and `kind`,
-    `decode_ms`). set_mesh: trace under the mesh as the active abstract mesh (what the train
-    step does; the engine does not), which the Pallas prefill needs under tensor parallelism.
+    `decode_ms`). Each is traced as the engine traces it: under the mesh as the active abstract
+    mesh (`infer.sharding.traced_on_mesh`, entered by the program itself).
     stop_at_failure: no program is compiled after one that does not fit (a search's candidate).
     kinds: only these programs (`KINDS`; default all)."""
-    import jax
-
     from sprint_jax.plan.compile import as_tpu, compile_traced, slice_devices
 
     devices = slice_devices(where.name)
@@ -362,17 +359,12 @@ def engine_rows(shape: EngineShape, where, model: str, set_mesh: bool = False,
 
         def trace(prog=prog, calls=calls):
             with as_tpu(calls):
-                if not set_mesh:
-                    return prog.trace()
-                from sprint_jax.model.sharding import make_mesh
-                mesh = make_mesh(*shape.mesh, devices=devices)
-                with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-                    return prog.trace()
+                return prog.trace()
         result = compile_traced(trace, calls, notes, progress)
         memory = memory_estimate(shape, prog.kind)
         row = {"program": f"{prog.name}", "kind": prog.kind, "engine": shape_label(shape, model),
                "topology": where.name, "accelerator_type": where.booking, "chips": where.chips,
-               "mesh": shape.mesh_dict, "attention_impl": shape.attention_impl, "set_mesh": set_mesh,
+               "mesh": shape.mesh_dict, "attention_impl": shape.attention_impl,
                "compiled": result.compiled, "compile_s": round(result.compile_s, 2),
                "lower_s": round(result.lower_s, 2), "per_chip_bytes": None, "hbm_bytes": chip.hbm_bytes,
                "headroom": None, "kernels": sorted(set(result.kernels)), "tpu_custom_calls": result.custom_calls,
@@ -513,8 +505,7 @@ def not_fit_line(shape: EngineShape, where, model: str, rows: list[dict] | None 
 MAX_SEARCH_CANDIDATES = 3
 
 
-def search(shape: EngineShape, top, model: str, set_mesh: bool = False,
-           progress: Callable[[str], None] | None = None,
+def search(shape: EngineShape, top, model: str, progress: Callable[[str], None] | None = None,
            kinds: tuple[str, ...] | None = None) -> tuple[list[dict] | None, list[dict]]:
     """The smallest slice of `top`'s generation (up to `top`) and the least-tensor mesh on it
     whose programs all compile and fit; a candidate is compiled only when the estimate leaves
@@ -533,7 +524,7 @@ def search(shape: EngineShape, top, model: str, set_mesh: bool = False,
                     progress(f"search: {where.name} mesh {mesh_text(mesh)}: estimate {need / 2 ** 30:.1f} GiB per "
                              f"chip > {FILL:.0%} of {where.chip.hbm_gib:g} GiB, skipped")
                 continue
-            rows = engine_rows(candidate, where, model, set_mesh, progress, stop_at_failure=True, kinds=kinds)
+            rows = engine_rows(candidate, where, model, progress, stop_at_failure=True, kinds=kinds)
             for r in rows:
                 r["search"] = True
             tried.extend(rows)
