@@ -116,7 +116,8 @@ self-parallelism ratio (total tokens / sequential tokens, summed over the runs) 
 ratio (share of problems where the model forked at least once; a problem's share of its
 samples, averaged), and the mean per-problem speedup (B's sequential tokens / A's per problem,
 averaged over all problems and over those both solved; a sampled problem is solved when more
-than half of its samples are); then, per bin of B's sequential length (--bins thresholds,
+than half of its samples are) with its distribution (median, min, max, the share of problems
+faster, the max over problems both solved); then, per bin of B's sequential length (--bins thresholds,
 default 2000,4000,8000 as in the paper's >8k analysis, and --quantiles equal-size bins; problems
 of equal length share a bin, so fewer bins when many are equal), both runs' accuracy, sequential
 tokens and wall clock. Each run's wall clock and concurrency are derived from its problems'
