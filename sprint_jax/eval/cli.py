@@ -24,7 +24,7 @@ DESCRIPTION = """Evaluate a model with the SPRINT orchestrator (paper §13) and 
                 --model runs/demo/train/sprint/hf --data chains --mode parallel (the RFT model:
                 runs/demo/train/rft/hf, --mode sequential) --max-stages 3 --max-prompts 4
                 --max-planner-tokens 48 --max-branch-tokens 24 --max-total-tokens 1024
-                --max-seq-len 512 --prefill-chunk 128 --concurrency 1.
+                --max-seq-len 256 --prefill-chunk 128 --concurrency 1.
   FILE          a task file: .jsonl, .parquet, .arrow, or a `datasets` save_to_disk directory.
                 --task-kind auto reads multiple choice when the first record has
                 "choices"/"options" or the GPQA columns, else MATH ({"problem", "answer"}).
