@@ -16,7 +16,7 @@ import dataclasses
 import networkx as nx
 import pydantic
 
-from sprint_jax.curation.llm import CachedChat, structured
+from sprint_jax.curation.llm import CachedChat, Discarded, structured
 from sprint_jax.schema import Step
 
 SCHEMA_NAME = "step_dependencies"
@@ -46,11 +46,8 @@ class EdgeList(pydantic.BaseModel):
     edges: list[EdgeModel]
 
 
-class DagFailed(Exception):
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
+class DagFailed(Discarded):
+    """A discard of this stage (`Discarded`)."""
 
 
 @dataclasses.dataclass

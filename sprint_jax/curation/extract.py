@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pydantic
 
-from sprint_jax.curation.llm import CachedChat, structured
+from sprint_jax.curation.llm import CachedChat, Discarded, structured
 from sprint_jax.schema import Step
 
 SCHEMA_NAME = "reasoning_steps"
@@ -40,11 +40,8 @@ class StepList(pydantic.BaseModel):
     steps: list[StepModel]
 
 
-class ExtractFailed(Exception):
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
+class ExtractFailed(Discarded):
+    """A discard of this stage (`Discarded`)."""
 
 
 def extract_messages(problem: str, trace_text: str) -> list[dict]:

@@ -29,6 +29,16 @@ from sprint_jax.curation.store import Store, request_hash
 M = TypeVar("M", bound=pydantic.BaseModel)
 
 
+class Discarded(Exception):
+    """A record a stage will not keep, for a named `reason` (counted in the report) with a `detail`
+    for the log. Not an error of the run: the pipeline records it and goes on."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
 class LLMCallError(Exception):
     """A call that failed for good. `retryable` is True when the endpoint stayed unavailable through
     every retry (a later run should try again) and False when the request itself was refused."""

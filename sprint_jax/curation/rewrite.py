@@ -22,6 +22,7 @@ import dataclasses
 import re
 
 from sprint_jax import format as fmt
+from sprint_jax.curation.llm import Discarded
 from sprint_jax.tasks import final_answer_of, grade_result, task_prompt
 from sprint_jax.tasks.types import Task, Trace
 
@@ -79,11 +80,8 @@ def rewrite_messages(task: Task, trace: Trace) -> list[dict]:
                                         f"Final answer: {trace.final_answer}"}]
 
 
-class RewriteRejected(Exception):
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
+class RewriteRejected(Discarded):
+    """A discard of this stage (`Discarded`)."""
 
 
 @dataclasses.dataclass

@@ -15,7 +15,7 @@ import zlib
 
 from sprint_jax.curation.config import CurateConfig
 from sprint_jax.format import contains_tag
-from sprint_jax.curation.llm import CachedChat
+from sprint_jax.curation.llm import CachedChat, Discarded
 from sprint_jax.tasks.types import Task, Trace
 from sprint_jax.tasks import final_answer_of, grade_result, task_prompt
 
@@ -32,13 +32,8 @@ def teacher_messages(task: Task) -> list[dict]:
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task_prompt(task)}]
 
 
-class TeacherRejected(Exception):
+class TeacherRejected(Discarded):
     """The teacher answered, but the trace is unusable (truncated, empty). Not retried."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
 
 
 class OpenAITeacher:
