@@ -47,6 +47,24 @@ class Example:
     def from_json(cls, d: dict) -> "Example":
         return cls(**d)
 
+    @classmethod
+    def from_record(cls, d: dict, where: str, error: type[Exception] = ValueError) -> "Example":
+        """A jsonl record read from a training file, checked: id, kind ("sprint" or "rft"), prompt
+        and completion (strings) present, meta an object or absent; other keys are ignored. A bad
+        record raises `error` naming `where` (file:line)."""
+        missing = [k for k in ("id", "kind", "prompt", "completion") if k not in d]
+        if missing:
+            raise error(f"{where}: missing field {missing[0]!r}")
+        for k in ("prompt", "completion"):
+            if not isinstance(d[k], str):
+                raise error(f"{where}: field {k!r} must be a string")
+        if d["kind"] not in ("sprint", "rft"):
+            raise error(f"{where}: kind must be 'sprint' or 'rft', got {d['kind']!r}")
+        if d.get("meta") is not None and not isinstance(d["meta"], dict):
+            raise error(f"{where}: field 'meta' must be an object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names and not (k == "meta" and v is None)})
+
 
 # ---------------------------------------------------------------------------------------------
 # The prompt format, carried with the model in its export's sprint_jax.json

@@ -55,7 +55,7 @@ from typing import Iterable, Literal
 from sprint_jax import format as sf
 from sprint_jax.errors import UserError
 from sprint_jax.fsutil import write_atomic
-from sprint_jax.jsonl import iter_objects, require_fields
+from sprint_jax.jsonl import iter_objects
 from sprint_jax.schema import Example
 
 SPAN_KINDS = sf.SPAN_KINDS
@@ -645,22 +645,13 @@ def convert_examples(src: str | Path, dst: str | Path, to: str) -> ConvertStats:
     src, dst = Path(src), Path(dst)
     if dst.exists() and src.exists() and dst.resolve() == src.resolve():
         raise ConvertInputError(f"{dst}: the output would overwrite the input")
-    fields = {f.name for f in dataclasses.fields(Example)}
     stats = ConvertStats()
     skipped: collections.Counter[str] = collections.Counter()
     lines: list[str] = []
     for n, d in iter_objects(src, ConvertInputError):
         where = f"{src}:{n}"
-        require_fields(d, ("id", "kind", "prompt", "completion"), where, ConvertInputError)
-        for k in ("prompt", "completion"):
-            if not isinstance(d[k], str):
-                raise ConvertInputError(f"{where}: field {k!r} must be a string")
-        if d["kind"] not in ("sprint", "rft"):
-            raise ConvertInputError(f"{where}: kind must be 'sprint' or 'rft', got {d['kind']!r}")
-        if d.get("meta") is not None and not isinstance(d["meta"], dict):
-            raise ConvertInputError(f"{where}: field 'meta' must be an object")
+        ex = Example.from_record(d, where, ConvertInputError)
         stats.read += 1
-        ex = Example.from_json({k: v for k, v in d.items() if k in fields and not (k == "meta" and v is None)})
         try:
             out = convert_example(ex, to)  # type: ignore[arg-type]
         except ConversionError as e:

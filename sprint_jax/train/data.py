@@ -51,7 +51,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from sprint_jax.jsonl import iter_objects, require_fields
+from sprint_jax.jsonl import iter_objects
 from sprint_jax import format as fmt
 from sprint_jax import threadweaver as tw
 from sprint_jax.errors import UserError
@@ -117,7 +117,6 @@ def read_examples(paths: Iterable[str | Path], limit: int | None = None,
     format than `data_format` (no `meta.format`: no claim, read as `data_format`)."""
     _check_format(data_format)
     out: list[Example] = []
-    fields = {f.name for f in dataclasses.fields(Example)}
     from sprint_jax.config import REPO_ROOT
 
     for path in paths:
@@ -128,18 +127,13 @@ def read_examples(paths: Iterable[str | Path], limit: int | None = None,
             raise DataError(f"training data file not found: {path}")
         for n, d in iter_objects(path, DataError):
             where = f"{path}:{n}"
-            require_fields(d, ("id", "kind", "prompt", "completion"), where, DataError)
-            for k in ("prompt", "completion"):
-                if not isinstance(d[k], str):
-                    raise DataError(f"{where}: field {k!r} must be a string")
-            if d["kind"] not in ("sprint", "rft"):
-                raise DataError(f"{where}: kind must be 'sprint' or 'rft', got {d['kind']!r}")
-            claimed = d["meta"].get(tw.FORMAT_META_KEY) if isinstance(d.get("meta"), dict) else None
+            ex = Example.from_record(d, where, DataError)
+            claimed = ex.meta.get(tw.FORMAT_META_KEY)
             if claimed is not None and claimed != data_format:
                 raise DataError(f"{where}: the example is in the {claimed!r} format (meta.{tw.FORMAT_META_KEY}) "
                                 f"but data.format is {data_format!r}: set data.format to match, or convert "
                                 "the file (threadweaver.convert_examples)")
-            out.append(Example.from_json({k: v for k, v in d.items() if k in fields}))
+            out.append(ex)
             if limit is not None and len(out) >= limit:
                 return out
     return out
