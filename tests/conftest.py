@@ -247,3 +247,16 @@ def _release_compiled_code():
     if "jax" in sys.modules and _map_count() > 30_000:
         sys.modules["jax"].clear_caches()
         gc.collect()
+
+
+# The fast tier (`./dev.sh test --fast`, i.e. -m "not slow"): besides the tests marked slow in their
+# files, every test listed in tests/slow_tests.txt (measured: more than ~8 s each) is slow.
+_SLOW_LIST = Path(__file__).with_name("slow_tests.txt")
+
+
+def pytest_collection_modifyitems(config, items):
+    listed = {line.strip() for line in _SLOW_LIST.read_text().splitlines()
+              if line.strip() and not line.startswith("#")}
+    for item in items:
+        if f"{Path(str(item.fspath)).name}::{item.name}" in listed:
+            item.add_marker(pytest.mark.slow)
