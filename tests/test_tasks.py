@@ -226,3 +226,81 @@ def test_chains_token_vocabulary_covers_every_demo_text_once():
         assert tag in vocab
         assert (" " + tag if tag.startswith("</") else tag if tag.startswith("<execution") else tag + " ") in vocab
     assert "<Plan_4>" not in vocab and "<Plan_4>" in chains.token_vocabulary(4, max_stages=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# digit chains of mixed lengths: the held-out set, the training set kept out of it
+# ---------------------------------------------------------------------------------------------
+def _demo_draws(n: int, seed: int, exclude=frozenset()) -> list[tuple[int, ...]]:
+    """The demo's start tuples written out independently: four random.Random(seed) digits per
+    problem (randint(4, 4) still consumes its draw), tuples in `exclude` skipped."""
+    import random
+
+    rng, out = random.Random(seed), []
+    while len(out) < n:
+        rng.randint(4, 4)
+        starts = tuple(rng.randrange(10) for _ in range(4))
+        if starts not in exclude:
+            out.append(starts)
+    return out
+
+
+def test_the_demos_chains_problems_are_unchanged():
+    from sprint_jax.curation.config import data_fingerprint, load_curate_config
+    from sprint_jax.curation.pipeline import load_tasks as curate_tasks
+    from sprint_jax.tasks import chains
+
+    cfg = load_curate_config(None, ["tasks.source=chains", "tasks.n=300", "teacher.kind=programmatic"])
+    train = [tuple(t.answer["starts"]) for t in curate_tasks(cfg)]
+    assert train == _demo_draws(300, 0)
+    test = [tuple(t.answer["starts"]) for t in chains.demo_test_set(n=50, train_problems=300)]
+    assert test == _demo_draws(50, 10_000, set(train))
+    # the new fields at their defaults leave a store's fingerprint as it was (old stores resume)
+    assert not {"min_chains", "max_chains", "held_out"} & set(data_fingerprint(cfg)["tasks"])
+
+
+def test_mixed_test_set_is_distinct_mixed_and_prefix_stable():
+    from sprint_jax.tasks import chains
+
+    tasks = chains.mixed_test_set(300, seed=0, min_chains=2, max_chains=4)
+    starts = [tuple(t.answer["starts"]) for t in tasks]
+    assert len(set(starts)) == 300 and {len(s) for s in starts} == {2, 3, 4}
+    assert sum(len(s) == 2 for s in starts) > 60                # about a third of the draws
+    assert [t.id for t in chains.mixed_test_set(40, 0, 2, 4)] == [t.id for t in tasks[:40]]
+    for t in tasks[:20]:                                        # answers by hand: the cycle walked
+        s = t.answer["starts"]
+        last = [chains.CYCLE[(chains.CYCLE.index(d) + 12) % 10] for d in s]
+        assert t.answer["value"] == max(last) and t.problem == "Q: " + " ".join(map(str, s)) + "\n"
+    # all 100 two-chain tuples: the 101st is refused, not looped for
+    assert len(chains.generate(100, 0, 2, 2, distinct=True)) == 100
+    with pytest.raises(ValueError, match="only 100 start tuples"):
+        chains.generate(101, 0, 2, 2, distinct=True)
+
+
+def test_curated_mixed_problems_keep_out_of_the_held_out_set(tmp_path, capsys):
+    from sprint_jax.curation.config import data_fingerprint, load_curate_config
+    from sprint_jax.curation.pipeline import load_tasks as curate_tasks
+    from sprint_jax.eval.cli import add_arguments, mixed_chains_tasks
+
+    cfg = load_curate_config(None, ["tasks.source=chains", "tasks.n=2000", "tasks.min_chains=2",
+                                    "tasks.max_chains=4", "tasks.held_out=100", "teacher.kind=programmatic"])
+    train = {tuple(t.answer["starts"]) for t in curate_tasks(cfg)}
+    assert {len(s) for s in train} == {2, 3, 4}
+    assert data_fingerprint(cfg)["tasks"]["held_out"] == 100
+    import argparse
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    held = mixed_chains_tasks(p.parse_args(["--data", "chains", "--chains", "2-4", "--limit", "100"]))
+    held_starts = {tuple(t.answer["starts"]) for t in held}
+    assert len(held) == 100 and {len(s) for s in held_starts} == {2, 3, 4} and not held_starts & train
+    # without held_out, 2000 draws take every one of the 100 two-chain tuples
+    cfg0 = load_curate_config(None, ["tasks.source=chains", "tasks.n=2000", "tasks.min_chains=2",
+                                     "tasks.max_chains=4", "teacher.kind=programmatic"])
+    assert held_starts & {tuple(t.answer["starts"]) for t in curate_tasks(cfg0)}
+    for argv, match in ((["--data", "chains", "--chains", "4-2"], "MIN-MAX with 1 <= MIN <= MAX"),
+                        (["--data", "math500", "--chains", "2-4"], "needs --data chains"),
+                        (["--data", "chains", "--chains", "2-2", "--limit", "101"], "only 100 start tuples")):
+        with pytest.raises(UserError, match=match):
+            mixed_chains_tasks(p.parse_args(argv))
+    with pytest.raises(ValueError, match="min_chains <= max_chains"):
+        load_curate_config(None, ["tasks.source=chains", "tasks.min_chains=3", "tasks.max_chains=2"])

@@ -71,6 +71,10 @@ class TasksConfig:
     n: int = 64                     # countdown: number of generated instances
     seed: int = 0                   # countdown: generator seed
     chain_length: int = 12         # chains: digit-map steps per chain (the demo family)
+    min_chains: int = 4             # chains: chains per problem, drawn from min_chains..max_chains
+    max_chains: int = 4
+    held_out: int = 0               # chains: keep out the start digits of the first `held_out` problems of
+    #                                 `eval --data chains --chains MIN-MAX` (chains.mixed_test_set)
     limit: int | None = None        # keep only the first `limit` tasks (None = all)
 
     def __post_init__(self) -> None:
@@ -80,6 +84,9 @@ class TasksConfig:
             raise ValueError("n must be >= 1")
         if self.limit is not None and self.limit < 1:
             raise ValueError("limit must be >= 1 (or null for all)")
+        if not 1 <= self.min_chains <= self.max_chains or self.held_out < 0:
+            raise ValueError(f"need 1 <= min_chains <= max_chains and held_out >= 0, got "
+                             f"{self.min_chains}, {self.max_chains}, {self.held_out}")
 
 
 @dataclasses.dataclass
@@ -151,6 +158,9 @@ PATH_ONLY = {"dag": frozenset({"restructure", "rewriter"}),
              "rewrite": frozenset({"extractor", "dag", "merge_min_chars", "min_ratio"})}
 
 
+CHAINS_DEFAULTS = {"min_chains": 4, "max_chains": 4, "held_out": 0}
+
+
 def data_fingerprint(cfg: CurateConfig) -> dict:
     """The config with execution-only fields and the fields the other restructuring path reads
     removed: a resumed run must match it exactly. (A `dag` run's fingerprint has no `restructure`
@@ -159,7 +169,11 @@ def data_fingerprint(cfg: CurateConfig) -> dict:
         if isinstance(node, dict):
             return {k: strip(v) for k, v in node.items() if k not in EXECUTION_ONLY}
         return node
-    return {k: v for k, v in strip(to_dict(cfg)).items() if k not in PATH_ONLY[cfg.restructure]}
+    out = {k: v for k, v in strip(to_dict(cfg)).items() if k not in PATH_ONLY[cfg.restructure]}
+    for k, v in CHAINS_DEFAULTS.items():      # at their defaults: stores written before they existed resume
+        if out["tasks"].get(k) == v:
+            del out["tasks"][k]
+    return out
 
 
 def load_curate_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> CurateConfig:

@@ -53,7 +53,8 @@ def load_tasks(cfg: CurateConfig) -> list[Task]:
     if t.source == "hf_dataset":
         return task_kinds.load_hf_dataset(t.path, t.kind, t.split, t.name, limit=t.limit)
     if t.source == "chains":
-        tasks = task_kinds.chains.generate(t.n, t.seed, length=t.chain_length)
+        tasks = task_kinds.chains.mixed_training_set(t.n, t.seed, t.min_chains, t.max_chains, t.chain_length,
+                                                     t.held_out)
         return tasks[: t.limit] if t.limit is not None else tasks
     tasks = task_kinds.countdown.generate(t.n, t.seed)
     return tasks[: t.limit] if t.limit is not None else tasks

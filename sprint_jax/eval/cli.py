@@ -25,6 +25,10 @@ DESCRIPTION = """Evaluate a model with the SPRINT orchestrator (paper §13) and 
                 runs/demo/train/rft/hf, --mode sequential) --max-stages 3 --max-prompts 4
                 --max-planner-tokens 48 --max-branch-tokens 24 --max-total-tokens 1024
                 --max-seq-len 256 --prefill-chunk 128 --concurrency 1.
+                With --chains MIN-MAX: instead, a held-out set of mixed lengths (MIN..MAX chains
+                of --chain-length steps, distinct start digits, seed --data-seed; --limit, default
+                100, problems): `curate` keeps its training problems out of it with
+                tasks: {source: chains, min_chains: MIN, max_chains: MAX, held_out: N >= --limit}.
   FILE          a task file: .jsonl, .parquet, .arrow, or a `datasets` save_to_disk directory.
                 --task-kind auto reads multiple choice when the first record has
                 "choices"/"options" or the GPQA columns, else MATH ({"problem", "answer"}).
@@ -151,6 +155,10 @@ def add_arguments(p) -> None:
     p.add_argument("--countdown-n", type=int, default=100, help="--data countdown: tasks to generate")
     p.add_argument("--data-seed", type=int, default=0,
                    help="--data countdown: generator seed; --data chains: the demo's seed")
+    p.add_argument("--chains", default=None, metavar="MIN-MAX",
+                   help="--data chains: the held-out mixed-length set of MIN..MAX chains per problem "
+                        "(chains.mixed_test_set) instead of the demo's test set")
+    p.add_argument("--chain-length", type=int, default=12, help="--data chains --chains: steps per chain")
     p.add_argument("--out", default=None, help="output directory; an existing one is resumed (problems already "
                    "in its results.jsonl are skipped, after checking the run is the same)")
     p.add_argument("--overwrite", action="store_true", help="start --out afresh instead of resuming it")
@@ -245,6 +253,26 @@ def parse_bins(text: str) -> list[int]:
     if any(v <= 0 for v in values) or values != sorted(set(values)):
         raise UserError(f"--bins must be increasing positive token counts, got {text!r}")
     return values
+
+
+def mixed_chains_tasks(args) -> list:
+    """--data chains --chains MIN-MAX: the first --limit (default 100) problems of
+    chains.mixed_test_set; UserError names a bad value."""
+    from sprint_jax.errors import UserError
+    from sprint_jax.tasks import chains
+
+    if args.data != "chains":
+        raise UserError(f"--chains selects a digit-chains test set: it needs --data chains, got --data {args.data}")
+    lo, sep, hi = args.chains.partition("-")
+    if not (lo.isdigit() and hi.isdigit() and sep) or not 1 <= int(lo) <= int(hi):
+        raise UserError(f"--chains must be MIN-MAX with 1 <= MIN <= MAX, e.g. 2-4, got {args.chains!r}")
+    if args.chain_length < 1 or (args.limit is not None and args.limit < 1):
+        raise UserError(f"--chain-length and --limit must be >= 1, got {args.chain_length}, {args.limit}")
+    try:
+        return chains.mixed_test_set(100 if args.limit is None else args.limit, args.data_seed, int(lo), int(hi),
+                                     args.chain_length)
+    except ValueError as e:
+        raise UserError(f"--chains {args.chains}: {e}") from None
 
 
 def check_overlap(model_dir: str | Path, tasks, allow: bool) -> dict:
@@ -361,7 +389,10 @@ def run(args) -> int:
                         f"configs/eval_r1_distill_7b.yaml)")
     if args.max_seq_len is None and Path(args.model).is_dir():
         args.max_seq_len = default_max_seq_len(args.model, config)
-    tasks = load_tasks(args.data, args.limit, args.task_kind, args.countdown_n, args.data_seed)
+    if args.chains is not None:
+        tasks = mixed_chains_tasks(args)
+    else:
+        tasks = load_tasks(args.data, args.limit, args.task_kind, args.countdown_n, args.data_seed)
     if not tasks:
         raise UserError(f"--data {args.data}: no tasks")
     shard = None

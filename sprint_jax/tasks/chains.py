@@ -4,8 +4,9 @@ Built from what a tiny transformer was measured to learn in a few hundred steps 
 copying, single-digit facts and a comparison. A problem lists k start digits
 (3 or 4). Chain j repeatedly applies a fixed digit map (a 10-cycle, i.e. ten single-digit facts)
 to its start digit for `length` steps; the answer is the largest last digit over all chains.
-Problems have a fixed shape (4 chains by default), so what each executor needs sits at a fixed
-distance from its fork point: lookups a small model learns by position.
+The demo's problems have a fixed shape (4 chains), so what each executor needs sits at a fixed
+distance from its fork point: lookups a small model learns by position. `mixed_test_set` and
+`mixed_training_set` draw 2..4 chains (any range) per problem, so trace lengths vary by problem.
 
 The chains are genuinely independent sub-computations (each needs only its own start digit) and
 their work dominates the trace, so SPRINT can run them as parallel executors while the RFT
@@ -46,19 +47,30 @@ def prompt_for(task: Task) -> str:
 
 
 def generate(n: int, seed: int, min_chains: int = 4, max_chains: int = 4, length: int = 12,
-             exclude: set[tuple[int, ...]] | None = None) -> list[Task]:
-    """n problems, deterministic for a seed. `exclude` holds start tuples never to emit (held-out)."""
+             exclude: set[tuple[int, ...]] | None = None, distinct: bool = False) -> list[Task]:
+    """n problems, deterministic for a seed, each of a number of chains drawn uniformly from
+    min_chains..max_chains. `exclude` holds start tuples never to emit (held-out); `distinct`:
+    no start tuple twice. ValueError when fewer than n such tuples exist."""
     if not 1 <= min_chains <= max_chains:
         raise ValueError(f"need 1 <= min_chains <= max_chains, got {min_chains}, {max_chains}")
     if length < 1:
         raise ValueError(f"length must be >= 1, got {length}")
+    if distinct:     # the draw loop below would never end
+        space = sum(10 ** k for k in range(min_chains, max_chains + 1)) - len(exclude or ())
+        if n > space:
+            raise ValueError(f"{n} distinct problems of {min_chains}..{max_chains} chains asked for, "
+                             f"only {space} start tuples are left")
     rng = random.Random(seed)
-    tasks = []
+    tasks, seen = [], set(exclude or ())
     while len(tasks) < n:
         k = rng.randint(min_chains, max_chains)
         starts = tuple(rng.randrange(10) for _ in range(k))
         if exclude and starts in exclude:
             continue
+        if distinct:
+            if starts in seen:
+                continue
+            seen.add(starts)
         answer = {"starts": list(starts), "length": length, "value": solve(list(starts), length)}
         t = Task(id=f"chains-{seed}-{len(tasks)}", kind="chains", problem="", answer=answer)
         t.problem = prompt_for(t)
@@ -74,6 +86,28 @@ def demo_test_set(n: int = 100, seed: int = 0, chains: int = 4, length: int = 12
     are the demo's; the first k of n are the problems for n = k."""
     train = generate(train_problems, seed, chains, chains, length)
     return generate(n, seed + 10_000, chains, chains, length, exclude={tuple(t.answer["starts"]) for t in train})
+
+
+MIXED_SEED_OFFSET = 20_000
+
+
+def mixed_test_set(n: int, seed: int = 0, min_chains: int = 2, max_chains: int = 4,
+                   length: int = 12) -> list[Task]:
+    """A held-out test set of mixed lengths (`eval --data chains --chains MIN-MAX`): `n` problems
+    with distinct start tuples, min_chains..max_chains chains of `length` steps, generated with
+    seed `seed` + MIXED_SEED_OFFSET. The first k of n are the problems for n = k. Training sets
+    keep out of it by excluding its start tuples (`mixed_training_set`), not the other way round,
+    so that the few tuples of short problems (100 of 2 chains) stay in it."""
+    return generate(n, seed + MIXED_SEED_OFFSET, min_chains, max_chains, length, distinct=True)
+
+
+def mixed_training_set(n: int, seed: int, min_chains: int, max_chains: int, length: int = 12,
+                       held_out: int = 0) -> list[Task]:
+    """`generate(n, seed, min_chains, max_chains, length)` without any start tuple of the first
+    `held_out` problems of `mixed_test_set(held_out, seed, ...)` (same seed, chain counts and
+    length): training problems for a model evaluated on that set."""
+    test = mixed_test_set(held_out, seed, min_chains, max_chains, length) if held_out else []
+    return generate(n, seed, min_chains, max_chains, length, exclude={tuple(t.answer["starts"]) for t in test})
 
 
 def solve_trace(task: Task) -> Trace:
