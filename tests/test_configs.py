@@ -30,6 +30,9 @@ def _load(path: Path):
     if name.startswith("eval"):
         from sprint_jax.infer.orchestrator import OrchestratorConfig
         return load_config(OrchestratorConfig, path)
+    if name.startswith("selftrain_"):
+        from sprint_jax.selftrain_cli import SelftrainConfig
+        return load_config(SelftrainConfig, path)
     if name.startswith("recipe_"):
         from sprint_jax.recipe.config import load_recipe_config
         return load_recipe_config(path)
