@@ -172,8 +172,10 @@ ROW_KEYS = {"program", "topology", "mesh", "compiled", "per_chip_bytes", "hbm_by
 
 @needs_libtpu
 @compiles
-@pytest.mark.parametrize("model", [SMALL, LARGER], ids=["small", "larger"])
-@pytest.mark.parametrize("mesh", ["fsdp=4", "fsdp=2,tensor=2"])
+# Two sizes and two meshes in two compiles: the small model under fsdp alone (the flat layout's
+# compile above, reused in this process) and the larger one with tensor parallelism.
+@pytest.mark.parametrize("model, mesh", [(SMALL, "fsdp=4"), (LARGER, "fsdp=2,tensor=2")],
+                         ids=["small-fsdp", "larger-fsdp-tensor"])
 def test_estimate_is_within_20_percent_of_the_compiler(tmp_path, capsys, model, mesh):
     rc, rows = _plan(tmp_path, model, *STEP, "--mesh", mesh, "--topology", "v5e:2x2")
     assert rc == 0
