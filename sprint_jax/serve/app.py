@@ -26,7 +26,8 @@ from starlette.routing import Route
 
 from sprint_jax.schema import apply_prompt_format
 from sprint_jax.infer.sampling import Sampling, SamplingError
-from sprint_jax.serve.worker import LATENCY_BUCKETS, Channel, EngineWorker, Job, SprintText
+from sprint_jax.serve.worker import (LATENCY_BUCKETS, Channel, EngineWorker, Job, SprintText, TokenCursor, TokenEntry,
+                                     sprint_token_layout)
 
 SPRINT_SUFFIX = ":sprint"
 ROLES = ("system", "developer", "user", "assistant")
@@ -483,9 +484,6 @@ async def build_job(body: dict, state: ServeState, chat: bool, channel: Channel)
         raise APIError(400, f"stream must be a boolean, got {_show(stream)}", "stream")
     include_usage = _include_usage(body, stream)
     top = _logprobs_request(body, chat)
-    if top is not None and (sprint or stream):
-        raise APIError(400, f"logprobs {'in SPRINT mode' if sprint else 'with stream'} is not supported: ask "
-                            f"without {'SPRINT' if sprint else 'stream'} for token log-probs", "logprobs")
     n = _int(body, "n", 1, 1, state.engine.max_children)
     stop = _stop(body)
     sampling = _sampling_fields(body, state)
@@ -518,8 +516,8 @@ async def build_job(body: dict, state: ServeState, chat: bool, channel: Channel)
             raise _too_long(cap, len(prompt), None, param)
         if text is None:
             text = await _off_loop(state, len(prompt), state.engine.decode_text, prompt, False)
-        return Job("sprint", channel, prompt=prompt, query=text, mode=mode, config=config,
-                   stream=stream), len(prompt), include_usage
+        return Job("sprint", channel, prompt=prompt, query=text, mode=mode, config=config, stream=stream,
+                   logprobs=top is not None, top_logprobs=top or 0), len(prompt), include_usage
     temperature = sampling.get("temperature", 1.0)
     top_p = sampling.get("top_p", 1.0)
     top_k = sampling.get("top_k", 0)
@@ -606,37 +604,41 @@ def _choice(chat: bool, index: int, text: str, finish: str | None, logprobs: dic
     return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
 
-def _logprobs_json(chat: bool, gen, text: str, n: int, decode) -> dict:
-    """A choice's `logprobs` from the engine's (Generation.logprobs / top_logprobs): one entry per
-    token of the returned text (a token past a stop string, or EOS, is not in it), each token's
-    log-prob under the distribution it was drawn from (a greedy request: the model's own at
-    temperature 1) and its n most likely alternatives. Token strings are each token decoded alone;
-    text_offset (completions) counts their characters."""
-    toks, offsets, at = [], [], 0
-    for t in gen.tokens:
-        if at >= len(text):
-            break
-        s = decode([t])
-        toks.append(s)
-        offsets.append(at)
-        at += len(s)
-    k = len(toks)
-    tops = [[(decode([i]), v) for i, v in alt[:n]] for alt in (gen.top_logprobs or [[]] * k)[:k]]
+def _logprobs_json(chat: bool, entries: list[TokenEntry], n: int, offsets: bool = False) -> dict:
+    """A choice's (or a streamed chunk's) `logprobs` in OpenAI's shape, from the entries the worker
+    lists (`TokenCursor`: one per generated token of the returned text, a token past a stop string
+    or EOS left out; `sprint_token_layout` in SPRINT mode): each token's log-prob under the
+    distribution it was drawn from (a greedy request: the model's own at temperature 1) and its n
+    most likely alternatives. Token strings are each token decoded alone. Completions: tokens,
+    token_logprobs, top_logprobs (null when n is 0), text_offset (characters into the choice's
+    text). Chat: content[{token, logprob, bytes, top_logprobs}], with `offsets` (SPRINT mode, where
+    the entries leave the inserted tags out) also text_offset, the same list as completions'."""
     if not chat:
-        return {"tokens": toks, "token_logprobs": [float(x) for x in gen.logprobs[:k]],
-                "top_logprobs": [dict(alt) for alt in tops] if n else None, "text_offset": offsets}
+        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [dict(e.top) for e in entries] if n else None,
+                "text_offset": [e.offset for e in entries]}
 
     def entry(s: str, v: float) -> dict:
         return {"token": s, "logprob": float(v), "bytes": list(s.encode("utf-8"))}
-    return {"content": [dict(entry(s, v), top_logprobs=[entry(a, w) for a, w in alt])
-                        for s, v, alt in zip(toks, gen.logprobs, tops)], "refusal": None}
+    out = {"content": [dict(entry(e.token, e.logprob), top_logprobs=[entry(a, w) for a, w in e.top]) for e in entries],
+           "refusal": None}
+    if offsets:
+        out["text_offset"] = [e.offset for e in entries]
+    return out
 
 
-def _delta(chat: bool, index: int, text: str, finish: str | None = None, first: bool = False) -> dict:
+def _gen_logprobs(chat: bool, gen, text: str, n: int, decode) -> dict:
+    """A plain choice's `logprobs` from its Generation (logprobs / top_logprobs)."""
+    entries = TokenCursor(decode, n).take(gen.tokens, gen.logprobs, gen.top_logprobs, len(text))
+    return _logprobs_json(chat, entries, n)
+
+
+def _delta(chat: bool, index: int, text: str, finish: str | None = None, first: bool = False,
+           logprobs: dict | None = None) -> dict:
     if chat:
         d = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return {"index": index, "delta": d, "finish_reason": finish, "logprobs": None}
-    return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+        return {"index": index, "delta": d, "finish_reason": finish, "logprobs": logprobs}
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
 
 class _Head:
@@ -862,12 +864,13 @@ class _Endpoints:
         chat = head.chat
         if job.kind == "sprint":
             rec = value
-            return _JSON(head.body(choices=[_choice(chat, 0, rec.text, _sprint_finish(rec))],
+            lp = _sprint_logprobs(job, chat, rec, self.state.engine.decode_text)
+            return _JSON(head.body(choices=[_choice(chat, 0, rec.text, _sprint_finish(rec), lp)],
                                    usage=_usage(n_prompt, rec.total_tokens), sprint=_sprint_json(rec)))
         choices, completion = [], 0
         for i, g in enumerate(value):
             text, finish = _finish(g, job.stop)
-            lp = _logprobs_json(chat, g, text, job.top_logprobs, self.state.engine.decode_text) if job.logprobs \
+            lp = _gen_logprobs(chat, g, text, job.top_logprobs, self.state.engine.decode_text) if job.logprobs \
                 else None
             choices.append(_choice(chat, i, text, finish, lp))
             completion += len(g.tokens)
@@ -880,21 +883,29 @@ class _Endpoints:
         it. An error or a shutdown ends the stream with an error event."""
         worker, state = self.worker, self.state
         texts = [_StreamText(state.engine.decode_text, job.stop) for _ in range(job.n)]
+        cursors = [TokenCursor(state.engine.decode_text, job.top_logprobs) for _ in range(job.n)] \
+            if job.logprobs and job.kind == "plain" else None
         sprint_text = SprintText(state.engine.decode_text)      # SPRINT: the completion as it is decoded
         try:
             if head.chat:
                 yield _sse(head.body(choices=[_delta(True, i, "", first=True) for i in range(job.n)]))
             while True:
                 try:
-                    kind, value = await asyncio.wait_for(job.channel.get(), KEEPALIVE_S)
+                    item = await asyncio.wait_for(job.channel.get(), KEEPALIVE_S)
                 except asyncio.TimeoutError:
                     yield b": keep-alive\n\n"
                     continue
+                kind, value = item[0], item[1]
                 if kind == "tokens":
                     for i, toks in enumerate(value):
                         d = texts[i].delta(toks)
                         if d:
-                            yield _sse(head.body(choices=[_delta(head.chat, i, d)]))
+                            lp = None
+                            if cursors is not None and item[2] is not None:   # the tokens this text begins
+                                lps, tops = item[2][i]
+                                lp = _logprobs_json(head.chat, cursors[i].take(toks, lps, tops, texts[i].sent),
+                                                    job.top_logprobs)
+                            yield _sse(head.body(choices=[_delta(head.chat, i, d, logprobs=lp)]))
                 elif kind == "event":
                     for d in sprint_text.event(value):
                         yield _sprint_delta(head, *d)
@@ -910,7 +921,8 @@ class _Endpoints:
                     yield b"data: [DONE]\n\n"
                     return
                 else:
-                    for chunk in _final_chunks(job, head, value, texts, sprint_text, n_prompt, include_usage):
+                    for chunk in _final_chunks(job, head, value, texts, sprint_text, n_prompt, include_usage,
+                                               cursors, state.engine.decode_text):
                         yield chunk
                     worker.observe(200, time.perf_counter() - t0)
                     return
@@ -920,19 +932,25 @@ class _Endpoints:
 
 
 def _final_chunks(job: Job, head: _Head, value, texts: list, sprint_text: SprintText, n_prompt: int,
-                  include_usage: bool):
+                  include_usage: bool, cursors: list | None, decode):
     """The events that end a finished stream: each choice's rest of text with its finish reason
-    (SPRINT: with the run's record), the usage chunk, [DONE]."""
+    and the log-probs of the tokens not listed yet (SPRINT: with the run's record and every token's
+    log-probs, whose place is known only now), the usage chunk, [DONE]."""
     if job.kind == "sprint":
         rec = value
-        yield _sse(head.body(choices=[_delta(head.chat, 0, sprint_text.rest(rec.text), _sprint_finish(rec))],
-                             sprint=_sprint_json(rec)))
+        lp = _sprint_logprobs(job, head.chat, rec, decode)
+        yield _sse(head.body(choices=[_delta(head.chat, 0, sprint_text.rest(rec.text), _sprint_finish(rec),
+                                             logprobs=lp)], sprint=_sprint_json(rec)))
         completion = rec.total_tokens
     else:
         completion = 0
         for i, g in enumerate(value):
             text, finish = _finish(g, job.stop)
-            yield _sse(head.body(choices=[_delta(head.chat, i, texts[i].rest(text), finish)]))
+            lp = None
+            if cursors is not None:
+                lp = _logprobs_json(head.chat, cursors[i].take(g.tokens, g.logprobs, g.top_logprobs, len(text)),
+                                    job.top_logprobs)
+            yield _sse(head.body(choices=[_delta(head.chat, i, texts[i].rest(text), finish, logprobs=lp)]))
             completion += len(g.tokens)
     if include_usage:
         yield _sse(head.body(choices=[], usage=_usage(n_prompt, completion)))
@@ -1051,6 +1069,15 @@ def _authorized(scope, key: bytes) -> bool:
 
 def _sprint_finish(rec) -> str:
     return "length" if rec.termination in ("token_budget", "planner_token_limit", "context_full") else "stop"
+
+
+def _sprint_logprobs(job: Job, chat: bool, rec, decode) -> dict | None:
+    """A SPRINT reply's `logprobs` (None unless asked): `sprint_token_layout` of the run, with
+    text_offset in chat too."""
+    if not job.logprobs:
+        return None
+    return _logprobs_json(chat, sprint_token_layout(job.layout, rec.text, decode, job.top_logprobs),
+                          job.top_logprobs, offsets=True)
 
 
 def _sprint_json(rec) -> dict:

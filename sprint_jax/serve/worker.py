@@ -129,10 +129,118 @@ class SprintText:
         return final_text[len(self.sent):] if final_text.startswith(self.sent) else ""
 
 
+@dataclasses.dataclass
+class TokenEntry:
+    """One generated token as a reply's log-probs list it: the token decoded alone, where its text
+    begins in the choice's text (characters), its log-prob, and its alternatives ((decoded id,
+    log-prob), most likely first)."""
+    token: str
+    offset: int
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+class TokenCursor:
+    """One choice's token log-probs, listed in order: `take` lists the tokens not yet listed whose
+    text begins before `upto` (a streamed chunk's end, or the end of the returned text), placing
+    each at `base` + the characters of the tokens before it in the same call (each decoded alone).
+    A token past a stop string or EOS (text past the end) is never listed."""
+
+    def __init__(self, decode, top: int, base: int = 0):
+        self.decode, self.top = decode, top
+        self.listed = 0
+        self.at = base
+
+    def take(self, tokens, logprobs, tops, upto: int) -> list[TokenEntry]:
+        out = []
+        while self.listed < min(len(tokens), len(logprobs)) and self.at < upto:
+            k = self.listed
+            s = self.decode([tokens[k]])
+            alts = [(self.decode([i]), float(v)) for i, v in tops[k][:self.top]] if self.top and tops else []
+            out.append(TokenEntry(s, self.at, float(logprobs[k]), alts))
+            self.at += len(s)
+            self.listed += 1
+        return out
+
+
+def sprint_token_layout(layout: list, text: str, decode, top: int) -> list[TokenEntry]:
+    """The generated tokens of a SPRINT run's returned `text`, in text order, from the run's log
+    (`Job.layout`). Generated calls come in text order (planner call, its executors 1..k, the next
+    planner call, ...) and each committed `text` piece tells where its call's text lies: a planner
+    piece is its call's kept output; an executor's piece is its forced opening, its body, and the
+    close the orchestrator may add. Listed: every token of a planner call or executor body whose
+    text begins inside what the returned text keeps of it (as a plain reply: not the tokens past a
+    stop string, not EOS); an executor whose work never reached the text (the run ended before
+    its join) lists nothing. Text the orchestrator writes (openings, repairs, gaps, the join tail)
+    has no entry: each entry's `offset` says where it sits, and the uncovered characters are that
+    text. The last planner call, never committed by an event, takes the rest of the text."""
+    out: list[TokenEntry] = []
+    at = 0                            # characters committed so far
+    planner = None                    # a generate call's result whose text is not placed yet
+    branches: list = []
+    for item in layout:
+        if item[0] == "call":
+            if isinstance(item[1], list):
+                branches = item[1]
+            else:
+                planner = item[1]
+            continue
+        _, piece, executor, opening, kept = item
+        if executor is None and planner is not None:
+            out += TokenCursor(decode, top, at).take(planner.tokens, planner.logprobs, planner.top_logprobs,
+                                                     at + len(piece))
+            planner = None
+        elif executor is not None and 0 < executor <= len(branches):
+            g = branches[executor - 1]
+            out += TokenCursor(decode, top, at + opening).take(g.tokens, g.logprobs, g.top_logprobs,
+                                                               at + opening + kept)
+        at += len(piece)
+    if planner is not None:
+        out += TokenCursor(decode, top, at).take(planner.tokens, planner.logprobs, planner.top_logprobs, len(text))
+    return out
+
+
+def _text_piece(job: "Job", ev) -> tuple:
+    """A `text` event as `Job.layout` logs it: ("text", piece, executor, characters of its forced
+    opening, characters of its generated body); the last two 0 for a planner's or a forced piece."""
+    if ev.executor is None or ev.stage is None:
+        return ("text", ev.text, None, 0, 0)
+    from sprint_jax import format as fmt
+    from sprint_jax import threadweaver as tw
+    from sprint_jax.infer.orchestrator import execution_opening
+
+    i, j = ev.stage.index, ev.executor
+    fmt_name = getattr(job.config, "format", "sprint")
+    opening = fmt.BLOCK_GAP + tw.thread_opening(j) if fmt_name == "threadweaver" else execution_opening(i, j)
+    body = next((e.text for e in ev.stage.executions if e.index == j), "")
+    if not ev.text.startswith(opening):       # not the piece the orchestrator documents: place nothing
+        return ("text", ev.text, None, 0, 0)
+    return ("text", ev.text, j, len(opening), len(body))
+
+
+def _progress_logprobs(engine, op) -> list[tuple[list[float], list | None]]:
+    """Per choice of a streaming generate / fork op, the log-probs and alternatives of the tokens
+    `engine.progress(op)` reports: a finished row's from its Generation, a decoding row's from the
+    scheduler's running lists (Row.lps / Row.tops, kept in step with Row.gen), read the way
+    `Engine.progress` reads Row.gen."""
+    def of(g):
+        return (list(g.logprobs), list(g.top_logprobs) if g.top_logprobs is not None else None)
+
+    def running(row):
+        return (list(row.lps), list(row.tops)) if row is not None else ([], None)
+    if op.done:
+        return [of(op.result)] if op.kind == "generate" else [of(g) for g in op.result]
+    rows = engine._groups.get(op.seq.slot, [])
+    if op.kind == "generate":
+        return [running(rows[0] if rows else None)]
+    return [of(g) if g is not None else running(rows[1 + j] if rows else None) for j, g in enumerate(op.result)]
+
+
 class Channel:
-    """Engine thread -> one request handler. Items: ("tokens", [[ids] per choice]) (streaming),
-    ("event", Event) and ("progress", Progress) (SPRINT streaming), ("done", result),
-    ("error", Failure)."""
+    """Engine thread -> one request handler. Items: ("tokens", [[ids] per choice], log-probs)
+    (streaming; log-probs: None, or per choice (log-probs, alternatives or None) of those ids, when
+    the request asked), ("event", Event) and ("progress", Progress) (SPRINT streaming), ("done",
+    result), ("error", Failure)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
@@ -173,8 +281,8 @@ class Job:
     stop: list[str] = dataclasses.field(default_factory=list)
     sampling: Sampling = dataclasses.field(default_factory=Sampling)
     stream: bool = False
-    logprobs: bool = False                  # plain: the reply carries token log-probs
-    top_logprobs: int = 0                   # plain: alternatives per token the engine reports
+    logprobs: bool = False                  # the reply carries token log-probs
+    top_logprobs: int = 0                   # alternatives per token the engine reports
     query: str = ""                         # sprint
     mode: str = "parallel"
     config: Any = None                      # sprint: OrchestratorConfig
@@ -183,6 +291,11 @@ class Job:
     seq: Any = None
     steps: Any = None
     sent: list[int] = dataclasses.field(default_factory=list)      # streamed tokens per choice
+    # sprint with logprobs: the run's generated calls and committed text, in the order they happened
+    # (`sprint_token_layout` reads them): ("call", Generation or [Generation]) for each generate /
+    # branches result, ("text", piece, executor, opening chars, kept chars) for each `text` event
+    layout: list = dataclasses.field(default_factory=list)
+    awaiting: str | None = None             # sprint: the kind of the engine call in flight
     cancelled: bool = False
     finished: bool = False
 
@@ -409,8 +522,9 @@ class EngineWorker:
                     self._poll(job)
                 else:
                     from sprint_jax.infer.orchestrator import Orchestrator
-                    # events only for a streaming client (a run emits them at every stage)
-                    on_event = (lambda ev, job=job: self._event(job, ev)) if job.stream else None
+                    # events only for a streaming client or a log-prob layout (a run emits them
+                    # at every stage)
+                    on_event = (lambda ev, job=job: self._event(job, ev)) if job.stream or job.logprobs else None
                     job.steps = Orchestrator(self.engine, job.config, on_event=on_event).steps(job.query, job.mode)
                     self._advance(job)
             except Exception as e:            # noqa: BLE001  (this job ends; the engine serves on)
@@ -449,6 +563,8 @@ class EngineWorker:
         self._end(job, ("error", failure))
 
     def _event(self, job: Job, ev) -> None:
+        if job.logprobs and ev.kind == "text":
+            job.layout.append(_text_piece(job, ev))
         if job.stream:
             job.channel.put(("event", ev))
 
@@ -490,7 +606,7 @@ class EngineWorker:
         if op.kind in ("generate", "fork") and job.stream:
             prog = self.engine.progress(op)
             if any(len(t) > s for t, s in zip(prog, job.sent)):
-                job.channel.put(("tokens", prog))
+                job.channel.put(("tokens", prog, _progress_logprobs(self.engine, op) if job.logprobs else None))
                 job.sent = [len(t) for t in prog]
         if not op.done:
             return
@@ -506,8 +622,14 @@ class EngineWorker:
         self._end(job, ("done", gens))
 
     def _advance(self, job: Job, value=None, error=None) -> None:
-        """`orchestrator.run_many`'s advance for one run: answer calls until one has to wait."""
+        """`orchestrator.run_many`'s advance for one run: answer calls until one has to wait. With
+        log-probs, each generate / branches result is logged in `job.layout` before the run sees
+        it, and those calls ask the engine for the job's alternatives per token."""
+        top = {"top_logprobs": job.top_logprobs} if job.logprobs and job.top_logprobs else {}
         while True:
+            if job.awaiting is not None and error is None and job.logprobs:
+                job.layout.append(("call", value))
+            job.awaiting = None
             try:
                 call = job.steps.throw(error) if error is not None else job.steps.send(value)
             except StopIteration as done:
@@ -525,10 +647,10 @@ class EngineWorker:
                     op = self.engine.open(call.tokens)
                     job.seq = op.seq
                 elif call.kind == "generate":
-                    op = self.engine.generate(call.state, call.limits[0], call.stops[0], call.sampling)
+                    op = self.engine.generate(call.state, call.limits[0], call.stops[0], call.sampling, **top)
                 elif call.kind == "branches":
                     op = self.engine.fork(call.state, call.prefixes, call.limits, call.stops, call.sampling,
-                                          join=call.join)
+                                          join=call.join, **top)
                 elif call.kind == "extend":
                     op = self.engine.extend(call.state, call.tokens)
                 else:
@@ -536,6 +658,8 @@ class EngineWorker:
             except EngineError as e:
                 error = e
                 continue
+            if call.kind in ("generate", "branches"):
+                job.awaiting = call.kind
             if op.done:
                 value = op.result
                 continue
