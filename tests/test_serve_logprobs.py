@@ -278,27 +278,32 @@ def stage_server(tmp_path_factory):
 
 @pytest.mark.slow
 def test_sprint_logprobs_of_a_run_with_executors_equal_a_full_forward(stage_server):
-    """A model that plans, forks two executors and answers (greedy, re-prefill join): every
-    planner and executor token is listed in text order, each == the torch forward's log-prob over
-    the context it was sampled in (the planner's, or the fork's prefix + its opening + its own
-    tokens) within 1e-4, at its offset in the text; the characters no entry covers are exactly the
-    forced openings the orchestrator wrote."""
+    """A model that plans, forks two executors and answers (greedy, re-prefill join; 60 training
+    steps leave it imperfect: an executor may end with EOS and be closed by the orchestrator):
+    every planner and executor token of the text is listed in text order (an EOS is not), each ==
+    the torch forward's log-prob over the context it was sampled in (the planner's, or the fork's
+    prefix + its opening + its own tokens before it) within 1e-4, at its offset in the text; the
+    characters no entry covers are exactly the openings and repairs the orchestrator wrote."""
+    from sprint_jax import format as fmt
     from sprint_jax.infer.orchestrator import execution_opening
 
     export, tok, engine, cfg, client, queries = stage_server
     hf = load_hf(export)
     for query in queries:
         rec, calls = _reference_calls(engine, query, "parallel", cfg)
-        assert rec.termination == "final_answer" and len(rec.stages) == 2, (rec.termination, rec.problems)
-        assert [len(s.executions) for s in rec.stages] == [CHAINS, 1] and not rec.problems
+        assert rec.termination == "final_answer" and len(rec.stages[0].executions) == CHAINS, rec.problems
         ch = client.chat.completions.create(model=NAME + ":sprint", messages=[{"role": "user", "content": query}],
                                             temperature=0, logprobs=True, top_logprobs=3)
         text = ch.choices[0].message.content
         assert text == rec.text
         got = _entries(ch.choices[0].logprobs, chat=True)
-        assert _check_sprint_logprobs(got, text, calls, hf, len(tok), engine.decode_text, 3) == rec.total_tokens
+        eos = sum(t == tok.eos_token_id for _, g in calls for t in g.tokens)
+        assert _check_sprint_logprobs(got, text, calls, hf, len(tok), engine.decode_text, 3) == \
+            rec.total_tokens - eos
         covered = set()
         for token, _, _, offset in got:
             covered.update(range(offset, offset + len(token)))
-        uncovered = "".join(ch for i, ch in enumerate(text) if i not in covered)
-        assert uncovered == "".join(execution_opening(s.index, e.index) for s in rec.stages for e in s.executions)
+        inserted = "".join(execution_opening(s.index, e.index) + (
+            ("" if not e.text or e.text[-1].isspace() else fmt.CLOSE_GAP) + fmt.execution_close(s.index, e.index)
+            if e.repaired else "") for s in rec.stages for e in s.executions)
+        assert "".join(c for i, c in enumerate(text) if i not in covered) == inserted
