@@ -18,7 +18,7 @@ SPRINT mode: ask for model "NAME:sprint" (the ids are in /v1/models), or pass
 extra_body={"sprint": {"max_stages": 4, "mode": "parallel", ...}} (OrchestratorConfig fields);
 the reply's content is the whole completion and its `sprint` object the run record (stages, plans,
 executions, sequential and total tokens, timings); streaming sends each stage event as it happens.
-logprobs work with stream and in SPRINT mode; there they list the planner's and executors' tokens
+logprobs work with stream and in SPRINT mode; in SPRINT mode they list the planner's and executors' tokens
 in text order with text_offset, and the tags the server inserts have no entry.
 The flags below (--max-stages ...) are the server's defaults for SPRINT requests; a request's
 temperature / top_p / top_k / seed / max_tokens (= max_total_tokens) override them.
