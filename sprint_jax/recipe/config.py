@@ -17,6 +17,8 @@ from sprint_jax.format import Layout
 
 # the built-in eval sets `sprint-jax eval --data` knows by name; anything else is a file
 BUILTIN_DATA = ("math500", "countdown", "chains")
+# prompts per plan the recipe's chains tokenizer has tags for (the demo's vocabulary: its ids are fixed)
+CHAINS_TOKENIZER_PROMPTS = 4
 
 
 @dataclasses.dataclass
@@ -91,6 +93,10 @@ class RecipeConfig:
         from_dict(TrainConfig, {**self.train, "data": {**data, "train": ["curated.jsonl"]}}, prefix="train.")
         if self.tokenizer == "chains" and data.get("tokenizer", "auto") != "auto":
             raise ValueError("tokenizer: chains sets train.data.tokenizer; remove it from train.data")
+        tasks = self.curate.get("tasks") or {}
+        if self.tokenizer == "chains" and int(tasks.get("max_chains", 4)) > CHAINS_TOKENIZER_PROMPTS:
+            raise ValueError(f"curate.tasks.max_chains: the chains tokenizer has tags for at most "
+                             f"{CHAINS_TOKENIZER_PROMPTS} prompts per plan (one per chain), got {tasks['max_chains']}")
         for s in self.eval.sets:
             if s.data not in BUILTIN_DATA and not Path(s.data).exists():
                 raise ValueError(f"eval set {s.name}: data {s.data!r} is not {', '.join(BUILTIN_DATA)} "

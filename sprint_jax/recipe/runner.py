@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from sprint_jax.recipe.config import BUILTIN_DATA, RecipeConfig
+from sprint_jax.recipe.config import BUILTIN_DATA, CHAINS_TOKENIZER_PROMPTS, RecipeConfig
 
 STATE_FILE = "state.json"
 CONFIG_COPY = "recipe.yaml"
@@ -238,8 +238,9 @@ def write_chains_tokenizer(out: Path, cfg: RecipeConfig) -> None:
     from sprint_jax.model.tokenizer import VocabTokenizer
     from sprint_jax.tasks import chains
 
-    # curation's chains tasks have 4 chains each (chains.generate's default): up to 4 prompts per plan
-    tok = VocabTokenizer(chains.token_vocabulary(max_prompts=4), eos_token="<eos>", pad_token="<pad>")
+    # one prompt per chain: curation's chains tasks have at most 4 (RecipeConfig checks max_chains)
+    tok = VocabTokenizer(chains.token_vocabulary(max_prompts=CHAINS_TOKENIZER_PROMPTS), eos_token="<eos>",
+                         pad_token="<pad>")
     d = out / TOKENIZER_DIR
     d.mkdir(parents=True, exist_ok=True)
     tmp = d / "vocab_tokenizer.json.tmp"
