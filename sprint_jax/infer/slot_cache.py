@@ -113,7 +113,17 @@ def _put(cache: jax.Array, index, new: jax.Array) -> jax.Array:
 def put_slots(cache: jax.Array, slot: jax.Array, pos: jax.Array, new: jax.Array) -> jax.Array:
     """Write new K or V into the cache [L, N, Hkv, C, D] in place (`_put`): new [L, R, T, Hkv, D] at
     slot[r], positions pos[r, t] (prefill), or new [L, R, Hkv, D] at slot[r], position pos[r]
-    (a decode step); out-of-range positions are dropped (padding)."""
-    if new.ndim == 5:             # index (:, slot[R, 1], :, pos[R, T]): the update is [R, T, L, Hkv, D]
-        return _put(cache, (slice(None), slot[:, None], slice(None), pos), jnp.transpose(new, (1, 2, 0, 3, 4)))
-    return _put(cache, (slice(None), slot, slice(None), pos), jnp.swapaxes(new, 0, 1))    # [R, L, Hkv, D]
+    (a decode step); out-of-range positions are dropped (padding).
+
+    Every axis but head_dim is indexed by an explicit index array, so the scatter's update block is
+    one [D] row and `new` is the update as it is. Indexing only slot and position (slices for L and
+    Hkv) makes the block [L, Hkv, D], and XLA's TPU compile then carries the cache of a decode loop
+    in a transposed layout, a second copy of the slots it writes."""
+    n_layers, n_kv = cache.shape[0], cache.shape[2]
+    if new.ndim == 5:             # index arrays broadcast to [L, R, T, Hkv]: the update is new itself
+        layer = jnp.arange(n_layers)[:, None, None, None]
+        head = jnp.arange(n_kv)[None, None, None, :]
+        return _put(cache, (layer, slot[None, :, None, None], head, pos[None, :, :, None]), new)
+    layer = jnp.arange(n_layers)[:, None, None]    # [L, R, Hkv]
+    head = jnp.arange(n_kv)[None, None, :]
+    return _put(cache, (layer, slot[None, :, None], head, pos[None, :, None]), new)
