@@ -175,7 +175,7 @@ def test_sprint_logprobs_equal_a_full_forward_over_each_tokens_context(served, h
     """A greedy SPRINT request on the tiny random model (its planner never closes a plan: one
     planner call, cut by its limit): the completions and chat replies list every generated token
     of the text, each == the torch forward's log-prob at its context within 1e-4, placed at its
-    offset; the streamed reply carries the same entries on its final chunk."""
+    offset; streamed, its chunks carry the same entries as the planner's text is decoded."""
     server, client, alone, tok, cfg = served
     query = "abc xyz hg"
     rec, calls = _reference_calls(alone.engine, query, "parallel", cfg)
@@ -193,7 +193,11 @@ def test_sprint_logprobs_equal_a_full_forward_over_each_tokens_context(served, h
     assert _check_sprint_logprobs(got_chat, rec.text, calls, hf, len(tok), alone.engine.decode_text, 2) == 10
     streamed, parts, carrying = _streamed(client.completions.create(
         model=NAME + ":sprint", prompt=query, temperature=0, logprobs=2, stream=True), chat=False)
-    assert streamed[0] == rec.text and parts[0] == got and carrying == 1
+    assert streamed[0] == rec.text and parts[0] == got and carrying > 1
+    streamed, parts, carrying = _streamed(client.chat.completions.create(
+        model=NAME + ":sprint", messages=[{"role": "user", "content": query}], temperature=0, logprobs=True,
+        top_logprobs=2, stream=True), chat=True)
+    assert streamed[0] == rec.text and parts[0] == got_chat and carrying > 1
     plain = client.completions.create(model=NAME + ":sprint", prompt=query, temperature=0)
     assert plain.choices[0].logprobs is None
 
@@ -283,7 +287,8 @@ def test_sprint_logprobs_of_a_run_with_executors_equal_a_full_forward(stage_serv
     every planner and executor token of the text is listed in text order (an EOS is not), each ==
     the torch forward's log-prob over the context it was sampled in (the planner's, or the fork's
     prefix + its opening + its own tokens before it) within 1e-4, at its offset in the text; the
-    characters no entry covers are exactly the openings and repairs the orchestrator wrote."""
+    characters no entry covers are exactly the openings and repairs the orchestrator wrote. A
+    streamed reply's chunks carry the same entries."""
     from sprint_jax import format as fmt
     from sprint_jax.infer.orchestrator import execution_opening
 
@@ -307,3 +312,8 @@ def test_sprint_logprobs_of_a_run_with_executors_equal_a_full_forward(stage_serv
             ("" if not e.text or e.text[-1].isspace() else fmt.CLOSE_GAP) + fmt.execution_close(s.index, e.index)
             if e.repaired else "") for s in rec.stages for e in s.executions)
         assert "".join(c for i, c in enumerate(text) if i not in covered) == inserted
+        # streamed: the chunks (planner and executor 1 previews, committed executions) carry them all
+        streamed, parts, carrying = _streamed(client.chat.completions.create(
+            model=NAME + ":sprint", messages=[{"role": "user", "content": query}], temperature=0, logprobs=True,
+            top_logprobs=3, stream=True), chat=True)
+        assert streamed[0] == text and parts[0] == got and carrying > 2

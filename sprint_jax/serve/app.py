@@ -663,10 +663,39 @@ def _event_json(ev) -> dict:
     return out
 
 
-def _sprint_delta(head: "_Head", text: str, stage: int | None, executor: int | None) -> bytes:
+def _sprint_delta(head: "_Head", text: str, stage: int | None, executor: int | None,
+                  logprobs: dict | None = None) -> bytes:
     """A SPRINT stream's text chunk: its place in the run rides along (`sprint_delta`: the stage
     when known, the executor index or None for the planner's text)."""
-    return _sse(head.body(choices=[_delta(head.chat, 0, text)], sprint_delta={"stage": stage, "executor": executor}))
+    return _sse(head.body(choices=[_delta(head.chat, 0, text, logprobs=logprobs)],
+                          sprint_delta={"stage": stage, "executor": executor}))
+
+
+class _SprintStreamLogprobs:
+    """A streamed SPRINT reply's log-probs: each text chunk carries the entries whose text begins
+    in it. Every entry of the text sent so far is known when it is sent: a committed piece's from
+    the run's layout at its event (`sprint_token_layout`), a preview's from the decoding row
+    (planner: after the committed text; executor 1: after it and its opening, where `SprintText`
+    previews it), so the chunks' entries concatenated are the whole reply's."""
+
+    def __init__(self, chat: bool, top: int, decode):
+        self.chat, self.top, self.decode = chat, top, decode
+        self.listed_to = 0                 # entries before this character were listed
+
+    def chunk(self, entries: list[TokenEntry], end: int) -> dict:
+        new = [e for e in entries if self.listed_to <= e.offset < end]
+        self.listed_to = max(self.listed_to, end)
+        return _logprobs_json(self.chat, new, self.top, offsets=True)
+
+    def committed(self, layout: list, sprint_text: SprintText) -> list[TokenEntry]:
+        return sprint_token_layout(layout, sprint_text.committed, self.decode, self.top)
+
+    def preview(self, p, sprint_text: SprintText) -> list[TokenEntry]:
+        base = len(sprint_text.committed)
+        if p.kind != "generate":
+            from sprint_jax.infer.orchestrator import execution_opening
+            base += len(execution_opening(sprint_text.stage, 1))
+        return TokenCursor(self.decode, self.top, base).take(p.tokens, p.logprobs, p.tops, len(sprint_text.sent))
 
 
 def _sse(obj) -> bytes:
@@ -886,6 +915,8 @@ class _Endpoints:
         cursors = [TokenCursor(state.engine.decode_text, job.top_logprobs) for _ in range(job.n)] \
             if job.logprobs and job.kind == "plain" else None
         sprint_text = SprintText(state.engine.decode_text)      # SPRINT: the completion as it is decoded
+        sprint_lp = _SprintStreamLogprobs(head.chat, job.top_logprobs, state.engine.decode_text) \
+            if job.logprobs and job.kind == "sprint" else None
         try:
             if head.chat:
                 yield _sse(head.body(choices=[_delta(True, i, "", first=True) for i in range(job.n)]))
@@ -908,12 +939,16 @@ class _Endpoints:
                             yield _sse(head.body(choices=[_delta(head.chat, i, d, logprobs=lp)]))
                 elif kind == "event":
                     for d in sprint_text.event(value):
-                        yield _sprint_delta(head, *d)
+                        lp = sprint_lp.chunk(sprint_lp.committed(item[2], sprint_text), len(sprint_text.sent)) \
+                            if sprint_lp is not None else None
+                        yield _sprint_delta(head, *d, logprobs=lp)
                     if value.kind != "text":
                         yield _sse(head.body(choices=[_delta(head.chat, 0, "")], sprint_event=_event_json(value)))
                 elif kind == "progress":
                     for d in sprint_text.progress(value):
-                        yield _sprint_delta(head, *d)
+                        lp = sprint_lp.chunk(sprint_lp.preview(value, sprint_text), len(sprint_text.sent)) \
+                            if sprint_lp is not None else None
+                        yield _sprint_delta(head, *d, logprobs=lp)
                 elif kind in ("error", "shutdown"):
                     e = _shutting_down() if kind == "shutdown" else APIError(getattr(value, "status", 500), str(value))
                     worker.observe(e.status, None)
@@ -922,7 +957,7 @@ class _Endpoints:
                     return
                 else:
                     for chunk in _final_chunks(job, head, value, texts, sprint_text, n_prompt, include_usage,
-                                               cursors, state.engine.decode_text):
+                                               cursors, state.engine.decode_text, sprint_lp):
                         yield chunk
                     worker.observe(200, time.perf_counter() - t0)
                     return
@@ -932,13 +967,15 @@ class _Endpoints:
 
 
 def _final_chunks(job: Job, head: _Head, value, texts: list, sprint_text: SprintText, n_prompt: int,
-                  include_usage: bool, cursors: list | None, decode):
+                  include_usage: bool, cursors: list | None, decode, sprint_lp: "_SprintStreamLogprobs | None"):
     """The events that end a finished stream: each choice's rest of text with its finish reason
-    and the log-probs of the tokens not listed yet (SPRINT: with the run's record and every token's
-    log-probs, whose place is known only now), the usage chunk, [DONE]."""
+    and the log-probs of the tokens not listed yet (SPRINT: with the run's record), the usage
+    chunk, [DONE]."""
     if job.kind == "sprint":
         rec = value
-        lp = _sprint_logprobs(job, head.chat, rec, decode)
+        lp = None
+        if sprint_lp is not None:
+            lp = sprint_lp.chunk(sprint_token_layout(job.layout, rec.text, decode, job.top_logprobs), len(rec.text))
         yield _sse(head.body(choices=[_delta(head.chat, 0, sprint_text.rest(rec.text), _sprint_finish(rec),
                                              logprobs=lp)], sprint=_sprint_json(rec)))
         completion = rec.total_tokens

@@ -70,10 +70,12 @@ class Failure(str):
 class Progress:
     """What a streaming SPRINT job's current engine call has decoded so far: `kind` generate (the
     planner; `tokens` its tokens) or fork (the executors; `tokens` executor 1's), with that row's
-    stop strings."""
+    stop strings; when the request asked for log-probs, that row's log-probs and alternatives."""
     kind: str
     tokens: list[int]
     stops: list[str]
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    tops: list | None = None
 
 
 def _settled(text: str, stops: list[str]) -> str:
@@ -239,7 +241,7 @@ def _progress_logprobs(engine, op) -> list[tuple[list[float], list | None]]:
 class Channel:
     """Engine thread -> one request handler. Items: ("tokens", [[ids] per choice], log-probs)
     (streaming; log-probs: None, or per choice (log-probs, alternatives or None) of those ids, when
-    the request asked), ("event", Event) and ("progress", Progress) (SPRINT streaming), ("done",
+    the request asked), ("event", Event, the job's layout so far when it asked for log-probs) and ("progress", Progress) (SPRINT streaming), ("done",
     result), ("error", Failure)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
@@ -565,8 +567,8 @@ class EngineWorker:
     def _event(self, job: Job, ev) -> None:
         if job.logprobs and ev.kind == "text":
             job.layout.append(_text_piece(job, ev))
-        if job.stream:
-            job.channel.put(("event", ev))
+        if job.stream:      # with log-probs, the layout so far: where the tokens of its text lie
+            job.channel.put(("event", ev, list(job.layout) if job.logprobs else None))
 
     def _progress(self, job: Job) -> None:
         """A streaming SPRINT job: what its planner call (or its first executor) decoded so far,
@@ -579,7 +581,8 @@ class EngineWorker:
         key = [id(op), len(toks)]
         if toks and job.sent != key:
             job.sent = key
-            job.channel.put(("progress", Progress(op.kind, list(toks), list(op.stops[0]))))
+            lps, tops = _progress_logprobs(self.engine, op)[0] if job.logprobs else ([], None)
+            job.channel.put(("progress", Progress(op.kind, list(toks), list(op.stops[0]), lps, tops)))
 
     def _end(self, job: Job, item) -> None:
         if job.finished:
