@@ -80,7 +80,7 @@ def _entries(lp, chat: bool) -> list:
 
 
 @pytest.mark.slow                   # ~24 s on the loaded 2-core CPU (compiles of the fork and top-n programs)
-def test_streamed_logprobs_concatenate_to_the_whole_replys_and_equal_the_engines(served):
+def test_streamed_logprobs_concatenate_to_the_whole_reply_and_equal_the_engines(served):
     """Greedy, n = 2 (and with a stop string): each streamed chunk carries the entries of the
     tokens its text begins; their concatenation per choice == the non-streamed reply's logprobs,
     and both == the request decoded alone (tokens, log-probs, alternatives, offsets)."""
