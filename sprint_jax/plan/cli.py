@@ -1,6 +1,7 @@
-"""`sprint-jax plan train|engine ...`: compile the SFT step, or the inference engine's programs,
-for TPU slices from this host, and print what each chip would hold, its headroom, and the
-roofline (engine: also the capacity that fits and, from eval records, SPRINT's and RFT's latency).
+"""`sprint-jax plan train|engine|rl ...`: compile the SFT step, the inference engine's programs or
+an RL config's policy-gradient update for TPU slices from this host, and print what each chip
+would hold, its headroom, and the roofline (engine: also the capacity that fits and, from eval
+records, SPRINT's and RFT's latency).
 """
 from __future__ import annotations
 
@@ -39,15 +40,23 @@ and gives the roofline ms per decode step at 1 row, K executors and C runs x K, 
 concurrency and executor width that fit, and with --records DIR the predicted SPRINT and RFT
 latency of a directory of eval records on that chip.
 
+`plan rl CONFIG` compiles an RL config's update as the RL trainer builds it: the grad step of one
+microbatch (loss.rows_per_micro x loss.seq_len, with the old / reference log-prob inputs the
+config asks for), the log-prob forward when they are needed, and the AdamW apply step, on the
+config's mesh; a grad row's headroom also counts the AdamW moments, the running gradient sum and
+the reference weights the chip holds beside it. Under the table: the rollout engine's estimate and
+the `plan engine` command that compiles its programs.
+
 examples:
   sprint-jax plan engine --model r1-distill-qwen-7b --concurrency 32 --executors 8 --capacity 16384 --topology v5p-8,v5litepod-16 --search
   sprint-jax plan engine --model r1-distill-qwen-7b --concurrency 8 --executors 8 --capacity 8192 --mesh tensor=4 --topology v5e:2x2 --records runs/eval
   sprint-jax plan train --model r1-distill-qwen-7b --batch 8 --seq-len 8192 --mesh fsdp=8 --topology v5p:2x2x2
   sprint-jax plan train --config configs/sft_r1_distill_7b_sprint.yaml --topology v5p-16
   sprint-jax plan train --model qwen3-8b --batch 8 --seq-len 32768 --topology v5p:4x4x4 --search
+  sprint-jax plan rl configs/rl_r1_distill_7b.yaml --model r1-distill-qwen-7b --topology v5p-16
 """
 
-PROGRAMS = ("train", "engine")
+PROGRAMS = ("train", "engine", "rl")
 
 
 _MEMORY_COLS = [("program", "<"), ("topology", "<"), ("mesh", "<"), ("compiled", "<"), ("compile s", ">"),
@@ -78,7 +87,11 @@ def _print_table(cols: list[tuple[str, str]], cells: list[list[str]]) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("program", choices=PROGRAMS, help="what to plan (train: the SFT step; engine: the inference "
-                                                     "engine's programs)")
+                                                     "engine's programs; rl: an RL config's update)")
+    p.add_argument("rl_config", nargs="?", metavar="CONFIG",
+                   help="plan rl: the RL run config (configs/rl_*.yaml); --set overrides it")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="plan rl: override a field of the RL config (e.g. loss.rows_per_micro=8)")
     p.add_argument("--config", help="an SFT run config (configs/sft_*.yaml): model, batch, seq_len, layout, "
                                     "remat, grad_accum and mesh from it; flags override")
     p.add_argument("--model", help="model preset or HF config path (default: the config's model)")
@@ -201,6 +214,10 @@ def print_table(rows: list[dict], chips_used: list) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.program == "rl":
+        return run_rl(args)
+    if args.rl_config or args.overrides:
+        raise UserError(f"plan {args.program} takes no CONFIG argument or --set (plan train reads --config)")
     if args.program == "engine":
         return run_engine(args)
     from sprint_jax.plan import train as plan_train
@@ -418,3 +435,116 @@ def _print_prediction(pred: dict, where, tensor: int) -> None:
           + ", ".join(f"{mode} {total[mode]['latency_s']:.3f} s over {total[mode]['problems']} problems "
                       f"({total[mode]['decode_steps']} decode steps)" for mode in sorted(total))
           + (f"; SPRINT / RFT {pred['ratio']:.3f}" if pred.get("ratio") is not None else ""))
+
+
+# ---------------------------------------------------------------------------------------------
+# plan rl
+# ---------------------------------------------------------------------------------------------
+def _rl_config(args: argparse.Namespace):
+    """The RL config as the trainer reads it, without needing its policy checkpoint on this host."""
+    from sprint_jax.config import ConfigError, load_config
+    from sprint_jax.rl.config import RLConfig
+
+    path = args.rl_config or args.config
+    if not path:
+        raise UserError("plan rl needs an RL config: sprint-jax plan rl configs/rl_*.yaml --topology ...")
+    if not Path(path).is_file():
+        raise UserError(f"plan rl: no RL config file at {path}")
+    for flag in ("batch", "seq_len", "layout", "grad_accum", "concurrency", "executors", "capacity",
+                 "branch_capacity", "programs", "records"):
+        if getattr(args, flag, None) is not None:
+            raise UserError(f"plan rl takes its shapes from the RL config: --{flag.replace('_', '-')} is not "
+                            f"accepted (use --set, e.g. --set loss.rows_per_micro=8)")
+    try:
+        return load_config(RLConfig, path, args.overrides)
+    except ConfigError as e:
+        raise UserError(f"{path}: {e}") from None
+
+
+def run_rl(args: argparse.Namespace) -> int:
+    from sprint_jax.plan import rl as prl
+    from sprint_jax.plan.chips import parse_slices
+    from sprint_jax.plan.compile import libtpu_available
+    from sprint_jax.plan.train import resolve_mesh
+
+    slices = parse_slices(args.topology)
+    if args.search:
+        raise UserError("plan rl does not search: name the slice with --topology and the mesh in the config or --mesh")
+    cfg = _rl_config(args)
+    if args.remat:
+        cfg.policy.remat = args.remat
+    if args.loss_chunk is not None:
+        if args.loss_chunk < 0:
+            raise UserError(f"--loss-chunk must be >= 0, got {args.loss_chunk}")
+        cfg.policy.loss_chunk = args.loss_chunk
+    if not (args.model or cfg.policy.path):
+        raise UserError("plan rl: the config's policy.path is empty: pass --model PRESET")
+    model_cfg, label = _model_config(args.model or cfg.policy.path, {}, args.dtype or cfg.policy.dtype,
+                                     _progress)
+    if args.mesh:
+        from sprint_jax.plan.train import parse_mesh
+        sizes = parse_mesh(args.mesh)
+    else:
+        sizes = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
+        if sum(v == -1 for v in sizes.values()) > 1:
+            raise UserError(f"mesh {sizes}: at most one axis may be -1")
+    if not libtpu_available():
+        raise UserError("plan compiles with XLA's TPU compiler, which comes with libtpu: "
+                        "pip install -e '.[tpu]' (jax[tpu])")
+    rows, failures, engines = [], [], []
+    for where in slices:
+        shape = prl.shape_from_config(cfg, model_cfg, resolve_mesh(sizes, where.chips, where.name))
+        rows_here = prl.plan_rows(shape, cfg.optim, where, label, _progress)
+        rows.extend(rows_here)
+        for r in rows_here:
+            if not r["compiled"]:
+                failures.append(f"{r['program']} on {where.name} mesh {prl.mesh_text(shape.mesh)}: {r['error']}")
+            elif not r["fits"]:
+                used = r["per_chip_bytes"]["total"] + sum(r["beside_bytes"].values())
+                failures.append(f"{r['program']} on {where.name} ({where.booking}, mesh {prl.mesh_text(shape.mesh)}) "
+                                f"needs {used / 2 ** 30:.1f} GiB per chip with what it holds beside, "
+                                f"{(used - where.chip.hbm_bytes) / 2 ** 30:.1f} GiB over the chip's "
+                                f"{where.chip.hbm_gib:g} GiB; more chips in fsdp, tensor parallelism, --remat full or "
+                                f"a smaller loss.rows_per_micro")
+        engine = prl.rollout_engine(cfg, model_cfg, where, label, args.model or cfg.policy.path)
+        engines.append(engine)
+        rows.append({"program": "rollout engine", "topology": where.name, "accelerator_type": where.booking,
+                     **engine})
+    program_rows = [r for r in rows if "kind" in r]
+    if program_rows:
+        print_rl_table(program_rows, sorted({s.chip for s in slices}, key=lambda c: c.name))
+    for e in engines:
+        est = e["one_chip_estimate_bytes"]
+        print(f"rollout: {e['engine']}: KV cache {e['cache_bytes'] / 2 ** 30:.2f} GiB; on one chip (the trainer "
+              f"builds the engine without a mesh) by the plan engine estimate: "
+              + ", ".join(f"{k} {v / 2 ** 30:.2f} GiB" for k, v in est.items())
+              + f" of {e['hbm_bytes'] / 2 ** 30:g} GiB; compile its programs on the slice with: "
+              f"{e['plan_engine_command']}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(rows, indent=2, default=str) + "\n")
+    for line in failures:
+        print(f"sprint-jax plan: error: {line}", file=sys.stderr)
+    return 2 if failures else 0
+
+
+def print_rl_table(rows: list[dict], chips_used: list) -> None:
+    """The RL update's rows: memory as _MEMORY_COLS (GiB/chip adds what a grad row holds beside),
+    then FLOPs and the roofline of one call."""
+    cols = _MEMORY_COLS + [("beside GiB", ">"), ("TFLOP", ">"), ("HBM GB/chip", ">"), ("roofline s", ">")]
+    cells = []
+    for r in rows:
+        cells.append(_memory_cells(r) + [_gib(sum(r["beside_bytes"].values())), f"{r['flops'] / 1e12:.2f}",
+                                         f"{r['hbm_traffic_bytes'] / 1e9:.2f}", f"{r['roofline_s']:.3f}"])
+    _print_table(cols, cells)
+    for r in rows:
+        if r["kind"] == "grad":
+            print(f"{r['program']} on {r['topology']}: {r['flops_per_microbatch_update'] / 1e12:.2f} TFLOP per "
+                  f"microbatch per batch (updates x grad + the old / reference log-prob forwards)")
+    for chip in chips_used:
+        print(f"{chip.name}: {chip.hbm_gib:g} GiB HBM, {chip.peak_flops / 1e12:g} TFLOP/s bf16, "
+              f"{chip.hbm_bandwidth / 1e9:g} GB/s per chip (published figures)")
+    print("GiB/chip: XLA's memory_analysis (arguments + outputs - aliased + temp); beside: AdamW moments, the "
+          "running gradient sum and the reference weights held while the grad step runs (in the headroom); est: "
+          "the planner's own estimate (with beside); TFLOP: model FLOPs of one call (grad: 6 x weights x tokens "
+          "+ causal attention; logp: a third of that); roofline: max of compute and HBM time per chip, "
+          "communication not included")
