@@ -1,8 +1,9 @@
 """`sprint-jax recipe`: the stages, their digests and skips, status, failures and bad configs.
 
-The end-to-end test runs configs/recipe_tiny_cpu.yaml (shrunk: fewer problems, one epoch, six test
-problems) for real, reruns it (every stage skipped), changes the comparison's bins (only compare
-and report rerun) and checks report.md's table against the eval runs' own results.jsonl. The
+The end-to-end test runs configs/recipe_tiny_cpu.yaml (shrunk: 800 problems, six test problems of
+2 to 4 chains, two samples each) for real, reruns it (every stage skipped), changes the
+comparison's bins (only compare and report rerun) and checks report.md's table, its Avg@k / pass@k
+and its length bins against the eval runs' own results.jsonl, recomputed here. The
 digest tests run the real planner and state keeping with each stage's command replaced by a
 writer of its outputs, so every input change can be tried in a second.
 """
@@ -28,10 +29,12 @@ STAGES = ["curate", "train_sprint", "train_rft", "eval_sprint_chains", "eval_rft
 def _tiny(tmp_path: Path, name: str = "recipe.yaml", **changes) -> Path:
     """A copy of the tiny recipe shrunk to test size, with `changes` (dotted key -> value)."""
     d = yaml.safe_load(TINY.read_text())
-    d["curate"]["tasks"]["n"] = 200
-    d["train"]["epochs"] = 1
+    d["curate"]["tasks"]["n"] = 800          # ~75 steps over 3 epochs: enough for the RFT model to write one line
+    d["train"]["epochs"] = 3                 # per chain, so its lengths (the bins' key) follow the chain count
     d["eval"]["sets"][0]["limit"] = 6
     d["eval"]["orchestrator"]["max_total_tokens"] = 160
+    args = d["eval"]["args"]
+    args[args.index("--samples") + 1] = "2"
     for key, value in changes.items():
         node = d
         *path, last = key.split(".")
@@ -41,6 +44,20 @@ def _tiny(tmp_path: Path, name: str = "recipe.yaml", **changes) -> Path:
     p = tmp_path / name
     p.write_text(yaml.safe_dump(d))
     return p
+
+
+def _per_problem(rows: list[dict]) -> dict[str, dict]:
+    """results.jsonl lines (one per problem and sample) -> per problem: samples, correct count,
+    mean correct, mean sequential tokens."""
+    out: dict[str, dict] = {}
+    for r in rows:
+        p = out.setdefault(r["id"], {"k": 0, "c": 0, "seq": 0.0})
+        p["k"] += 1
+        p["c"] += bool(r["correct"])
+        p["seq"] += r["sequential_tokens"]
+    for p in out.values():
+        p["acc"], p["seq"] = p["c"] / p["k"], p["seq"] / p["k"]
+    return out
 
 
 def _started(out: Path) -> dict[str, str]:
@@ -75,7 +92,8 @@ def test_tiny_recipe_end_to_end_rerun_and_one_change(tmp_path, capsys):
     report = (out / "report.md").read_text()
     rows = {arm: [json.loads(x) for x in (out / f"eval_{arm}_chains" / "out" / "results.jsonl").read_text().splitlines()]
             for arm in ("sprint", "rft")}
-    assert len(rows["sprint"]) == len(rows["rft"]) == 6
+    assert len(rows["sprint"]) == len(rows["rft"]) == 12                 # 6 problems x 2 samples
+    assert sorted(x["sample"] for x in rows["rft"]) == [0] * 6 + [1] * 6
     acc = _table_row(report, "accuracy")
     seq = _table_row(report, "sequential tokens")
     for col, arm in ((1, "sprint"), (2, "rft")):
@@ -84,9 +102,29 @@ def test_tiny_recipe_end_to_end_rerun_and_one_change(tmp_path, capsys):
         assert seq[col] == f"{sum(x['sequential_tokens'] for x in r) / len(r):.1f}"
     sprint_row = _table_row(report, "SPRINT", "| model | samples per problem")   # samples, Avg@k, ...
     r = rows["sprint"]
-    assert sprint_row[1] == "1" and sprint_row[4] == (
+    assert sprint_row[4] == (
         f"{sum(x['total_tokens'] for x in r) / sum(x['sequential_tokens'] for x in r):.3f}")   # self-parallelism
+    # Avg@2 ± its standard error and pass@1, pass@2, from the per-problem sample counts
+    per = {arm: _per_problem(rows[arm]) for arm in ("sprint", "rft")}
+    for arm, name in (("sprint", "SPRINT"), ("rft", "RFT")):
+        row = _table_row(report, name, "| model | samples per problem")
+        means = [p["acc"] for p in per[arm].values()]
+        avg = sum(means) / 6
+        se = (sum((m - avg) ** 2 for m in means) / 5) ** 0.5 / 6 ** 0.5
+        pass2 = sum(p["c"] > 0 for p in per[arm].values()) / 6        # 1 - C(2 - c, 2) / C(2, 2)
+        assert row[1] == "2" and row[2] == f"{100 * avg:.1f}% ± {100 * se:.1f}"
+        assert row[3] == f"@1 {100 * avg:.1f}%, @2 {100 * pass2:.1f}%"
+    # the fixed bins by the RFT run's per-problem mean sequential tokens: each holds problems,
+    # with the n, accuracies and sequential tokens recomputed here
     assert "### By RFT sequential length (fixed bins)" in report
+    edges = [0, *map(int, yaml.safe_load(cfg.read_text())["compare"]["bins"].split(",")), None]
+    for lo, hi in zip(edges, edges[1:]):
+        ids = [i for i, p in per["rft"].items() if p["seq"] >= lo and (hi is None or p["seq"] < hi)]
+        assert ids, f"bin {lo}-{hi} is empty: RFT lengths {sorted(p['seq'] for p in per['rft'].values())}"
+        cells = _table_row(report, f"{lo}-{'inf' if hi is None else hi}", "(fixed bins)")
+        expect = [str(len(ids))] + [f"{sum(per[a][i]['acc'] for i in ids) / len(ids):.3f}" for a in ("sprint", "rft")]
+        expect += [f"{sum(per[a][i]['seq'] for i in ids) / len(ids):.1f}" for a in ("sprint", "rft")]
+        assert cells[1:6] == expect
     steps = {arm: json.loads((out / f"train_{arm}" / "out" / "summary.json").read_text())["steps"]
              for arm in ("sprint", "rft")}
     assert f"| SPRINT | merge | {steps['sprint']} |" in report
@@ -126,6 +164,7 @@ def test_a_failing_stage_stops_with_one_line(tmp_path, capsys):
     ({"eval.sets.0.data": "no/such/file.jsonl"}, "eval set chains: data 'no/such/file.jsonl' is not"),
     ({"train.epochs": -1}, "epochs must be > 0"),
     ({"curate.teacher.kind": "teachr"}, "curate.teacher.kind: 'teachr' is not one of"),
+    ({"curate.tasks.max_chains": 5}, "curate.tasks.max_chains: the chains tokenizer has tags for at most 4"),
 ])
 def test_bad_configs_are_one_line_exit_2(tmp_path, capsys, change, match):
     out = tmp_path / "run"
