@@ -199,8 +199,7 @@ def cache_bytes(shape: EngineShape) -> float:
 def memory_estimate(shape: EngineShape, kind: str) -> dict[str, float]:
     """Per-chip bytes of one program (`Program.kind`) by component; 'total' their sum: the
     weights it reads, the cache (donated and updated in place: counted once), and temporaries,
-    its largest live arrays: a decode call's second copy of the slots it writes (what the TPU
-    compile of the decode loop holds), its rows' fp32 logits and one layer's gathered child rows;
+    its largest live arrays: a decode call's rows' fp32 logits and one layer's gathered child rows;
     a prefill's gathered parent rows (K and V, and the transposed copy flash attention takes) and
     its [rows x chunk] activations; a join's windows."""
     cfg = serving_config(shape)
@@ -213,16 +212,11 @@ def memory_estimate(shape: EngineShape, kind: str) -> dict[str, float]:
     weights = {"join_copy": 0.0, "prefill": weight_bytes(shape, ("lm_head/kernel",))}
     out = {"weights": weights.get(kind, weight_bytes(shape)), "cache": cache_bytes(shape)}
     v_local = _split(cfg.vocab_size, t)
-    cache = cache_parts(shape)
     if kind == "decode_planner":
         rows = local
-        # XLA's TPU compile of the decode loop holds a second copy of the slots it writes (read
-        # off memory_analysis at 7B and toy sizes: temp = those slots + the rest below)
-        out["written_copy"] = cache["parents"]
         out["logits"] = 2 * FP32 * rows * v_local
     elif kind == "decode_stage":
         rows = local * shape.executors
-        out["written_copy"] = cache["children"]
         out["logits"] = 2 * FP32 * rows * v_local
         out["gathered_children"] = 2 * item * rows * hkv * shape.child_capacity * cfg.head_dim
         out["suffix_scores"] = FP32 * rows * _split(cfg.num_attention_heads, t) * shape.child_capacity
