@@ -71,8 +71,13 @@ def test_training_records_parse_as_examples_with_the_trajectory_text():
     ({"model": "no/such/dir"}, "model: no/such/dir is not a directory"),
     ({"heldout_tasks": {"data": "nope"}}, "heldout_tasks: --data 'nope' is not"),
 ])
-def test_bad_configs_are_one_line_exit_2(tmp_path, capsys, hf_untied, change, match):
-    cfg = {"model": str(hf_untied), "rounds": 1, "samples": 2, "orchestrator": {"temperature": 1.0}, **change}
+def test_bad_configs_are_one_line_exit_2(tmp_path, capsys, change, match):
+    from sprint_jax.config import CONFIG_DIR
+
+    model = tmp_path / "model"          # a model directory as far as the config checks read it
+    model.mkdir()
+    (model / "config.json").write_text((CONFIG_DIR / "model_tiny.json").read_text())
+    cfg = {"model": str(model), "rounds": 1, "samples": 2, "orchestrator": {"temperature": 1.0}, **change}
     if "orchestrator" in change and "temperature" not in change["orchestrator"]:
         cfg["orchestrator"] = {"temperature": 1.0, **change["orchestrator"]}
     path = tmp_path / "c.yaml"
