@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -280,27 +281,37 @@ def test_mixed_test_set_is_distinct_mixed_and_prefix_stable():
 def test_curated_mixed_problems_keep_out_of_the_held_out_set(tmp_path, capsys):
     from sprint_jax.curation.config import data_fingerprint, load_curate_config
     from sprint_jax.curation.pipeline import load_tasks as curate_tasks
-    from sprint_jax.eval.cli import add_arguments, mixed_chains_tasks
+    from sprint_jax.eval.cli import mixed_chains_tasks
 
     cfg = load_curate_config(None, ["tasks.source=chains", "tasks.n=2000", "tasks.min_chains=2",
                                     "tasks.max_chains=4", "tasks.held_out=100", "teacher.kind=programmatic"])
     train = {tuple(t.answer["starts"]) for t in curate_tasks(cfg)}
     assert {len(s) for s in train} == {2, 3, 4}
     assert data_fingerprint(cfg)["tasks"]["held_out"] == 100
-    import argparse
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    held = mixed_chains_tasks(p.parse_args(["--data", "chains", "--chains", "2-4", "--limit", "100"]))
+    def args(data="chains", chains="2-4", limit=None):       # eval's parsed arguments, as mixed_chains_tasks reads them
+        return SimpleNamespace(data=data, chains=chains, limit=limit, chain_length=12, data_seed=0)
+
+    held = mixed_chains_tasks(args(limit=None))             # --limit unset: 100 problems
     held_starts = {tuple(t.answer["starts"]) for t in held}
     assert len(held) == 100 and {len(s) for s in held_starts} == {2, 3, 4} and not held_starts & train
     # without held_out, 2000 draws take every one of the 100 two-chain tuples
     cfg0 = load_curate_config(None, ["tasks.source=chains", "tasks.n=2000", "tasks.min_chains=2",
                                      "tasks.max_chains=4", "teacher.kind=programmatic"])
     assert held_starts & {tuple(t.answer["starts"]) for t in curate_tasks(cfg0)}
-    for argv, match in ((["--data", "chains", "--chains", "4-2"], "MIN-MAX with 1 <= MIN <= MAX"),
-                        (["--data", "math500", "--chains", "2-4"], "needs --data chains"),
-                        (["--data", "chains", "--chains", "2-2", "--limit", "101"], "only 100 start tuples")):
+    for bad, match in ((args(chains="4-2"), "MIN-MAX with 1 <= MIN <= MAX"),
+                       (args(chains="2"), "MIN-MAX with 1 <= MIN <= MAX"),
+                       (args(data="math500"), "needs --data chains"),
+                       (args(chains="2-2", limit=101), "only 100 start tuples")):
         with pytest.raises(UserError, match=match):
-            mixed_chains_tasks(p.parse_args(argv))
+            mixed_chains_tasks(bad)
     with pytest.raises(ValueError, match="min_chains <= max_chains"):
         load_curate_config(None, ["tasks.source=chains", "tasks.min_chains=3", "tasks.max_chains=2"])
+
+
+def test_a_held_out_larger_than_its_tuple_space_is_a_config_error():
+    from sprint_jax.curation.config import load_curate_config
+
+    with pytest.raises(ValueError, match="held_out 101: more than the distinct start digits of 2..2 chains"):
+        load_curate_config(None, ["tasks.source=chains", "tasks.min_chains=2", "tasks.max_chains=2",
+                                  "tasks.held_out=101"])
+    assert load_curate_config(None, ["tasks.min_chains=2", "tasks.max_chains=2", "tasks.held_out=100"])

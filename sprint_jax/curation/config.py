@@ -87,6 +87,9 @@ class TasksConfig:
         if not 1 <= self.min_chains <= self.max_chains or self.held_out < 0:
             raise ValueError(f"need 1 <= min_chains <= max_chains and held_out >= 0, got "
                              f"{self.min_chains}, {self.max_chains}, {self.held_out}")
+        if self.held_out > sum(10 ** k for k in range(self.min_chains, min(self.max_chains, 9) + 1)):
+            raise ValueError(f"held_out {self.held_out}: more than the distinct start digits of "
+                             f"{self.min_chains}..{self.max_chains} chains")
 
 
 @dataclasses.dataclass
