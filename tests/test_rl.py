@@ -2,6 +2,9 @@
 each unit run alone through the plain forward, and one update moving log-probs the right way."""
 from __future__ import annotations
 
+import functools
+
+import jax
 import numpy as np
 import pytest
 
@@ -109,15 +112,22 @@ def tiny():
 
 def _unit_logp_sum(params, cfg, unit, temperature):
     """sum of log p(completion token) for one unit run alone, plain causal forward, positions 0..n-1."""
-    import jax
+    import jax.numpy as jnp
+
+    seq = jnp.asarray([unit.context + unit.completion], jnp.int32)
+    return _logp_sum(params, cfg, seq, len(unit.context), temperature)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 3, 4))
+def _logp_sum(params, cfg, seq, c, temperature):
+    # jitted: one compile per sequence length, reused by the same unit's later calls (run eagerly,
+    # every call would compile the forward's layer scan again)
     import jax.numpy as jnp
     from sprint_jax.model import qwen2
 
-    seq = jnp.asarray([unit.context + unit.completion], jnp.int32)
     logits = qwen2.forward(params, cfg, seq)[0] / temperature                   # [n, V]
     logp = jax.nn.log_softmax(logits, axis=-1)
-    c = len(unit.context)
-    idx = jnp.arange(c, c + len(unit.completion))
+    idx = jnp.arange(c, seq.shape[1])
     return jnp.sum(logp[idx - 1, seq[0, idx]])
 
 
