@@ -61,7 +61,7 @@ def _sprint(config: OrchestratorConfig, stream: bool = False) -> Job:
 async def _last(job: Job):
     """The job's final item (done / error), skipping streamed ones."""
     while True:
-        kind, value = await asyncio.wait_for(job.channel.get(), WAIT_S)
+        kind, value, *_ = await asyncio.wait_for(job.channel.get(), WAIT_S)   # a streamed item may carry log-probs third
         if kind in ("done", "error"):
             return kind, value
 
@@ -105,7 +105,7 @@ def test_cancel_ends_a_plain_and_a_sprint_run_at_the_next_step_and_frees_their_s
         for job in (_plain(engine, max_tokens=60, stream=True), _sprint(config, stream=True)):
             assert worker.try_submit(job)
             while True:          # until it has decoded something (a plain job's tokens, the planner's)
-                kind, value = await asyncio.wait_for(job.channel.get(), WAIT_S)
+                kind, value, *_ = await asyncio.wait_for(job.channel.get(), WAIT_S)
                 if kind in ("tokens", "progress"):
                     break
                 assert kind == "event", (kind, value)
