@@ -16,7 +16,7 @@ from sprint_jax.config import load_config
 from sprint_jax.errors import UserError
 from sprint_jax.model.config import resolve_model_config
 from sprint_jax.plan import chips
-from sprint_jax.plan import rl as prl
+from sprint_jax.rl import plan as prl
 from sprint_jax.rl.config import RLConfig
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,

@@ -462,7 +462,7 @@ def _rl_config(args: argparse.Namespace):
 
 
 def run_rl(args: argparse.Namespace) -> int:
-    from sprint_jax.plan import rl as prl
+    from sprint_jax.rl import plan as prl
     from sprint_jax.plan.chips import parse_slices
     from sprint_jax.plan.compile import libtpu_available
     from sprint_jax.plan.train import resolve_mesh
