@@ -301,9 +301,12 @@ def test_the_prefill_compiles_as_the_engine_traces_it(tmp_path):
     """Under tensor parallelism the prefill's Mosaic flash kernel must run inside a shard_map,
     which attention only builds under an active mesh: the engine's programs enter their mesh
     themselves (`sharding.traced_on_mesh`), so the plain command compiles, one flash kernel
-    per attention part (the parent prefix and the chunk's own keys)."""
-    rc, rows = _plan(tmp_path, SMALL, "--concurrency", "8", "--executors", "4", "--capacity", "1024",
-                     "--mesh", "tensor=4", "--topology", "v5e:2x2", "--programs", "prefill")
+    per attention part (the parent prefix and the chunk's own keys). With the runs over data too,
+    the prefill already runs per data shard (manual over data), and enough rows per shard
+    (32 runs: 16 a shard) that data would divide them again: the kernel's shard_map must split
+    heads over tensor only."""
+    rc, rows = _plan(tmp_path, SMALL, "--concurrency", "32", "--executors", "4", "--capacity", "1024",
+                     "--mesh", "data=2,tensor=2", "--topology", "v5e:2x2", "--programs", "prefill")
     (prefill,) = rows
     assert prefill["compiled"], prefill["error"]
     assert prefill["kernels"] == ["flash_span_fwd"] and prefill["tpu_custom_calls"] == 2
@@ -344,16 +347,16 @@ def test_estimate_is_within_20_percent_of_the_compiler(tmp_path, capsys, model, 
 @needs_libtpu
 @pytest.mark.slow
 def test_search_finds_a_slice_the_compiler_accepts(tmp_path, capsys):
-    """32 runs x 8 executors x 32k of the small model: 36 GiB of KV cache, more than one 4-chip
-    v5e host holds; the search rules it out by the estimate and names a larger slice that the
-    compiler accepts for every program."""
+    """48 runs x 8 executors x 32k of the small model: 54 GiB of KV cache, more than one 4-chip
+    v5e host holds (64 GiB of HBM, less the decode step's temporaries); the search rules it out
+    by the estimate and names a larger slice that the compiler accepts for every program."""
     from test_eval import TASKS, _prompt, _rft_engine, _sprint_engine
 
     from sprint_jax.eval.evaluate import evaluate
 
     evaluate(_sprint_engine(), TASKS, "parallel", prompt_fn=_prompt, out_dir=tmp_path / "r" / "s", progress=False)
     evaluate(_rft_engine(), TASKS, "sequential", prompt_fn=_prompt, out_dir=tmp_path / "r" / "b", progress=False)
-    rc, rows = _plan(tmp_path, SMALL, "--concurrency", "32", "--executors", "8", "--capacity", "32768",
+    rc, rows = _plan(tmp_path, SMALL, "--concurrency", "48", "--executors", "8", "--capacity", "32768",
                      "--attention", "xla", "--topology", "v5e:2x4", "--search",
                      "--records", str(tmp_path / "r"))
     assert rc == 0, capsys.readouterr().err

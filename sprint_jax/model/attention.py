@@ -471,10 +471,14 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
 def _mesh_specs(mesh, q, k):
     """shard_map specs for a Pallas body under the rules table: rows over (data, fsdp) and heads
     over tensor, each only where the size divides (query and KV heads both, so that a shard's
-    query heads use that shard's KV heads); everything else whole."""
+    query heads use that shard's KV heads); everything else whole. An axis already manual (the
+    call sits inside a shard_map over it, as the engine's slot-local programs over data) is
+    left out: the arrays here are that axis's shard already."""
+    manual = set(getattr(mesh, "manual_axes", ()))
+
     def axes(rule, size):
         names = (rule,) if isinstance(rule, str) else tuple(rule or ())
-        names = tuple(n for n in names if n in mesh.shape and mesh.shape[n] > 1)
+        names = tuple(n for n in names if n in mesh.shape and mesh.shape[n] > 1 and n not in manual)
         n = math.prod(mesh.shape[a] for a in names) if names else 1
         return (names if len(names) > 1 else (names[0] if names else None)) if size % n == 0 else None
 

@@ -203,7 +203,10 @@ def parse_oom(message: str) -> dict[str, float] | None:
 
 
 def _first_line(e: BaseException) -> str:
+    """The error's first line; with the next one when the first only announces it ("... errors:")."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):
+        return f"{lines[0]} {lines[1]}"
     return lines[0] if lines else type(e).__name__
 
 
