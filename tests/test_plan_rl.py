@@ -118,7 +118,7 @@ TOY = {"model_type": "qwen2", "vocab_size": 8192, "hidden_size": 512, "intermedi
 @pytest.mark.slow
 def test_a_toy_rl_update_compiles_for_v5e(tmp_path, capsys):
     """The grad step (with old and reference log-prob inputs), the log-prob forward and the apply
-    step compile on fsdp=4; each row's bytes add up, the grad step's arguments hold at least its
+    step compile on fsdp=4, attention in the Mosaic flash kernels; each row's bytes add up, the grad step's arguments hold at least its
     shard of the fp32 weights and the batch, the apply step updates the donated state in place."""
     model = tmp_path / "policy"
     model.mkdir()
@@ -144,6 +144,9 @@ def test_a_toy_rl_update_compiles_for_v5e(tmp_path, capsys):
         assert r["headroom"] == pytest.approx(1 - (mem["total"] + held) / hbm)
         assert mem["arguments"] >= 4 * params / 4
     grad, logp, apply = programs
+    # the loss's attention is the flash kernel (forward and backward), as in the SFT step
+    assert grad["kernels"] == ["flash_span_dkdv", "flash_span_dq", "flash_span_fwd"]
+    assert logp["kernels"] == ["flash_span_fwd"] and apply["kernels"] == []
     assert grad["beside_bytes"]["adam_moments"] >= 2 * 4 * params / 4
     assert grad["mesh"] and grad["per_chip_bytes"]["arguments"] >= 4 * params / 4 + (9 + 2) * 4 * 4 * 512 / 4
     assert grad["per_chip_bytes"]["outputs"] >= 4 * params / 4                 # the fp32 gradients

@@ -49,10 +49,11 @@ def token_logprobs(params, config: Qwen2Config, batch: dict, temperature: float 
     branch the merge rule applies too, so a merge-join rollout is scored with the join it ran).
     With `n_valid` the distribution is the engines' sampling one: over the tokenizer's ids only
     (padded ids masked, infer/sampling.py `mask_padded`)."""
-    merge = {k: batch[k] for k in ("stage", "branch") if k in batch}
-    hidden = qwen2.forward(params, config, batch["tokens"], batch["positions"],
-                           attention_mask=step_lib.attention_mask(batch["span_end"], **merge), remat=remat,
-                           return_hidden=True)                               # [B, T, E]
+    merge = {k: batch[k] for k in step_lib.MERGE_KEYS if k in batch}
+    # flash attention on span_end as the SFT step runs it: no [B, T, T] mask (at 7B x 8k rows
+    # the dense mask attention's temporaries are most of a chip)
+    hidden = qwen2.forward(params, config, batch["tokens"], batch["positions"], span_end=batch["span_end"],
+                           remat=remat, return_hidden=True, **merge)        # [B, T, E]
     src = jnp.maximum(batch["parents"], 0)
     hidden = jnp.take_along_axis(hidden, src[..., None], axis=1)
     b, t, e = hidden.shape
@@ -116,16 +117,22 @@ def build_rl_step(setup: step_lib.StepSetup, s: LossSettings, with_old: bool, wi
     repl = mesh_lib.replicated(mesh)
     batch_sh = {k: bs for k in BATCH_KEYS}
 
+    # both traced under the mesh, as the SFT step: activation constraints and the Pallas flash
+    # attention's shard_map read it (a Mosaic kernel cannot be partitioned automatically)
     def grad_fn(params, batch, denom, old_logp, ref_logp):
         def f(p):
             return policy_loss(p, config, batch, denom, s, old_logp if with_old else None,
                                ref_logp if with_ref else None)
-        return jax.value_and_grad(f, has_aux=True)(params)
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return jax.value_and_grad(f, has_aux=True)(params)
+
+    def logp_fn(params, batch):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return token_logprobs(params, config, batch, s.temperature, s.remat, s.loss_chunk, s.n_valid)
 
     grad = jax.jit(grad_fn, in_shardings=(setup.param_shardings, batch_sh, repl, bs, bs),
                    out_shardings=((repl, repl), setup.param_shardings))
-    logp = jax.jit(lambda p, b: token_logprobs(p, config, b, s.temperature, s.remat, s.loss_chunk, s.n_valid),
-                   in_shardings=(setup.param_shardings, batch_sh), out_shardings=bs)
+    logp = jax.jit(logp_fn, in_shardings=(setup.param_shardings, batch_sh), out_shardings=bs)
 
     def apply_fn(state, grads):
         params = state["params"]
