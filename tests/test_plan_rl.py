@@ -55,6 +55,15 @@ def test_bad_rl_requests_are_one_clear_error(capsys, argv, words):
     assert len(err) == 1 and words in err[0], err
 
 
+def test_a_shipped_config_is_found_outside_a_checkout(tmp_path, monkeypatch, capsys):
+    """`configs/NAME` names the shipped config from any directory, as for `train --config`: the
+    config is read (the error is the next check's, its policy path not on this host)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "rl", "configs/rl_r1_distill_7b.yaml", "--topology", "v5p-16"]) == 2
+    err = _errors(capsys.readouterr().err)
+    assert len(err) == 1 and "pass --model PRESET" in err[0], err
+
+
 def test_shapes_come_from_the_rl_config():
     tiny = load_config(RLConfig, "configs/rl_tiny_cpu.yaml")
     s = prl.shape_from_config(tiny, _tiny(), (1, 1, 1))

@@ -442,13 +442,13 @@ def _print_prediction(pred: dict, where, tensor: int) -> None:
 # ---------------------------------------------------------------------------------------------
 def _rl_config(args: argparse.Namespace):
     """The RL config as the trainer reads it, without needing its policy checkpoint on this host."""
-    from sprint_jax.config import ConfigError, load_config
+    from sprint_jax.config import ConfigError, load_config, resolve_config_path
     from sprint_jax.rl.config import RLConfig
 
     path = args.rl_config or args.config
     if not path:
         raise UserError("plan rl needs an RL config: sprint-jax plan rl configs/rl_*.yaml --topology ...")
-    if not Path(path).is_file():
+    if not resolve_config_path(path).is_file():       # configs/NAME: the shipped one outside a checkout
         raise UserError(f"plan rl: no RL config file at {path}")
     for flag in ("batch", "seq_len", "layout", "grad_accum", "concurrency", "executors", "capacity",
                  "branch_capacity", "programs", "records"):
