@@ -34,6 +34,12 @@ SMALL = {"model_type": "qwen2", "vocab_size": 32768, "hidden_size": 1024, "inter
 LARGER = {**SMALL, "vocab_size": 65536, "hidden_size": 2048, "intermediate_size": 5632,
           "num_attention_heads": 16, "num_key_value_heads": 8}
 
+# The tests that check only that a program lowers and compiles with its kernels (no memory
+# figures): SMALL's two layers and 128-lane heads at a toy width, heads and KV heads still split
+# over tensor=2.
+TOY = {**SMALL, "vocab_size": 1024, "hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 4,
+       "num_key_value_heads": 2}
+
 
 def _config(d: dict) -> Qwen2Config:
     return Qwen2Config(**d, dtype="bfloat16")
@@ -305,7 +311,7 @@ def test_the_prefill_compiles_as_the_engine_traces_it(tmp_path):
     the prefill already runs per data shard (manual over data), and enough rows per shard
     (32 runs: 16 a shard) that data would divide them again: the kernel's shard_map must split
     heads over tensor only."""
-    rc, rows = _plan(tmp_path, SMALL, "--concurrency", "32", "--executors", "4", "--capacity", "1024",
+    rc, rows = _plan(tmp_path, TOY, "--concurrency", "32", "--executors", "4", "--capacity", "1024",
                      "--mesh", "data=2,tensor=2", "--topology", "v5e:2x2", "--programs", "prefill")
     (prefill,) = rows
     assert prefill["compiled"], prefill["error"]
@@ -318,7 +324,7 @@ def test_the_pallas_decode_compiles_with_runs_over_data(tmp_path):
     """With the runs split over data the decode step runs per slot shard (a shard_map manual over
     data only); the Pallas parent-prefix kernel inside it gets a nested shard_map over the other
     mesh axes (a Mosaic kernel must sit fully inside one), so it compiles, one kernel call."""
-    rc, rows = _plan(tmp_path, SMALL, "--concurrency", "8", "--executors", "4", "--capacity", "1024",
+    rc, rows = _plan(tmp_path, TOY, "--concurrency", "8", "--executors", "4", "--capacity", "1024",
                      "--mesh", "data=4", "--topology", "v5e:2x2", "--programs", "decode_stage")
     (decode,) = rows
     assert decode["compiled"], decode["error"]
