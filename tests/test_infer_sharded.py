@@ -1,6 +1,7 @@
 """Inference over a mesh == one device: on 8 fake CPU devices, the batched engine on
 tensor=2 x data=2, tensor=4 x data=2 and tensor=8 meshes gives the same greedy tokens (generate,
-fork with forced prefixes, extend, the scheduler with several sequences at once) as the same
+fork with forced prefixes, extend, the scheduler with several sequences at once), and the same
+sampled tokens of runs of different lengths in different slot shards, as the same
 engine on one device (at data=2 alone: the merge-join test's forks and generates), and the
 single-run Engine (a layer over the same slot core, one slot) gives the one-device prefill logits
 (fp32 tolerance), greedy generate and decode_branches on data=2, tensor=4 x data=2 and tensor=8,
@@ -32,6 +33,7 @@ import jax, numpy as np
 from conftest import tiny_vocab_tokenizer
 from sprint_jax.infer import sharding as sh
 from sprint_jax.infer.engine import Engine
+from sprint_jax.infer.sampling import Sampling
 from sprint_jax.infer.single import SingleRun
 from sprint_jax.model import from_pretrained
 
@@ -51,7 +53,12 @@ def drive(engine):
     engine.run(ops)
     last = engine.generate(c.result, 15)
     engine.run([last])
-    return [ops[0].result.tokens, [g.tokens for g in ops[1].result], last.result.tokens]
+    # sampled runs (top-p) of different lengths (no EOS here), so slot shards hold rows of different lengths
+    sampled = [engine.generate(x, n, sampling=Sampling(temperature=1.0, top_p=0.9, seed=k))
+               for k, (x, n) in enumerate(((a.result, 20), (b.result, 3), (c.result, 9)))]
+    engine.run(sampled)
+    return [ops[0].result.tokens, [g.tokens for g in ops[1].result], last.result.tokens,
+            [op.result.tokens for op in sampled]]
 
 ref_model = from_pretrained(path)
 ref = drive(Engine(ref_model, tok, max_seqs=4, max_children=4, **CAPS))
@@ -87,7 +94,8 @@ for spec, n, runs in MESHES:
         r.update({"same_tokens": got == ref, "pk_spec": norm(eng.cache.pk.sharding.spec, 5),
                   "ck_spec": norm(eng.cache.ck.sharding.spec, 5),
                   "pk_shard": list(eng.cache.pk.addressable_shards[0].data.shape),
-                  "notes": eng.sharding_notes, "n_tokens": sum(len(t) for t in ref[1]) + len(ref[0]) + len(ref[2])})
+                  "notes": eng.sharding_notes, "n_tokens": sum(len(t) for t in ref[1]) + len(ref[0]) + len(ref[2]),
+                  "n_sampled": sum(map(len, got[3]))})
     if "single" in runs:
         one = SingleRun(Engine(model, tok, max_seqs=1, mesh=mesh, **CAPS))       # one slot on the mesh
         logits = one.step_logits(one.prefill(prompt))
@@ -158,6 +166,7 @@ def test_mesh_gives_the_tokens_and_logits_of_one_device(sharded, spec):
     r = sharded[spec]
     if "batched" in r["runs"]:                             # the batched scheduler
         assert r["n_tokens"] > 60 and r["same_tokens"], spec     # the comparison covers real decoding
+        assert r["n_sampled"] == 20 + 3 + 9, spec
     if "single" in r["runs"]:                              # one sequence: greedy generate, decode_branches
         assert r["n_single"] >= 25 and r["same_single"], spec
         assert r["max_logit_diff"] < 1e-4, r["max_logit_diff"]

@@ -282,7 +282,8 @@ def _sample_rows(logits, base, steps, temperature, top_k, top_p, top_n: int = 0)
         drawn = temperature > 0
         lp = dist - jax.nn.logsumexp(dist, axis=-1, keepdims=True)
         return jnp.where(drawn, tok, greedy), jnp.where(drawn[:, None], lp, plain)
-    tok, dist_lp = jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: (greedy, plain))
+    # the same branch on every slot shard: the sampled one gathers the vocabulary over tensor
+    tok, dist_lp = jax.lax.cond(sh.any_slot_shard(jnp.any(temperature > 0)), sampled, lambda: (greedy, plain))
     lp = jnp.take_along_axis(dist_lp, tok[:, None], axis=-1)[:, 0]
     if not top_n:
         return tok, lp, None, None
@@ -387,8 +388,8 @@ def decode(params, config: Qwen2Config, cache: SlotCache, rows, layout: tuple, c
     lps0 = (jnp.zeros(out.shape, jnp.float32), jnp.zeros(out.shape + (top_logprobs,), jnp.int32),
             jnp.zeros(out.shape + (top_logprobs,), jnp.float32))
 
-    def cond(c):
-        return jnp.any(c[4] & (c[0] < steps_cap)) | jnp.any(c[9])
+    def cond(c):          # the same trip count on every slot shard (see any_slot_shard)
+        return sh.any_slot_shard(jnp.any(c[4] & (c[0] < steps_cap)) | jnp.any(c[9]))
 
     def body(c):
         i, cache, lengths, pending, active, remaining, steps, out, reason, fed, kept, lps = c

@@ -30,6 +30,7 @@ from collections import Counter
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
@@ -319,6 +320,21 @@ def local_head_axes():
     return getattr(_LOCAL, "heads", None)
 
 
+def any_slot_shard(x: jax.Array) -> jax.Array:
+    """Inside a step traced per slot shard (`slot_local`): whether the boolean scalar `x` holds on
+    any slot shard; `x` elsewhere. Every control-flow predicate that depends on a shard's rows goes
+    through it (the decode loop's condition, the sampling branch), so every device runs the same
+    collectives: the loop body and the sampling branch hold collectives over tensor, and XLA CPU's
+    collective-permute waits for every device of the program, not only its pairs, so shards that
+    took different trip counts or branches hung (sampled runs of different lengths on data=4 x
+    tensor=2). A shard whose rows are done runs idle steps that write and emit nothing, as finished
+    rows of a shard already do; the call ends when its slowest shard ends, as before."""
+    axes = getattr(_LOCAL, "slots", None)
+    if not axes:
+        return x
+    return jax.lax.pmax(x.astype(jnp.int32), axes) > 0
+
+
 def traced_on_mesh(kv):
     """The context an engine step is traced in: the mesh of `kv` (the engine's (parent, child)
     KV shardings) as the active abstract mesh, as the train step traces; a no-op for kv None (one
@@ -371,10 +387,11 @@ def slot_local(rows: Sequence[str], out: Sequence[str] | str, cache_kv: Sequence
             def local(*xs):
                 spec = tuple(kv[0].spec) + (None,) * 5
                 _LOCAL.heads = spec[KV_HEAD_AXIS]   # see local_head_axes (read while fn is traced)
+                _LOCAL.slots = axes                 # see any_slot_shard
                 try:
                     res = fn(**a, **dict(zip(names, xs)))
                 finally:
-                    _LOCAL.heads = None
+                    _LOCAL.heads = _LOCAL.slots = None
                 res = (res,) if single else res
                 return tuple(r[None] if kind == "max" else r for r, kind in zip(res, outs))
 
