@@ -506,20 +506,29 @@ def run_rl(args: argparse.Namespace) -> int:
                                 f"{(used - where.chip.hbm_bytes) / 2 ** 30:.1f} GiB over the chip's "
                                 f"{where.chip.hbm_gib:g} GiB; more chips in fsdp, tensor parallelism, --remat full or "
                                 f"a smaller loss.rows_per_micro")
-        engine = prl.rollout_engine(cfg, model_cfg, where, label, args.model or cfg.policy.path)
+        engine = prl.rollout_engine(cfg, shape, where, label, args.model or cfg.policy.path)
         engines.append(engine)
+        if not engine["fits"]:
+            used = max(engine["estimate_bytes_per_chip"].values()) + sum(engine["beside_bytes"].values())
+            failures.append(f"the rollout engine on {where.name} (mesh {prl.mesh_text(shape.mesh)}) needs about "
+                            f"{used / 2 ** 30:.1f} GiB per chip with the trainer's weights and moments beside, "
+                            f"over the chip's {where.chip.hbm_gib:g} GiB; lower rollout.concurrency (or "
+                            f"prompts_per_step x group_size), rollout.max_seq_len or rollout.orchestrator.max_prompts")
         rows.append({"program": "rollout engine", "topology": where.name, "accelerator_type": where.booking,
                      **engine})
     program_rows = [r for r in rows if "kind" in r]
     if program_rows:
         print_rl_table(program_rows, sorted({s.chip for s in slices}, key=lambda c: c.name))
     for e in engines:
-        est = e["one_chip_estimate_bytes"]
-        print(f"rollout: {e['engine']}: KV cache {e['cache_bytes'] / 2 ** 30:.2f} GiB; on one chip (the trainer "
-              f"builds the engine without a mesh) by the plan engine estimate: "
-              + ", ".join(f"{k} {v / 2 ** 30:.2f} GiB" for k, v in est.items())
-              + f" of {e['hbm_bytes'] / 2 ** 30:g} GiB; compile its programs on the slice with: "
-              f"{e['plan_engine_command']}")
+        est, held = e["estimate_bytes_per_chip"], e["beside_bytes"]
+        print(f"rollout: {e['engine']} on the update's mesh {prl.mesh_text(tuple(e['mesh'].values()))}: KV cache "
+              f"{e['cache_bytes_per_chip'] / 2 ** 30:.2f} GiB per chip; each program per chip by the plan engine "
+              f"estimate (fp32 weights gathered per call): "
+              + ", ".join(f"{k} {v / 2 ** 30:.2f}" for k, v in est.items())
+              + f" GiB, with {sum(held.values()) / 2 ** 30:.2f} GiB beside ("
+              + ", ".join(f"{k} {v / 2 ** 30:.2f}" for k, v in held.items())
+              + f"), of {e['hbm_bytes'] / 2 ** 30:g} GiB: {'fits' if e['fits'] else 'DOES NOT FIT'}; "
+              f"compile its programs on the slice with: {e['plan_engine_command']}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(rows, indent=2, default=str) + "\n")
     for line in failures:

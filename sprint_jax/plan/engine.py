@@ -38,6 +38,7 @@ class EngineShape:
     decode_chunk: int = 16
     prefill_chunk: int = 256
     attention_impl: str = "pallas"
+    weights_dtype: str | None = None   # the weights' dtype when not the compute dtype (the RL trainer's fp32 master)
 
     @property
     def chips(self) -> int:
@@ -152,11 +153,11 @@ def engine_programs(shape: EngineShape, devices) -> tuple[list[Program], list[st
 # The planner's arithmetic
 # ---------------------------------------------------------------------------------------------
 def weight_bytes(shape: EngineShape, leave_out: tuple[str, ...] = ()) -> float:
-    """Per-chip bytes of the weights in the compute dtype, split over tensor by the rules table
-    (data and fsdp hold whole copies at serving: the engine places no weight over them), less
-    the parameters named in `leave_out` ('lm_head/kernel')."""
+    """Per-chip bytes of the weights a call reads, in the compute dtype (or `weights_dtype`),
+    split over tensor by the rules table (a call gathers what fsdp splits: every slot shard reads
+    whole weights), less the parameters named in `leave_out` ('lm_head/kernel')."""
     cfg = serving_config(shape)
-    item = 2 if cfg.dtype == "bfloat16" else 4
+    item = 2 if (shape.weights_dtype or cfg.dtype) == "bfloat16" else 4
     parts = est.sharded_elements(cfg, shape.mesh_dict, over=("tensor",))
     return item * sum(v for k, v in parts.items() if k not in leave_out)
 

@@ -270,7 +270,8 @@ def check_prompts_fit(tasks, query_of, tokenizer, max_seq_len: int) -> None:
 
 @dataclasses.dataclass
 class _Run:
-    """What every step of a run reads: the config, OUT, the policy's model and tokenizer, the tasks."""
+    """What every step of a run reads: the config, OUT, the policy's model and tokenizer, the tasks,
+    the device mesh (the update's and the rollout engine's)."""
     cfg: RLConfig
     out: Path
     progress: bool
@@ -280,6 +281,7 @@ class _Run:
     held_tasks: list
     query_of: Any
     t_start: float
+    mesh: Any
 
     def say(self, msg: str) -> None:
         if self.progress:
@@ -287,11 +289,12 @@ class _Run:
 
 
 def _open_run(cfg: RLConfig, out: Path, progress: bool, t_start: float) -> _Run:
-    """The policy's model config and tokenizer and the tasks, each checked against the rollout's
-    sizes (prompts, loss rows, the KV cache) before anything is allocated."""
-    from sprint_jax.model.capacity import (BRANCH_TAG_ROOM, check_memory, check_positions, engine_cache_tokens,
-                                           kv_cache_bytes)
+    """The policy's model config and tokenizer, the tasks and the mesh, each checked against the
+    rollout's sizes (prompts, loss rows, the KV cache per device) before anything is allocated."""
+    from sprint_jax.infer import sharding as sh
+    from sprint_jax.model.capacity import BRANCH_TAG_ROOM, check_memory, check_positions
     from sprint_jax.model.config import Qwen2Config
+    from sprint_jax.model.sharding import make_mesh
     from sprint_jax.model.tokenizer import load_tokenizer
 
     pol, ro = cfg.policy, cfg.rollout
@@ -308,14 +311,17 @@ def _open_run(cfg: RLConfig, out: Path, progress: bool, t_start: float) -> _Run:
     check_positions(model_cfg, cfg.loss.seq_len, "loss.seq_len")
     seqs = _rollout_seqs(cfg)
     branch_tokens = ro.orchestrator.max_branch_tokens + BRANCH_TAG_ROOM
-    # the engine's KV cache, sized as `sprint-jax eval` sizes it, before anything is allocated
-    tokens = engine_cache_tokens(seqs, ro.max_seq_len, ro.orchestrator.max_prompts, ro.orchestrator.max_branch_tokens)
-    check_memory(kv_cache_bytes(model_cfg, tokens),
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    # the engine's KV cache on the fullest device (slots over data x fsdp, KV heads over tensor, as
+    # the engine places them on the mesh), sized as `sprint-jax eval` sizes it
+    per_device = sh.cache_bytes_per_device(sh.serving_config(model_cfg, mesh), mesh, seqs, ro.orchestrator.max_prompts,
+                                           ro.max_seq_len, branch_tokens)
+    check_memory(per_device,
                  f"the rollout KV cache ({seqs} run(s) of rollout.max_seq_len {ro.max_seq_len} with "
-                 f"{ro.orchestrator.max_prompts} branches of {branch_tokens})",
+                 f"{ro.orchestrator.max_prompts} branches of {branch_tokens}, per device)",
                  "lower rollout.concurrency, rollout.max_seq_len, rollout.orchestrator.max_prompts or "
                  "rollout.orchestrator.max_branch_tokens")
-    return _Run(cfg, out, progress, model_cfg, tok, train_tasks, held_tasks, query_of, t_start)
+    return _Run(cfg, out, progress, model_cfg, tok, train_tasks, held_tasks, query_of, t_start, mesh)
 
 
 def _rollout_seqs(cfg: RLConfig) -> int:
@@ -326,14 +332,12 @@ def _rollout_seqs(cfg: RLConfig) -> int:
 def _build_update(run: _Run):
     """(setup, rl step, checkpointer) on the configured mesh."""
     from sprint_jax.infer.sampling import valid_vocab
-    from sprint_jax.model.sharding import make_mesh
     from sprint_jax.rl.loss import LossSettings, build_rl_step
     from sprint_jax.train import checkpoint as ckpt_lib
     from sprint_jax.train import mesh as mesh_lib
     from sprint_jax.train import step as step_lib
 
-    cfg, pol = run.cfg, run.cfg.policy
-    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    cfg, pol, mesh = run.cfg, run.cfg.policy, run.mesh
     if cfg.loss.rows_per_micro % mesh_lib.batch_divisor(mesh):
         raise ConfigError(f"loss.rows_per_micro ({cfg.loss.rows_per_micro}) must be a multiple of mesh data x fsdp "
                           f"= {mesh_lib.batch_divisor(mesh)}")
@@ -369,8 +373,10 @@ def _initial_state(run: _Run, setup, ckpt):
 
 
 def _rollout_engine(run: _Run, params):
-    """(engine on the trainer's params, each rollout traced; orchestrator config; layout): the
-    layout is the policy's training convention unless rollout.layout names one."""
+    """(engine on the trainer's params and mesh, each rollout traced; orchestrator config; layout):
+    on more than one device the engine's slots split over data x fsdp and its KV heads over tensor,
+    the weights staying where the trainer placed them. The layout is the policy's training
+    convention unless rollout.layout names one."""
     from sprint_jax.infer.engine import Engine
     from sprint_jax.model.capacity import BRANCH_TAG_ROOM
     from sprint_jax.model.hf import read_export_meta
@@ -379,10 +385,29 @@ def _rollout_engine(run: _Run, params):
     engine = Engine(_Policy(run.model_cfg, params), run.tok, max_seqs=_rollout_seqs(run.cfg),
                     max_children=ro.orchestrator.max_prompts, trace=True,   # each rollout's DecodeTrace: the loss's layout
                     max_seq_len=ro.max_seq_len, max_branch_tokens=ro.orchestrator.max_branch_tokens + BRANCH_TAG_ROOM,
-                    decode_chunk=ro.decode_chunk, prefill_chunk=ro.prefill_chunk)
+                    decode_chunk=ro.decode_chunk, prefill_chunk=ro.prefill_chunk,
+                    mesh=run.mesh if run.mesh.devices.size > 1 else None)
+    if engine.mesh is not None:
+        run.say(f"rollout engine on the mesh {_mesh_label(run.mesh)}: KV cache "
+                f"{_device_bytes(engine.cache) / 2 ** 20:.1f} MiB on each device")
     layout = read_export_meta(run.cfg.policy.path).get("layout", "flat") if ro.layout == "auto" else ro.layout
     run.say(f"rollouts use the {layout} token convention at forks and syncs")
     return engine, dataclasses.replace(ro.orchestrator, layout=layout), layout
+
+
+def _mesh_label(mesh) -> str:
+    return ",".join(f"{k}={v}" for k, v in mesh.shape.items())
+
+
+def _device_bytes(tree) -> int:
+    """Bytes of a tree of arrays on its fullest device."""
+    import jax
+
+    per: dict = {}
+    for a in jax.tree.leaves(tree):
+        for s in a.addressable_shards:
+            per[s.device] = per.get(s.device, 0) + s.data.nbytes
+    return max(per.values(), default=0)
 
 
 def _held_out(run: _Run, engine, orch, step: int, out_sub: str) -> dict:
@@ -459,6 +484,8 @@ def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int 
     setup, rl, ckpt = _build_update(run)
     state, start_step, position, resumed, ref_params = _initial_state(run, setup, ckpt)
     engine, orch, layout = _rollout_engine(run, state["params"])
+    placement = {"mesh": dict(engine.mesh.shape) if engine.mesh is not None else None,
+                 "kv_cache_bytes_per_device": _device_bytes(engine.cache)}
     rollouts = Rollouts(engine, orch)
     pad = pad_id(run.tok)
 
@@ -515,18 +542,20 @@ def _run_rl(cfg: RLConfig, out_dir: str | Path, progress: bool, stop_after: int 
         export_dir = out / "hf"
         export_hf(run.model_cfg, state["params"], run.tok, export_dir, cfg.export.dtype,
                   meta=export_meta(cfg.policy.path, layout, [run.query_of(t) for t in run.train_tasks]))
-    return _summary(run, metrics.records, start_step, resumed, export_dir)
+    return _summary(run, metrics.records, start_step, resumed, export_dir, placement)
 
 
-def _summary(run: _Run, records: list[dict], start_step: int, resumed: bool, export_dir: Path | None) -> dict:
-    """The run's summary (first and last step, first and last held-out eval), also OUT/summary.json."""
+def _summary(run: _Run, records: list[dict], start_step: int, resumed: bool, export_dir: Path | None,
+             engine: dict) -> dict:
+    """The run's summary (first and last step, first and last held-out eval, where the rollout
+    engine ran: its mesh and KV cache bytes per device), also OUT/summary.json."""
     recs = [r for r in records if "reward" in r]
     evs = [r for r in records if "eval_accuracy" in r]
     summary = {"steps": run.cfg.steps, "start_step": start_step, "resumed": resumed,
                "first": recs[0] if recs else None, "last": recs[-1] if recs else None,
                "eval_first": evs[0] if evs else None, "eval_last": evs[-1] if evs else None,
                "wall_s": time.time() - run.t_start, "out_dir": str(run.out),
-               "export_dir": str(export_dir) if export_dir else None}
+               "export_dir": str(export_dir) if export_dir else None, "rollout_engine": engine}
     (run.out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
