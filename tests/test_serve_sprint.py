@@ -124,6 +124,32 @@ def test_sprint_response_equals_sprint_jax_infer_on_a_model_that_writes_stages(s
     assert _untimed(r.model_extra["sprint"]) == _untimed(seq_ref) and seq_ref["total_tokens"] > 0
 
 
+def test_sprint_serial_mode_runs_one_executor_at_a_time_as_infer_does(stage_model, served, tmp_path):
+    """sprint.mode 'serial' through the server: the reply is `infer --mode serial`'s run, and every
+    fork the worker hands the engine runs its executors one after another (serial=True), as the
+    infer / eval driver asks; the worker once forked them all at once."""
+    export, _ = stage_model
+    ref = _infer(export, QUERIES[0], tmp_path, "serial")
+    server, client = served
+    engine = server.worker.engine
+    forks = []
+    real = engine.fork
+
+    def spy(*args, **kw):
+        forks.append(kw.get("serial", False))
+        return real(*args, **kw)
+
+    engine.fork = spy
+    try:
+        r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": QUERIES[0]}],
+                                           extra_body={"sprint": {"mode": "serial"}}, temperature=0)
+    finally:
+        del engine.fork
+    assert _untimed(r.model_extra["sprint"]) == _untimed(ref)
+    assert ref["n_stages"] == 2 and len(ref["stages"][0]["executions"]) == 4
+    assert forks and all(forks), forks
+
+
 def test_sprint_streaming_emits_the_stage_events_in_order_and_the_text_as_it_is_decoded(stage_model, served):
     from sprint_jax.infer.infer_cli import build_engine, config_from_args
     from sprint_jax.infer.orchestrator import Orchestrator, execution_opening

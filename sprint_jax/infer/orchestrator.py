@@ -897,6 +897,31 @@ class EngineCall:
     join: bool = False                          # branches: a merge join follows (children feed their last token)
 
 
+def submit_call(engine: Any, call: EngineCall, top_logprobs: int = 0) -> tuple[Any, Any]:
+    """One stage-loop call handed to an `Engine`, as every driver hands it (`run_many`, the
+    server's worker): (None, value) for a call the engine answers at once (truncate, merge), else
+    (op, None) with the engine's `Op` (a prefill opens a sequence; a serial stage's branches run
+    one executor at a time; top_logprobs > 0 asks generate and branches for that many
+    alternatives per token). EngineError passes through."""
+    top = {"top_logprobs": top_logprobs} if top_logprobs else {}
+    if call.kind == "truncate":
+        return None, engine.truncate(call.state, call.n)
+    if call.kind == "merge":              # a copy of KV rows (+ a few tokens): done at once
+        return None, engine.merge(call.state, call.prefixes)
+    if call.kind == "prefill":
+        return engine.open(call.tokens), None
+    if call.kind == "generate":
+        return engine.generate(call.state, call.limits[0], call.stops[0], call.sampling, **top), None
+    if call.kind == "branches":
+        serial = {"serial": True} if call.mode == "serial" else {}   # one executor at a time
+        join = {"join": True} if call.join else {}
+        return engine.fork(call.state, call.prefixes, call.limits, call.stops, call.sampling, **serial, **join,
+                           **top), None
+    if call.kind == "extend":
+        return engine.extend(call.state, call.tokens), None
+    raise ValueError(f"unknown engine call {call.kind!r}")
+
+
 def run_many(engine: Any, queries: list[str], mode: str = "parallel", config: OrchestratorConfig | None = None,
              concurrency: int | None = None, on_event: Callable[[Event], None] | None = None,
              on_record: Callable[[int, RunRecord], None] | None = None,
@@ -938,29 +963,13 @@ def run_many(engine: Any, queries: list[str], mode: str = "parallel", config: Or
             value, error = None, None
             context = list(call.state.tokens) if on_call is not None and call.state is not None else []
             try:
-                if call.kind == "truncate":
-                    value = engine.truncate(call.state, call.n)
-                    if on_call is not None:
-                        on_call(i, call, context, value)
-                    continue
-                if call.kind == "merge":     # a copy of KV rows (+ a few tokens): done at once
-                    value = engine.merge(call.state, call.prefixes)
-                    continue
-                if call.kind == "prefill":
-                    op = engine.open(call.tokens)
-                elif call.kind == "generate":
-                    op = engine.generate(call.state, call.limits[0], call.stops[0], call.sampling)
-                elif call.kind == "branches":
-                    serial = {"serial": True} if call.mode == "serial" else {}   # one executor at a time
-                    join = {"join": True} if call.join else {}
-                    op = engine.fork(call.state, call.prefixes, call.limits, call.stops, call.sampling, **serial,
-                                     **join)
-                elif call.kind == "extend":
-                    op = engine.extend(call.state, call.tokens)
-                else:
-                    raise ValueError(f"unknown engine call {call.kind!r}")
+                op, value = submit_call(engine, call)
             except EngineError as e:
                 error = e
+                continue
+            if op is None:
+                if on_call is not None and call.kind == "truncate":
+                    on_call(i, call, context, value)
                 continue
             if call.kind == "prefill":
                 run["seq"] = op.seq
@@ -998,4 +1007,4 @@ def run_query(engine: Any, query: str, mode: str = "parallel", config: Orchestra
 
 __all__ = ["MODES", "TERMINATIONS", "execution_opening", "OrchestratorConfig",
            "ExecutionRecord", "StageRecord", "RunRecord", "Event", "Orchestrator", "run_query",
-           "EngineCall", "run_many"]
+           "EngineCall", "submit_call", "run_many"]

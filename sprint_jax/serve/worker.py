@@ -628,7 +628,9 @@ class EngineWorker:
         """`orchestrator.run_many`'s advance for one run: answer calls until one has to wait. With
         log-probs, each generate / branches result is logged in `job.layout` before the run sees
         it, and those calls ask the engine for the job's alternatives per token."""
-        top = {"top_logprobs": job.top_logprobs} if job.logprobs and job.top_logprobs else {}
+        from sprint_jax.infer.orchestrator import submit_call
+
+        top = job.top_logprobs if job.logprobs else 0
         while True:
             if job.awaiting is not None and error is None and job.logprobs:
                 job.layout.append(("call", value))
@@ -640,27 +642,14 @@ class EngineWorker:
                 return
             value, error = None, None
             try:
-                if call.kind == "truncate":
-                    value = self.engine.truncate(call.state, call.n)
-                    continue
-                if call.kind == "merge":     # a merge join: runs at once, like truncate
-                    value = self.engine.merge(call.state, call.prefixes)
-                    continue
-                if call.kind == "prefill":
-                    op = self.engine.open(call.tokens)
-                    job.seq = op.seq
-                elif call.kind == "generate":
-                    op = self.engine.generate(call.state, call.limits[0], call.stops[0], call.sampling, **top)
-                elif call.kind == "branches":
-                    op = self.engine.fork(call.state, call.prefixes, call.limits, call.stops, call.sampling,
-                                          join=call.join, **top)
-                elif call.kind == "extend":
-                    op = self.engine.extend(call.state, call.tokens)
-                else:
-                    raise ValueError(f"unknown engine call {call.kind!r}")
+                op, value = submit_call(self.engine, call, top)
             except EngineError as e:
                 error = e
                 continue
+            if op is None:                       # truncate, merge: answered at once
+                continue
+            if call.kind == "prefill":
+                job.seq = op.seq
             if call.kind in ("generate", "branches"):
                 job.awaiting = call.kind
             if op.done:
