@@ -4,7 +4,6 @@ result."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -44,12 +43,11 @@ def test_yaml_numbers_without_a_dot_are_numbers(tmp_path):
 # ---- demo ------------------------------------------------------------------------------------
 
 def test_demo_rejects_bad_settings_before_curating(tmp_path, capsys):
-    t0 = time.time()
     assert main(["demo", "--set", "steps=-1", "--out", str(tmp_path / "d"), "--no-progress"]) == 2
     assert "steps must be >= 1, got -1" in _err_line(capsys)
     assert main(["demo", "--set", "model.num_attention_heads=3", "--out", str(tmp_path / "d"), "--no-progress"]) == 2
     assert "num_attention_heads (3) must be a multiple" in _err_line(capsys)
-    assert not (tmp_path / "d").exists() and time.time() - t0 < 30      # no curation happened
+    assert not (tmp_path / "d").exists()                               # no curation happened
 
 
 # ---- tokenizer and model that do not fit -------------------------------------------------------
@@ -245,10 +243,9 @@ def test_capacities_are_checked_before_allocating(hf_untied, tmp_path, capsys):
     assert "the KV cache" in line and "GiB" in line and "lower --max-seq-len" in line
     cfg = tmp_path / "sft.yaml"
     cfg.write_text(f"data: {{train: [{ROOT / 'tests/data/sft_tiny_sprint.jsonl'}], tokenizer: bytes}}\nsteps: 1\n")
-    t0 = time.time()
     assert main(["train", "--config", str(cfg), "--set", "data.seq_len=1048576", "--out", str(tmp_path / "o")]) == 2
     assert "data.seq_len = 1048576 is more than the model's max_position_embeddings (4096)" in _err_line(capsys)
-    assert time.time() - t0 < 60
+    assert not (tmp_path / "o" / "checkpoints").exists()                # refused before training
 
 
 def test_output_paths_are_checked_up_front(hf_untied, tmp_path, capsys):

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
@@ -58,13 +57,11 @@ def test_second_run_into_a_locked_out_exits_2_naming_the_holder(tmp_path):
     from conftest import start_lock_holder
     holder = start_lock_holder(out)
     try:
-        t0 = time.time()
         p = _train(tmp_path, out, CONFIG, timeout=120)
         assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
         last = p.stderr.strip().splitlines()[-1]
         assert "is in use by another run" in last and f"pid {holder.pid}" in last, last
         assert not (out / "config.yaml").exists() and not (out / "checkpoints").exists()
-        assert time.time() - t0 < 60
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
