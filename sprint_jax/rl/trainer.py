@@ -388,15 +388,11 @@ def _rollout_engine(run: _Run, params):
                     decode_chunk=ro.decode_chunk, prefill_chunk=ro.prefill_chunk,
                     mesh=run.mesh if run.mesh.devices.size > 1 else None)
     if engine.mesh is not None:
-        run.say(f"rollout engine on the mesh {_mesh_label(run.mesh)}: KV cache "
+        run.say(f"rollout engine on the mesh {dict(run.mesh.shape)}: KV cache "
                 f"{_device_bytes(engine.cache) / 2 ** 20:.1f} MiB on each device")
     layout = read_export_meta(run.cfg.policy.path).get("layout", "flat") if ro.layout == "auto" else ro.layout
     run.say(f"rollouts use the {layout} token convention at forks and syncs")
     return engine, dataclasses.replace(ro.orchestrator, layout=layout), layout
-
-
-def _mesh_label(mesh) -> str:
-    return ",".join(f"{k}={v}" for k, v in mesh.shape.items())
 
 
 def _device_bytes(tree) -> int:
