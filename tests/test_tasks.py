@@ -229,6 +229,54 @@ def test_chains_token_vocabulary_covers_every_demo_text_once():
     assert "<Plan_4>" not in vocab and "<Plan_4>" in chains.token_vocabulary(4, max_stages=4)
 
 
+# sha256 of json.dumps(chains.token_vocabulary(max_prompts, max_stages)) as it was before
+# ThreadWeaver's entries were appended (the ids of demo models trained then), and its length
+_SPRINT_VOCABULARY = {(4, 3): (118, "e6fdacf674930b208f97e9eb4b64eeff306fbfefbe8135f491596f404591ef6c"),
+                      (2, 3): (76, "485a9fa4d403596758f717e412cffd6dbaa9032e2104654a288ec4de068167d2"),
+                      (4, 4): (150, "b2d921916bb12387b7ba904edca2b71bc9a9297ea8794ae4f7bda3cfe54e18c3")}
+
+
+def test_chains_token_vocabulary_keeps_every_sprint_id_and_writes_threadweaver_tags_as_one_token():
+    """The SPRINT entries are the vocabulary a demo model was trained with, unchanged (the recorded
+    hash); ThreadWeaver's come after them; a rendered ThreadWeaver example of the demo task
+    round-trips and every tag in it is one token (the tag, or `<Outline>j:` / `<Thread>j:`)."""
+    import hashlib
+    import json
+
+    from sprint_jax import format as fmt
+    from sprint_jax import threadweaver as tw
+    from sprint_jax.model.tokenizer import VocabTokenizer, encode_with_offsets
+    from sprint_jax.tasks import chains
+
+    for (prompts, stages), (n, digest) in _SPRINT_VOCABULARY.items():
+        vocab = chains.token_vocabulary(prompts, max_stages=stages)
+        assert hashlib.sha256(json.dumps(vocab[:n]).encode()).hexdigest() == digest
+        assert vocab[:n] == chains.token_vocabulary(prompts, max_stages=stages, threadweaver=False)
+        extra = vocab[n:]
+        assert len(extra) == 10 + 2 * prompts and len(set(vocab)) == len(vocab)
+        assert set(tw.tag_vocabulary()) <= set(extra)
+        assert {f"<Outline>{j}:" for j in range(1, prompts + 1)} | {f"<Thread>{j}:" for j in range(1, prompts + 1)} \
+            <= set(extra)
+
+    task = chains.generate(1, 0)[0]
+    starts = task.answer["starts"]
+    traj = tw.from_sprint(fmt.Trajectory(stages=[
+        fmt.Stage(1, [fmt.Prompt(f"Chain {s}:") for s in starts], [chains.chain(s, 12) for s in starts]),
+        fmt.Stage(2, [chains.COMBINE])], final_answer=str(task.answer["value"])))
+    text = chains.prompt_for(task) + tw.render_completion(traj)
+    tok = VocabTokenizer(chains.token_vocabulary(max_prompts=4), eos_token="<eos>", pad_token="<pad>")
+    ids, offsets = encode_with_offsets(tok, text)
+    assert tok.decode(ids) == text
+    tags = list(tw.TAG_PATTERN.finditer(text))
+    assert len(tags) == 2 + 2 + 2 + 2 * 4 + 2 * 4      # think, Parallel, Outlines, 4 outlines, 4 threads
+    for m in tags:
+        holding = [(a, b) for a, b in offsets if a < m.end() and b > m.start()]
+        assert len(holding) == 1, (m.group(0), holding)
+        a, b = holding[0]
+        token = text[a:b]
+        assert a == m.start() and (token == m.group(0) or re.fullmatch(r"<(Outline|Thread)>[1-4]:", token)), token
+
+
 # ---------------------------------------------------------------------------------------------
 # digit chains of mixed lengths: the held-out set, the training set kept out of it
 # ---------------------------------------------------------------------------------------------

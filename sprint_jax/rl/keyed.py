@@ -214,7 +214,8 @@ def vocabulary(n_chains: int = 4) -> list[str]:
     """The demo's vocabulary (one token per tag and word; the key needs only ':' and digits) with
     tags for up to MAX_STAGES plans (one chain per stage, then the combining stage)."""
     from sprint_jax import format as fmt
-    vocab = chains.token_vocabulary(max_prompts=n_chains) + [LAST_DIGITS]
+    # SPRINT's entries only: LAST_DIGITS and the later tags keep the ids keyed models were trained with
+    vocab = chains.token_vocabulary(max_prompts=n_chains, threadweaver=False) + [LAST_DIGITS]
     for tag in fmt.tag_vocabulary(max_stages=MAX_STAGES, max_prompts=n_chains):
         for v in ([tag, " " + tag] if tag.startswith("</") else [tag] if tag.startswith("<execution") else
                   [tag, tag + " "]):

@@ -127,12 +127,15 @@ def vocabulary() -> list[str]:
     return ["Chain ", ":", QUERY_PREFIX, COMBINE] + [str(d) for d in range(10)]
 
 
-def token_vocabulary(max_prompts: int, max_stages: int = 3) -> list[str]:
+def token_vocabulary(max_prompts: int, max_stages: int = 3, threadweaver: bool = True) -> list[str]:
     """The vocabulary of a word-level tokenizer for this family (the demo's): pad, EOS, space and
     newline, every string of `vocabulary()`, and each SPRINT tag of up to `max_stages` plans with
-    `max_prompts` prompts each, with the single space the format writes beside it. The order is
-    the token ids: a trained model depends on it."""
+    `max_prompts` prompts each, with the single space the format writes beside it; then (unless
+    `threadweaver` is False) ThreadWeaver's tags and `<Outline>j:` / `<Thread>j:` for j up to
+    `max_prompts`. The order is the token ids: a trained model depends on it, so ThreadWeaver's
+    entries come after every SPRINT entry and the SPRINT ids are those of a vocabulary without them."""
     from sprint_jax import format as fmt
+    from sprint_jax import threadweaver as tw
 
     vocab = ["<pad>", "<eos>", " ", "\n"] + vocabulary()
     for tag in fmt.tag_vocabulary(max_stages=max_stages, max_prompts=max_prompts):
@@ -142,4 +145,12 @@ def token_vocabulary(max_prompts: int, max_stages: int = 3) -> list[str]:
         elif not tag.startswith("<execution"):
             vocab.append(tag + " ")          # opening tag, one space, content
         # an executor's opening is forced by the orchestrator as the bare tag, so no variant
+    if threadweaver:
+        # ThreadWeaver writes one tag per line (the newline stays a token of its own, as SPRINT's
+        # block gap does) and an outline's or thread's number against its tag; the space after
+        # `j:` is not merged: a thread's opening is forced up to the colon and its body, from the
+        # space on, is a piece of its own at inference
+        vocab += tw.tag_vocabulary()
+        vocab += [tw.OUTLINE_OPEN + f"{j}:" for j in range(1, max_prompts + 1)]
+        vocab += [tw.thread_opening(j) for j in range(1, max_prompts + 1)]
     return vocab
