@@ -16,8 +16,9 @@ DESCRIPTION = """Self-training (ThreadWeaver's self-training stage): rounds of s
 Starting from an SFT model (an HF export directory as `sprint-jax train` writes it), round r
 (1..rounds):
   1. samples `samples` trajectories per training problem with model r-1 (model 0: the start model) on
-     the batched engine, the path `sprint-jax eval --samples K` takes (sample s with seed
-     orchestrator.seed + s; orchestrator.temperature / top_p sample);
+     the batched engine, the path `sprint-jax eval --samples K` takes (sample s of a problem with
+     a seed hashed from orchestrator.seed, the problem's id and s, so problems draw independently;
+     orchestrator.temperature / top_p sample);
   2. keeps the correct and well-formed ones (format-valid, ended by a final answer); keep: fastest
      keeps one per problem, the one with the shortest critical path (sequential tokens: per stage
      the planner's tokens plus the longest executor's, plus the final call; ties: the lowest sample

@@ -1,9 +1,11 @@
-"""The papers' decoding at eval: k samples per problem (each its own seed) with Avg@k, its standard
+"""The papers' decoding at eval: k samples per problem (each its own seed, keyed on the problem's id
+and the sample index) with Avg@k, its standard
 error, pass@k and per-problem means; runs cut by the context or the token budget counted as
 context_full; the checkpoint's own chat template; and `eval compare`'s mean per-problem speedup,
 self-parallelism and activation ratios. Every figure is checked against a hand computation."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from fractions import Fraction
@@ -82,10 +84,33 @@ ANSWER = "<Final Answer> {} </Final Answer>"
 LONG = "and so on " * 12                 # no answer within the 16-token budget
 
 
-def _seed_of_sample(s: int) -> int:
-    """The seed the engine sees for sample s: that of the one call of a sequential run under the
-    config with seed 7 + s (the public `sampling` API)."""
-    return OrchestratorConfig(temperature=0.6, top_p=0.95, seed=7 + s).sampling(0).seed
+def _run_seed(seed: int, pid: str, s: int) -> int:
+    """The documented rule, written out: the first 8 bytes (big-endian) of the sha256 of the JSON
+    text `[seed, "id", sample]`, mod 2^31."""
+    text = f'[{seed}, "{pid}", {s}]'
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") % 2 ** 31
+
+
+def _engine_seed(pid: str, s: int) -> int:
+    """The seed the engine sees for sample s of problem pid: that of the one call of a sequential
+    run under the config with the run's seed (the public `sampling` API)."""
+    return OrchestratorConfig(temperature=0.6, top_p=0.95, seed=_run_seed(7, pid, s)).sampling(0).seed
+
+
+def test_run_seeds_by_hand_differ_across_problems_and_leave_greedy_alone():
+    from sprint_jax.eval.evaluate import run_config, run_seed
+
+    # the rule by hand for one case: sha256(b'[7, "a", 0]') starts b4af85c8 0133f267; its first 8
+    # bytes mod 2^31 are the low 31 bits of 0x0133f267
+    assert hashlib.sha256(b'[7, "a", 0]').hexdigest()[:16] == "b4af85c80133f267"
+    assert run_seed(7, "a", 0) == 0x0133f267 == 20181607 == _run_seed(7, "a", 0)
+    seeds = {(p, s): run_seed(7, p, s) for p in ("a", "b", "chains-0-1", "chains-0-10") for s in range(4)}
+    assert seeds == {k: _run_seed(7, *k) for k in seeds}
+    assert len(set(seeds.values())) == len(seeds)          # no two (problem, sample) runs share a seed
+    assert run_seed(8, "a", 0) != run_seed(7, "a", 0)     # the config seed still moves every run
+    assert run_config(CONFIG, "b", 2).seed == _run_seed(7, "b", 2)
+    greedy = OrchestratorConfig(seed=7)
+    assert run_config(greedy, "a", 3) is greedy           # greedy: no draw, the config as it is
 
 
 # what the model writes, per problem and sample: a is right in samples 0 and 2; b right in sample
@@ -97,19 +122,22 @@ SCRIPT = {("a", 0): ANSWER.format("0.5"), ("a", 1): ANSWER.format("3"), ("a", 2)
 
 
 class SeededEngine(ScriptedEngine):
-    """A plain-decoding model whose output depends on the sampling seed of the call: the script of
-    (problem, sample) for the seed of that sample. Records the (problem, sample) of every call."""
+    """A plain-decoding model whose output depends on the sampling seed of the call: the seed names
+    the (problem, sample) it was derived for, and the model writes that sample's script (problem c
+    has a's query and a's script). Records the (problem, sample) of every call; a seed derived for
+    another problem than the query's fails the run."""
 
     def __init__(self):
         super().__init__()
-        self.sample_of = {_seed_of_sample(s): s for s in range(6)}
+        self.run_of = {_engine_seed(p, s): (p, s) for p in "abc" for s in range(6)}
         self.ran: list[tuple[str, int]] = []
 
     def generate(self, state, max_new_tokens, stop=(), sampling=None, tag=None):
-        pid = next(p for p, q in QUERIES.items() if self.decode_text(state.tokens) == q)
-        key = (pid, self.sample_of[sampling.seed])
-        self.ran.append(key)
-        self.planner = [SCRIPT[key]]
+        pid, s = self.run_of[sampling.seed]
+        script_pid = "a" if pid == "c" else pid
+        assert self.decode_text(state.tokens) == QUERIES[script_pid], (pid, s)
+        self.ran.append((pid, s))
+        self.planner = [SCRIPT[(script_pid, s)]]
         return super().generate(state, max_new_tokens, stop, sampling, tag)
 
 
@@ -128,7 +156,7 @@ def test_samples_get_their_own_seeds_keep_their_index_and_resume(tmp_path):
     assert results[7]["termination"] == "token_budget" and results[7]["sequential_tokens"] == 16
     records = _lines(tmp_path / "records.jsonl")
     assert [(r["id"], r["sample"], r["config"]["seed"]) for r in records] == [
-        (p, s, 7 + s) for p in "ab" for s in range(4)]
+        (p, s, _run_seed(7, p, s)) for p in "ab" for s in range(4)]
     # Avg@4 = (2/4 + 1/4) / 2; standard error: |1/2 - 1/4| / sqrt(2) / sqrt(2) = 1/8
     assert report["samples"]["avg_at_k"] == pytest.approx(3 / 8)
     assert report["samples"]["avg_at_k_se"] == pytest.approx(1 / 8)
@@ -156,6 +184,39 @@ def test_samples_get_their_own_seeds_keep_their_index_and_resume(tmp_path):
     # a: 3/6, b: 3/6 -> Avg@6 = 1/2 with a standard error of 0
     assert report3["samples"]["avg_at_k"] == pytest.approx(0.5) and report3["samples"]["avg_at_k_se"] == 0.0
     assert len(_lines(tmp_path / "results.jsonl")) == 12 and report3["problems_in_out"] == 2
+
+
+def test_a_problem_keeps_its_seeds_whatever_its_order_limit_or_neighbours(tmp_path):
+    from sprint_jax.errors import UserError
+
+    def run(tasks, out, samples=2):
+        engine = SeededEngine()
+        results, _ = evaluate(engine, tasks, "sequential", prompt_fn=lambda t: t.problem,
+                              orchestrator_config=CONFIG, out_dir=tmp_path / out, progress=False, samples=samples)
+        seeds = {(r["id"], r["sample"]): r["config"]["seed"] for r in _lines(tmp_path / out / "records.jsonl")}
+        return {(r["id"], r["sample"]): untimed(r) for r in results}, seeds, engine.ran
+
+    ab, seeds_ab, _ = run(TASKS, "ab")
+    # two problems at the same sample index draw with different seeds, each the rule's
+    assert seeds_ab == {(p, s): _run_seed(7, p, s) for p in "ab" for s in range(2)}
+    assert seeds_ab[("a", 0)] != seeds_ab[("b", 0)] and seeds_ab[("a", 1)] != seeds_ab[("b", 1)]
+    # the other order: the same seeds and outputs per (problem, sample)
+    ba, seeds_ba, ran = run(TASKS[::-1], "ba")
+    assert ran[:2] == [("b", 0), ("b", 1)] and seeds_ba == seeds_ab and ba == ab
+    # b alone (as --limit 1 of the order [b, a] would give): b's own seeds and outputs
+    b, seeds_b, _ = run(TASKS[1:], "b")
+    assert seeds_b == {k: v for k, v in seeds_ab.items() if k[0] == "b"} and b == {k: ab[k] for k in b}
+    # resumed with a added: only a's runs are new, under a's seeds
+    both, seeds_both, ran = run(TASKS, "b")
+    assert sorted(ran) == [("a", 0), ("a", 1)] and seeds_both == seeds_ab and both == ab
+    # a directory written under another seeding rule (no "seeds" in its eval_run.json) is refused
+    path = tmp_path / "ab" / "eval_run.json"
+    saved = json.loads(path.read_text())
+    assert saved["run"]["seeds"] == "sha256 of [seed, problem id, sample]"
+    del saved["run"]["seeds"]
+    path.write_text(json.dumps(saved))
+    with pytest.raises(UserError, match="differs in: seeds"):
+        run(TASKS, "ab", samples=3)
 
 
 def test_samples_need_sampling_and_a_count(tmp_path, capsys):
@@ -316,28 +377,37 @@ def test_eval_samples_with_the_chat_template_on_the_batched_engine(hf_untied, tm
     """The command end to end on a tiny real checkpoint whose tokenizer has a chat template: two
     samples per problem in one batch, the template in every query, eval's context sized by the
     token budget (12 + 2048 positions, under the model's 4096), runs cut by the budget counted as
-    context_full."""
+    context_full; a rerun, and a run over the problems in the other order, give the same tokens."""
     import shutil
 
     model = tmp_path / "model"
     shutil.copytree(hf_untied, model)
     _save_chat_tokenizer(model)
+    rows = [json.dumps({"id": f"t{k}", "problem": f"What is {k}+{k}?", "answer": str(2 * k)}) + "\n" for k in (1, 2)]
     task_file = tmp_path / "tasks.jsonl"
-    task_file.write_text("".join(json.dumps({"id": f"t{k}", "problem": f"What is {k}+{k}?", "answer": str(2 * k)}) + "\n"
-                                 for k in (1, 2)))
+    task_file.write_text("".join(rows))
+
+    def eval_into(out, tasks=task_file, concurrency=4):
+        return main(["eval", "--model", str(model), "--data", str(tasks), "--mode", "sequential", "--limit", "2",
+                     "--samples", "2", "--temperature", "0.6", "--top-p", "0.95", "--out", str(out), "--no-progress",
+                     "--decode-chunk", "8", "--prefill-chunk", "32", "--max-prompts", "1", "--max-branch-tokens",
+                     "8", "--max-total-tokens", "12", "--concurrency", str(concurrency)])
+
+    def texts(out):
+        return {(r["id"], r["sample"]): r["text"] for r in _lines(out / "records.jsonl")}
+
     out = tmp_path / "eval"
-    assert main(["eval", "--model", str(model), "--data", str(task_file), "--mode", "sequential", "--limit", "2",
-                 "--samples", "2", "--temperature", "0.6", "--top-p", "0.95", "--out", str(out), "--no-progress",
-                 "--decode-chunk", "8", "--prefill-chunk", "32", "--max-prompts", "1", "--max-branch-tokens", "8",
-                 "--max-total-tokens", "12", "--concurrency", "4"]) == 0
+    assert eval_into(out) == 0
     printed = capsys.readouterr().out
     report = json.loads((out / "report.json").read_text())
     assert "over the 2 problem(s) x 2 samples asked for: accuracy 0.0% (0/4 runs)" in printed
     assert "Avg@2: 0.0% ± 0.0 (standard error over 2 problems)" in printed
     assert report["meta"]["chat_template"] is True and report["meta"]["max_seq_len"] == 12 + 2048
     records = _lines(out / "records.jsonl")
+    # each run's seed: the rule by hand on (--seed 0, id, sample); the two problems' sample 0 differ
     assert [(r["id"], r["sample"], r["config"]["seed"]) for r in records] == [
-        ("t1", 0, 0), ("t1", 1, 1), ("t2", 0, 0), ("t2", 1, 1)]
+        (p, s, _run_seed(0, p, s)) for p in ("t1", "t2") for s in range(2)]
+    assert records[0]["config"]["seed"] != records[2]["config"]["seed"]
     assert records[0]["query"] == f"{BOS}{USER}What is 1+1?{ASSISTANT}<think>\n"
     assert records[0]["text"] != records[1]["text"]          # two seeds, two samples
     results = _lines(out / "results.jsonl")
@@ -346,13 +416,16 @@ def test_eval_samples_with_the_chat_template_on_the_batched_engine(hf_untied, tm
         assert r["outcome"] == ("context_full" if cut else "wrong") and r["sequential_tokens"] <= 12
     assert report["outcomes"]["context_full"] == sum(r["termination"] == "token_budget" for r in results)
     assert report["samples"]["samples_per_problem"] == {"min": 2, "max": 2}
-    # a sample is its seed's: the same runs one at a time give the same tokens
-    again = tmp_path / "again"
-    assert main(["eval", "--model", str(model), "--data", str(task_file), "--mode", "sequential", "--limit", "2",
-                 "--samples", "2", "--temperature", "0.6", "--top-p", "0.95", "--out", str(again), "--no-progress",
-                 "--decode-chunk", "8", "--prefill-chunk", "32", "--max-prompts", "1", "--max-branch-tokens", "8",
-                 "--max-total-tokens", "12", "--concurrency", "1"]) == 0
-    assert [r["text"] for r in _lines(again / "records.jsonl")] == [r["text"] for r in records]
+    # a rerun of the same command reproduces every run
+    assert eval_into(tmp_path / "rerun") == 0
+    assert texts(tmp_path / "rerun") == texts(out)
+    # a sample is its problem's and its seed's: the problems in the other order, one at a time,
+    # give each (problem, sample) the same tokens
+    reversed_file = tmp_path / "reversed.jsonl"
+    reversed_file.write_text("".join(rows[::-1]))
+    assert eval_into(tmp_path / "again", reversed_file, concurrency=1) == 0
+    assert [r["id"] for r in _lines(tmp_path / "again" / "records.jsonl")] == ["t2", "t2", "t1", "t1"]
+    assert texts(tmp_path / "again") == texts(out)
 
 
 def test_wall_clock_per_problem_counts_all_of_a_problem_s_samples(tmp_path):

@@ -11,6 +11,7 @@ import yaml
 from sprint_jax.cli import main
 from sprint_jax.schema import Example
 from sprint_jax.selftrain_cli import heldout_figures, keep_samples, training_records, yield_figures
+from test_eval_sampling import _run_seed
 
 
 def _s(pid, sample, correct=True, valid=True, seq=10, text=None):
@@ -174,6 +175,13 @@ def test_rounds_end_to_end_then_resume_into_round_2(tmp_path, capsys, chains_mod
     results = _jsonl(out / "round_1" / "sampling_eval" / "results.jsonl")
     assert [(r["correct"], r["sequential_tokens"]) for r in results] == [
         (s["correct"], s["sequential_tokens"]) for s in samples]
+    # every sample drew with its own problem's seed (the rule by hand on orchestrator.seed 0), so
+    # problems draw independently; the greedy held-out runs keep the config's seed
+    seeds = {(r["id"], r["sample"]): r["config"]["seed"]
+             for r in _jsonl(out / "round_1" / "sampling_eval" / "records.jsonl")}
+    assert seeds == {(s["id"], s["sample"]): _run_seed(0, s["id"], s["sample"]) for s in samples}
+    assert len(set(seeds.values())) == 3 * N
+    assert {r["config"]["seed"] for r in _jsonl(out / "round_1" / "heldout_eval" / "records.jsonl")} == {0}
     done = json.loads((out / "round_1" / "done.json").read_text())
     assert (done["sampled"], done["kept"], done["problems_with_kept"]) == (3 * N, len(best), len(best))
     assert done["yield"] == len(best) / (3 * N)

@@ -57,8 +57,9 @@ DeepSeek-R1 model card's recommendation), a 32,768-token run budget and no small
 Without --max-seq-len, eval's context is the run's budget (max_total_tokens) + 2,048 positions
 for the prompt and forced tags, at most the model's max_position_embeddings.
 
---samples K: every problem runs K times, sample s with seed --seed + s (so a resumed run, or one
-extended to more samples, reproduces the samples it has), all on the batched engine. results.jsonl
+--samples K: every problem runs K times, sample s of problem P with its own seed, a stable hash
+of (--seed, P's id, s) (so problems draw independently, and a resumed, reordered or extended run,
+or one over another --limit, reproduces the samples it has), all on the batched engine. results.jsonl
 and records.jsonl keep one line per problem and sample ("sample": s). report.json "samples":
 avg_at_k (the mean over problems of each problem's accuracy over its samples), avg_at_k_se (its
 standard error: the standard deviation (n - 1) of the per-problem means / sqrt(problems); problems
@@ -165,7 +166,8 @@ def add_arguments(p) -> None:
     p.add_argument("--names", default="SPRINT,RFT", help="compare: column names of RUN_A,RUN_B")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--samples", type=int, default=1, metavar="K",
-                   help="runs per problem, each with its own seed (--seed + sample index); the report gives "
+                   help="runs per problem, each with its own seed (a hash of --seed, the problem id and the sample "
+                        "index); the report gives "
                         "Avg@K with its standard error, pass@k and per-problem means. K > 1 needs "
                         "--temperature > 0 (default 1)")
     p.add_argument("--chat-template", choices=CHAT_TEMPLATE_MODES, default="auto",

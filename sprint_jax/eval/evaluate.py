@@ -25,8 +25,11 @@ wall clock with the compilation that stalled it taken out, `compile_s` that comp
 wall clock is derived from these (`report.run_wall_clock`). Nothing is run twice: the records
 are those of an untimed run.
 
-Samples. `samples=k` runs each problem k times, sample s with the config's seed + s; a results
-line is one (problem, sample) run, and its `sample` names it.
+Samples. `samples=k` runs each problem k times; a results line is one (problem, sample) run, and
+its `sample` names it. A sampled run (temperature > 0) draws with its own seed, `run_seed(config
+seed, problem id, sample)`: a stable hash of the three, so different problems draw independently
+at the same sample index, and a run's draw depends on neither the problems beside it, their order,
+the concurrency, --limit nor resuming. Greedy runs keep the config as it is.
 
 Resume. A rerun into the same directory skips the (problem, sample) runs already in results.jsonl
 (complete lines only: a line cut by a kill is dropped and rerun; a run asked for more samples
@@ -210,9 +213,9 @@ def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
     """Run every task in `mode` and grade it. Returns (results, report); writes them to out_dir.
 
     `samples` k runs each task k times (results: task order, samples 0..k-1 of each task in
-    turn; each line's `sample`); sample s runs with the config's seed + s (`sample_config`), so a
-    resumed or extended run reproduces the samples it already has. k > 1 needs sampling
-    (temperature > 0): greedy runs would be k identical copies.
+    turn; each line's `sample`); a sampled run's seed is keyed on (config seed, problem id, sample)
+    (`run_config`), so a resumed, extended or reordered run reproduces the samples it already has.
+    k > 1 needs sampling (temperature > 0): greedy runs would be k identical copies.
 
     Up to `concurrency` problems run at once on the engine (default: its sequence slots), every
     planner and executor of them decoding in one batched step; results are written in task order
@@ -247,6 +250,8 @@ def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
         params = getattr(engine, "params", None)
         run = {"mode": mode, "answer_from": answer_from, "config": config.to_json(),
                "meta": {k: v for k, v in (meta or {}).items() if k not in _UNCHECKED_META}}
+        if config.temperature > 0:
+            run["seeds"] = SEED_RULE
         if params is not None:
             from sprint_jax.treesum import digest
             run["weights"] = digest(params)
@@ -257,9 +262,25 @@ def evaluate(engine: Any, tasks: Sequence[Task], mode: str = "parallel",
                          concurrency, samples)
 
 
-def sample_config(config: OrchestratorConfig, sample: int) -> OrchestratorConfig:
-    """The config of sample `sample` of a problem: the same, with seed config.seed + sample."""
-    return config if sample == 0 else dataclasses.replace(config, seed=int(config.seed) + sample)
+# what eval_run.json says about how a sampled run's seed is derived: a directory written under
+# another rule is refused on resume instead of mixing two rules' draws
+SEED_RULE = "sha256 of [seed, problem id, sample]"
+
+
+def run_seed(seed: int, problem_id: str, sample: int) -> int:
+    """The sampling seed of sample `sample` of problem `problem_id` under the config seed `seed`:
+    the first 8 bytes of sha256(json.dumps([seed, problem_id, sample])), big-endian, modulo 2^31.
+    Stable across processes and machines (unlike hash()); distinct problems get unrelated seeds."""
+    key = json.dumps([int(seed), str(problem_id), int(sample)]).encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % 2 ** 31
+
+
+def run_config(config: OrchestratorConfig, problem_id: str, sample: int) -> OrchestratorConfig:
+    """The config sample `sample` of problem `problem_id` runs with: under sampling (temperature >
+    0) the same with seed `run_seed(config.seed, problem_id, sample)`; greedy, `config` itself."""
+    if config.temperature == 0:
+        return config
+    return dataclasses.replace(config, seed=run_seed(config.seed, problem_id, sample))
 
 
 def _evaluate(engine, tasks, mode, prompt_fn, config, out: Path | None, progress: bool, meta: dict | None,
@@ -311,7 +332,7 @@ def _evaluate(engine, tasks, mode, prompt_fn, config, out: Path | None, progress
                                     seq=f"{sum(r['sequential_tokens'] for r in done_) / len(done_):.0f}")
 
         run_many(engine, [prompt_fn(t) for t, _ in todo], mode, config, concurrency=concurrency,
-                 on_record=on_record, configs=[sample_config(config, s) for _, s in todo])
+                 on_record=on_record, configs=[run_config(config, str(t.id), s) for t, s in todo])
         compile_s = clock.within(t0, time.time())
     finally:
         clock.stop()
@@ -332,4 +353,4 @@ def _evaluate(engine, tasks, mode, prompt_fn, config, out: Path | None, progress
 
 
 __all__ = ["RESULTS_FILE", "RECORDS_FILE", "REPORT_FILE", "RUN_FILE", "TIMING_FIELDS", "COMPILE_EVENTS",
-           "CompileClock", "default_prompt", "result_of", "untimed", "evaluate", "sample_config"]
+           "CompileClock", "SEED_RULE", "default_prompt", "result_of", "untimed", "evaluate", "run_config", "run_seed"]
