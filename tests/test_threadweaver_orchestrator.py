@@ -69,6 +69,12 @@ class TWEngine(ScriptedEngine):
                            "stop": [list(s) for s in stop], "seed": getattr(sampling, "seed", None)})
         return Done("fork", state, gens)
 
+    def merge(self, state, branches):
+        """A merge join: the branches' tokens (opening + body) appended in thread order."""
+        self.calls.append({"kind": "merge", "branches": [self.decode_text(b) for b in branches]})
+        state.tokens = state.tokens + [t for b in branches for t in b]
+        return state
+
 
 # ---------------------------------------------------------------------------------------------
 # A two-block run, counted by hand
@@ -189,6 +195,29 @@ def test_threadweaver_trie_model_writes_its_own_gap_after_the_block():
     # one more token per later call (its own gap) than the flat run
     assert [s.planner_tokens for s in rec.stages] == [29, 36] and rec.final_tokens == 23
     assert rec.sequential_tokens == 104 + 2 and rec.total_tokens == 125 + 2 == engine.generated
+
+
+def test_threadweaver_merge_join_places_the_threads_then_forces_the_block_close():
+    """A merge-layout model (the trie's planner: each later call writes its own gap): each block's
+    threads are merged as their forced opening and body, then `\n</Parallel>` is prefilled as
+    planner text; the text and accounting are the trie run's."""
+    engine = TWEngine(trie_planner(), TW_THREADS)
+    rec = run_query(engine, TW_QUERY, "parallel", OrchestratorConfig(format="threadweaver", layout="merge"))
+    assert rec.termination == "final_answer" and rec.problems == [] and rec.text == TW_TEXT
+    assert rec.join == "merge" and [s.join for s in rec.stages] == ["merge", "merge"]
+    calls = [(c["kind"], c.get("branches", c.get("text"))) for c in engine.calls if c["kind"] in ("merge", "extend")]
+    assert calls == [
+        ("merge", ["\n<Thread>1: So 2+3 = 5.</Thread>", "\n<Thread>2: 4+5 = 9.</Thread>"]),
+        ("extend", "\n</Parallel>"),
+        ("merge", ["\n<Thread>1: 5*9 = 45.</Thread>", "\n<Thread>2: 7-1 = 6.</Thread>",
+                   "\n<Thread>3: Both results are integers.</Thread>"]),
+        ("extend", "\n</Parallel>")]
+    assert [s.sync_tokens for s in rec.stages] == [2, 2]             # \n and </Parallel>: nothing else ran
+    trie = run_query(TWEngine(trie_planner(), TW_THREADS), TW_QUERY, "parallel", TW_TRIE)
+    assert (rec.sequential_tokens, rec.total_tokens) == (trie.sequential_tokens, trie.total_tokens) == (106, 127)
+    with pytest.raises(ValueError, match="mode 'serial' runs executors on the planner's own cache"):
+        run_query(TWEngine(trie_planner(), TW_THREADS), TW_QUERY, "serial",
+                  OrchestratorConfig(format="threadweaver", layout="merge"))
 
 
 def test_threadweaver_serial_mode_gives_the_same_record_as_parallel():
@@ -329,10 +358,10 @@ def test_threadweaver_config_is_validated_and_read_from_the_export_meta(tmp_path
         load_config(OrchestratorConfig, overrides=["format=tw"])
     with pytest.raises(ValueError, match=r"format must be one of \['sprint', 'threadweaver'\], got 'tw'"):
         OrchestratorConfig(format="tw")
-    with pytest.raises(ValueError, match="format='threadweaver' joins by reprefill"):
-        OrchestratorConfig(format="threadweaver", layout="merge")
-    with pytest.raises(ValueError, match="format='threadweaver' joins by reprefill"):
-        OrchestratorConfig(format="threadweaver", layout="trie", join="merge")
+    assert OrchestratorConfig(format="threadweaver", layout="merge").resolved_join == "merge"
+    assert OrchestratorConfig(format="threadweaver", layout="trie", join="merge").resolved_join == "merge"
+    with pytest.raises(ValueError, match="join='merge' needs a model trained with the trie or merge layout"):
+        OrchestratorConfig(format="threadweaver", layout="flat", join="merge")
     from sprint_jax.infer.infer_cli import model_defaults
     from sprint_jax.model.hf import update_export_meta
     update_export_meta(tmp_path, layout="trie", format="threadweaver")
@@ -367,12 +396,14 @@ def _well_formed_prefix(draw) -> str:
 @given(planner=st.lists(st.one_of(_text, _well_formed_prefix()), max_size=6),
        threads=st.dictionaries(st.tuples(st.integers(1, 3), st.integers(1, 3)),
                                st.one_of(_text, _well_formed_prefix()), max_size=6),
-       mode=st.sampled_from(["parallel", "serial", "sequential"]), layout=st.sampled_from(["flat", "trie"]),
+       mode=st.sampled_from(["parallel", "serial", "sequential"]), layout=st.sampled_from(["flat", "trie", "merge"]),
        budgets=st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(1, 30), st.integers(1, 30),
                          st.integers(1, 120)),
        capacity=st.tuples(st.integers(8, 200), st.integers(1, 4), st.integers(2, 40)))
 def test_threadweaver_fuzz_never_crashes_and_always_terminates(planner, threads, mode, layout, budgets, capacity):
     stages, prompts, ptok, btok, total = budgets
+    if layout == "merge" and mode == "serial":
+        mode = "parallel"                   # a merge join has no serial mode (refused, tested above)
     engine = TWEngine(planner, threads, max_seq_len=capacity[0], max_branches=capacity[1],
                       max_branch_tokens=capacity[2])
     cfg = OrchestratorConfig(max_stages=stages, max_prompts=prompts, max_planner_tokens=ptok,

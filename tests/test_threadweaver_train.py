@@ -105,6 +105,56 @@ def test_threadweaver_hand_written_layouts_train_only_what_calls_write(tok):
     assert [tok.decode(r[:-1]) for r in runs if r[-1] == eos] == [written[-1]]
 
 
+# The merge layout of a small ThreadWeaver example on the demo's word-level tokenizer, derived by
+# hand: one run per piece, (its tokens, first position, stage, branch, parent of its first row,
+# trained). Rows are the pieces in text order; a row's parent is the row before it except where
+# given. The fork is after </Outlines> (row 26, position 26): both threads start at position 27;
+# thread 1 is 6 tokens and thread 2 is 8, so </Parallel>'s gap sits at 27 + 8 = 35 and the answer
+# follows it.
+MERGE_TABLE = [
+    (["Q:", " ", "3", " ", "8", "\n"], 0, 0, 0, -1, False),                                  # rows 0-5
+    (["<think>", "\n", "<Parallel>", "\n", "<Outlines>", "\n", "<Outline>1:", " ", "Chain ", "3", ":",
+      "</Outline>", "\n", "<Outline>2:", " ", "Chain ", "8", ":", "</Outline>", "\n", "</Outlines>"],
+     6, 1, 0, 5, True),                                                                      # rows 6-26
+    (["\n", "<Thread>1:"], 27, 1, 1, 26, False),                                             # rows 27-28
+    ([" ", "3", "9", "</Thread>"], 29, 1, 1, 28, True),                                      # rows 29-32
+    (["\n", "<Thread>2:"], 27, 1, 2, 26, False),                                             # rows 33-34
+    ([" ", "8", "2", "6", "4", "</Thread>"], 29, 1, 2, 34, True),                            # rows 35-40
+    (["\n", "</Parallel>"], 35, 2, 0, 40, False),                                            # rows 41-42
+    (["\n", "So the answer is the largest last digit.", "\n", "</think>", "\n", "6", "<eos>"],
+     37, 2, 0, 42, True),                                                                    # rows 43-49
+]
+
+
+def test_threadweaver_merge_layout_positions_stage_branch_equal_the_hand_derived_table():
+    """The merge item of `MERGE_TABLE`'s example: tokens, positions, stage, branch, parents and
+    which rows carry loss, row for row; one span (the example's end) for every row."""
+    from sprint_jax.model.tokenizer import VocabTokenizer
+    from sprint_jax.tasks import chains
+
+    vocab_tok = VocabTokenizer(chains.token_vocabulary(max_prompts=2), eos_token="<eos>", pad_token="<pad>")
+    completion = ("<think>\n<Parallel>\n<Outlines>\n<Outline>1: Chain 3:</Outline>\n<Outline>2: Chain 8:</Outline>\n"
+                  "</Outlines>\n<Thread>1: 39</Thread>\n<Thread>2: 8264</Thread>\n</Parallel>\n"
+                  f"{chains.COMBINE}\n</think>\n6")
+    it = D.layout_example(vocab_tok, Example("t", "sprint", "Q: 3 8\n", completion), "merge", W, data_format=TW)
+    want = {k: [] for k in ("tokens", "positions", "stage", "branch", "parents", "trained")}
+    row = 0
+    for toks, pos, stage, branch, parent, trained in MERGE_TABLE:
+        n = len(toks)
+        want["tokens"] += toks
+        want["positions"] += list(range(pos, pos + n))
+        want["stage"] += [stage] * n
+        want["branch"] += [branch] * n
+        want["parents"] += [parent] + list(range(row, row + n - 1))
+        want["trained"] += [trained] * n
+        row += n
+    assert [vocab_tok.vocab[t] for t in it.tokens] == want["tokens"]
+    for k in ("positions", "stage", "branch", "parents"):
+        assert getattr(it, k).tolist() == want[k], k
+    assert (it.weights > 0).tolist() == want["trained"]
+    assert it.span_end.tolist() == [len(it)] * len(it) == [50] * 50
+
+
 def _runs(item: D.Item) -> list[list[int]]:
     """Maximal runs of consecutive loss-bearing rows, as token lists."""
     out: list[list[int]] = []

@@ -42,7 +42,9 @@ sync appends the threads in order, then `BLOCK_GAP + </Parallel>` (+ `BLOCK_GAP`
 which is `threadweaver.render_completion`'s text. The answer follows `</think>` and runs to EOS, so
 a call that ends (EOS) after `</think>` is the final one (a call cut by its limit is not). There is
 no implicit prompt: a block with no outline is closed with no thread (reported). Accounting is the
-same (a block's planner tokens + its longest thread). Flat and trie models, reprefill join only.
+same (a block's planner tokens + its longest thread). Both joins: a merge join places the threads
+side by side from the fork, then prefills the forced `BLOCK_GAP + </Parallel>` as planner text past
+the longest thread (train/data.py `layout_merge` puts it there).
 The per-format strings and parsing sit in one grammar object per run (`_SprintGrammar`,
 `_ThreadWeaverGrammar`).
 
@@ -278,9 +280,6 @@ class OrchestratorConfig:
             raise ValueError(f"layout must be one of {list(fmt.LAYOUTS)}, got {self.layout!r}")
         if self.format not in FORMATS:
             raise ValueError(f"format must be one of {list(FORMATS)}, got {self.format!r}")
-        if self.format == "threadweaver" and "merge" in (self.layout, self.join):
-            raise ValueError("format='threadweaver' joins by reprefill (a flat or trie model): where a merge "
-                             f"join would place </Parallel> is not defined (layout={self.layout!r}, join={self.join!r})")
         if self.join is not None and self.join not in JOINS:
             raise ValueError(f"join must be one of {list(JOINS)} or null, got {self.join!r}")
         if self.resolved_join == "merge" and self.layout not in fmt.PIECEWISE_LAYOUTS:
@@ -840,6 +839,13 @@ class Orchestrator:
             branches = [list(o) + self._canonical([b]) for o, b in zip(openings, sync[2::2])]
             state = yield EngineCall("merge", state, prefixes=branches)
             stage.sync_tokens = getattr(self.engine, "last_join_tokens", 0)
+            tail = self._g.join_tail(self._trie)
+            if tail:
+                # ThreadWeaver's forced `gap </Parallel>`: planner text after the join, placed past
+                # the longest thread and seeing every thread, as the merge layout trains it
+                tokens = self._canonical([tail])
+                state = yield EngineCall("extend", state, tokens=tokens)
+                stage.sync_tokens += len(tokens)
             self._mark = len(state.tokens)
         else:
             state, stage.sync_tokens = yield from self._settle(state, w, sync)
