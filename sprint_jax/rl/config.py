@@ -62,6 +62,7 @@ class RolloutSection:
     orchestrator: OrchestratorConfig = dataclasses.field(
         default_factory=lambda: OrchestratorConfig(temperature=1.0))   # budgets + sampling (seed is per run)
     layout: Literal["auto", "flat", "trie", "merge"] = "auto"   # token convention and join at fork/sync: auto = the policy export's (sprint_jax.json), flat without one
+    format: Literal["auto", "sprint", "threadweaver"] = "auto"  # the policy's tag format: auto = the export's, sprint without one
     concurrency: int = 0                         # runs at once on the engine (0 = prompts_per_step x group_size)
     max_seq_len: int = 2048                      # engine: planner context capacity
     decode_chunk: int = 16                       # engine: decode steps per host round trip
@@ -72,6 +73,8 @@ class RolloutSection:
             raise ConfigError(f"rollout.group_size must be >= 2 (the baseline is the group mean), got {self.group_size}")
         if self.orchestrator.layout != "flat":
             raise ConfigError("set rollout.layout (auto | flat | trie | merge), not rollout.orchestrator.layout")
+        if self.orchestrator.format != "sprint":
+            raise ConfigError("set rollout.format (auto | sprint | threadweaver), not rollout.orchestrator.format")
         # concurrency 0 = every run of a step at once; max_seq_len against the prompts: run_rl
         _at_least("rollout", self, prompts_per_step=1, concurrency=0, max_seq_len=2, decode_chunk=1, prefill_chunk=1)
         if self.orchestrator.temperature <= 0:

@@ -375,8 +375,8 @@ def _initial_state(run: _Run, setup, ckpt):
 def _rollout_engine(run: _Run, params):
     """(engine on the trainer's params and mesh, each rollout traced; orchestrator config; layout):
     on more than one device the engine's slots split over data x fsdp and its KV heads over tensor,
-    the weights staying where the trainer placed them. The layout is the policy's training
-    convention unless rollout.layout names one."""
+    the weights staying where the trainer placed them. The layout and the tag format are the
+    policy's (its export's sprint_jax.json) unless rollout.layout / rollout.format name them."""
     from sprint_jax.infer.engine import Engine
     from sprint_jax.model.capacity import BRANCH_TAG_ROOM
     from sprint_jax.model.hf import read_export_meta
@@ -390,9 +390,12 @@ def _rollout_engine(run: _Run, params):
     if engine.mesh is not None:
         run.say(f"rollout engine on the mesh {dict(run.mesh.shape)}: KV cache "
                 f"{_device_bytes(engine.cache) / 2 ** 20:.1f} MiB on each device")
-    layout = read_export_meta(run.cfg.policy.path).get("layout", "flat") if ro.layout == "auto" else ro.layout
-    run.say(f"rollouts use the {layout} token convention at forks and syncs")
-    return engine, dataclasses.replace(ro.orchestrator, layout=layout), layout
+    meta = read_export_meta(run.cfg.policy.path)
+    layout = meta.get("layout", "flat") if ro.layout == "auto" else ro.layout
+    tag_format = meta.get("format", "sprint") if ro.format == "auto" else ro.format
+    run.say(f"rollouts use the {layout} token convention at forks and syncs"
+            + (f", the {tag_format} format" if tag_format != "sprint" else ""))
+    return engine, dataclasses.replace(ro.orchestrator, layout=layout, format=tag_format), layout
 
 
 def _device_bytes(tree) -> int:
