@@ -27,7 +27,7 @@ from starlette.routing import Route
 from sprint_jax.schema import apply_prompt_format
 from sprint_jax.infer.sampling import Sampling, SamplingError
 from sprint_jax.serve.worker import (LATENCY_BUCKETS, Channel, EngineWorker, Job, SprintText, TokenCursor, TokenEntry,
-                                     sprint_token_layout)
+                                     executor_opening, sprint_token_layout)
 
 SPRINT_SUFFIX = ":sprint"
 ROLES = ("system", "developer", "user", "assistant")
@@ -693,8 +693,7 @@ class _SprintStreamLogprobs:
     def preview(self, p, sprint_text: SprintText) -> list[TokenEntry]:
         base = len(sprint_text.committed)
         if p.kind != "generate":
-            from sprint_jax.infer.orchestrator import execution_opening
-            base += len(execution_opening(sprint_text.stage, 1))
+            base += len(executor_opening(sprint_text.format_name, sprint_text.stage, 1))
         return TokenCursor(self.decode, self.top, base).take(p.tokens, p.logprobs, p.tops, len(sprint_text.sent))
 
 
@@ -914,7 +913,8 @@ class _Endpoints:
         texts = [_StreamText(state.engine.decode_text, job.stop) for _ in range(job.n)]
         cursors = [TokenCursor(state.engine.decode_text, job.top_logprobs) for _ in range(job.n)] \
             if job.logprobs and job.kind == "plain" else None
-        sprint_text = SprintText(state.engine.decode_text)      # SPRINT: the completion as it is decoded
+        # SPRINT mode: the completion as it is decoded, in the model's tag format
+        sprint_text = SprintText(state.engine.decode_text, getattr(job.config, "format", "sprint"))
         sprint_lp = _SprintStreamLogprobs(head.chat, job.top_logprobs, state.engine.decode_text) \
             if job.logprobs and job.kind == "sprint" else None
         try:

@@ -91,6 +91,16 @@ def _settled(text: str, stops: list[str]) -> str:
     return text[:max(safe, 0)]
 
 
+def executor_opening(format_name: str, i: int, j: int) -> str:
+    """The text the orchestrator forces before executor j of stage i in the model's tag format
+    (`sprint`: `<execution_i.j>`; `threadweaver`: the block gap and `<Thread>j:`)."""
+    from sprint_jax import format as fmt
+    from sprint_jax import threadweaver as tw
+    from sprint_jax.infer.orchestrator import execution_opening
+
+    return fmt.BLOCK_GAP + tw.thread_opening(j) if format_name == "threadweaver" else execution_opening(i, j)
+
+
 class SprintText:
     """A streaming SPRINT reply's text, in the order of the final completion: the run's committed
     pieces (`text` events) and, ahead of them, what the planner call or executor 1 has decoded so
@@ -98,8 +108,9 @@ class SprintText:
     new deltas as (text, stage index or None, executor index or None); `rest(final_text)` is what
     the final text adds to everything sent."""
 
-    def __init__(self, decode):
+    def __init__(self, decode, format_name: str = "sprint"):
         self.decode = decode
+        self.format_name = format_name   # the model's tag format: where executor 1's forced opening is
         self.committed = ""              # the run's committed pieces so far
         self.sent = ""                   # everything returned so far (committed + a preview)
         self.stage: int | None = None    # the stage whose executors decode now
@@ -124,8 +135,7 @@ class SprintText:
             return self._to(self.committed + text, None, None)
         if self.stage is None:
             return []
-        from sprint_jax.infer.orchestrator import execution_opening
-        return self._to(self.committed + execution_opening(self.stage, 1) + text, self.stage, 1)
+        return self._to(self.committed + executor_opening(self.format_name, self.stage, 1) + text, self.stage, 1)
 
     def rest(self, final_text: str) -> str:
         return final_text[len(self.sent):] if final_text.startswith(self.sent) else ""
@@ -207,13 +217,8 @@ def _text_piece(job: "Job", ev) -> tuple:
     opening, characters of its generated body); the last two 0 for a planner's or a forced piece."""
     if ev.executor is None or ev.stage is None:
         return ("text", ev.text, None, 0, 0)
-    from sprint_jax import format as fmt
-    from sprint_jax import threadweaver as tw
-    from sprint_jax.infer.orchestrator import execution_opening
-
     i, j = ev.stage.index, ev.executor
-    fmt_name = getattr(job.config, "format", "sprint")
-    opening = fmt.BLOCK_GAP + tw.thread_opening(j) if fmt_name == "threadweaver" else execution_opening(i, j)
+    opening = executor_opening(getattr(job.config, "format", "sprint"), i, j)
     body = next((e.text for e in ev.stage.executions if e.index == j), "")
     if not ev.text.startswith(opening):       # not the piece the orchestrator documents: place nothing
         return ("text", ev.text, None, 0, 0)
