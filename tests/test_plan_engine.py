@@ -39,8 +39,9 @@ LARGER = {**SMALL, "vocab_size": 65536, "hidden_size": 2048, "intermediate_size"
 # over tensor=2.
 TOY = {**SMALL, "vocab_size": 1024, "hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 4,
        "num_key_value_heads": 2}
-# SMALL's layers, heads and KV heads (so its KV bytes per token, which the search weighs) at the
-# toy width: a search of the same cache sizes whose four compiles take half the time.
+# SMALL's layers, heads and KV heads (so its KV bytes per token, which the search weighs and which
+# dominate a program's bytes) at the toy width: the same cache sizes in compiles of a quarter to
+# half the time (the search; every program under tensor=4).
 NARROW = {**SMALL, "vocab_size": 1024, "hidden_size": 512, "intermediate_size": 1024}
 
 
@@ -75,6 +76,32 @@ def test_7b_weights_and_kv_bytes_are_the_published_figures():
     assert pe.cache_bytes(dataclasses.replace(shape, mesh=(1, 1, 8))) == pe.cache_bytes(four)
     # data splits the runs (and their executors): 4 ways
     assert pe.cache_bytes(dataclasses.replace(shape, mesh=(4, 1, 1))) == 57_344 * (8 + 64) * 16_400
+
+
+def test_the_weights_a_call_holds_by_hand():
+    """R1-Distill-Qwen-7B's 7,615,616,512 parameters: 204,288 in norms ((2 x 28 + 1) x 3584, no
+    mesh axis), 129,024 in q/k/v biases (28 x (28 + 4 + 4) x 128, heads only) and 7,615,283,200 in
+    matrices (an embed axis and a heads, KV heads, MLP or vocab axis). Per chip over tensor=2:
+    3,807,641,600 + 64,512 + 204,288 = 3,807,910,400 (what a call reads); over fsdp=4 x tensor=2:
+    951,910,400 + 64,512 + 204,288 = 952,179,200 (each chip's shard). The TPU compiler's decode
+    calls on v5p (docs/benchmarks.md) hold the shard as their argument in the weights' dtype and,
+    when fsdp splits the weights or they are not in the compute dtype, a bf16 copy of what a call
+    reads as temporaries (fp32 under fsdp: the shard cast to bf16 before the gather too)."""
+    cfg = resolve_model_config("r1-distill-qwen-7b").replace(dtype="bfloat16")
+    read, shard = 3_807_910_400, 952_179_200
+    assert 2 * (read - 204_288 - 64_512) + 204_288 + 129_024 == 7_615_616_512
+    assert 8 * (shard - 204_288 - 64_512) + 204_288 + 129_024 == 7_615_616_512
+
+    def weights(mesh, dtype=None, kind="decode_stage"):
+        e = pe.memory_estimate(pe.EngineShape(cfg, 128, 8, 16384, 2080, mesh, weights_dtype=dtype), kind)
+        return {k: e[k] for k in ("weights", "gathered_weights", "cast_shard") if k in e}
+
+    assert weights((4, 1, 2)) == {"weights": 2 * read}                       # bf16, no fsdp: read in place
+    assert weights((1, 4, 2)) == {"weights": 2 * shard, "gathered_weights": 2 * read}
+    assert weights((4, 1, 2), "float32") == {"weights": 4 * read, "gathered_weights": 2 * read}
+    assert weights((1, 4, 2), "float32") == {"weights": 4 * shard, "gathered_weights": 2 * read,
+                                             "cast_shard": 2 * shard}
+    assert weights((1, 4, 2), "float32", "join_copy") == {"weights": 0.0}   # a join reads no weights
 
 
 def test_decode_step_roofline_by_hand():
@@ -281,7 +308,7 @@ def test_every_engine_program_compiles_for_v5e_with_its_mosaic_kernels(tmp_path,
     """Traced as the engine traces them (under its mesh): the decode calls hold the parent-prefix kernel, the prefill chunk
     the flash kernel (its prefix and its own keys), each a tpu_custom_call; the estimate is
     within 20% of the compiler on every row but the prefill, whose temporaries it bounds."""
-    rc, rows = _plan(tmp_path, SMALL, "--concurrency", "8", "--executors", "4", "--capacity", "16384",
+    rc, rows = _plan(tmp_path, NARROW, "--concurrency", "8", "--executors", "4", "--capacity", "16384",
                      "--mesh", "tensor=4", "--topology", "v5e:2x2")
     assert rc == 0, capsys.readouterr().err
     assert sorted(r["kind"] for r in rows) == sorted(KERNELS)
@@ -293,7 +320,7 @@ def test_every_engine_program_compiles_for_v5e_with_its_mosaic_kernels(tmp_path,
         assert mem["total"] == mem["arguments"] + mem["outputs"] - mem["alias"] + mem["temp"]
         if r["kind"] == "prefill":
             # at this size the TPU compile of the prefill materialises no gathered parent rows
-            # (temp 1.6 MiB): the estimate's temporaries (128 MiB of them here) bound it from above,
+            # (temp 1.2 MiB): the estimate's temporaries (128 MiB of them here) bound it from above,
             # its weights and cache are the program's arguments
             e = r["estimate"]
             assert e["weights"] + e["cache"] == pytest.approx(mem["total"] - mem["temp"], rel=0.2)
@@ -335,8 +362,36 @@ def test_the_pallas_decode_compiles_with_runs_over_data(tmp_path):
 
 
 @needs_libtpu
+def test_the_engine_compiles_with_the_rl_trainers_fp32_weights(tmp_path):
+    """`--weights-dtype float32`, the RL trainer's rollout engine (it reads the trainer's fp32
+    master weights, on the update's fsdp x tensor mesh): the executors' decode call compiles, and
+    each chip's arguments are its shard of the fp32 weights and of the bf16 cache, by hand.
+    TOY on fsdp=2 x tensor=2 (the width over fsdp; heads, KV heads, MLP and vocab over tensor;
+    norms whole), elements per chip:
+      embedding [1024, 512] and lm_head [512, 1024]: 131072 each; final norm 512;
+      a layer: q, o [512, 4, 128] 65536 each, q bias [4, 128] 256, k, v [512, 2, 128] 32768 each,
+      k, v biases [2, 128] 128 each, gate, up, down [512, 1024] 131072 each, two norms 512 each:
+      591360; two layers: 1445376 elements, 5,781,504 bytes in fp32.
+    The cache: 8 runs over fsdp=2, 4 parent slots of 1024 + 16 (a decode chunk) tokens and 16 child
+    slots of 256 + 16, one KV head of the two per chip: K and V x 2 layers x 128 x 2 bytes = 1 KiB
+    a token, 8,716,288 bytes. The rest of the arguments are the call's rows (a few KiB)."""
+    rc, rows = _plan(tmp_path, TOY, "--concurrency", "8", "--executors", "4", "--capacity", "1024",
+                     "--branch-capacity", "256", "--mesh", "fsdp=2,tensor=2", "--weights-dtype", "float32",
+                     "--attention", "xla", "--topology", "v5e:2x2", "--programs", "decode_stage")
+    (decode,) = rows
+    assert decode["compiled"] and decode["fits"], decode["error"]
+    assert decode["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2} and "float32 weights" in decode["engine"]
+    weights = 4 * (2 * 131072 + 512 + 2 * (2 * 65536 + 256 + 2 * (32768 + 128) + 3 * 131072 + 2 * 512))
+    cache = 2 * 2 * 128 * 2 * (4 * 1040 + 16 * 272)
+    assert (weights, cache) == (5_781_504, 8_716_288)
+    rows_bytes = decode["per_chip_bytes"]["arguments"] - weights - cache
+    assert 0 <= rows_bytes <= 64 * 1024, rows_bytes      # bf16 weights would be 2.9 MB fewer
+    assert decode["estimate"]["weights"] == weights and decode["estimate"]["cache"] == cache
+
+
+@needs_libtpu
 @pytest.mark.slow
-# the small model under tensor=4 with the Pallas decode is test_every_engine_program_compiles_...'s
+# the narrow model under tensor=4 with the Pallas decode is test_every_engine_program_compiles_...'s
 @pytest.mark.parametrize("model, mesh, attention", [(LARGER, "tensor=4", "pallas"), (SMALL, "data=4", "xla")],
                          ids=["larger-tensor-pallas", "small-data-xla"])
 def test_estimate_is_within_20_percent_of_the_compiler(tmp_path, capsys, model, mesh, attention):

@@ -45,6 +45,8 @@ def _errors(err: str) -> list[str]:
     (["plan", "rl", "configs/rl_r1_distill_7b.yaml", "--topology", "v5p-16"], "pass --model PRESET"),
     (["plan", "rl", "configs/rl_tiny_cpu.yaml", "--topology", "v5e:2x2", "--batch", "8"], "--batch is not accepted"),
     (["plan", "rl", "configs/rl_tiny_cpu.yaml", "--topology", "v5e:2x2", "--search"], "does not search"),
+    (["plan", "rl", "configs/rl_tiny_cpu.yaml", "--topology", "v5e:2x2", "--weights-dtype", "float32"],
+     "--weights-dtype is not accepted"),
     (["plan", "rl", "configs/rl_tiny_cpu.yaml", "--topology", "v9z:2x2"], "v9z"),
     (["plan", "train", "configs/rl_tiny_cpu.yaml", "--model", "tiny", "--topology", "v5e:2x2"],
      "takes no CONFIG argument"),
@@ -108,32 +110,39 @@ def test_rollout_engine_by_hand():
     """rl_tiny_cpu: 4 prompts x 8 runs = 32 parent slots of 512 + a decode chunk (16) tokens, 4
     executors each of 24 + 32 (the tag room) + 16 tokens; tiny fp32 KV: 2 x 3 x 2 x 12 x 4 bytes
     per token. On the update's mesh data=2 x fsdp=2 x tensor=2 the slots split 4 ways and the two
-    KV heads 2 ways; beside the engine the chip holds the trainer's fp32 weights and two moments."""
+    KV heads 2 ways; beside the engine the chip holds the trainer's two fp32 moments."""
     cfg = load_config(RLConfig, "configs/rl_tiny_cpu.yaml")
     where = chips.parse_slices("v5e:2x4")[0]
     one = prl.rollout_engine(cfg, prl.shape_from_config(cfg, _tiny(), (1, 1, 1)), where, "tiny", "tiny")
     assert one["cache_bytes_per_chip"] == 576 * (32 * 528 + 32 * 4 * 72)
-    assert one["beside_bytes"] == {"params": 4 * TINY_PARAMS, "adam_moments": 8 * TINY_PARAMS}
+    # the engine's argument is the trainer's weights themselves (in its estimate): beside, the moments
+    assert one["beside_bytes"] == {"adam_moments": 8 * TINY_PARAMS}
     assert one["fits"]
     e = prl.rollout_engine(cfg, prl.shape_from_config(cfg, _tiny(), (2, 2, 2)), where, "tiny", "tiny")
     assert e["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
     assert e["cache_bytes_per_chip"] == 288 * (8 * 528 + 8 * 4 * 72)
     assert ("--concurrency 32 --executors 4 --capacity 512 --branch-capacity 56 --decode-chunk 16 "
-            "--prefill-chunk 128 --dtype float32 --topology v5e:2x4 --mesh data=2,fsdp=2,tensor=2") in e["plan_engine_command"]
+            "--prefill-chunk 128 --dtype float32 --weights-dtype float32 --topology v5e:2x4 "
+            "--mesh data=2,fsdp=2,tensor=2") in e["plan_engine_command"]
     ppo = load_config(RLConfig, "configs/rl_tiny_cpu.yaml", ["loss.kl_coef=0.1"])
     held = prl.rollout_engine(ppo, prl.shape_from_config(ppo, _tiny(), (1, 1, 1)), where, "tiny", "tiny")["beside_bytes"]
     assert held["ref_params"] == 4 * TINY_PARAMS
 
 
 def test_the_rollout_engine_reads_fp32_weights():
-    """The engine's calls read the trainer's fp32 master weights, not a compute-dtype copy: twice
-    the bytes of bf16 weights (the tiny model's 216144 parameters whole on one chip)."""
+    """The engine's calls take the trainer's fp32 master weights: twice the bytes of bf16 weights
+    (the tiny model's 216144 parameters whole on one chip), and in a bf16 compute dtype a bf16 copy
+    beside them, cast once per call."""
     from sprint_jax.plan import engine as pe
 
     bf16 = _tiny().replace(dtype="bfloat16")
     shape = pe.EngineShape(bf16, 8, 4, 512, 56)
     assert pe.weight_bytes(shape) == 2 * TINY_PARAMS
-    assert pe.weight_bytes(pe.EngineShape(bf16, 8, 4, 512, 56, weights_dtype="float32")) == 4 * TINY_PARAMS
+    fp32 = pe.EngineShape(bf16, 8, 4, 512, 56, weights_dtype="float32")
+    assert pe.weight_bytes(fp32) == 4 * TINY_PARAMS
+    parts = pe.memory_estimate(fp32, "decode_planner")
+    assert (parts["weights"], parts["gathered_weights"]) == (4 * TINY_PARAMS, 2 * TINY_PARAMS)
+    assert "cast_shard" not in parts and "gathered_weights" not in pe.memory_estimate(shape, "decode_planner")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -119,6 +119,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--prefill-chunk", type=int, default=256, help="tokens per prefill call (default 256)")
     e.add_argument("--attention", choices=("pallas", "xla"), default="pallas",
                    help="the decode step's parent-prefix attention: pallas (the Mosaic kernel) or xla (default pallas)")
+    e.add_argument("--weights-dtype", choices=("bfloat16", "float32"),
+                   help="the weights' dtype when not the compute dtype (default: the compute dtype); float32 is "
+                        "the RL trainer's rollout engine, which reads the trainer's fp32 master weights")
     e.add_argument("--set-mesh", action="store_true",
                    help="no effect, the default: the programs are traced under the mesh as the active mesh, as the "
                         "engine traces them (kept so that older command lines still run)")
@@ -365,8 +368,9 @@ def run_engine(args: argparse.Namespace) -> int:
         if unknown or not kinds:
             raise UserError(f"--programs {args.programs!r}: unknown {', '.join(unknown) or 'empty'}; "
                             f"known: {', '.join(pe.KINDS)}")
+    weights = args.weights_dtype if args.weights_dtype not in (None, cfg.dtype) else None
     base = pe.EngineShape(cfg, args.concurrency, args.executors, args.capacity, branch, (1, 1, 1),
-                          args.decode_chunk, args.prefill_chunk, args.attention)
+                          args.decode_chunk, args.prefill_chunk, args.attention, weights)
     rows, failures, accepted = [], [], []
     for where in slices:
         if args.search:
@@ -451,7 +455,7 @@ def _rl_config(args: argparse.Namespace):
     if not resolve_config_path(path).is_file():       # configs/NAME: the shipped one outside a checkout
         raise UserError(f"plan rl: no RL config file at {path}")
     for flag in ("batch", "seq_len", "layout", "grad_accum", "concurrency", "executors", "capacity",
-                 "branch_capacity", "programs", "records"):
+                 "branch_capacity", "programs", "records", "weights_dtype"):
         if getattr(args, flag, None) is not None:
             raise UserError(f"plan rl takes its shapes from the RL config: --{flag.replace('_', '-')} is not "
                             f"accepted (use --set, e.g. --set loss.rows_per_micro=8)")
@@ -511,7 +515,7 @@ def run_rl(args: argparse.Namespace) -> int:
         if not engine["fits"]:
             used = max(engine["estimate_bytes_per_chip"].values()) + sum(engine["beside_bytes"].values())
             failures.append(f"the rollout engine on {where.name} (mesh {prl.mesh_text(shape.mesh)}) needs about "
-                            f"{used / 2 ** 30:.1f} GiB per chip with the trainer's weights and moments beside, "
+                            f"{used / 2 ** 30:.1f} GiB per chip with the trainer's AdamW moments beside, "
                             f"over the chip's {where.chip.hbm_gib:g} GiB; lower rollout.concurrency (or "
                             f"prompts_per_step x group_size), rollout.max_seq_len or rollout.orchestrator.max_prompts")
         rows.append({"program": "rollout engine", "topology": where.name, "accelerator_type": where.booking,
@@ -523,7 +527,7 @@ def run_rl(args: argparse.Namespace) -> int:
         est, held = e["estimate_bytes_per_chip"], e["beside_bytes"]
         print(f"rollout: {e['engine']} on the update's mesh {prl.mesh_text(tuple(e['mesh'].values()))}: KV cache "
               f"{e['cache_bytes_per_chip'] / 2 ** 30:.2f} GiB per chip; each program per chip by the plan engine "
-              f"estimate (fp32 weights gathered per call): "
+              f"estimate (the trainer's fp32 weight shard and the compute-dtype copy a call gathers or casts): "
               + ", ".join(f"{k} {v / 2 ** 30:.2f}" for k, v in est.items())
               + f" GiB, with {sum(held.values()) / 2 ** 30:.2f} GiB beside ("
               + ", ".join(f"{k} {v / 2 ** 30:.2f}" for k, v in held.items())

@@ -59,12 +59,13 @@ class EngineShape:
 
 
 def serving_config(shape: EngineShape) -> Qwen2Config:
-    """The config the engine runs: weights in the compute dtype, heads laid out for the tensor
-    axis as the engine lays them (`infer.sharding.head_layout`: KV heads copied when tensor
-    exceeds them)."""
+    """The config the engine runs: weights in the compute dtype (or `weights_dtype`: the RL
+    trainer's engine reads its fp32 master weights, each call casting them to the compute dtype),
+    heads laid out for the tensor axis as the engine lays them
+    (`infer.sharding.head_layout`: KV heads copied when tensor exceeds them)."""
     from sprint_jax.infer.sharding import head_layout
 
-    cfg = shape.config.replace(param_dtype=shape.config.dtype)
+    cfg = shape.config.replace(param_dtype=shape.weights_dtype or shape.config.dtype)
     layout = head_layout(cfg, shape.mesh[2])
     return cfg if layout is None else layout[0]
 
@@ -152,14 +153,36 @@ def engine_programs(shape: EngineShape, devices) -> tuple[list[Program], list[st
 # ---------------------------------------------------------------------------------------------
 # The planner's arithmetic
 # ---------------------------------------------------------------------------------------------
-def weight_bytes(shape: EngineShape, leave_out: tuple[str, ...] = ()) -> float:
-    """Per-chip bytes of the weights a call reads, in the compute dtype (or `weights_dtype`),
-    split over tensor by the rules table (a call gathers what fsdp splits: every slot shard reads
-    whole weights), less the parameters named in `leave_out` ('lm_head/kernel')."""
+def weight_bytes(shape: EngineShape, leave_out: tuple[str, ...] = (), over: tuple[str, ...] = ("tensor",),
+                 dtype: str | None = None) -> float:
+    """Per-chip bytes of the weights in `dtype` (default the weights' own: the compute dtype or
+    `weights_dtype`), split over the mesh axes in `over` by the rules table, less the parameters
+    named in `leave_out` ('lm_head/kernel'). Over tensor alone (the default): the weights a call
+    reads, since a call gathers what fsdp splits (every slot shard reads whole weights); over every
+    axis: each chip's shard, the call's argument."""
     cfg = serving_config(shape)
-    item = 2 if (shape.weights_dtype or cfg.dtype) == "bfloat16" else 4
-    parts = est.sharded_elements(cfg, shape.mesh_dict, over=("tensor",))
+    item = 2 if (dtype or cfg.param_dtype) == "bfloat16" else 4
+    parts = est.sharded_elements(cfg, shape.mesh_dict, over=over)
     return item * sum(v for k, v in parts.items() if k not in leave_out)
+
+
+def weight_parts(shape: EngineShape, leave_out: tuple[str, ...] = ()) -> dict[str, float]:
+    """Per-chip bytes of the weights a call holds: its argument, each chip's shard in the weights'
+    dtype ('weights'); when that is not what the layers read (the weights split over fsdp, or held
+    in another dtype than the compute dtype) the call's whole compute-dtype copy split over tensor
+    alone, gathered or cast once before the decode loop ('gathered_weights'), and, for a shard in
+    another dtype that fsdp splits, its cast copy, cast before the gather ('cast_shard'). Read off
+    the TPU compiler's arguments and temporaries of the 7B's decode calls on v5p: bf16 and fp32
+    weights on fsdp=4 x tensor=2 and fp32 on data=4 x tensor=2."""
+    cfg = serving_config(shape)
+    every = est.MESH_AXES
+    out = {"weights": weight_bytes(shape, leave_out, over=every)}
+    fsdp, cast = shape.mesh[1] > 1, cfg.param_dtype != cfg.dtype
+    if fsdp or cast:
+        out["gathered_weights"] = weight_bytes(shape, leave_out, dtype=cfg.dtype)
+    if fsdp and cast:
+        out["cast_shard"] = weight_bytes(shape, leave_out, over=every, dtype=cfg.dtype)
+    return out
 
 
 def kv_bytes_per_token(config: Qwen2Config) -> int:
@@ -199,8 +222,8 @@ def cache_bytes(shape: EngineShape) -> float:
 
 def memory_estimate(shape: EngineShape, kind: str) -> dict[str, float]:
     """Per-chip bytes of one program (`Program.kind`) by component; 'total' their sum: the
-    weights it reads, the cache (donated and updated in place: counted once), and temporaries,
-    its largest live arrays: a decode call's rows' fp32 logits and one layer's gathered child rows;
+    weights it holds (`weight_parts`), the cache (donated and updated in place: counted once), and
+    temporaries, its largest live arrays: a decode call's rows' fp32 logits and one layer's gathered child rows;
     a prefill's gathered parent rows (K and V, and the transposed copy flash attention takes) and
     its [rows x chunk] activations; a join's windows."""
     cfg = serving_config(shape)
@@ -210,8 +233,9 @@ def memory_estimate(shape: EngineShape, kind: str) -> dict[str, float]:
     local = _split(shape.concurrency, slots)
     hkv = _split(cfg.num_key_value_heads, t)
     # a prefill chunk without logits never reads the vocabulary projection: jit drops it
-    weights = {"join_copy": 0.0, "prefill": weight_bytes(shape, ("lm_head/kernel",))}
-    out = {"weights": weights.get(kind, weight_bytes(shape)), "cache": cache_bytes(shape)}
+    out = ({"weights": 0.0} if kind == "join_copy" else
+           weight_parts(shape, ("lm_head/kernel",) if kind == "prefill" else ()))
+    out["cache"] = cache_bytes(shape)
     v_local = _split(cfg.vocab_size, t)
     if kind == "decode_planner":
         rows = local
@@ -248,7 +272,9 @@ def decode_step(config: Qwen2Config, tensor: int, groups: int, width: int, prefi
       FLOPs   = (2 x matmul weights x rows + 4 x layers x heads x head_dim x keys attended) / tensor
       traffic = (matmul weights x itemsize + KV bytes per token x (groups x prefix + rows x
                 suffix + rows)) / tensor
-      time    = max(FLOPs / peak, traffic / bandwidth)."""
+      time    = max(FLOPs / peak, traffic / bandwidth).
+    The weights are read in the compute dtype: weights held in another dtype are cast once per call,
+    before its decode loop (not counted)."""
     item = 2 if config.dtype == "bfloat16" else 4
     rows = groups * width
     keys = rows * (prefix + suffix + 1)
@@ -324,8 +350,9 @@ def mesh_text(mesh) -> str:
 
 
 def shape_label(shape: EngineShape, model: str) -> str:
+    weights = f", {shape.weights_dtype} weights" if shape.weights_dtype not in (None, shape.config.dtype) else ""
     return (f"engine {model} {shape.concurrency} runs x {shape.executors} executors, capacity "
-            f"{shape.capacity}/{shape.branch_capacity}")
+            f"{shape.capacity}/{shape.branch_capacity}{weights}")
 
 
 def engine_rows(shape: EngineShape, where, model: str, progress: Callable[[str], None] | None = None,
@@ -491,8 +518,9 @@ def not_fit_line(shape: EngineShape, where, model: str, rows: list[dict] | None 
         kind = max(KINDS, key=lambda k: memory_estimate(shape, k)["total"])
         worst = (kind, memory_estimate(shape, kind)["total"], "the planner's estimate")
     parts = memory_estimate(shape, "decode_stage")
+    weights = sum(parts.get(k, 0.0) for k in ("weights", "gathered_weights", "cast_shard"))
     what = (f"{worst[0]} needs {worst[1] / gib:.1f} GiB per chip by {worst[2]}, {(worst[1] - hbm) / gib:.1f} GiB "
-            f"over the chip's {hbm / gib:g} GiB (weights {parts['weights'] / gib:.1f} GiB, KV cache "
+            f"over the chip's {hbm / gib:g} GiB (weights {weights / gib:.1f} GiB, KV cache "
             f"{parts['cache'] / gib:.1f} GiB)")
     return f"{head}: {what}; {way_out(shape, where)}"
 

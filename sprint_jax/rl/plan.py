@@ -9,8 +9,9 @@ the AdamW apply step. They are traced on ShapeDtypeStructs; nothing is allocated
 A grad row's headroom counts what the chip holds beside the program while it runs (`beside`):
 AdamW's two fp32 moments, the running gradient sum of the microbatches before it, and the frozen
 fp32 reference weights when the KL term is on. The rollout engine is not in it: it runs between
-updates, on the same mesh, and is listed by the `plan engine` estimate (`rollout_engine`) with
-what the chip holds beside it then (the trainer's weights and moments).
+updates, on the same mesh, and is listed by the `plan engine` estimate (`rollout_engine`: its
+calls' argument is the trainer's fp32 weight shard itself) with what the chip holds beside it then
+(the AdamW moments, and the reference weights with the KL term).
 
 FLOPs are ours (`flops`): the grad step 6 x matmul weights x tokens + causal attention 6 x L x
 B x T^2 x H x D; a log-prob forward a third of that.
@@ -266,9 +267,10 @@ def rollout_engine(cfg, s: RLShape, where: Slice, model: str, model_arg: str) ->
     """The rollout engine the trainer builds (`rl/trainer.py` `_rollout_engine`: max_seqs = the
     step's runs, max_children = max_prompts, branches of max_branch_tokens + the tag room, on the
     update's mesh, reading the trainer's fp32 weights), as `plan engine` estimates its programs per
-    chip; what the chip holds beside them (the trainer's weight shard and AdamW moments, and the
-    reference weights with the KL term); and the `plan engine` command that compiles them on the
-    slice (`model_arg`: its --model; the command's weights are in the compute dtype)."""
+    chip (their argument is the trainer's weight shard, and the compute-dtype copy each call
+    gathers or casts); what the chip holds beside them (the AdamW moments, and the reference
+    weights with the KL term); and the `plan engine` command that compiles them on the slice with
+    the trainer's fp32 weights (`model_arg`: its --model)."""
     from sprint_jax.model.capacity import BRANCH_TAG_ROOM
     from sprint_jax.plan import engine as pe
 
@@ -278,12 +280,13 @@ def rollout_engine(cfg, s: RLShape, where: Slice, model: str, model_arg: str) ->
     shape = pe.EngineShape(s.config, seqs, ro.orchestrator.max_prompts, ro.max_seq_len, branch, s.mesh,
                            ro.decode_chunk, ro.prefill_chunk, weights_dtype="float32")
     programs = {kind: pe.memory_estimate(shape, kind)["total"] for kind in pe.KINDS}
-    held = {"params": param_bytes_per_chip(s), "adam_moments": 2 * param_bytes_per_chip(s)}
+    held = {"adam_moments": 2 * param_bytes_per_chip(s)}
     if s.with_ref:
         held["ref_params"] = param_bytes_per_chip(s)
     command = (f"sprint-jax plan engine --model {model_arg} --concurrency {seqs} --executors "
                f"{ro.orchestrator.max_prompts} --capacity {ro.max_seq_len} --branch-capacity {branch} "
                f"--decode-chunk {ro.decode_chunk} --prefill-chunk {ro.prefill_chunk} --dtype {s.config.dtype} "
+               f"--weights-dtype {shape.weights_dtype} "
                f"--topology {where.name} --mesh {mesh_text(s.mesh)}")
     worst = max(programs.values()) + sum(held.values())
     return {"engine": pe.shape_label(shape, model), "mesh": s.mesh_dict, "cache_bytes_per_chip": pe.cache_bytes(shape),
