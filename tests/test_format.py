@@ -5,7 +5,7 @@ import re
 import sys
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from sprint_jax import format as sf
@@ -30,7 +30,11 @@ def stages_(draw, index: int) -> Stage:
     pieces = draw(st.lists(st.one_of(content, content.map(Prompt)), max_size=4))
     n_prompts = sum(isinstance(p, Prompt) for p in pieces)
     n_exec = n_prompts if n_prompts else draw(st.integers(0, 1))
-    return Stage(index, pieces, [draw(content) for _ in range(n_exec)])
+    stage = Stage(index, pieces, [draw(content) for _ in range(n_exec)])
+    # adjacent free-text pieces are joined into one (Stage normalises them): '<Final' and ' Answer>'
+    # make a tag, which render refuses by design
+    assume(not any(isinstance(p, str) and sf.contains_tag(p) for p in stage.plan))
+    return stage
 
 
 @st.composite
