@@ -77,9 +77,10 @@ def _argv(model: Path, out: Path, *sets: str) -> list[str]:
 
 def test_rollouts_are_eval_runs_at_concurrency(sft_model, tmp_path):
     """All G x prompts runs of a step at once on the engine, each with its own seed == `evaluate`
-    at concurrency 3 (the `sprint-jax eval --concurrency` path), one eval per seed; each call's
+    at concurrency 3 (the `sprint-jax eval --concurrency` path), one eval per config seed (which
+    draws problem t with `run_seed(seed, t.id, 0)`, so the rollouts take those seeds); each call's
     recorded completion is what the record says it wrote."""
-    from sprint_jax.eval.evaluate import default_prompt, evaluate
+    from sprint_jax.eval.evaluate import default_prompt, evaluate, run_seed
     from sprint_jax.infer.engine import Engine
     from sprint_jax.model.convert import load_model
     from sprint_jax.model.tokenizer import load_tokenizer
@@ -94,7 +95,8 @@ def test_rollouts_are_eval_runs_at_concurrency(sft_model, tmp_path):
     tasks = load_tasks(cfg)[0][:3]
     seeds = [rollout_seed(0, 0, 0, g) for g in range(2)]
     queries = [default_prompt(t) for s in seeds for t in tasks]
-    trajs = Rollouts(engine, ro.orchestrator).run(queries, [s for s in seeds for _ in tasks], "parallel")
+    run_seeds = [run_seed(s, str(t.id), 0) for s in seeds for t in tasks]
+    trajs = Rollouts(engine, ro.orchestrator).run(queries, run_seeds, "parallel")
     strip = lambda d: {k: v for k, v in d.items() if not k.endswith("_s") and k != "stages"}  # noqa: E731
     n_exec = 0
     for g, s in enumerate(seeds):
@@ -103,7 +105,7 @@ def test_rollouts_are_eval_runs_at_concurrency(sft_model, tmp_path):
                  out_dir=out, progress=False, concurrency=3)
         evs = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines()]
         for t, ev, tr in zip(tasks, evs, trajs[g * len(tasks):(g + 1) * len(tasks)]):
-            assert tr.seed == s
+            assert tr.seed == run_seed(s, str(t.id), 0)
             mine = tr.record.to_json()
             assert strip(ev) == {**strip(mine), "id": t.id, "sample": 0}     # eval numbers its samples
             assert [[e["text"] for e in st["executions"]] for st in ev["stages"]] == \
