@@ -3,7 +3,9 @@
 The end-to-end test runs configs/recipe_tiny_cpu.yaml (shrunk: 800 problems, six test problems of
 2 to 4 chains, two samples each) for real, reruns it (every stage skipped), changes the
 comparison's bins (only compare and report rerun) and checks report.md's table, its Avg@k / pass@k
-and its length bins against the eval runs' own results.jsonl, recomputed here. The
+and its length bins against the eval runs' own results.jsonl, recomputed here. The bins of the
+change are cut at the RFT run's own per-problem lengths, so each holds a problem whatever the small
+model wrote (the config's bins assume one line per chain, which this little training need not give). The
 digest tests run the real planner and state keeping with each stage's command replaced by a
 writer of its outputs, so every input change can be tried in a second.
 """
@@ -29,8 +31,8 @@ STAGES = ["curate", "train_sprint", "train_rft", "eval_sprint_chains", "eval_rft
 def _tiny(tmp_path: Path, name: str = "recipe.yaml", **changes) -> Path:
     """A copy of the tiny recipe shrunk to test size, with `changes` (dotted key -> value)."""
     d = yaml.safe_load(TINY.read_text())
-    d["curate"]["tasks"]["n"] = 800          # ~75 steps over 3 epochs: enough for the RFT model to write one line
-    d["train"]["epochs"] = 3                 # per chain, so its lengths (the bins' key) follow the chain count
+    d["curate"]["tasks"]["n"] = 800          # ~75 steps over 3 epochs: the models write the format, not
+    d["train"]["epochs"] = 3                 # always one line per chain (RFT lengths need not follow the chain count)
     d["eval"]["sets"][0]["limit"] = 6
     d["eval"]["orchestrator"]["max_total_tokens"] = 160
     args = d["eval"]["args"]
@@ -114,17 +116,10 @@ def test_tiny_recipe_end_to_end_rerun_and_one_change(tmp_path, capsys):
         pass2 = sum(p["c"] > 0 for p in per[arm].values()) / 6        # 1 - C(2 - c, 2) / C(2, 2)
         assert row[1] == "2" and row[2] == f"{100 * avg:.1f}% ± {100 * se:.1f}"
         assert row[3] == f"@1 {100 * avg:.1f}%, @2 {100 * pass2:.1f}%"
-    # the fixed bins by the RFT run's per-problem mean sequential tokens: each holds problems,
-    # with the n, accuracies and sequential tokens recomputed here
+    # the config's fixed bins by the RFT run's per-problem mean sequential tokens, with the n,
+    # accuracies and sequential tokens recomputed here (a bin no problem falls in: n 0, no means)
     assert "### By RFT sequential length (fixed bins)" in report
-    edges = [0, *map(int, yaml.safe_load(cfg.read_text())["compare"]["bins"].split(",")), None]
-    for lo, hi in zip(edges, edges[1:]):
-        ids = [i for i, p in per["rft"].items() if p["seq"] >= lo and (hi is None or p["seq"] < hi)]
-        assert ids, f"bin {lo}-{hi} is empty: RFT lengths {sorted(p['seq'] for p in per['rft'].values())}"
-        cells = _table_row(report, f"{lo}-{'inf' if hi is None else hi}", "(fixed bins)")
-        expect = [str(len(ids))] + [f"{sum(per[a][i]['acc'] for i in ids) / len(ids):.3f}" for a in ("sprint", "rft")]
-        expect += [f"{sum(per[a][i]['seq'] for i in ids) / len(ids):.1f}" for a in ("sprint", "rft")]
-        assert cells[1:6] == expect
+    _check_fixed_bins(report, per, yaml.safe_load(cfg.read_text())["compare"]["bins"], populated=False)
     steps = {arm: json.loads((out / f"train_{arm}" / "out" / "summary.json").read_text())["steps"]
              for arm in ("sprint", "rft")}
     assert f"| SPRINT | merge | {steps['sprint']} |" in report
@@ -136,12 +131,38 @@ def test_tiny_recipe_end_to_end_rerun_and_one_change(tmp_path, capsys):
     assert said.count("inputs unchanged: skipped") == len(STAGES) and "running" not in said
     assert _started(out) == first
 
-    # one input changed (the comparison's bins): only compare and what follows it rerun
-    cfg2 = _tiny(tmp_path, "recipe2.yaml", **{"compare.bins": "50,100"})
+    # one input changed (the comparison's bins, and its quantiles so that the change is one even
+    # if the new cuts equal the old): only compare and what follows it rerun. The cuts are the
+    # distinct integer parts of the RFT run's per-problem lengths past the smallest, so bin i holds
+    # exactly the problems whose length has the i-th integer part: every bin is populated.
+    floors = sorted({int(p["seq"]) for p in per["rft"].values()})
+    assert len(floors) >= 2, f"the RFT run wrote one length for 2- to 4-chain problems: {floors}"
+    cuts = ",".join(map(str, floors[1:]))
+    cfg2 = _tiny(tmp_path, "recipe2.yaml", **{"compare.bins": cuts, "compare.quantiles": 3})
     assert main(["recipe", "run", str(cfg2), "--out", str(out)]) == 0
     now = _started(out)
     assert [s for s in STAGES if now[s] != first[s]] == ["compare_chains", "report"]
-    assert "| 50-100 |" in (out / "report.md").read_text()
+    _check_fixed_bins((out / "report.md").read_text(), per, cuts, populated=True)
+
+
+def _check_fixed_bins(report: str, per: dict[str, dict], bins: str, populated: bool) -> None:
+    """report.md's fixed-bin table (thresholds `bins`) against the per-problem results: every bin's
+    n, both accuracies and both mean sequential tokens recomputed here; `populated`: no bin is empty."""
+    edges = [0, *map(int, bins.split(",")), None]
+    total = 0
+    for lo, hi in zip(edges, edges[1:]):
+        ids = [i for i, p in per["rft"].items() if p["seq"] >= lo and (hi is None or p["seq"] < hi)]
+        lengths = sorted(p["seq"] for p in per["rft"].values())
+        assert ids or not populated, f"bin {lo}-{hi} is empty: RFT lengths {lengths}"
+        cells = _table_row(report, f"{lo}-{'inf' if hi is None else hi}", "(fixed bins)")
+        if not ids:
+            assert cells[1:6] == ["0", "-", "-", "-", "-"]
+            continue
+        expect = [str(len(ids))] + [f"{sum(per[a][i]['acc'] for i in ids) / len(ids):.3f}" for a in ("sprint", "rft")]
+        expect += [f"{sum(per[a][i]['seq'] for i in ids) / len(ids):.1f}" for a in ("sprint", "rft")]
+        assert cells[1:6] == expect
+        total += len(ids)
+    assert total == len(per["rft"])
 
 
 def test_a_failing_stage_stops_with_one_line(tmp_path, capsys):
