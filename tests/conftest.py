@@ -228,6 +228,52 @@ def alone_224(engine_224):
     run.close()
 
 
+def chains_policy_config(root: Path, data_format: str = "sprint", layout: str = "trie", n_chains: int = 2,
+                         length: int = 2):
+    """A tiny policy's training setup: 200 digit-chains problems (seed 1) of `n_chains` chains of
+    `length` steps, written to `root` as SPRINT text (a plan with one prompt per chain, their
+    executions, a combining plan, the final answer) or ThreadWeaver text (one block with the same
+    outlines and threads, then the answer); the demo's word-level tokenizer; a 2-layer fp32 Qwen2
+    trained from scratch for 60 steps in `layout`: enough to plan, fork and answer. Returns
+    (TrainConfig, tokenizer, problems); train it with `train(config, dir, tokenizer=tok)`."""
+    from sprint_jax import format as fmt
+    from sprint_jax import threadweaver as tw
+    from sprint_jax.config import from_dict
+    from sprint_jax.model.tokenizer import VocabTokenizer
+    from sprint_jax.tasks import chains
+    from sprint_jax.train.config import TrainConfig
+
+    tasks = chains.generate(200, 1, n_chains, n_chains, length)
+    data = root / ("tw.jsonl" if data_format == "threadweaver" else "sprint.jsonl")
+    with open(data, "w") as f:
+        for t in tasks:
+            starts = t.answer["starts"]
+            prompts, bodies = [f"Chain {s}:" for s in starts], [chains.chain(s, length) for s in starts]
+            if data_format == "threadweaver":
+                text = tw.render_completion(tw.TWTrajectory(blocks=[tw.ParallelBlock("", prompts, bodies)],
+                                                            after=chains.COMBINE, answer=str(t.answer["value"])))
+            else:
+                text = fmt.render_completion(fmt.Trajectory(stages=[
+                    fmt.Stage(1, [fmt.Prompt(p) for p in prompts], bodies),
+                    fmt.Stage(2, [chains.COMBINE])], final_answer=str(t.answer["value"])))
+            f.write(json.dumps({"id": t.id, "kind": "sprint", "prompt": chains.prompt_for(t),
+                                "completion": text}) + "\n")
+    tok = VocabTokenizer(chains.token_vocabulary(max_prompts=n_chains), eos_token="<eos>", pad_token="<pad>")
+    model = {"model_type": "qwen2", "vocab_size": (len(tok) + 7) // 8 * 8, "hidden_size": 32,
+             "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+             "max_position_embeddings": 256, "tie_word_embeddings": False, "eos_token_id": tok.eos_token_id}
+    data_cfg = {"train": [str(data)], "layout": layout, "seq_len": 128}
+    if data_format != "sprint":
+        data_cfg["format"] = data_format
+    tc = from_dict(TrainConfig, {
+        "model": {"name": model, "init": "scratch", "dtype": "float32", "remat": "none", "loss_chunk": 0},
+        "data": data_cfg,
+        "optim": {"lr": 1e-2, "warmup_steps": 5, "batch_size": 8},
+        "mesh": {"data": 1, "fsdp": 1, "tensor": 1}, "checkpoint": {"every": 0, "resume": False},
+        "steps": 60, "log_every": 20, "tensorboard": False, "plot": False})
+    return tc, tok, tasks
+
+
 def _map_count() -> int:
     try:
         with open(f"/proc/{os.getpid()}/maps") as f:

@@ -156,36 +156,13 @@ CHAINS, LENGTH = 2, 2
 @pytest.fixture(scope="module")
 def sft_policy(tmp_path_factory):
     """A tiny SPRINT model trained enough to plan, fork and answer (trie layout), its tokenizer."""
-    import json
-
-    from sprint_jax import format as fmt
-    from sprint_jax.config import from_dict
     from sprint_jax.model import from_pretrained
-    from sprint_jax.model.tokenizer import VocabTokenizer
     from sprint_jax.tasks import chains
-    from sprint_jax.train.config import TrainConfig
     from sprint_jax.train.trainer import train
+    from conftest import chains_policy_config
 
     root = tmp_path_factory.mktemp("logprob_sft")
-    tasks = chains.generate(200, 1, CHAINS, CHAINS, LENGTH)
-    with open(root / "sprint.jsonl", "w") as f:
-        for t in tasks:
-            starts = t.answer["starts"]
-            traj = fmt.Trajectory(stages=[
-                fmt.Stage(1, [fmt.Prompt(f"Chain {s}:") for s in starts], [chains.chain(s, LENGTH) for s in starts]),
-                fmt.Stage(2, [chains.COMBINE])], final_answer=str(t.answer["value"]))
-            f.write(json.dumps({"id": t.id, "kind": "sprint", "prompt": chains.prompt_for(t),
-                                "completion": fmt.render_completion(traj)}) + "\n")
-    tok = VocabTokenizer(chains.token_vocabulary(max_prompts=CHAINS), eos_token="<eos>", pad_token="<pad>")
-    model = {"model_type": "qwen2", "vocab_size": (len(tok) + 7) // 8 * 8, "hidden_size": 32,
-             "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-             "max_position_embeddings": 256, "tie_word_embeddings": False, "eos_token_id": tok.eos_token_id}
-    tc = from_dict(TrainConfig, {
-        "model": {"name": model, "init": "scratch", "dtype": "float32", "remat": "none", "loss_chunk": 0},
-        "data": {"train": [str(root / "sprint.jsonl")], "layout": "trie", "seq_len": 128},
-        "optim": {"lr": 1e-2, "warmup_steps": 5, "batch_size": 8},
-        "mesh": {"data": 1, "fsdp": 1, "tensor": 1}, "checkpoint": {"every": 0, "resume": False},
-        "steps": 60, "log_every": 20, "tensorboard": False, "plot": False})
+    tc, tok, tasks = chains_policy_config(root, "sprint", "trie", CHAINS, LENGTH)
     export = train(tc, root / "train", tokenizer=tok, progress=False)["export_dir"]
     return from_pretrained(export), tok, [chains.prompt_for(t) for t in tasks[:4]]
 

@@ -4,7 +4,6 @@ engine (`SingleRun`), and for SPRINT the HF torch model's fp32 forward over the 
 token was sampled in (every engine call of the same run recorded by `run_many`'s `on_call`)."""
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import openai
@@ -238,37 +237,16 @@ CHAINS, LENGTH = 2, 2
 def stage_server(tmp_path_factory):
     """A tiny SPRINT model trained to plan, fork and answer (trie layout; the recipe of
     test_rl_logprob's policy), served; its export directory and tokenizer."""
-    from sprint_jax import format as fmt
-    from sprint_jax.config import from_dict
     from sprint_jax.infer.engine import Engine
     from sprint_jax.infer.orchestrator import OrchestratorConfig
     from sprint_jax.model import from_pretrained
-    from sprint_jax.model.tokenizer import VocabTokenizer
     from sprint_jax.serve import Server
     from sprint_jax.tasks import chains
-    from sprint_jax.train.config import TrainConfig
     from sprint_jax.train.trainer import train
+    from conftest import chains_policy_config
 
     root = tmp_path_factory.mktemp("serve_logprob_sft")
-    tasks = chains.generate(200, 1, CHAINS, CHAINS, LENGTH)
-    with open(root / "sprint.jsonl", "w") as f:
-        for t in tasks:
-            starts = t.answer["starts"]
-            traj = fmt.Trajectory(stages=[
-                fmt.Stage(1, [fmt.Prompt(f"Chain {s}:") for s in starts], [chains.chain(s, LENGTH) for s in starts]),
-                fmt.Stage(2, [chains.COMBINE])], final_answer=str(t.answer["value"]))
-            f.write(json.dumps({"id": t.id, "kind": "sprint", "prompt": chains.prompt_for(t),
-                                "completion": fmt.render_completion(traj)}) + "\n")
-    tok = VocabTokenizer(chains.token_vocabulary(max_prompts=CHAINS), eos_token="<eos>", pad_token="<pad>")
-    model = {"model_type": "qwen2", "vocab_size": (len(tok) + 7) // 8 * 8, "hidden_size": 32,
-             "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-             "max_position_embeddings": 256, "tie_word_embeddings": False, "eos_token_id": tok.eos_token_id}
-    tc = from_dict(TrainConfig, {
-        "model": {"name": model, "init": "scratch", "dtype": "float32", "remat": "none", "loss_chunk": 0},
-        "data": {"train": [str(root / "sprint.jsonl")], "layout": "trie", "seq_len": 128},
-        "optim": {"lr": 1e-2, "warmup_steps": 5, "batch_size": 8},
-        "mesh": {"data": 1, "fsdp": 1, "tensor": 1}, "checkpoint": {"every": 0, "resume": False},
-        "steps": 60, "log_every": 20, "tensorboard": False, "plot": False})
+    tc, tok, tasks = chains_policy_config(root, "sprint", "trie", CHAINS, LENGTH)
     export = train(tc, root / "train", tokenizer=tok, progress=False)["export_dir"]
     caps = dict(max_seqs=1, max_children=CHAINS, max_seq_len=160, max_branch_tokens=24, decode_chunk=4,
                 prefill_chunk=64)
