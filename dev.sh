@@ -46,7 +46,7 @@ case "$cmd" in
     if [ "${1:-}" = "--fast" ]; then shift; tier=(-m "not slow"); fi
     "$VENV/bin/ruff" check --quiet sprint_jax kernels tests
     # exit code 5 (no tests collected) is a failure like any other non-zero code
-    exec "$VENV/bin/pytest" tests -q -n 2 --dist loadfile "${tier[@]}" "$@"
+    exec "$VENV/bin/pytest" tests -q -n 2 --dist loadfile --no-loadscope-reorder "${tier[@]}" "$@"
     ;;
   sprint-jax)
     ensure_env "$RUN_EXTRAS"

@@ -303,9 +303,26 @@ def _release_compiled_code():
 _SLOW_LIST = Path(__file__).with_name("slow_tests.txt")
 
 
+# The files in the order the workers take them: heaviest first (tests/file_order.txt).
+_FILE_ORDER = Path(__file__).with_name("file_order.txt")
+
+
+def _file_weights() -> dict[str, float]:
+    out = {}
+    for line in _FILE_ORDER.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, seconds = line.split()
+            out[name] = float(seconds)
+    return out
+
+
 def pytest_collection_modifyitems(config, items):
     listed = {line.strip() for line in _SLOW_LIST.read_text().splitlines()
               if line.strip() and not line.startswith("#")}
     for item in items:
         if f"{Path(str(item.fspath)).name}::{item.name}" in listed:
             item.add_marker(pytest.mark.slow)
+    # Longest files first (a stable sort: the tests of a file keep their order), so that with
+    # `--dist loadfile --no-loadscope-reorder` the run ends on short files, not one long one.
+    weights = _file_weights()
+    items.sort(key=lambda item: -weights.get(Path(str(item.fspath)).name, 0.0))
