@@ -25,12 +25,13 @@ needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="compiling for TPU needs libtpu (pip install -e '.[tpu]')")
 compiles = pytest.mark.slow
 
-# Two toy sizes of one layer (a TPU compile of tens of seconds on an idle host) and 512-token
-# rows, whose weights and vocabulary projection (3 and 9 GB of fp32 state over 4 chips) keep
-# the step's temporaries in GiBs: the TPU compiler places up to ~100 MiB of temporaries in
-# on-chip VMEM, which memory_analysis() does not count, so a smaller step reads low.
-SMALL = {"model_type": "qwen2", "vocab_size": 65536, "hidden_size": 2048, "intermediate_size": 5632,
-         "num_hidden_layers": 1, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
+# Two toy sizes of one layer and 512-token rows, whose weights and vocabulary projection (2 and
+# 9 GB of fp32 state over 4 chips) keep the step's temporaries in GiBs: the TPU compiler places up
+# to ~100 MiB of temporaries in on-chip VMEM, which memory_analysis() does not count, so a smaller
+# step reads low. The small one is narrow with a wide vocabulary (its bytes are the vocabulary's):
+# XLA's TPU compile time grows with the layers' width (this one: ~60 s; 2048 wide: ~125 s).
+SMALL = {"model_type": "qwen2", "vocab_size": 262144, "hidden_size": 512, "intermediate_size": 1024,
+         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 128,
          "max_position_embeddings": 8192}
 LARGER = {**SMALL, "vocab_size": 131072, "hidden_size": 3072, "intermediate_size": 8192,
           "num_attention_heads": 24, "num_key_value_heads": 8}
@@ -43,7 +44,8 @@ TOY = {**SMALL, "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512
        "num_key_value_heads": 1}
 # A vocabulary of 2^20 x 2048 (embedding and projection: 4.3G parameters), whose fp32 weights,
 # AdamW moments and gradients (69 GB) cannot fit four 16 GiB v5e chips.
-HUGE_VOCAB = {**SMALL, "vocab_size": 2 ** 20}
+HUGE_VOCAB = {**SMALL, "vocab_size": 2 ** 20, "hidden_size": 2048, "intermediate_size": 5632,
+              "num_attention_heads": 16, "num_key_value_heads": 4}
 
 
 def _config(d: dict) -> Qwen2Config:
