@@ -81,7 +81,7 @@ def _table_row(report: str, metric: str, after: str = "") -> list[str]:
 
 
 @pytest.mark.slow
-def test_tiny_recipe_end_to_end_rerun_and_one_change(tmp_path, capsys):
+def test_tiny_recipe_end_to_end_rerun_and_one_change(tmp_path, capsys, training_subprocesses):
     cfg, out = _tiny(tmp_path), tmp_path / "run"
     assert main(["recipe", "run", str(cfg), "--out", str(out)]) == 0
     first = _started(out)
