@@ -338,7 +338,33 @@ def _execute(stage: Stage, out: Path, log: Path) -> int:
         f.write("$ sprint-jax " + " ".join(stage.command) + "\n")
         f.flush()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        return subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        return subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=env,
+                              **die_with_parent()).returncode
+
+
+def die_with_parent() -> dict:
+    """Popen arguments that tie a stage to this process: its own process group (a signal to the
+    group reaches whatever it started) and, on Linux, PR_SET_PDEATHSIG, so the kernel sends it
+    SIGKILL when this process dies, however (kill -9 included). Without it a killed runner left
+    its stage running, holding the stage's output lock (the rerun failed with "in use") and
+    writing into the log the rerun had truncated. SIGKILL, not SIGTERM: the stage must be gone
+    before a rerun starts it again; every stage resumes from what it last wrote."""
+    if not sys.platform.startswith("linux"):
+        return {"start_new_session": True}
+    import ctypes
+    import signal
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl   # looked up before the fork: the child only calls it
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        os.setpgid(0, 0)
+        prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:            # the parent died before prctl took effect
+            os._exit(1)
+
+    return {"preexec_fn": preexec}
 
 
 def status_rows(out: Path) -> list[dict]:
