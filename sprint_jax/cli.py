@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rl": ("sprint_jax.rl.cli", "reinforcement learning on parallel rollouts: P-GRPO with the acceleration reward"),
     "bench": ("sprint_jax.bench.cli", "benchmarks: " + ", ".join(BENCHES)),
     "plan": ("sprint_jax.plan.cli", "plan a run on TPU slices from this host: compile the train step, the engine's programs or the RL update, per-chip memory, roofline"),
-    "selftrain": ("sprint_jax.selftrain_cli", "self-training rounds: sample k trajectories -> keep correct (fastest) -> SFT -> held-out eval"),
+    "selftrain": ("sprint_jax.selftrain_cli", "self-training rounds: sample k trajectories -> keep correct, well-formed -> SFT -> held-out eval"),
     "recipe": ("sprint_jax.recipe.cli", "the paper's experiment, resumable: curate -> SFT both -> eval both -> compare -> report.md"),
 }
 

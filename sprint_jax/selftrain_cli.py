@@ -1,4 +1,6 @@
-"""`sprint-jax selftrain`: ThreadWeaver-style self-training of an SFT model on its own trajectories."""
+"""`sprint-jax selftrain`: self-training of an SFT model on its own trajectories (rounds of sample ->
+filter -> SFT). The default filter is ThreadWeaver's (keep every rollout with a correct format and a
+correct answer); keep: fastest is ours."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-DESCRIPTION = """Self-training (ThreadWeaver's self-training stage): rounds of sample -> filter -> SFT.
+DESCRIPTION = """Self-training: rounds of sample -> filter -> SFT.
 
   sprint-jax selftrain --config configs/selftrain_tiny_cpu.yaml --out runs/selftrain
   sprint-jax selftrain --config FILE.yaml --set rounds=3 --set samples=8 --out DIR
@@ -19,14 +21,16 @@ Starting from an SFT model (an HF export directory as `sprint-jax train` writes 
      the batched engine, the path `sprint-jax eval --samples K` takes (sample s of a problem with
      a seed hashed from orchestrator.seed, the problem's id and s, so problems draw independently;
      orchestrator.temperature / top_p sample);
-  2. keeps the correct and well-formed ones (format-valid, ended by a final answer); keep: fastest
-     keeps one per problem, the one with the shortest critical path (sequential tokens: per stage
-     the planner's tokens plus the longest executor's, plus the final call; ties: the lowest sample
-     index); keep: all keeps every one;
+  2. keeps the rollouts with a valid format and a correct answer. keep: all (the default) keeps
+     every one, as ThreadWeaver's self-training does; keep: fastest, our variant, not the
+     paper's, keeps one per problem, the one with the shortest critical path (sequential tokens:
+     per stage the planner's tokens plus the longest executor's, plus the final call; ties: the
+     lowest sample index);
   3. writes them as training examples (sprint_jax.schema.Example: prompt = the prompt the model
      saw, completion = the trajectory's text, kind sprint, or rft in mode sequential);
   4. trains model r with `sprint-jax train`'s trainer on them, from model r-1 (init_from: previous)
-     or from the start model (init_from: base); `train` holds TrainConfig fields (steps, optim, ...);
+     or from the start model (init_from: base), in the start model's layout and tag format;
+     `train` holds TrainConfig fields (steps or epochs, optim, ...);
   5. evaluates model r on the held-out problems (greedy unless heldout_temperature > 0).
 Round 0 is the start model's held-out evaluation, the baseline.
 
@@ -85,7 +89,7 @@ class SelftrainConfig:
     model: str = ""                          # the start SFT model: an HF export directory
     rounds: int = 2
     samples: int = 4                         # trajectories per training problem and round
-    keep: Literal["fastest", "all"] = "fastest"
+    keep: Literal["all", "fastest"] = "all"  # all: ThreadWeaver's filter; fastest: ours (keep_samples)
     mode: Literal["parallel", "serial", "sequential"] = "parallel"
     init_from: Literal["previous", "base"] = "previous"
     train_tasks: TaskSet = dataclasses.field(default_factory=TaskSet)
@@ -115,9 +119,11 @@ def _say(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # Selection and records (pure: what the tests check against hand-computed values)
 # ---------------------------------------------------------------------------------------------
-def keep_samples(samples: list[dict], keep: str = "fastest") -> list[dict]:
-    """The kept samples, in input order: correct and format-valid; with keep="fastest" only the one
-    per problem id with the fewest sequential tokens (ties: the lowest sample index)."""
+def keep_samples(samples: list[dict], keep: str = "all") -> list[dict]:
+    """The kept samples, in input order. keep="all" (ThreadWeaver's self-training filter): every
+    sample with a valid format and a correct answer. keep="fastest" (ours, not the paper's): of
+    those, only the one per problem id with the fewest sequential tokens (ties: the lowest sample
+    index)."""
     good = [s for s in samples if s["correct"] and s["format_valid"]]
     if keep == "all":
         return good
@@ -226,13 +232,16 @@ def train_config(cfg: SelftrainConfig, init_model: str, data_file: Path, check_o
         positions = Qwen2Config.from_hf_config(Path(cfg.model)).max_position_embeddings
     except Exception as e:  # noqa: BLE001 -- a model directory without a readable config.json
         raise ConfigError(f"model: {cfg.model} has no readable config.json ({e})") from None
+    meta = export_meta(cfg.model)     # the start model's layout and tag format: every round trains in them
     base = {"model": {"name": str(init_model), "init": "pretrained", "dtype": "float32", "remat": "none",
                       "loss_chunk": 0},
-            "data": {"train": [str(data_file)], "layout": export_meta(cfg.model).get("layout", "flat"),
-                     "seq_len": min(positions, 2048)},
+            "data": {"train": [str(data_file)], "layout": meta.get("layout", "flat"),
+                     "format": meta.get("format", "sprint"), "seq_len": min(positions, 2048)},
             "mesh": {"data": 1, "fsdp": 1, "tensor": 1},
             "checkpoint": {"every": 0, "resume": True},
             "steps": 100, "log_every": 10, "tensorboard": False, "plot": False}
+    if cfg.train.get("epochs") is not None:      # epochs instead of the default steps
+        del base["steps"]
     merged = _deep_merge(base, cfg.train)
     for key in ("model.name", "model.init", "data.train"):
         if _get(cfg.train, key) is not None:

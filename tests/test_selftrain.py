@@ -34,6 +34,25 @@ def test_fastest_keeps_one_correct_well_formed_sample_per_problem_lowest_index_o
     assert [(s["id"], s["sample"]) for s in keep_samples(SAMPLES, "all")] == [("a", 0), ("a", 1), ("a", 2), ("c", 0)]
 
 
+def test_the_default_filter_is_threadweavers_every_correct_well_formed_rollout():
+    from sprint_jax.selftrain_cli import SelftrainConfig
+
+    # format-valid and correct, every sample of a problem (a0, a1, a2; b has none; c0 but not c1)
+    assert SelftrainConfig().keep == "all"
+    assert [(s["id"], s["sample"]) for s in keep_samples(SAMPLES)] == [("a", 0), ("a", 1), ("a", 2), ("c", 0)]
+
+
+def test_rounds_train_in_the_start_models_tag_format_and_layout(tmp_path):
+    from sprint_jax.selftrain_cli import SelftrainConfig, train_config
+    from conftest import make_hf_checkpoint
+
+    model = make_hf_checkpoint(tmp_path / "m")
+    (model / "sprint_jax.json").write_text(json.dumps({"layout": "trie", "format": "threadweaver"}))
+    cfg = SelftrainConfig(model=str(model), train={"epochs": 1})
+    tc = train_config(cfg, str(model), tmp_path / "train.jsonl", check_only=True)
+    assert (tc.data.format, tc.data.layout, tc.epochs) == ("threadweaver", "trie", 1)
+
+
 def test_yield_and_heldout_figures_are_the_hand_counts():
     kept = keep_samples(SAMPLES, "fastest")
     fig = yield_figures(SAMPLES, kept)
