@@ -27,9 +27,9 @@ ensure_env() {  # $1 = extras ("$RUN_EXTRAS" or "[test]")
   fi
 }
 
-# dev.sh runs on this machine's CPU: with libtpu installed (the test extras) JAX would otherwise
-# spend seconds at every start probing for a TPU. A JAX_PLATFORMS you set is kept.
-export JAX_PLATFORMS=${JAX_PLATFORMS:-cpu}
+# Where JAX runs is left to the package (sprint_jax/__init__.py): the CPU on a machine without an
+# accelerator whatever plugins are installed (the test extras hold libtpu and the CUDA plugin), the
+# accelerator where there is one; a JAX_PLATFORMS you set is kept. The tests set it for themselves.
 
 cmd=${1:-help}
 shift || true
