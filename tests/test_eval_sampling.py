@@ -68,10 +68,10 @@ def test_avg_at_k_its_standard_error_and_pass_at_k_by_hand():
     # pass@2: p1 1, p2 1 - C(3,2)/C(4,2) = 1/2, p3 1 - C(2,2)/C(4,2) = 5/6 -> 7/9; pass@4: all 1
     assert s["pass_at_k"] == pytest.approx({"1": 7 / 12, "2": 7 / 9, "4": 1.0})
     assert [p["context_full"] for p in s["per_problem"]] == [0, 1, 1]
-    assert report["outcomes"] == {"correct": 7, "wrong": 3, "context_full": 2}
+    assert report["outcomes"] == {"correct": 7, "wrong": 3, "context_full": 2, "capped": 0}
     # a run cut by the budget that still got graded correct is correct, not context_full
     assert make_report([_run("x", 0, True, termination="token_budget")], "parallel")["outcomes"] == {
-        "correct": 1, "wrong": 0, "context_full": 0}
+        "correct": 1, "wrong": 0, "context_full": 0, "capped": 0}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,7 +160,7 @@ def test_samples_get_their_own_seeds_keep_their_index_and_resume(tmp_path):
     # Avg@4 = (2/4 + 1/4) / 2; standard error: |1/2 - 1/4| / sqrt(2) / sqrt(2) = 1/8
     assert report["samples"]["avg_at_k"] == pytest.approx(3 / 8)
     assert report["samples"]["avg_at_k_se"] == pytest.approx(1 / 8)
-    assert report["outcomes"] == {"correct": 3, "wrong": 4, "context_full": 1}
+    assert report["outcomes"] == {"correct": 3, "wrong": 4, "context_full": 1, "capped": 0}
     assert report["meta"]["samples"] == 4 and report["n"] == 8
 
     # killed during the sixth run: five complete lines and a cut one; the rerun runs the other three

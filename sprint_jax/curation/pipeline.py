@@ -357,10 +357,30 @@ class Curation:
                       "mean": (sum(ratios) / len(ratios)) if ratios else None,
                       "min": min(ratios) if ratios else None, "max": max(ratios) if ratios else None,
                       "min_ratio": self.cfg.min_ratio},
+            "shape": example_shapes(self.store.examples("sprint")),
             "llm": self.store.call_totals(),
             "run": {"out": str(self.out), "config": to_dict(self.cfg), **self.stats.as_dict(),
                     "seconds": None if seconds is None else round(seconds, 3)},
         }
+
+
+def example_shapes(records: list[dict]) -> dict:
+    """Stages and most prompts per stage of the kept parallel examples (`caps.example_shape`, in
+    each record's format, `meta.format`, SPRINT without one): max, p99 and the count of examples
+    per value, what `train` records and eval's default caps come from (`sprint_jax.caps`)."""
+    from sprint_jax import caps
+    from sprint_jax.threadweaver import FORMAT_META_KEY
+
+    shapes = [caps.example_shape(r["completion"], (r.get("meta") or {}).get(FORMAT_META_KEY, "sprint"))
+              for r in records]
+    shapes = [s for s in shapes if s is not None]
+    out = caps.shape_summary(shapes)
+    for k, part in ((0, "stages"), (1, "prompts")):
+        counts: dict[str, int] = {}
+        for v in sorted(s[k] for s in shapes):
+            counts[str(v)] = counts.get(str(v), 0) + 1
+        out[part]["histogram"] = counts
+    return out
 
 
 def ratio_histogram(ratios: list[float]) -> dict[str, int]:

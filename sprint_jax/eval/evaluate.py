@@ -100,8 +100,10 @@ def default_prompt(task: Task) -> str:
 def result_of(task: Task, record: RunRecord, answer_from: str = "final_answer", sample: int = 0) -> dict[str, Any]:
     """One results.jsonl line: the graded outcome and the accounting of run `sample` of the task
     (`wall_s` the record's; `evaluate` replaces it with the time apart from compilation and adds
-    the other `TIMING_FIELDS`). `outcome`: correct / wrong / context_full (report.outcome);
-    `forks`: the stages whose executors ran on a fork (an inline execution is no fork)."""
+    the other `TIMING_FIELDS`). `outcome`: correct / wrong / context_full / capped (report.outcome);
+    `forks`: the stages whose executors ran on a fork (an inline execution is no fork);
+    `prompts_dropped`: prompts of forked stages that got no executor (past max_prompts or the
+    engine's branches)."""
     answer = extract_answer(record.final_answer, record.text, answer_from)
     graded = grade_result(task, answer)
     row = {
@@ -120,6 +122,8 @@ def result_of(task: Task, record: RunRecord, answer_from: str = "final_answer", 
         "forks": sum(1 for s in record.stages if s.executor_mode in ("shared", "serial")),
         "wall_s": record.wall_s,
         "problems": list(record.problems),
+        "prompts_dropped": sum(max(0, len(s.prompts) - len(s.executions)) for s in record.stages
+                               if s.executor_mode in ("shared", "serial")),
         "format_valid": record.format_valid,
         "termination": record.termination,
     }

@@ -99,7 +99,7 @@ def make_report(results: Sequence[dict], mode: str, wall_clock_s: float | None =
     tokens, not a comparison with RFT (use `eval compare` for that). `grader_errors` counts problems whose grader failed (graded wrong, logged,
     listed by id in `grader_error_ids`): a non-zero count means the accuracy is a lower bound.
     `n`, `correct` and `accuracy` count runs (a problem sampled k times is k runs); `outcomes`
-    splits them into correct / wrong / context_full (`outcome`); `samples` is `sample_summary`
+    splits them into correct / wrong / context_full / capped (`outcome`); `samples` is `sample_summary`
     (Avg@k with its standard error, pass@k, per-problem means); `self_parallelism` and
     `activation_ratio` are `parallelism`'s.
     `wall_clock_s` defaults to `run_wall_clock(results)` (compilation excluded); `compile_s`, when
@@ -125,7 +125,7 @@ def make_report(results: Sequence[dict], mode: str, wall_clock_s: float | None =
         "grader_errors": sum(1 for r in results if r.get("grader_error")),
         "grader_error_ids": [r["id"] for r in results if r.get("grader_error")][:20],
         "sequential_to_total_by_length": sequential_to_total_by_length(results),
-        "outcomes": {k: sum(outcome(r) == k for r in results) for k in ("correct", "wrong", "context_full")},
+        "outcomes": {k: sum(outcome(r) == k for r in results) for k in OUTCOMES},
         "samples": sample_summary(results),
         **parallelism(results),
     }
@@ -142,25 +142,40 @@ def make_report(results: Sequence[dict], mode: str, wall_clock_s: float | None =
 # terminations of a run that ran out of room: the planner context (max_seq_len) or the run's
 # generated-token budget (max_total_tokens). Such a run was cut, not answered wrong.
 CONTEXT_FULL_TERMINATIONS = ("context_full", "token_budget")
+# terminations of a run a cap on its shape stopped: a plan past max_stages (sprint_jax.caps)
+CAPPED_TERMINATIONS = ("max_stages",)
+OUTCOMES = ("correct", "wrong", "context_full", "capped")
 SE_ESTIMATOR = ("standard deviation (n - 1) of the per-problem mean accuracies / sqrt(number of problems): "
                 "problems are the sampled unit, a problem's k samples are not independent draws")
 
 
 def outcome(row: dict) -> str:
     """correct | context_full (not correct, and the run hit the context or its token budget:
-    `CONTEXT_FULL_TERMINATIONS`) | wrong (every other run that is not correct)."""
+    `CONTEXT_FULL_TERMINATIONS`) | capped (not correct, and a cap on the plan's shape cut it: the
+    run ended at max_stages, `CAPPED_TERMINATIONS`, or a plan's prompts past max_prompts or the
+    engine's branches got no executor, `prompts_dropped`) | wrong (every other run that is not
+    correct)."""
     if row["correct"]:
         return "correct"
-    return "context_full" if row.get("termination") in CONTEXT_FULL_TERMINATIONS else "wrong"
+    if row.get("termination") in CONTEXT_FULL_TERMINATIONS:
+        return "context_full"
+    if row.get("termination") in CAPPED_TERMINATIONS or row.get("prompts_dropped"):
+        return "capped"
+    return "wrong"
+
+
+def outcome_share(row: dict, kind: str) -> float:
+    """1.0 / 0.0 for one run whose `outcome` is / is not `kind`; a per-problem row of a sampled
+    run (`problem_rows`) carries the share of its samples under the key `kind`."""
+    share = row.get(kind)
+    if isinstance(share, (int, float)) and not isinstance(share, bool):
+        return float(share)
+    return 1.0 if outcome(row) == kind else 0.0
 
 
 def context_full_share(row: dict) -> float:
-    """1.0 / 0.0 for one run (`outcome`); a per-problem row of a sampled run (`problem_rows`)
-    carries the share of its samples."""
-    share = row.get("context_full")
-    if isinstance(share, (int, float)) and not isinstance(share, bool):
-        return float(share)
-    return 1.0 if outcome(row) == "context_full" else 0.0
+    """`outcome_share(row, "context_full")`."""
+    return outcome_share(row, "context_full")
 
 
 def sample_of(row: dict) -> int:
@@ -197,7 +212,7 @@ def sample_summary(results: Sequence[dict]) -> dict:
     for every problem, the accuracy over all runs); avg_at_k_se: its standard error, `SE_ESTIMATOR`
     (None for one problem); pass_at_k: for k = 1, 2, 4, ... up to the fewest samples any problem
     has (and that number), the mean over problems of `pass_at_k`; per_problem: each problem's
-    samples, correct count, mean accuracy and context_full count."""
+    samples, correct count, mean accuracy and context_full and capped counts."""
     import math
 
     groups = by_problem(results)
@@ -205,7 +220,8 @@ def sample_summary(results: Sequence[dict]) -> dict:
     for pid, rows in groups.items():
         c = sum(bool(r["correct"]) for r in rows)
         per_problem.append({"id": rows[0]["id"], "samples": len(rows), "correct": c, "mean": c / len(rows),
-                            "context_full": sum(outcome(r) == "context_full" for r in rows)})
+                            "context_full": sum(outcome(r) == "context_full" for r in rows),
+                            "capped": sum(outcome(r) == "capped" for r in rows)})
     means = [p["mean"] for p in per_problem]
     m = len(means)
     avg = _mean(means)
@@ -224,7 +240,7 @@ def sample_summary(results: Sequence[dict]) -> dict:
 
 def problem_rows(results: Sequence[dict]) -> list[dict]:
     """One row per problem: its samples' means of correct (a share), sequential and total
-    tokens, wall clock and context_full (a share). Lines of an unsampled run pass unchanged."""
+    tokens, wall clock, context_full and capped (shares). Lines of an unsampled run pass unchanged."""
     groups = by_problem(results)
     if all(len(rows) == 1 for rows in groups.values()):
         return list(results)
@@ -232,7 +248,8 @@ def problem_rows(results: Sequence[dict]) -> list[dict]:
     for rows in groups.values():
         row = {"id": rows[0]["id"], "samples": len(rows),
                "correct": _mean([float(bool(r["correct"])) for r in rows]),
-               "context_full": _mean([context_full_share(r) for r in rows])}
+               "context_full": _mean([context_full_share(r) for r in rows]),
+               "capped": _mean([outcome_share(r, "capped") for r in rows])}
         for key in ("sequential_tokens", "total_tokens", "wall_s"):
             row[key] = _mean([r[key] for r in rows])
         out.append(row)
@@ -320,7 +337,7 @@ def _quantile_chunks(sorted_items: Sequence, bins: int, key=lambda x: x) -> list
 def _bin_row(pairs: Sequence[tuple[dict, dict]], lo: float, hi: float | None) -> dict:
     """One bin of (A, B) result pairs: n, and per run accuracy, mean sequential tokens, mean wall
     clock; the ratios A/B of summed sequential tokens and of summed wall clock; per run the share
-    of runs that were `context_full`."""
+    of runs that were `context_full`, and of runs that were `capped`."""
     row: dict = {"min_baseline_tokens": lo, "max_baseline_tokens": hi, "n": len(pairs)}
     for side, k in (("a", 0), ("b", 1)):
         rows = [p[k] for p in pairs]
@@ -333,6 +350,8 @@ def _bin_row(pairs: Sequence[tuple[dict, dict]], lo: float, hi: float | None) ->
     row["wall_ratio"] = sum(p[0]["wall_s"] for p in pairs) / wall_b if wall_b else None
     row["context_full"] = {side: _mean([context_full_share(p[k]) for p in pairs]) if pairs else None
                            for side, k in (("a", 0), ("b", 1))}
+    row["capped"] = {side: _mean([outcome_share(p[k], "capped") for p in pairs]) if pairs else None
+                     for side, k in (("a", 0), ("b", 1))}
     return row
 
 
@@ -610,6 +629,7 @@ def compare(results_a: Sequence[dict], results_b: Sequence[dict], name_a: str = 
             "mean_wall_s": _mean([r["wall_s"] for r in rows]),
             "grader_errors": sum(1 for r in rows if r.get("grader_error")),
             "context_full": _mean([context_full_share(r) for r in rows]),
+            "capped": _mean([outcome_share(r, "capped") for r in rows]),
         }
     rows = []
     for label, key in _ROWS:
@@ -645,7 +665,7 @@ def _format_bins(bins: Sequence[dict], name_a: str, name_b: str) -> list[str]:
 
 
 def _format_extras(table: dict) -> list[str]:
-    """The rows after the paper's table: context_full, Avg@k with its standard error when a run
+    """The rows after the paper's table: context_full, capped, Avg@k with its standard error when a run
     has several samples, ThreadWeaver's ratios, and the mean per-problem speedup."""
     name_a, name_b = table["names"]
     num = lambda v, f=".2f": "n/a" if v is None else format(v, f)  # noqa: E731
@@ -654,6 +674,9 @@ def _format_extras(table: dict) -> list[str]:
     if "context_full" in table["summary"][name_a]:
         lines.append(f"{'context_full (cut runs)':26}{pct(table['summary'][name_a]['context_full']):>12}"
                      f"{pct(table['summary'][name_b]['context_full']):>12}")
+    if "capped" in table["summary"][name_a]:
+        lines.append(f"{'capped (cut by a cap)':26}{pct(table['summary'][name_a]['capped']):>12}"
+                     f"{pct(table['summary'][name_b]['capped']):>12}")
     samples = table.get("samples") or {}
     if any((samples.get(n) or {}).get("samples_per_problem", {}).get("max", 1) > 1 for n in (name_a, name_b)):
         cells, ks = [], set()
@@ -782,6 +805,7 @@ __all__ = ["RunFileError", "make_report", "sequential_to_total_by_length", "leng
            "load_results", "compare", "format_compare_table", "TOKENS_PLOT", "INTERNAL_PLOT", "SPEEDUP_PLOT",
            "BINS_PLOT", "wall_clock_summary", "format_wall_clock", "TIMING_FIELDS", "untimed", "union_length",
            "run_wall_clock", "run_concurrency", "check_result_row", "internal_title", "format_concurrency",
-           "CONTEXT_FULL_TERMINATIONS", "SE_ESTIMATOR", "outcome", "context_full_share", "sample_of", "by_problem",
+           "CONTEXT_FULL_TERMINATIONS", "CAPPED_TERMINATIONS", "OUTCOMES", "SE_ESTIMATOR", "outcome",
+           "outcome_share", "context_full_share", "sample_of", "by_problem",
            "pass_at_k", "sample_summary", "problem_rows", "parallelism", "mean_speedup",
            "speedup_summary"]

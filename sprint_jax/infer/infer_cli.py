@@ -62,7 +62,11 @@ def add_run_arguments(p) -> None:
     g = p.add_argument_group("budgets and sampling (OrchestratorConfig; flags override --config/--set)")
     add_config_flags(g, OrchestratorConfig, defaults={"layout": "the model's sprint_jax.json, else flat",
                                                       "join": "merge for a merge-layout model, else reprefill",
-                                                      "format": "the model's sprint_jax.json, else sprint"})
+                                                      "format": "the model's sprint_jax.json, else sprint",
+                                                      "max_stages": "2 x the most stages of the model's training "
+                                                                    "data (sprint_jax.json), else 12",
+                                                      "max_prompts": "the most prompts per stage of the model's "
+                                                                     "training data + 25%% (at least +1), else 8"})
     e = p.add_argument_group("engine capacities")
     e.add_argument("--max-seq-len", type=int, default=None,
                    help="planner context capacity in tokens (default: 8192, or the model's "
@@ -93,9 +97,20 @@ def config_from_args(args):
 
 def model_defaults(model: str | None) -> dict:
     """OrchestratorConfig fields fixed by how the model was trained: its layout and tag format,
-    from the export's sprint_jax.json (a key it lacks leaves the default: flat, sprint)."""
+    and max_stages / max_prompts from the shape of its training data with a margin
+    (`caps.caps_from_shape`), all from the export's sprint_jax.json (a key it lacks leaves the
+    default: flat, sprint, 12 stages, 8 prompts). A malformed shape record is a UserError."""
+    from sprint_jax import caps
+    from sprint_jax.errors import UserError
+    from sprint_jax.model.hf import EXPORT_META_FILE
+
     meta = export_meta(model)
-    return {k: meta[k] for k in ("layout", "format") if meta.get(k) is not None}
+    out = {k: meta[k] for k in ("layout", "format") if meta.get(k) is not None}
+    try:
+        out.update(caps.caps_from_shape(meta.get(caps.SHAPE_KEY)))
+    except ValueError as e:
+        raise UserError(f"--model {model}: {EXPORT_META_FILE}: {e}") from None
+    return out
 
 
 def export_meta(model: str | None) -> dict:

@@ -52,6 +52,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from sprint_jax.jsonl import iter_objects
+from sprint_jax import caps
 from sprint_jax import format as fmt
 from sprint_jax import threadweaver as tw
 from sprint_jax.errors import UserError
@@ -511,6 +512,7 @@ class DataStats:
     buckets: dict[str, dict] = dataclasses.field(default_factory=dict)  # per row length: examples, tokens
 
     used_prompts: list[str] = dataclasses.field(default_factory=list, repr=False)  # for the fingerprint
+    used_shapes: list[tuple[int, int]] = dataclasses.field(default_factory=list, repr=False)  # caps.example_shape
 
     @property
     def dropped(self) -> dict[str, int]:
@@ -535,7 +537,7 @@ class DataStats:
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        del d["used_prompts"]
+        del d["used_prompts"], d["used_shapes"]
         d["tokens_per_example"] = self.tokens_per_example
         d["dropped"] = self.dropped
         d["dropped_total"] = sum(self.dropped.values())
@@ -612,6 +614,8 @@ def build_items(examples: Sequence[Example], tokenizer, layout: str, seq_len: in
                             f"{vocab_size}: the tokenizer does not match the model")
         items.append(item)
         stats.used_prompts.append(ex.prompt)
+        stats.used_shapes.append((caps.example_shape(ex.completion, data_format) or (0, 0)) if ex.kind == "sprint"
+                                 else (0, 0))
         stats.tokens += len(item)
         stats.loss_tokens += int((item.weights > 0).sum())
         for k, i in LABEL_IDS.items():

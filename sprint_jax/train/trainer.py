@@ -558,11 +558,14 @@ def _run_steps(cfg: TrainConfig, setup, ckpt, data: _Data, state, start: _Positi
 
 def _export(cfg: TrainConfig, model_cfg, params, tokenizer, tokenizer_name: str, stats, export_dir: Path) -> None:
     """The final model as an HF directory, with what inference must know about the training."""
+    from sprint_jax import caps
     from sprint_jax.schema import META_KEY, prompt_format_of
     from sprint_jax.train.fingerprint import fingerprint
     # the prompt format travels with the model: inference applies it to a user's query (null
-    # when the training prompts end differently: nothing to apply, and a stale value replaced)
+    # when the training prompts end differently: nothing to apply, and a stale value replaced);
+    # so does the shape of the trained examples, which inference's default caps come from
     export_hf(model_cfg, params, tokenizer, export_dir, cfg.export.dtype,
               meta={"layout": cfg.data.layout, "format": cfg.data.format, "tokenizer": tokenizer_name,
                     "train_fingerprint": fingerprint(stats.used_prompts),
-                    META_KEY: prompt_format_of(stats.used_prompts)})
+                    META_KEY: prompt_format_of(stats.used_prompts),
+                    caps.SHAPE_KEY: caps.shape_summary(stats.used_shapes)})
