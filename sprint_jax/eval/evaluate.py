@@ -33,7 +33,9 @@ the concurrency, --limit nor resuming. Greedy runs keep the config as it is.
 
 Resume. A rerun into the same directory skips the (problem, sample) runs already in results.jsonl
 (complete lines only: a line cut by a kill is dropped and rerun; a run asked for more samples
-runs only the new ones) after checking that the run is the same,
+runs only the new ones; a damaged line, one that is not UTF-8 or not JSON, lacks a field or has
+one of the wrong type, or whose tokens differ from its record's, is never kept: it is dropped,
+said in one line on stderr, and its run redone) after checking that the run is the same,
 like `curate` does: a different mode, orchestrator config, model weights or problem text is
 refused naming what differs, unless `overwrite=True` (`eval --overwrite`), which starts the
 directory afresh. A rerun over fewer problems (a smaller `--limit`) keeps the others' results on
@@ -131,30 +133,82 @@ def result_of(task: Task, record: RunRecord, answer_from: str = "final_answer", 
     return row
 
 
-def _complete_lines(path: Path, check: Callable[[dict, str], None] | None = None) -> tuple[dict[tuple[str, int], dict], int]:
-    """(id, sample) -> row of a jsonl file written line by line; a last line cut short is skipped
-    (counted). `check(row, "file:line")` validates each row (raising names the line)."""
+def _resumable_rows(path: Path, problem: Callable[[dict, str], str | None]
+                    ) -> tuple[dict[tuple[str, int], dict], list[str]]:
+    """((id, sample) -> row, damaged) of a jsonl file written line by line. A last line cut by a
+    kill (no newline after it, not JSON) is skipped silently; every other line that is not UTF-8,
+    not a JSON object, or that `problem(row, "file:line")` finds a fault in (it returns why, or
+    None) is left out and listed in `damaged` as "file:line: why"."""
     rows: dict[tuple[str, int], dict] = {}
+    damaged: list[str] = []
     if not path.exists():
-        return rows, 0
-    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
-    skipped = 0
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
+        return rows, damaged
+    lines = path.read_bytes().split(b"\n")
+    for n, raw in enumerate(lines, start=1):
+        if not raw.strip():
             continue
+        where = f"{path}:{n}"
         try:
-            row = json.loads(line)
+            row = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            damaged.append(f"{where}: not valid UTF-8")
+            continue
         except json.JSONDecodeError:
-            if n == len(lines):              # no newline after it: a write cut by a kill
-                skipped += 1
-                continue
-            from sprint_jax.errors import UserError
-            raise UserError(f"{path}:{n}: not valid JSON; use --overwrite to start this directory afresh") from None
-        if isinstance(row, dict) and "id" in row:
-            if check is not None:
-                check(row, f"{path}:{n}")
-            rows[(str(row["id"]), sample_of(row))] = row
-    return rows, skipped
+            if n < len(lines):               # the last piece has no newline after it: a write cut by a kill
+                damaged.append(f"{where}: not valid JSON")
+            continue
+        why = problem(row, where) if isinstance(row, dict) else "not a JSON object"
+        if why:
+            damaged.append(why if why.startswith(where) else f"{where}: {why}")
+            continue
+        rows[(str(row["id"]), sample_of(row))] = row
+    return rows, damaged
+
+
+# the fields every results line has (`result_of`), with their types; lines of this version also
+# carry the timings (report.TIMING_FIELDS), checked by report.check_result_row
+_RESULT_FIELDS = (("kind", lambda v: isinstance(v, str), "a string"),
+                  ("mode", lambda v: isinstance(v, str), "a string"),
+                  ("grader_error", lambda v: v is None or isinstance(v, str), "a string or null"),
+                  ("final_answer", lambda v: v is None or isinstance(v, str), "a string or null"),
+                  ("gold", lambda v: True, "present"),
+                  ("stages", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a whole number"),
+                  ("executors", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a whole number"),
+                  ("problems", lambda v: isinstance(v, list), "a list"),
+                  ("format_valid", lambda v: isinstance(v, bool), "true or false"),
+                  ("termination", lambda v: isinstance(v, str), "a string"),
+                  ("outcome", lambda v: isinstance(v, str), "a string"))
+
+
+def _result_problem(row: dict, where: str, mode: str) -> str | None:
+    """Why a results line cannot be kept by a resumed run in `mode` (None when it can)."""
+    from sprint_jax.eval.report import RunFileError
+
+    try:
+        check_result_row(row, where)
+    except RunFileError as e:
+        return str(e)
+    if "sample" in row and (not isinstance(row["sample"], int) or isinstance(row["sample"], bool)
+                            or row["sample"] < 0):
+        return "field 'sample' must be a whole number >= 0"
+    for field, ok, what in _RESULT_FIELDS:
+        if field not in row:
+            return f"missing field {field!r}"
+        if not ok(row[field]):
+            return f"field {field!r} must be {what}"
+    if row["mode"] != mode:
+        return f"field 'mode' is {row['mode']!r} in a {mode} run"
+    return None
+
+
+def _record_problem(row: dict, where: str, mode: str) -> str | None:
+    """Why a records line cannot be kept by a resumed run in `mode` (None when it can)."""
+    from sprint_jax.infer.record_rows import record_problem
+
+    why = record_problem(row)
+    if why is None and row["mode"] != mode:
+        why = f"field 'mode' is {row['mode']!r} in a {mode} run"
+    return why
 
 
 def _digest(obj: Any) -> str:
@@ -195,11 +249,26 @@ def _prepare_out(out: Path, run: dict, problems: dict[str, str],
     if changed:
         raise UserError(f"{out}: problem {changed[0]!r} has a different prompt or answer than when it was evaluated "
                         f"({len(changed)} such); use --overwrite or a new --out")
-    results, cut_a = _complete_lines(out / RESULTS_FILE, check_result_row)
-    records, cut_b = _complete_lines(out / RECORDS_FILE)
-    # every finished problem stays, asked for this time or not (a result without its record, or
-    # a cut line, is dropped and, if asked for, redone)
-    kept = {i: (results[i], records[i]) for i in results if i in records}
+    mode = run["mode"]
+    results, damaged = _resumable_rows(out / RESULTS_FILE, lambda row, where: _result_problem(row, where, mode))
+    records, damaged_records = _resumable_rows(out / RECORDS_FILE, lambda row, where: _record_problem(row, where, mode))
+    damaged += damaged_records
+    # every finished problem stays, asked for this time or not; a result without its record, a
+    # cut line, or a damaged one (and its partner) is dropped and, if asked for, redone
+    kept = {}
+    for i in results:
+        if i not in records:
+            continue
+        r, rec = results[i], records[i]
+        if (r["sequential_tokens"], r["total_tokens"]) != (rec["sequential_tokens"], rec["total_tokens"]):
+            damaged.append(f"{out / RESULTS_FILE}: problem {i[0]!r} sample {i[1]}: its tokens differ from its "
+                           f"record's in {RECORDS_FILE}")
+            continue
+        kept[i] = (r, rec)
+    if damaged:
+        import sys
+        print(f"eval: {len(damaged)} damaged line(s) in {out} not kept; the problems among them asked for "
+              f"run again (first: {damaged[0]})", file=sys.stderr, flush=True)
     write_atomic(out / RESULTS_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r, _ in kept.values()))
     write_atomic(out / RECORDS_FILE, "".join(json.dumps(r, ensure_ascii=False) + "\n" for _, r in kept.values()))
     (out / REPORT_FILE).unlink(missing_ok=True)       # a report describes a finished run only

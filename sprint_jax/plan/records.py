@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from sprint_jax.errors import UserError
+from sprint_jax.infer.record_rows import record_problem
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.plan.engine import decode_step, prefill_tokens
 
@@ -44,19 +45,19 @@ def load_records(directory: str | Path) -> dict[str, dict[str, dict]]:
         raise UserError(f"--records {directory}: no {RECORDS_FILE} under it (write one with sprint-jax eval --out)")
     out: dict[str, dict[str, dict]] = {"sprint": {}, "rft": {}}
     for path in files:
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
+        for n, raw in enumerate(path.read_bytes().splitlines(), 1):
+            if not raw.strip():
                 continue
             try:
-                rec = json.loads(line)
-                mode = rec["mode"]
-                key = str(rec.get("id", n)) + (f"#{rec['sample']}" if rec.get("sample") else "")
-                missing = [f for f in ("prompt_tokens", "final_tokens", "stages") if f not in rec]
-                if missing:
-                    raise KeyError(", ".join(missing))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                rec = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise UserError(f"{path}:{n}: not an eval record ({type(e).__name__}: {e})") from None
-            out["sprint" if mode in SPRINT_MODES else "rft"][key] = rec
+            why = record_problem(rec)        # a line that parses may still be damaged
+            if why:
+                raise UserError(f"{path}:{n}: not an eval record ({why}); rerun the eval into that --out "
+                                f"to redo the damaged lines") from None
+            key = str(rec["id"]) + (f"#{rec['sample']}" if rec.get("sample") else "")
+            out["sprint" if rec["mode"] in SPRINT_MODES else "rft"][key] = rec
     return out
 
 
