@@ -181,6 +181,9 @@ def test_rewrite_run_keeps_good_rewrites_and_names_every_rejection(server, tmp_p
     assert traj.stages[0].executions[2] == "a + 3 = 2 + 3 = 5." and traj.final_answer == "12"
     assert sprint[1]["meta"]["widths"] == [3, 1]
     assert [r["id"] for r in records(out, "rft")] == ["t1", "t2"]        # rft_source: sprint
+    # stages and prompts per example, counted by hand: t1 plans of 2 and 1 prompts, t2 of 3 and 1
+    assert report["shape"] == {"examples": 2, "stages": {"max": 2, "p99": 2, "histogram": {"2": 2}},
+                               "prompts": {"max": 3, "p99": 3, "histogram": {"2": 1, "3": 1}}}
 
     # `status` reads the run's stages from its store
     got = status(out)

@@ -113,7 +113,8 @@ class DagConfig(EndpointConfig):
 
 @dataclasses.dataclass
 class RewriterConfig(EndpointConfig):
-    """`restructure: rewrite`: the LLM that rewrites each correct serial trace into SPRINT tags."""
+    """`restructure: rewrite` / `threadweaver_rewrite`: the LLM that rewrites each correct serial
+    trace into SPRINT tags (one call), or into ThreadWeaver's format (five calls, one per step)."""
 
 
 @dataclasses.dataclass
@@ -126,8 +127,10 @@ class CurateConfig:
     # how correct traces become SPRINT examples: `dag` = extract steps -> dependency DAG -> σ packing
     # -> ρ filter (paper §4-5); `rewrite` = the `rewriter` LLM restructures the whole trace in one
     # call, and the reply is checked (well-formed, parallel, no executor using a sibling's result,
-    # the same correct final answer)
-    restructure: Literal["dag", "rewrite"] = "dag"
+    # the same correct final answer); `threadweaver_rewrite` = ThreadWeaver's five steps (spans,
+    # thread boundaries, rewrite for independence, outlines, format validation), each reply checked,
+    # producing ThreadWeaver-format examples (curation/tw_rewrite.py)
+    restructure: Literal["dag", "rewrite", "threadweaver_rewrite"] = "dag"
     rewriter: RewriterConfig = dataclasses.field(default_factory=RewriterConfig)
     merge_min_chars: int = 80       # executions shorter than this merge into their plan (E_i := empty)
     min_ratio: float = 1.5          # keep a trace if rho = |S| / #stages >= this (paper §5)
@@ -146,8 +149,8 @@ class CurateConfig:
             raise ValueError("extractor.model is required when extractor.kind is llm")
         if self.dag.kind == "llm" and not self.dag.model:
             raise ValueError("dag.model is required when dag.kind is llm")
-        if self.restructure == "rewrite" and not self.rewriter.model:
-            raise ValueError("rewriter.model is required when restructure is rewrite")
+        if self.restructure in ("rewrite", "threadweaver_rewrite") and not self.rewriter.model:
+            raise ValueError(f"rewriter.model is required when restructure is {self.restructure}")
         if self.teacher.kind == "programmatic" and self.tasks.source not in ("countdown", "chains"):
             raise ValueError("teacher.kind programmatic only solves generated tasks "
                              "(tasks.source: countdown or chains)")
@@ -158,7 +161,8 @@ EXECUTION_ONLY = frozenset({"out", "concurrency", "max_retries", "timeout_s", "b
                             "backoff_max_s", "max_retry_after_s", "api_key_env", "base_url"})
 # Top-level fields only one restructuring path reads (config `restructure`).
 PATH_ONLY = {"dag": frozenset({"restructure", "rewriter"}),
-             "rewrite": frozenset({"extractor", "dag", "merge_min_chars", "min_ratio"})}
+             "rewrite": frozenset({"extractor", "dag", "merge_min_chars", "min_ratio"}),
+             "threadweaver_rewrite": frozenset({"extractor", "dag", "merge_min_chars", "min_ratio"})}
 
 
 CHAINS_DEFAULTS = {"min_chains": 4, "max_chains": 4, "held_out": 0}

@@ -4,7 +4,10 @@ tasks -> teacher traces -> correctness filter -> step extraction (+ merge short 
 -> dependency DAG -> σ packing and the ρ filter -> reformat (sprint.jsonl, and rft.jsonl from the
 same correct traces, unrestructured). With `restructure: rewrite` the three middle stages are one,
 `rewrite`: an LLM rewrites each correct trace into SPRINT tags and the reply is checked
-(curation/rewrite.py).
+(curation/rewrite.py); with `restructure: threadweaver_rewrite` they are ThreadWeaver's five
+steps, `tw1_spans` ... `tw5_validate`, one LLM call each, each reply checked before the next step
+(curation/tw_rewrite.py), and the examples are in ThreadWeaver's format (the RFT twins too: a
+trace with no block).
 
 Stages run one after another over the tasks still pending at each (store.pending), every record
 committed as soon as it is done, so `run_pipeline` can be killed at any point and called again
@@ -109,6 +112,16 @@ class Curation:
             self._chats[section] = CachedChat(endpoint, self.store, purpose, section, self.stats,
                                               seed=self.cfg.seed)
         return self._chats[section]
+
+    def step_chat(self, step: str) -> CachedChat:
+        """The rewriter's endpoint for one ThreadWeaver rewrite step (its calls counted under the
+        step's name in the report's `llm`)."""
+        key = f"rewriter:{step}"
+        if key not in self._chats:
+            self.cfg.rewriter.api_key("rewriter")
+            self._chats[key] = CachedChat(self.cfg.rewriter, self.store, step, "rewriter", self.stats,
+                                          seed=self.cfg.seed)
+        return self._chats[key]
 
     # ---- driver --------------------------------------------------------------------------------
     def run(self, stages: Iterable[str] | None = None) -> dict:
@@ -285,12 +298,74 @@ class Curation:
         self._each("rewrite", fetch, self.cfg.rewriter.concurrency)
         self._each("rewrite", check, 1)
 
+    def _tw_step(self, step: str) -> None:
+        """One of ThreadWeaver's five rewrite steps over its pending tasks: the paid calls in
+        parallel (each stored as it lands, so a rerun never pays for it again), then the checks,
+        each accepted output stored as the step's outcome (what the next step reads)."""
+        from sprint_jax.curation import tw_rewrite
+
+        if not self.store.pending(step):
+            return
+        chat = self.step_chat(step)
+        earlier = tw_rewrite.STEPS[:tw_rewrite.STEPS.index(step)]
+        replies = {}
+
+        def prior(task: Task) -> dict:
+            return {s: self.store.step(s, task.id) for s in earlier}
+
+        def fetch(task: Task) -> None:
+            def go() -> None:
+                try:
+                    msgs = tw_rewrite.messages(step, task, self.store.trace(task.id), prior(task))
+                except tw_rewrite.StepRejected as e:          # nothing to ask: no call
+                    self.store.put_failure(task.id, step, e.reason, e.detail)
+                    return
+                replies[task.id] = chat.complete(msgs, response_format=tw_rewrite.response_format(step))
+            self._llm_guard(step, task, go)
+
+        def check(task: Task) -> None:
+            reply = replies.pop(task.id, None)
+            if reply is None:
+                return
+            try:
+                value = tw_rewrite.check(step, task, self.store.trace(task.id), prior(task), reply.content,
+                                         reply.finish_reason)
+            except tw_rewrite.StepRejected as e:
+                self.store.put_failure(task.id, step, e.reason, e.detail)
+                return
+            self.store.put_step(step, task.id, value)
+
+        # step 5 grades, and graders may use signal-based timeouts, which only work on the main thread
+        self._each(step, fetch, self.cfg.rewriter.concurrency)
+        self._each(step, check, 1)
+
+    def _stage_tw1_spans(self) -> None:
+        self._tw_step("tw1_spans")
+
+    def _stage_tw2_threads(self) -> None:
+        self._tw_step("tw2_threads")
+
+    def _stage_tw3_rewrite(self) -> None:
+        self._tw_step("tw3_rewrite")
+
+    def _stage_tw4_outlines(self) -> None:
+        self._tw_step("tw4_outlines")
+
+    def _stage_tw5_validate(self) -> None:
+        self._tw_step("tw5_validate")
+
     def _sprint_example(self, task: Task, prompt: str, final_answer: str, base: dict) -> tuple[str, dict]:
         """(completion, meta) of a kept task's SPRINT example, from the path this run restructures by.
         Raises ValueError when it cannot be rendered."""
         from sprint_jax import format as fmt
         from sprint_jax.curation import reformat
 
+        if self.cfg.restructure == "threadweaver_rewrite":
+            from sprint_jax.threadweaver import FORMAT_META_KEY
+            tw5 = self.store.step("tw5_validate", task.id)
+            return tw5["completion"], {**base, "restructure": "threadweaver_rewrite", FORMAT_META_KEY: "threadweaver",
+                                       "rewriter": self.cfg.rewriter.model, "n_stages": len(tw5["widths"]),
+                                       "widths": tw5["widths"]}
         if self.cfg.restructure == "rewrite":
             rw = self.store.rewrite(task.id)
             return rw["completion"], {**base, "restructure": "rewrite", "rewriter": self.cfg.rewriter.model,
@@ -305,7 +380,8 @@ class Curation:
     def _stage_reformat(self) -> None:
         from sprint_jax.curation import reformat
 
-        kept = set(self.store.survivors(self.store.stages[-2]))     # pack, or rewrite
+        kept = set(self.store.survivors(self.store.stages[-2]))     # pack, rewrite, or tw5_validate
+        threadweaver = self.cfg.restructure == "threadweaver_rewrite"
 
         def work(task: Task) -> None:
             trace = self.store.trace(task.id)
@@ -321,11 +397,14 @@ class Curation:
                     failure = ("render_error", f"sprint: {e}")
             if (sprint_completion is not None) or self.cfg.rft_source == "correct":
                 try:
-                    examples.append(Example(
-                        id=task.id, kind="rft", prompt=prompt,
-                        completion=reformat.to_rft(prompt, trace.text, trace.final_answer),
-                        answer=task.answer, meta=base))
-                except ValueError as e:
+                    rft = Example(id=task.id, kind="rft", prompt=prompt,
+                                  completion=reformat.to_rft(prompt, trace.text, trace.final_answer),
+                                  answer=task.answer, meta=base)
+                    if threadweaver:      # the sequential baseline in the same format: a trace with no block
+                        from sprint_jax.threadweaver import convert_example
+                        rft = convert_example(rft, "threadweaver")
+                    examples.append(rft)
+                except ValueError as e:   # threadweaver.ConversionError is one
                     failure = failure or ("render_error", f"rft: {e}")
                     if self.cfg.rft_source == "sprint":
                         sprint_completion = None   # keep the two sets over the same traces

@@ -10,7 +10,9 @@ Stage bookkeeping: a task that leaves the pipeline at stage X has one row in `fa
 (stage X, reason). Stage X has *survivors* (an outcome row for X and no failure at X) and *pending*
 tasks (survivors of the stage before X with neither an outcome nor a failure at X yet). A run's
 stage list (`Store.stages`) is `STAGES`, or `REWRITE_STAGES` when a teacher LLM restructures each
-trace in one call (config `restructure: rewrite`) instead of extract / dag / pack.
+trace in one call (config `restructure: rewrite`) instead of extract / dag / pack, or
+`TW_REWRITE_STAGES` when it does so in ThreadWeaver's five steps (`threadweaver_rewrite`), each
+step a stage of its own whose outcome row is the step's checked output.
 """
 from __future__ import annotations
 
@@ -29,12 +31,16 @@ from sprint_jax.errors import UserError
 
 STAGES = ("tasks", "teacher", "filter", "extract", "dag", "pack", "reformat")
 REWRITE_STAGES = ("tasks", "teacher", "filter", "rewrite", "reformat")
-ALL_STAGES = ("tasks", "teacher", "filter", "extract", "dag", "pack", "rewrite", "reformat")
-STAGES_OF = {"dag": STAGES, "rewrite": REWRITE_STAGES}     # config `restructure` -> the run's stages
+TW_STEPS = ("tw1_spans", "tw2_threads", "tw3_rewrite", "tw4_outlines", "tw5_validate")   # curation/tw_rewrite.py
+TW_REWRITE_STAGES = ("tasks", "teacher", "filter") + TW_STEPS + ("reformat",)
+ALL_STAGES = ("tasks", "teacher", "filter", "extract", "dag", "pack", "rewrite") + TW_STEPS + ("reformat",)
+# config `restructure` -> the run's stages
+STAGES_OF = {"dag": STAGES, "rewrite": REWRITE_STAGES, "threadweaver_rewrite": TW_REWRITE_STAGES}
 
 # stage -> the table whose row for a task is that stage's outcome
 _OUTCOME_TABLE = {"tasks": "tasks", "teacher": "traces", "filter": "verdicts", "extract": "steps",
-                  "dag": "dags", "pack": "packings", "rewrite": "rewrites", "reformat": "reformats"}
+                  "dag": "dags", "pack": "packings", "rewrite": "rewrites", "reformat": "reformats",
+                  **{s: s for s in TW_STEPS}}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -64,7 +70,7 @@ CREATE TABLE IF NOT EXISTS examples (
 CREATE TABLE IF NOT EXISTS failures (
   task_id TEXT NOT NULL, stage TEXT NOT NULL, reason TEXT NOT NULL, detail TEXT NOT NULL,
   retryable INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (task_id, stage));
-"""
+""" + "".join(f"CREATE TABLE IF NOT EXISTS {s} (task_id TEXT PRIMARY KEY, value TEXT NOT NULL);\n" for s in TW_STEPS)
 
 
 class StoreError(UserError):
@@ -280,6 +286,19 @@ class Store:
     def rewrite(self, task_id: str) -> dict | None:
         rows = self._query("SELECT completion, widths FROM rewrites WHERE task_id=?", (task_id,))
         return {"completion": rows[0][0], "widths": json.loads(rows[0][1])} if rows else None
+
+    def put_step(self, stage: str, task_id: str, value: Any) -> None:
+        """The checked output of one of the five ThreadWeaver rewrite steps (`TW_STEPS`)."""
+        if stage not in TW_STEPS:
+            raise ValueError(f"not a rewrite step: {stage!r}")
+        with self._tx() as db:
+            db.execute(f"INSERT OR REPLACE INTO {stage} VALUES (?,?)", (task_id, _dumps(value)))
+
+    def step(self, stage: str, task_id: str) -> Any:
+        if stage not in TW_STEPS:
+            raise ValueError(f"not a rewrite step: {stage!r}")
+        rows = self._query(f"SELECT value FROM {stage} WHERE task_id=?", (task_id,))
+        return json.loads(rows[0][0]) if rows else None
 
     def put_examples(self, task_id: str, examples: list[Example],
                      failure: tuple[str, str] | None = None) -> None:
