@@ -11,13 +11,17 @@ Curation pipeline (paper §4-5): teacher traces -> correctness filter -> steps -
 -> ρ filter -> sprint.jsonl + rft.jsonl + curation_report.json in the output directory.
 
   sprint-jax curate --config configs/curate_countdown_offline.yaml [--set key=value ...] [--out DIR]
-                    [--stage tasks|teacher|filter|extract|dag|pack|rewrite|reformat]
+                    [--stage tasks|teacher|filter|extract|dag|pack|rewrite|tw1_spans|...|reformat]
   sprint-jax curate status DIR
 
 `restructure: rewrite` (configs/curate_math_rewrite_openai.yaml) replaces extract, dag and pack by
 one stage, `rewrite`: the `rewriter` LLM restructures each correct trace into SPRINT tags, and a
 reply is kept only if it parses, runs two or more executions in some stage, no execution uses a
 number that only a sibling execution derives, and its final answer is the trace's, graded correct.
+`restructure: threadweaver_rewrite` does it in ThreadWeaver's five steps, one call and one check
+each (tw1_spans, tw2_threads, tw3_rewrite, tw4_outlines, tw5_validate: parallelizable spans, thread
+boundaries, threads rewritten to stand alone, outlines, the assembled trajectory validated), and
+writes ThreadWeaver-format examples; curation_report.json counts the discards of each step.
 
 Every LLM call and every record is committed to DIR/curation.sqlite as it completes: rerunning the
 same command resumes a killed run without repeating a paid call. API keys are read from the

@@ -67,9 +67,11 @@ are the sampled unit, a problem's samples are not independent), pass_at_k for k 
 (the unbiased estimator of Chen et al. 2021 from K samples: 1 - C(K - c, k) / C(K, k), averaged
 over problems) and per_problem (samples, correct, mean). K > 1 needs --temperature > 0.
 
-Outcomes: every run is correct, wrong, or context_full (not correct and cut by the context or
-the token budget: termination context_full or token_budget), counted apart in report.json
-"outcomes" (accuracy still counts a context_full run as not correct).
+Outcomes: every run is correct, wrong, context_full (not correct and cut by the context or
+the token budget: termination context_full or token_budget) or capped (not correct and cut by a
+cap on its shape: termination max_stages, or prompts past max_prompts that got no executor),
+counted apart in report.json "outcomes" (accuracy still counts them as not correct). The caps'
+defaults come from the model's training data (sprint_jax.json data_shape; see --max-stages).
 
 --answer-from: which text is graded. final_answer (default): the <Final Answer> block of our
 format; boxed_last: the last \\boxed{} of the whole output (a base reasoning model, e.g. the untuned
@@ -441,8 +443,8 @@ def run(args) -> int:
     print(f"Avg@{args.samples}: {100 * samples['avg_at_k']:.1f}%"
           + ("" if se is None else f" ± {100 * se:.1f} (standard error over {samples['problems']} problems)")
           + ", pass@k " + ", ".join(f"{k}: {100 * v:.1f}%" for k, v in samples["pass_at_k"].items())
-          + f"; outcomes {report['outcomes']} (context_full: cut by the context or the token budget, "
-          f"not graded wrong answers)")
+          + f"; outcomes {report['outcomes']} (context_full: cut by the context or the token budget; "
+          f"capped: cut by max_stages or max_prompts; neither is a graded wrong answer)")
     if report["grader_errors"]:
         print(f"grader errors: {report['grader_errors']} problem(s) could not be graded and count as wrong "
               f"(ids in report.json grader_error_ids; messages in results.jsonl grader_error)")
