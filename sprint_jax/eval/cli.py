@@ -370,6 +370,25 @@ def _export_meta(model: str) -> dict:
     return export_meta(model)
 
 
+def check_mode_fits_model(model: str, mode: str) -> None:
+    """A model whose sprint_jax.json records that it was trained on serial traces only (every
+    example's shape has no plan: an RFT model, or ThreadWeaver's sequential baseline) never writes
+    the plans --mode parallel / serial run on, and would score ~0: a UserError naming --mode
+    sequential. A model without that record is not checked."""
+    from sprint_jax.caps import SHAPE_KEY
+    from sprint_jax.errors import UserError
+    from sprint_jax.model.hf import EXPORT_META_FILE
+
+    shape = _export_meta(model).get(SHAPE_KEY)
+    if mode == "sequential" or not isinstance(shape, dict) or not isinstance(shape.get("stages"), dict):
+        return
+    n = shape.get("examples")
+    if isinstance(n, int) and n > 0 and shape["stages"].get("max") == 0:
+        raise UserError(f"--model {model} is a sequential model: none of its {n} training examples has a plan "
+                        f"({EXPORT_META_FILE}: {SHAPE_KEY}), so --mode {mode} would wait for plans it never writes; "
+                        f"evaluate it with --mode sequential")
+
+
 def run(args) -> int:
     from sprint_jax.errors import UserError
     from sprint_jax.eval.evaluate import evaluate
@@ -385,6 +404,7 @@ def run(args) -> int:
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise UserError(f"--out {args.out} exists and is not a directory")
     config = config_from_args(args)
+    check_mode_fits_model(args.model, args.mode)
     if args.samples < 1:
         raise UserError(f"--samples must be >= 1, got {args.samples}")
     if args.samples > 1 and config.temperature == 0:
