@@ -3,14 +3,20 @@ references: the grouped attention against contiguous per-row softmax attention i
 on the tiny model, prefill and decode through page tables against the model's plain full forward
 of each sequence's tokens: a fork three levels deep (parent -> child -> grandchild, the parent
 decoding on) gives every branch the logits of its own token sequence alone, and a radix hit
-(prefix pages of another request) gives the logits of a cold prefill."""
+(prefix pages of another request) gives the logits of a cold prefill; with KV heads over tensor
+the programs give one device's results."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import xla_flags
 from sprint_jax.infer.paged_attention import (PagedDecodeRows, PagedPrefillRows, grouped_paged_attention,
                                               paged_decode_step, paged_prefill)
 from sprint_jax.infer.pages import KVPages, PageAllocator, copy_args, copy_pages
@@ -184,3 +190,47 @@ def test_radix_hit_gives_the_logits_of_a_cold_prefill(tiny_model, full_logits):
     nxt = int(hit[-1].argmax())
     got_hit, got_cold = pool.decode([[y, cold_seq]], [0], [nxt, nxt])
     np.testing.assert_allclose(got_hit, got_cold, atol=1e-5, rtol=0)
+
+
+SHARDED_SCRIPT = r"""
+import jax, numpy as np
+from sprint_jax.infer import sharding as sh
+from sprint_jax.infer.pages import KVPages, pool_sharding
+from sprint_jax.infer.paged_attention import PagedDecodeRows, PagedPrefillRows, paged_decode_step, paged_prefill
+from sprint_jax.model.config import Qwen2Config
+from sprint_jax.model.qwen2 import init_params
+assert jax.device_count() == 2, jax.devices()
+config = Qwen2Config.preset("tiny")
+params = init_params(config, jax.random.key(0), std=0.2)
+mesh = sh.mesh_from_flag("tensor=2")
+pool_s = pool_sharding(config, mesh, 16, 4)
+assert tuple(pool_s.spec)[:4] == (None, None, None, "tensor"), pool_s.spec
+config_tp, params_tp = sh.shard_model(config, params, mesh, [])
+tokens = np.random.default_rng(0).integers(3, 300, (2, 8)).astype(np.int32)
+table = np.array([[0, 1, 2, 3], [0, 1, 6, 7]], np.int32)     # row 1 reuses row 0's first 4 tokens
+prefill = PagedPrefillRows(tokens, table, np.array([0, 4], np.int32), np.array([8, 3], np.int32))
+decode = PagedDecodeRows(np.array([5, 7], np.int32), table, np.array([8, 7], np.int32), np.array([4], np.int32),
+                         np.array([True, True]))
+out = {}
+for name, p, c, s in (("one", params, config, None), ("tensor", params_tp, config_tp, pool_s)):
+    pool = KVPages.zeros(c, 16, 4, s)
+    pool, first = paged_prefill(p, c, pool, PagedPrefillRows(tokens[:1], table[:1], prefill.start[:1],
+                                                             prefill.n_valid[:1]), sharding=s)
+    pool, lg = paged_prefill(p, c, pool, PagedPrefillRows(tokens[1:], table[1:], prefill.start[1:],
+                                                          prefill.n_valid[1:]), sharding=s)
+    pool, lg2 = paged_decode_step(p, c, pool, decode, mg=2, mr=4, sharding=s)
+    if s is not None:
+        assert pool.k.sharding.is_equivalent_to(pool_s, 5), pool.k.sharding
+    out[name] = [np.asarray(x) for x in (first, lg, lg2, pool.k, pool.v)]
+print("RESULT", max(float(np.abs(a - b).max()) for a, b in zip(out["one"], out["tensor"])))
+"""
+
+
+def test_pool_sharded_over_tensor_gives_one_devices_results():
+    """KV heads over tensor (2 fake devices): prefill, a second request on the first one's pages
+    and a grouped decode step give one device's logits and pool."""
+    env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2"), "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    diff = float(next(line for line in p.stdout.splitlines() if line.startswith("RESULT")).split()[1])
+    assert diff <= 5e-5, diff

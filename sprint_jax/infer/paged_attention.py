@@ -11,6 +11,7 @@ A row alone is a group of one (shared length 0, or its own full pages).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -24,6 +25,14 @@ from sprint_jax.model.config import Qwen2Config
 from sprint_jax.model.qwen2 import decoder, embed, merge_partials, unembed
 
 _NEVER = 1 << 30        # a span_end no query row reaches
+
+
+def _on_mesh(sharding):
+    """Trace under the pool's mesh as the active abstract mesh (the model's activation
+    constraints read it, as in the slot engine's `sharding.traced_on_mesh`); one device: nothing."""
+    if sharding is None or not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(sharding.mesh.abstract_mesh)
 
 
 def paged_partial(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, layer, table: jax.Array,
@@ -85,7 +94,13 @@ class PagedDecodeRows:
 def paged_prefill(params, config: Qwen2Config, pool: KVPages, rows: PagedPrefillRows, sharding=None,
                   all_logits: bool = False):
     """Write the rows' tokens into their pages (see PagedPrefillRows); returns (pool, logits at each
-    row's last valid token [R, V]; with all_logits at every token [R, T, V])."""
+    row's last valid token [R, V]; with all_logits at every token [R, T, V]). sharding: the pool's
+    (`pool_sharding`; params placed by `sharding.shard_model` on its mesh), None: one device."""
+    with _on_mesh(sharding):
+        return _prefill(params, config, pool, rows, sharding, all_logits)
+
+
+def _prefill(params, config, pool, rows, sharding, all_logits):
     r, t = rows.tokens.shape
     offs = rows.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]                 # [R, T]
 
@@ -114,6 +129,11 @@ def paged_decode_step(params, config: Qwen2Config, pool: KVPages, rows: PagedDec
     it (mr pages read per row) and itself; the new K/V is written through the page tables after
     the layer scan (the pages must be held by their row alone: `PageAllocator.prepare_write`).
     Returns (pool, logits [B, V])."""
+    with _on_mesh(sharding):
+        return _decode_step(params, config, pool, rows, mg, mr, sharding)
+
+
+def _decode_step(params, config, pool, rows, mg, mr, sharding):
     b = rows.tokens.shape[0]
     g = rows.shared.shape[0]
     w = b // g

@@ -27,19 +27,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sprint_jax.infer.sampling import mask_padded
 from sprint_jax.model import qwen2
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.train import mesh as mesh_lib
 from sprint_jax.train import step as step_lib
 
 BATCH_KEYS = ("tokens", "positions", "parents", "span_end", "advantages", "mask", "stage", "branch", "rollout_logp")
-
-
-def _chunk_logp(params, config: Qwen2Config, hidden, tokens, temperature, n_valid=None):
-    logits = mask_padded(qwen2.unembed(params, config, hidden) / temperature, n_valid)   # [B, C, V] fp32
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    return jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0] - lse
 
 
 def token_logprobs(params, config: Qwen2Config, batch: dict, temperature: float = 1.0, remat: str = "none",
@@ -56,15 +49,7 @@ def token_logprobs(params, config: Qwen2Config, batch: dict, temperature: float 
                            remat=remat, return_hidden=True, **merge)        # [B, T, E]
     src = jnp.maximum(batch["parents"], 0)
     hidden = jnp.take_along_axis(hidden, src[..., None], axis=1)
-    b, t, e = hidden.shape
-    if not loss_chunk or loss_chunk >= t or t % loss_chunk:
-        return _chunk_logp(params, config, hidden, batch["tokens"], temperature, n_valid)
-    n = t // loss_chunk
-    hs = jnp.swapaxes(hidden.reshape(b, n, loss_chunk, e), 0, 1)
-    ts = jnp.swapaxes(batch["tokens"].reshape(b, n, loss_chunk), 0, 1)
-    body = jax.checkpoint(lambda _, x: (None, _chunk_logp(params, config, *x, temperature, n_valid)))
-    _, lp = jax.lax.scan(body, None, (hs, ts))
-    return jnp.swapaxes(lp, 0, 1).reshape(b, t)
+    return step_lib.hidden_logprobs(params, config, hidden, batch["tokens"], loss_chunk, temperature, n_valid)
 
 
 @dataclasses.dataclass(frozen=True)

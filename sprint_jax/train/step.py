@@ -54,22 +54,53 @@ def attention_mask(span_end: jax.Array, stage: jax.Array | None = None,
     return qwen2.span_mask(span_end, stage=stage, branch=branch)
 
 
-def _chunk_nll(params, config: Qwen2Config, hidden: jax.Array, tokens: jax.Array) -> jax.Array:
-    """NLL of `tokens` [B, C] from the hidden states that predict them [B, C, E]; fp32 [B, C]."""
+def chunk_logprobs(params, config: Qwen2Config, hidden: jax.Array, tokens: jax.Array,
+                   temperature: float = 1.0, n_valid: int | None = None) -> jax.Array:
+    """log p(`tokens` [B, C]) from the hidden states that predict them [B, C, E], under
+    softmax(logits / temperature); with `n_valid` only ids < n_valid have mass. fp32 [B, C].
+
+    Vocab-parallel: the logits stay split over the mesh's `tensor` axis as the lm_head is (the
+    rules table's "vocab"), so no chip holds a chunk's whole-vocabulary fp32 logits or their
+    cotangent. The log-sum-exp's max and sum and the target logit (a masked sum over the local
+    ids) are reductions over the vocabulary: [B, C] partial results combined across `tensor`."""
     hidden = qwen2.constrain(hidden, ("batch", None, None))
-    logits = qwen2.constrain(qwen2.unembed(params, config, hidden), ("batch", None, None))  # [B, C, V] fp32
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    target = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
-    return lse - target
+    logits = qwen2.constrain(qwen2.unembed(params, config, hidden), ("batch", None, "vocab"))  # [B, C, V] fp32
+    if temperature != 1.0:
+        logits = logits / temperature
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    if n_valid is not None and n_valid < logits.shape[-1]:
+        logits = jnp.where(ids < n_valid, logits, -jnp.inf)
+    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    lse = top[..., 0] + jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))
+    # the target's logit as a masked sum, not a gather: a gather along a split axis would be
+    # partitioned by first collecting the whole vocabulary on every chip
+    target = jnp.sum(jnp.where(ids == tokens[..., None], logits, 0.0), axis=-1)
+    return target - lse
+
+
+def hidden_logprobs(params, config: Qwen2Config, hidden: jax.Array, tokens: jax.Array, loss_chunk: int = 0,
+                    temperature: float = 1.0, n_valid: int | None = None) -> jax.Array:
+    """`chunk_logprobs` over [B, T] tokens and their predicting hidden states [B, T, E], fp32 [B, T];
+    the one log-prob of SFT's loss and RL's (rl/loss.py).
+
+    With `loss_chunk` = C dividing T, the vocabulary projection runs over C tokens at a time
+    under `jax.checkpoint`, so [B, T, V] logits (5 GB per 8k-token row at V = 152k) never exist
+    at once; the backward pass recomputes each chunk's logits."""
+    b, t, e = hidden.shape
+    if not loss_chunk or loss_chunk >= t or t % loss_chunk:
+        return chunk_logprobs(params, config, hidden, tokens, temperature, n_valid)
+    n = t // loss_chunk
+    hs = jnp.swapaxes(hidden.reshape(b, n, loss_chunk, e), 0, 1)            # [n, B, C, E]
+    ts = jnp.swapaxes(tokens.reshape(b, n, loss_chunk), 0, 1)               # [n, B, C]
+    body = jax.checkpoint(lambda _, x: (None, chunk_logprobs(params, config, *x, temperature, n_valid)))
+    _, lp = jax.lax.scan(body, None, (hs, ts))                              # [n, B, C]
+    return jnp.swapaxes(lp, 0, 1).reshape(b, t)
 
 
 def token_nll(params, config: Qwen2Config, batch: dict, remat: str = "none", loss_chunk: int = 0,
               attention: str = "flash", layout: str | None = None) -> jax.Array:
-    """Negative log-likelihood of every token given its parent's hidden state, fp32 [B, T].
-
-    With `loss_chunk` = C dividing T, the vocabulary projection runs over C tokens at a time
-    under `jax.checkpoint`, so [B, T, V] logits (5 GB per 8k-token row at V = 152k) never exist
-    at once; the backward pass recomputes each chunk's logits.
+    """Negative log-likelihood of every token given its parent's hidden state, fp32 [B, T]
+    (`hidden_logprobs`, chunked by `loss_chunk`).
 
     `attention`: "flash" (blockwise, `model.attention.flash_attention` on span_end; what training
     runs) or "dense" (the [T, T] mask reference, kept for tests and `bench train`). `layout`: the
@@ -86,15 +117,7 @@ def token_nll(params, config: Qwen2Config, batch: dict, remat: str = "none", los
                            return_hidden=True, **mask_kw)                    # [B, T, E]
     src = jnp.maximum(batch["parents"], 0)
     hidden = jnp.take_along_axis(hidden, src[..., None], axis=1)           # [B, T, E]
-    b, t, e = hidden.shape
-    if not loss_chunk or loss_chunk >= t or t % loss_chunk:
-        return _chunk_nll(params, config, hidden, batch["tokens"])
-    n = t // loss_chunk
-    hs = jnp.swapaxes(hidden.reshape(b, n, loss_chunk, e), 0, 1)            # [n, B, C, E]
-    ts = jnp.swapaxes(batch["tokens"].reshape(b, n, loss_chunk), 0, 1)     # [n, B, C]
-    body = jax.checkpoint(lambda _, x: (None, _chunk_nll(params, config, *x)))
-    _, nll = jax.lax.scan(body, None, (hs, ts))                              # [n, B, C]
-    return jnp.swapaxes(nll, 0, 1).reshape(b, t)
+    return -hidden_logprobs(params, config, hidden, batch["tokens"], loss_chunk)
 
 
 def weighted_loss_sum(params, config: Qwen2Config, batch: dict, remat: str = "none",
