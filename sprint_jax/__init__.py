@@ -115,3 +115,11 @@ def _load_cuda_plugin_quietly() -> None:
 
 
 choose_platform()
+
+
+def install_command(extra: str) -> str:
+    """The pip command that adds the optional dependencies `extra` (e.g. "tpu") to this installation:
+    `pip install -e '.[tpu]'` when the package runs from a checkout (an editable install: run it
+    there), `pip install 'sprint-jax[tpu]'` for an installed wheel or sdist."""
+    checkout = (Path(__file__).resolve().parents[1] / "pyproject.toml").is_file()
+    return f"pip install -e '.[{extra}]'" if checkout else f"pip install 'sprint-jax[{extra}]'"

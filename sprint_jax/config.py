@@ -22,6 +22,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # configs/ sits at the top of a checkout and installs as sprint_jax/configs (setup.py)
 _INSTALLED_CONFIGS = Path(__file__).resolve().parent / "configs"
 CONFIG_DIR = _INSTALLED_CONFIGS if _INSTALLED_CONFIGS.is_dir() else REPO_ROOT / "configs"
+# the package data (MATH-500, the Qwen2 BPE files, the shipped configs' example data)
+DATA_DIR = Path(__file__).resolve().parent / "data"
 
 
 class ConfigError(ValueError):
@@ -201,11 +203,22 @@ def flag_overrides(args, cls) -> list[str]:
 def resolve_config_path(path: str | Path) -> Path:
     """`path` as given when it exists; else a relative `configs/NAME` is the shipped config NAME
     (so the README's `--config configs/...` works from any directory of an installed copy)."""
+    return resolve_shipped_path(path)
+
+
+def resolve_shipped_path(path: str | Path) -> Path:
+    """A path a command or a shipped config names, resolved as in a checkout from any directory of
+    an installed copy: `path` as given when it exists; else a relative `configs/NAME` is the
+    shipped config NAME (CONFIG_DIR) and a relative `data/NAME` the package's data file NAME
+    (DATA_DIR: the shipped configs' example data); else a path relative to a checkout's root
+    (REPO_ROOT). When none exists, `path` as given (the caller says it is missing)."""
     path = Path(path)
-    if not path.exists() and not path.is_absolute() and path.parts[:1] == ("configs",):
-        shipped = CONFIG_DIR.joinpath(*path.parts[1:])
-        if shipped.exists():
-            return shipped
+    if path.exists() or path.is_absolute():
+        return path
+    shipped = {"configs": CONFIG_DIR, "data": DATA_DIR}.get(path.parts[0]) if path.parts else None
+    for candidate in ([shipped.joinpath(*path.parts[1:])] if shipped else []) + [REPO_ROOT / path]:
+        if candidate.exists():
+            return candidate
     return path
 
 

@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.out:
         raise UserError("--out is required: sprint-jax recipe run CONFIG --out DIR")
-    if not Path(args.target).is_file():
+    from sprint_jax.config import resolve_config_path
+    if not resolve_config_path(args.target).is_file():     # configs/NAME: the shipped one from anywhere
         raise UserError(f"recipe config {args.target}: no such file")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise UserError(f"--out {args.out} exists and is not a directory")

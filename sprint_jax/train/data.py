@@ -118,12 +118,10 @@ def read_examples(paths: Iterable[str | Path], limit: int | None = None,
     format than `data_format` (no `meta.format`: no claim, read as `data_format`)."""
     _check_format(data_format)
     out: list[Example] = []
-    from sprint_jax.config import REPO_ROOT
+    from sprint_jax.config import resolve_shipped_path
 
     for path in paths:
-        path = Path(path)
-        if not path.exists() and not path.is_absolute() and (REPO_ROOT / path).exists():
-            path = REPO_ROOT / path            # configs/ ship with repo-relative paths
+        path = resolve_shipped_path(path)      # a shipped config's data/NAME is the package's, from anywhere
         if not path.exists():
             raise DataError(f"training data file not found: {path}")
         for n, d in iter_objects(path, DataError):
