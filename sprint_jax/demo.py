@@ -251,7 +251,8 @@ def _write_budgets(path: Path, orch) -> None:
 def _next_commands(cfg: DemoConfig, out: Path, exports: dict[str, str], query: str) -> list[str]:
     """The commands that run this demo's trained models next, with the paths of this run: one query
     of the test set (given bare: the model's prompt format adds the newline), the held-out test set
-    (`eval --data chains`, the demo's test set at its default task shape), and the server."""
+    (`eval --data chains`, the demo's test set at its default task shape), the paper's table of the
+    two evals (`eval compare`), and the server."""
     import shlex
     import shutil
 
@@ -273,6 +274,8 @@ def _next_commands(cfg: DemoConfig, out: Path, exports: dict[str, str], query: s
              f"--out {shlex.quote(_shown_path(out / 'eval_cli' / 'sprint'))}",
              f"  {exe} eval --model {rft} {budgets} {data} --mode sequential "
              f"--out {shlex.quote(_shown_path(out / 'eval_cli' / 'rft'))}",
+             f"  {exe} eval compare {shlex.quote(_shown_path(out / 'eval_cli' / 'sprint'))} "
+             f"{shlex.quote(_shown_path(out / 'eval_cli' / 'rft'))}",
              f"  {exe} serve --model {sprint} {budgets}"]
     shape = [f"{f}={getattr(cfg, f)}" for f in ("train_problems", "chains", "chain_length")
              if getattr(cfg, f) != getattr(defaults, f)]

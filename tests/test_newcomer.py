@@ -126,3 +126,38 @@ def test_dev_sh_installs_the_serve_extra_for_sprint_jax_commands_once(tmp_path):
     assert first[-1] == "sprint-jax serve --help"
     assert dev("sprint-jax", "serve", "--help") == ["sprint-jax serve --help"]     # stamped: no reinstall
     assert dev("demo", "--steps", "5") == ["sprint-jax demo --steps 5"]             # the same environment
+
+
+def test_the_demos_next_commands_compare_the_two_evals_they_write(tmp_path, monkeypatch):
+    """The demo's closing `next:` list ends its two evals with the paper's table of them: an `eval
+    compare` of exactly the directories those evals write."""
+    import shlex
+
+    from sprint_jax.demo import DemoConfig, _next_commands
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "runs" / "demo"
+    lines = _next_commands(DemoConfig(), out, {"sprint": str(out / "train/sprint/hf"),
+                                               "rft": str(out / "train/rft/hf")}, "Q: 8 5 2 1\n")
+    argvs = [shlex.split(x) for x in lines[1:] if x.startswith("  ")]
+    evals = [a for a in argvs if a[1:3] != ["eval", "compare"] and a[1] == "eval"]
+    outs = [a[a.index("--out") + 1] for a in evals]
+    (compare,) = [a for a in argvs if a[1:3] == ["eval", "compare"]]
+    assert len(outs) == 2 and compare[3:] == outs, lines
+
+
+def test_benchmarks_keep_one_row_per_command_in_each_table():
+    """docs/benchmarks.md holds the current figures: a table never keeps an old row beside the new one
+    for the same command (its first cell's code spans)."""
+    tables, current = [], []
+    for line in (ROOT / "docs" / "benchmarks.md").read_text().splitlines() + [""]:
+        if line.startswith("|"):
+            current.append(line)
+        elif current:
+            tables.append(current)
+            current = []
+    assert len(tables) > 5
+    for table in tables:
+        commands = [" ".join(re.findall(r"`([^`]+)`", row.split("|")[1])) for row in table[2:]]
+        commands = [c for c in commands if c]
+        assert len(commands) == len(set(commands)), (table[0], sorted(c for c in commands if commands.count(c) > 1))
