@@ -44,9 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _print_status(status: dict) -> None:
-    print(f"{'stage':<10} {'kept':>7} {'discarded':>10} {'pending':>8}")
+    print(f"{'stage':<12} {'kept':>7} {'discarded':>10} {'pending':>8}")
     for stage, c in status["stages"].items():
-        print(f"{stage:<10} {c['kept']:>7} {c['discarded']:>10} {c['pending']:>8}")
+        print(f"{stage:<12} {c['kept']:>7} {c['discarded']:>10} {c['pending']:>8}")
     r = status["stages"]["reformat"]
     print(f"examples: sprint {r['sprint_examples']}, rft {r['rft_examples']}")
     for stage, reasons in status["discards"].items():
