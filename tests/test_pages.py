@@ -100,7 +100,7 @@ def _pool(n_pages=7, ps=3, layers=2, hkv=2, d=6, seed=0):
     config = Qwen2Config(vocab_size=11, hidden_size=8, intermediate_size=8, num_hidden_layers=layers,
                          num_attention_heads=hkv, num_key_value_heads=hkv, head_dim=d)
     pool = KVPages.zeros(config, n_pages, ps)
-    assert pool.k.shape == (layers, n_pages, ps, hkv, d)
+    assert pool.k.shape == (layers, hkv, n_pages, ps, d)
     rng = np.random.default_rng(seed)
     k = rng.standard_normal(pool.k.shape).astype(np.float32)
     v = rng.standard_normal(pool.k.shape).astype(np.float32)
@@ -118,7 +118,7 @@ def test_write_kv_scatters_through_page_tables_like_numpy():
         for t in range(4):
             if pos[r, t] >= 0:
                 page, slot = table[r, pos[r, t] // 3], pos[r, t] % 3
-                k[:, page, slot], v[:, page, slot] = nk[:, r, t], nv[:, r, t]
+                k[:, :, page, slot], v[:, :, page, slot] = nk[:, r, t], nv[:, r, t]
     np.testing.assert_array_equal(np.asarray(out.k), k)
     np.testing.assert_array_equal(np.asarray(out.v), v)
 
@@ -129,10 +129,10 @@ def test_copy_pages_and_gather_pages_like_numpy():
     assert len(src) == 4 and dst[3] == pool.num_pages                   # padded to a power of two
     out = copy_pages(pool, jnp.asarray(src), jnp.asarray(dst))
     for s, d in ((1, 5), (3, 0), (6, 2)):
-        k[:, d], v[:, d] = k[:, s], v[:, s]
+        k[:, :, d], v[:, :, d] = k[:, :, s], v[:, :, s]
     np.testing.assert_array_equal(np.asarray(out.k), k)
     np.testing.assert_array_equal(np.asarray(out.v), v)
     table = np.array([[2, 5], [6, 0]], np.int32)
     got = np.asarray(gather_pages(out.k, 1, jnp.asarray(table)))
-    want = np.stack([np.concatenate([k[1, p] for p in row]) for row in table])
+    want = np.stack([np.concatenate([k[1, :, p] for p in row], axis=1) for row in table], axis=1)   # [Hkv, R, S, D]
     np.testing.assert_array_equal(got, want)

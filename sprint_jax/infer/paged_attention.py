@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sprint_jax.infer.pages import KVPages, constrain_pool, gather_pages, scatter_pages
-from sprint_jax.model.attention import attend_partial, flash_attention
+from sprint_jax.model.attention import NEG_INF, attend_partial, flash_attention
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.model.qwen2 import decoder, embed, merge_partials, unembed
 
@@ -38,12 +38,28 @@ def _on_mesh(sharding):
 def paged_partial(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, layer, table: jax.Array,
                   n: jax.Array):
     """Each row's attention to the first n[r] tokens of its pages table [R, M] (all of them
-    before its queries q [R, T, H, D]; pool_k, pool_v [L, N, ps, Hkv, D]). Returns (out [R, T, H, D],
-    lse [R, T, H]) for `merge_partials` (n = 0: out 0, lse NEG_INF)."""
-    k = gather_pages(pool_k, layer, table)                                 # [R, M*ps, Hkv, D]
+    before its queries q [R, T, H, D]; pool_k, pool_v [L, Hkv, N, ps, D]). Returns (out [R, T, H, D],
+    lse [R, T, H]) for `merge_partials` (n = 0: out 0, lse NEG_INF).
+
+    The gathered keys stay heads-first, [Hkv, R, S, D] (`gather_pages`), and both products take
+    them as they lie: (KV head, row) are the leading batch axes of the scores and of P x V, and only
+    the small outputs are moved to [R, T, H, ...]."""
+    k = gather_pages(pool_k, layer, table)                                 # [Hkv, R, S, D]
     v = gather_pages(pool_v, layer, table)
-    mask = jnp.arange(k.shape[1])[None, None, :] < n[:, None, None]        # [R, 1, S]
-    return attend_partial(q, k, v, jnp.broadcast_to(mask, q.shape[:2] + k.shape[1:2]))
+    r, t, h, d = q.shape
+    hkv, s_len = k.shape[0], k.shape[2]
+    qg = q.reshape(r, t, hkv, h // hkv, d)
+    s = jnp.einsum("rtkgd,krsd->krgts", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
+    visible = (jnp.arange(s_len)[None, :] < n[:, None])[None, :, None, None, :]       # [1, R, 1, 1, S]
+    s = jnp.where(visible, s, NEG_INF)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(visible, jnp.exp(s - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    safe = jnp.where(denom > 0, denom, 1.0)
+    lse = jnp.where(denom[..., 0] > 0, m[..., 0] + jnp.log(safe[..., 0]), NEG_INF)   # [Hkv, R, G, T]
+    o = jnp.einsum("krgts,krsd->krgtd", (p / safe).astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.transpose(o, (1, 3, 0, 2, 4)).reshape(r, t, h, d).astype(q.dtype)
+    return out, jnp.transpose(lse, (1, 3, 0, 2)).reshape(r, t, h)
 
 
 def grouped_paged_attention(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, layer,

@@ -19,8 +19,11 @@ When the free list is short the allocator asks its `evictor` (the radix tree: le
 pages that only the tree holds) for pages; if live sequences hold the rest, `PoolExhausted` says
 so (the scheduler preempts a run; the cache itself never makes a request fail).
 
-Device side (`KVPages`). Pool arrays k, v [layers, pages, page_size, kv_heads, head_dim], placed
-with KV heads over `tensor` (`pool_sharding`); the pages axis is whole on every device.
+Device side (`KVPages`). Pool arrays k, v [layers, kv_heads, pages, page_size, head_dim]: one
+layer's slice is the [Hkv, pages, page_size, D] layout of JAX's Pallas paged-attention kernels (TPU
+and GPU), and a page of one KV head is one contiguous [page_size, D] block, so the XLA path's
+attention multiplies gathered pages without transposing them (heads-first, as the slot cache is).
+Placed with KV heads over `tensor` (`pool_sharding`); the pages axis is whole on every device.
 `write_kv` scatters new tokens' K/V (a prefill chunk or a decode step) through page tables in
 place (the pool is donated); `copy_pages` copies whole pages (copy on write).
 """
@@ -41,7 +44,7 @@ from sprint_jax.model import sharding as mesh_lib
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.model.qwen2 import dtype_of
 
-POOL_AXES = ("layers", "kv_seq", "kv_seq", "kv_heads", "head_dim")   # [L, pages, page_size, Hkv, D]
+POOL_AXES = ("layers", "kv_heads", "kv_seq", "kv_seq", "head_dim")   # [L, Hkv, pages, page_size, D]
 
 
 class PoolExhausted(EngineError):
@@ -220,14 +223,14 @@ class PageAllocator:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVPages:
-    """The pool's K and V, each [L, num_pages, page_size, Hkv, D]."""
+    """The pool's K and V, each [L, Hkv, num_pages, page_size, D]."""
     k: jax.Array
     v: jax.Array
 
     @staticmethod
     def zeros(config: Qwen2Config, num_pages: int, page_size: int, sharding=None) -> "KVPages":
         """A zero pool (placed on `sharding`, e.g. `pool_sharding`, when given)."""
-        shape = (config.num_hidden_layers, num_pages, page_size, config.num_key_value_heads, config.head_dim)
+        shape = pool_shape(config, num_pages, page_size)
         dt = dtype_of(config.dtype)
         if sharding is None:
             return KVPages(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
@@ -237,21 +240,26 @@ class KVPages:
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[2]
 
     @property
     def nbytes(self) -> int:
         return int(self.k.size * self.k.dtype.itemsize * 2)
 
 
+def pool_shape(config: Qwen2Config, num_pages: int, page_size: int) -> tuple[int, ...]:
+    """[L, Hkv, num_pages, page_size, D]."""
+    return (config.num_hidden_layers, config.num_key_value_heads, num_pages, page_size, config.head_dim)
+
+
 def pool_sharding(config: Qwen2Config, mesh, num_pages: int, page_size: int, notes: list[str] | None = None):
     """The NamedSharding of a pool array: KV heads over `tensor` (replicated, with a note, where
     they do not divide); layers, pages and tokens whole on every device."""
-    shape = (config.num_hidden_layers, num_pages, page_size, config.num_key_value_heads, config.head_dim)
+    shape = pool_shape(config, num_pages, page_size)
     return jax.sharding.NamedSharding(mesh, mesh_lib.logical_to_spec(POOL_AXES, shape, mesh, notes=notes,
                                                                      name="kv pages"))
 
@@ -274,14 +282,15 @@ def token_slots(table: jax.Array, pos: jax.Array, page_size: int, num_pages: int
 
 
 def scatter_pages(pool: jax.Array, table: jax.Array, pos: jax.Array, new: jax.Array) -> jax.Array:
-    """pool [L, N, ps, Hkv, D] with new [L, R, T, Hkv, D] written at positions pos [R, T] of the
+    """pool [L, Hkv, N, ps, D] with new [L, R, T, Hkv, D] written at positions pos [R, T] of the
     rows' page tables table [R, M] (negative positions: padding, dropped). As `put_slots` does,
-    every axis but D is indexed by an index array, so the update is `new` as it is."""
-    n_layers, n_pages, ps, n_kv = pool.shape[:4]
+    every axis but D is indexed by an index array (broadcast to [L, R, T, Hkv]), so the update is
+    `new` as it is."""
+    n_layers, n_kv, n_pages, ps = pool.shape[:4]
     page, slot = token_slots(table, pos, ps, n_pages)
     layer = jnp.arange(n_layers)[:, None, None, None]                  # [L, R, T, Hkv]
     head = jnp.arange(n_kv)[None, None, None, :]
-    return _put(pool, (layer, page[None, :, :, None], slot[None, :, :, None], head), new)
+    return _put(pool, (layer, head, page[None, :, :, None], slot[None, :, :, None]), new)
 
 
 @functools.partial(jax.jit, static_argnames=("sharding",), donate_argnames=("pool",))
@@ -297,7 +306,7 @@ def copy_pages(pool: KVPages, src: jax.Array, dst: jax.Array, sharding=None) -> 
     """Copy whole pages src [n] -> dst [n] (every layer, K and V), in place; dst out of range
     (>= num_pages) is padding, dropped. `copy_args` builds src, dst from `PageCopy`s."""
     def one(a):
-        return _as_bits(a, lambda b: b.at[:, dst].set(b[:, jnp.clip(src, 0, b.shape[1] - 1)], mode="drop"))
+        return _as_bits(a, lambda b: b.at[:, :, dst].set(b[:, :, jnp.clip(src, 0, b.shape[2] - 1)], mode="drop"))
     return constrain_pool(KVPages(one(pool.k), one(pool.v)), sharding)
 
 
@@ -313,12 +322,13 @@ def copy_args(copies: list[PageCopy], num_pages: int, width: int | None = None) 
 
 
 def gather_pages(pool: jax.Array, layer, table: jax.Array) -> jax.Array:
-    """pool [L, N, ps, Hkv, D] -> the keys (or values) of the pages table [..., M] at `layer`, as
-    tokens in order: [..., M * ps, Hkv, D] (one gather of whole pages)."""
-    lead, m = table.shape[:-1], table.shape[-1]
-    ps, hkv, d = pool.shape[2:]
+    """pool [L, Hkv, N, ps, D] -> the keys (or values) of the pages table [R, M] at `layer`, as
+    tokens in order per KV head: [Hkv, R, M * ps, D] (one gather of whole [ps, D] blocks; the
+    reshape is free)."""
+    r, m = table.shape
+    hkv, _, ps, d = pool.shape[1:]
 
     def take(a):
         at = jax.lax.dynamic_index_in_dim(a, jnp.asarray(layer, jnp.int32), axis=0, keepdims=False)
-        return jnp.take(at, jnp.clip(table, 0, a.shape[1] - 1), axis=0)          # [..., M, ps, Hkv, D]
-    return _as_bits(pool, take).reshape(lead + (m * ps, hkv, d))
+        return jnp.take(at, jnp.clip(table, 0, a.shape[2] - 1), axis=1)          # [Hkv, R, M, ps, D]
+    return _as_bits(pool, take).reshape(hkv, r, m * ps, d)
