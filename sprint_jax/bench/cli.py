@@ -27,6 +27,10 @@ BENCHES = {
     "replay": ("sprint_jax.bench.replay", "add_replay_arguments", "run_replay_bench",
                "eval records' decode schedules replayed on this CPU, SPRINT vs RFT, vs the latency model "
                "fed this CPU's measured FLOP/s and bytes/s"),
+    "accelerator": ("sprint_jax.bench.accelerator", "add_accelerator_arguments", "run_accelerator_bench",
+                    "for a lent GPU / TPU: 7B-shaped decode bandwidth at 1 / 8 / 32 rows vs the chip's peak, the "
+                    "k-executor fork step vs one row, train MFU, Pallas vs XLA attention, latency model vs "
+                    "replayed schedules (--tiny: CPU)"),
     "demo-train": ("sprint_jax.bench.demo_train", "add_demo_train_arguments", "run_demo_train_bench",
                    "the demo's training tokens/s vs an older checkout, runs interleaved"),
 }
