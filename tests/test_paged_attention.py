@@ -8,6 +8,7 @@ the programs give one device's results."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -19,9 +20,9 @@ import pytest
 from conftest import xla_flags
 from sprint_jax.infer.paged_attention import (PagedDecodeRows, PagedPrefillRows, grouped_paged_attention,
                                               paged_decode_step, paged_prefill)
-from sprint_jax.infer.pages import KVPages, PageAllocator, copy_args, copy_pages
+from sprint_jax.infer.pages import KVPages, PageAllocator, copy_args, copy_pages, write_kv
 from sprint_jax.infer.radix import RadixTree
-from sprint_jax.model.qwen2 import forward
+from sprint_jax.model.qwen2 import forward, per_layer
 
 PS, M, T = 4, 8, 16              # page size, page-table width, prefill chunk
 
@@ -233,3 +234,52 @@ def test_pool_sharded_over_tensor_gives_one_devices_results():
     assert p.returncode == 0, p.stderr[-3000:]
     diff = float(next(line for line in p.stdout.splitlines() if line.startswith("RESULT")).split()[1])
     assert diff <= 5e-5, diff
+
+
+def _pool_copies(hlo: str, n_pages: int) -> list[str]:
+    """Instructions outside fusion bodies that produce an array with the pool's pages axis and are
+    not an in-place update (scatter / dynamic-update-slice, alone or as a fusion's root) or a view
+    of an existing buffer."""
+    comps = dict(re.findall(r"^(?:ENTRY )?%(\S+) .*?\{\n(.*?)\n\}", hlo, flags=re.S | re.M))
+    called = set(re.findall(r"calls=%([\w.\-]+)", hlo))
+    roots = {name: m.group(1) for name, body in comps.items()
+             if (m := re.search(r"ROOT %\S+ = \S+ ([\w\-]+)\(", body))}
+    bad = []
+    for name, body in comps.items():
+        if name in called:
+            continue
+        for line in body.splitlines():
+            m = re.match(r"\s*(?:ROOT )?%\S+ = (\w+)\[([\d,]*)\]\S* ([\w\-]+)\(", line)
+            if not m or n_pages not in {int(d) for d in m.group(2).split(",") if d}:
+                continue
+            op = m.group(3)
+            if op in ("parameter", "get-tuple-element", "bitcast", "scatter", "dynamic-update-slice"):
+                continue
+            if op == "fusion" and roots.get(re.search(r"calls=%([\w.\-]+)", line).group(1)) in (
+                    "scatter", "dynamic-update-slice"):
+                continue
+            bad.append(line.strip()[:160])
+    return bad
+
+
+def test_programs_update_the_pool_in_place(tiny_model):
+    """The compiled decode step, prefill chunk, write and page copy update the donated pool in
+    place: nothing in them produces a fresh array with the pool's pages axis. The detector finds the
+    copy in the same write compiled without donation."""
+    n_pages = 37                                            # a size no other axis has
+    pool = KVPages.zeros(tiny_model.config, n_pages, PS)
+    z = lambda *s: np.zeros(s, np.int32)                   # noqa: E731
+    rows = PagedDecodeRows(z(4), z(4, M), z(4), z(2), np.ones(4, bool))
+    for params in (tiny_model.params, per_layer(tiny_model.params)):
+        hlo = paged_decode_step.lower(params, tiny_model.config, pool, rows, mg=4, mr=M).compile().as_text()
+        assert _pool_copies(hlo, n_pages) == [] and "scatter" in hlo
+    prefill_rows = PagedPrefillRows(z(2, T), z(2, M), z(2), z(2))
+    hlo = paged_prefill.lower(tiny_model.params, tiny_model.config, pool, prefill_rows).compile().as_text()
+    assert _pool_copies(hlo, n_pages) == []
+    src, dst = copy_args([], n_pages, width=4)
+    assert _pool_copies(copy_pages.lower(pool, src, dst).compile().as_text(), n_pages) == []
+    c = tiny_model.config
+    new = np.zeros((c.num_hidden_layers, 2, 1, c.num_key_value_heads, c.head_dim), np.float32)
+    assert _pool_copies(write_kv.lower(pool, z(2, M), z(2, 1), new, new).compile().as_text(), n_pages) == []
+    kept = jax.jit(write_kv.__wrapped__)                  # not donated: the write must copy the pool
+    assert _pool_copies(kept.lower(pool, z(2, M), z(2, 1), new, new).compile().as_text(), n_pages) != []
