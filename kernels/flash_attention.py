@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from . import gpu_target
 from .reference import (NEG_INF, key_summary, merge_summaries, merge_tile_visible, merge_visible,
                         pad_query_tags, query_summary, query_tags)
 
@@ -78,6 +79,25 @@ def _mask(row_lo, col_lo, se, shape):
     rows = row_lo + lax.broadcasted_iota(jnp.int32, shape, 0)
     cols = col_lo + lax.broadcasted_iota(jnp.int32, shape, 1)
     return (cols <= rows) & (rows < se.reshape(1, shape[1]))
+
+
+# GPU tile candidates, largest first: 128 x 128 is what 8 warps hold as one fp32 tile; smaller ones
+# keep the tiles inside the GPU's shared memory (fp32, wide heads, 99 KB parts).
+_GPU_BLOCKS = ((128, 128), (128, 64), (64, 64), (64, 32), (32, 32), (32, 16), (16, 16))
+
+
+def gpu_blocks(t: int, s: int, head_dim: int, dtype, smem: int | None = None) -> tuple[int, int]:
+    """(block_q, block_k) for the GPU kernels: the largest candidate whose tiles fit `smem` bytes of
+    shared memory (default: the target GPU's, `gpu_target`) at this dtype and head dim, each no
+    larger than its (power-of-two, >= 16) length needs."""
+    smem = gpu_target.shared_memory() if smem is None else smem
+    dp = max(_GPU_MIN_DIM, _next_pow2(head_dim))
+    cap_q, cap_k = max(_GPU_MIN_DIM, _next_pow2(t)), max(_GPU_MIN_DIM, _next_pow2(s))
+    for bq, bk in _GPU_BLOCKS:
+        bq, bk = min(bq, cap_q), min(bk, cap_k)
+        if gpu_target.flash_smem(bq, bk, dp, dtype) <= smem:
+            return bq, bk
+    raise ValueError(f"no flash block fits {smem} bytes of shared memory at head_dim {head_dim}, {dtype}")
 
 
 class _Prep:

@@ -58,15 +58,18 @@ from jax.experimental.pallas import triton as plgpu
 
 from .reference import attend_partial, attend_partial_heads, merge_partials
 from .shared_prefix import (GPU_MIN_DIM, LOG2E, M_INIT, TPU_LANES, TPU_MAX_BLOCK_Q, BlockSizes,
-                            Platform, auto_splits, finish, next_pow2, resolve_platform, round_up)
+                            Platform, auto_splits, finish, fit_gpu_blocks, next_pow2, resolve_platform,
+                            round_up)
 
 
 def default_group_block_sizes(platform: Platform, groups: int, width: int, num_heads: int,
-                              num_kv_heads: int, capacity: int) -> BlockSizes:
+                              num_kv_heads: int, capacity: int, *, head_dim: int = 128,
+                              dtype=jnp.bfloat16) -> BlockSizes:
     """Tiles for `groups` groups of `width` rows over a cache of `capacity` keys per slot.
 
     A group has width x H/Hkv query rows per KV head. GPU: up to 128 rows a block, 64-key blocks
-    at 128 rows and 128-key blocks below, split-K to ~2 programs per SM. TPU: all rows of a group
+    at 128 rows and 128-key blocks below, split-K to ~2 programs per SM, smaller blocks where the
+    tiles would not fit the target GPU's shared memory (`fit_gpu_blocks`). TPU: all rows of a group
     in one block up to 1024 (the prefix is then read exactly once), 512-key blocks or the whole
     capacity when shorter.
     """
@@ -76,6 +79,7 @@ def default_group_block_sizes(platform: Platform, groups: int, width: int, num_h
         return BlockSizes(block_q=block_q, block_k=max(1, min(512, capacity)), num_splits=1)
     block_q = min(128, max(GPU_MIN_DIM, next_pow2(rows)))
     block_k = min(64 if block_q >= 128 else 128, max(GPU_MIN_DIM, next_pow2(capacity)))
+    block_q, block_k = fit_gpu_blocks(block_q, block_k, head_dim, dtype)
     programs = groups * num_kv_heads * -(-rows // block_q)
     return BlockSizes(block_q=block_q, block_k=block_k,
                       num_splits=auto_splits(programs, -(-capacity // block_k)),
@@ -220,7 +224,7 @@ def grouped_prefix_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
             f"the TPU kernel needs head_dim a multiple of 128 (got {d}) when Hkv > 1: a (rows, D) "
             f"block of the [S, Hkv*D] cache view is lane-tiled" if plat == "tpu" else
             f"the GPU kernel needs head_dim a power of two >= 16 (got {d})")
-    sizes = default_group_block_sizes(plat, gr, w, h, hkv, s)
+    sizes = default_group_block_sizes(plat, gr, w, h, hkv, s, head_dim=d, dtype=q.dtype)
     if block_sizes is not None:
         sizes = dataclasses.replace(sizes, **{f.name: getattr(block_sizes, f.name)
                                               for f in dataclasses.fields(block_sizes)

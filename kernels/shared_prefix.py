@@ -51,6 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from . import gpu_target
 from .reference import NEG_INF, attend_partial, merge_partials
 
 Platform = Literal["gpu", "tpu"]
@@ -93,12 +94,29 @@ def auto_splits(programs: int, key_blocks: int) -> int:
     return max(1, min(want, key_blocks // _GPU_MIN_BLOCKS_PER_SPLIT))
 
 
+def fit_gpu_blocks(block_q: int, block_k: int, head_dim: int, dtype, smem: int | None = None) -> tuple[int, int]:
+    """Shrink GPU decode blocks (the key block first, down to 32, then the query block) until their
+    tiles fit the target GPU's shared memory (`gpu_target.decode_smem`; default: the target's)."""
+    smem = gpu_target.shared_memory() if smem is None else smem
+    dp = max(GPU_MIN_DIM, next_pow2(head_dim))
+    while gpu_target.decode_smem(block_q, block_k, dp, dtype) > smem:
+        if block_k > 32 or (block_k > GPU_MIN_DIM and block_q == GPU_MIN_DIM):
+            block_k //= 2
+        elif block_q > GPU_MIN_DIM:
+            block_q //= 2
+        else:
+            raise ValueError(f"no decode block fits {smem} bytes of shared memory at head_dim {head_dim}, {dtype}")
+    return block_q, block_k
+
+
 def default_block_sizes(platform: Platform, n: int, num_heads: int, num_kv_heads: int,
-                        prefix_capacity: int, suffix_capacity: int) -> BlockSizes:
+                        prefix_capacity: int, suffix_capacity: int, *, head_dim: int = 128,
+                        dtype=jnp.bfloat16) -> BlockSizes:
     """Per-backend tiles for n branches, H query / Hkv KV heads, prefix P and suffix S rows.
 
     GPU: query blocks of up to 128 rows (a 128 x 128 fp32 accumulator is what 8 warps hold in
-    registers), 64-key blocks at 128 rows and 128-key blocks below, split-K to ~2 programs/SM.
+    registers), 64-key blocks at 128 rows and 128-key blocks below, split-K to ~2 programs/SM;
+    smaller where the tiles would not fit the target GPU's shared memory (`fit_gpu_blocks`).
     TPU: all n*G prefix queries in one block up to 1024 rows (VMEM holds it easily), so the
     prefix is read exactly once; 512-key blocks (lane-dense logits, long DMAs), or one block of
     the whole length when shorter (a block equal to the array dim is always a legal tile).
@@ -112,10 +130,14 @@ def default_block_sizes(platform: Platform, n: int, num_heads: int, num_kv_heads
                           num_splits=1, num_warps=None, num_stages=None)
     block_q = min(128, max(GPU_MIN_DIM, next_pow2(rows)))
     block_k = min(64 if block_q >= 128 else 128, max(GPU_MIN_DIM, next_pow2(prefix_capacity)))
+    block_q, block_k = fit_gpu_blocks(block_q, block_k, head_dim, dtype)
+    suffix_q, block_s = fit_gpu_blocks(block_q, min(64, max(GPU_MIN_DIM, next_pow2(suffix_capacity))), head_dim,
+                                       dtype)
+    block_q = min(block_q, suffix_q)
     key_blocks = -(-prefix_capacity // block_k)
     return BlockSizes(
         block_q=block_q, block_k=block_k,
-        block_k_suffix=min(64, max(GPU_MIN_DIM, next_pow2(suffix_capacity))),
+        block_k_suffix=block_s,
         num_splits=auto_splits(num_kv_heads * -(-rows // block_q), key_blocks),
         num_warps=8 if block_q >= 128 else 4, num_stages=2)
 
@@ -342,8 +364,8 @@ def resolve_platform(platform: str | None) -> Platform:
 
 
 def _resolve_block_sizes(plat: Platform, user: BlockSizes | None, n: int, h: int, hkv: int,
-                         p: int, s: int, interpret: bool) -> BlockSizes:
-    sizes = default_block_sizes(plat, n, h, hkv, p, s)
+                         p: int, s: int, interpret: bool, head_dim: int = 128, dtype=jnp.bfloat16) -> BlockSizes:
+    sizes = default_block_sizes(plat, n, h, hkv, p, s, head_dim=head_dim, dtype=dtype)
     if user is not None:
         sizes = dataclasses.replace(
             sizes, **{f.name: getattr(user, f.name) for f in dataclasses.fields(user)
@@ -390,7 +412,7 @@ def shared_prefix_attention(q: jax.Array, prefix_k: jax.Array, prefix_v: jax.Arr
     if plat == "tpu" and not interpret and d % 128 and hkv > 1:
         raise ValueError(f"the TPU kernel needs head_dim a multiple of 128 (got {d}) when "
                          f"Hkv > 1: a (rows, D) block of the [L, Hkv*D] cache view is lane-tiled")
-    sizes = _resolve_block_sizes(plat, block_sizes, n, h, hkv, p, s, interpret)
+    sizes = _resolve_block_sizes(plat, block_sizes, n, h, hkv, p, s, interpret, head_dim=d, dtype=q.dtype)
     g = h // hkv
     scale_log2 = LOG2E / math.sqrt(d)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None

@@ -135,12 +135,16 @@ class FlashConfig:
                              # leave out the tiles past the causal limit at trace time
 
 
-def default_blocks(impl: str, t: int, s: int) -> tuple[int, int]:
-    """Tile sizes: 128 x 128 on GPU (a 128 x 128 fp32 tile is what 8 warps hold), 512 x 512 on TPU
+def default_blocks(impl: str, t: int, s: int, head_dim: int = 128, dtype=jnp.bfloat16) -> tuple[int, int]:
+    """Tile sizes: on GPU the largest up to 128 x 128 whose tiles fit the target GPU's shared memory
+    at this dtype and head dim (`kernels.flash_attention.gpu_blocks`), 512 x 512 on TPU
     (lane-dense, long DMAs; VMEM holds it), and 64 x 64 for the XLA body (measured on CPU at the
     demo's shape, fwd + bwd: 64 beat 32 and 128; small enough that empty tiles are skipped at
     packing granularity); never more than the (16-rounded) length itself."""
-    base = {"gpu": 128, "tpu": 512}.get(impl, 64)
+    if impl == "gpu":
+        from sprint_jax.kernels.flash_attention import gpu_blocks
+        return gpu_blocks(t, s, head_dim, dtype)
+    base = {"tpu": 512}.get(impl, 64)
     r16 = lambda n: max(16, -(-n // 16) * 16)  # noqa: E731
     return min(base, r16(t)), min(base, r16(s))
 
@@ -536,7 +540,7 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, span_end: jax.Arra
             run_s = jax.shard_map(run_s, mesh=mesh, in_specs=(qs, ks, ks, ss), out_specs=qs,
                                   check_vma=False)
         return run_s(q, k, v, span_end.astype(jnp.int32))
-    dq_, dk_ = default_blocks(impl, t, k.shape[1])
+    dq_, dk_ = default_blocks(impl, t, k.shape[1], d, q.dtype)
     cfg = FlashConfig(impl, block_q or dq_, block_k or dk_, interpret, no_offset=q_offset is None)
     off = jnp.zeros((b,), jnp.int32) if q_offset is None else \
         jnp.broadcast_to(jnp.asarray(q_offset, jnp.int32).reshape(-1), (b,))

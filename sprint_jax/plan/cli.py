@@ -20,14 +20,16 @@ from pathlib import Path  # noqa: E402
 
 from sprint_jax.errors import UserError  # noqa: E402
 
-DESCRIPTION = """Plan a run on TPU slices from this (CPU) host: the step is compiled by XLA's TPU
-compiler for the named slice (libtpu's compile-only topologies; nothing is allocated), and each
-row shows whether it compiled, the bytes one chip holds (memory_analysis), the chip's HBM and the
+DESCRIPTION = """Plan a run on TPU slices or NVIDIA GPU nodes from this (CPU) host: the step is
+compiled by XLA's TPU or GPU compiler for the named slice (compile-only topologies; nothing is
+allocated), and each row shows whether it compiled, the bytes one chip holds (memory_analysis), the chip's HBM and the
 headroom, the planner's own estimate, and FLOPs, HBM traffic and the roofline step time.
 
 Slices: libtpu topology names (v5p:2x2x2, v5e:2x4, v6e:4x4) or the accelerator types Cloud TPU
 books (v5p-16 = 8 chips: v5p counts TensorCores, two per chip; v5litepod-8 and v6e-8 = 8 chips).
-Needs libtpu: pip install -e '.[tpu]'.
+Needs libtpu: pip install -e '.[tpu]'. GPUs: h100:8 (one node of 8), h100:2x8 (two nodes), h100:1,
+h200:8, a100-80g:8, b200:8; tensor parallelism stays inside a node. Needs jax's CUDA plugin (no
+GPU, driver or CUDA): pip install 'jax-cuda12-plugin==<the jax version>'.
 
 A step that does not fit exits 2 with one line on stderr: what does not fit, by how much, and a
 change that fits by the planner's estimate.
@@ -51,6 +53,7 @@ examples:
   sprint-jax plan engine --model r1-distill-qwen-7b --concurrency 32 --executors 8 --capacity 16384 --topology v5p-8,v5litepod-16 --search
   sprint-jax plan engine --model r1-distill-qwen-7b --concurrency 8 --executors 8 --capacity 8192 --mesh tensor=4 --topology v5e:2x2 --records runs/eval
   sprint-jax plan train --model r1-distill-qwen-7b --batch 8 --seq-len 8192 --mesh fsdp=8 --topology v5p:2x2x2
+  sprint-jax plan train --model r1-distill-qwen-7b --batch 8 --seq-len 8192 --layout trie --topology h100:8
   sprint-jax plan train --config configs/sft_r1_distill_7b_sprint.yaml --topology v5p-16
   sprint-jax plan train --model qwen3-8b --batch 8 --seq-len 32768 --topology v5p:4x4x4 --search
   sprint-jax plan rl configs/rl_r1_distill_7b.yaml --model r1-distill-qwen-7b --topology v5p-16
@@ -70,6 +73,19 @@ def _memory_cells(r: dict) -> list[str]:
             ",".join(f"{k}={v}" for k, v in r["mesh"].items()), "yes" if r["compiled"] else "no",
             f"{r['compile_s']:.0f}", _gib(total), f"{r['hbm_bytes'] / 2 ** 30:.0f}",
             "-" if r["headroom"] is None else f"{r['headroom'] * 100:.0f}%", _gib(r["estimate_bytes"])]
+
+
+def chip_line(chip) -> str:
+    """The published figures of a TPU chip or a GPU, one line."""
+    if chip.platform == "gpu":
+        cc = ".".join(map(str, chip.compute_capability))
+        return (f"{chip.name}: {chip.product}, {chip.hbm_gib:g} GiB HBM at {chip.hbm_bandwidth / 1e9:g} GB/s, "
+                f"{chip.peak_flops / 1e12:g} TFLOP/s bf16 dense, NVLink {chip.nvlink_bandwidth / 1e9:g} GB/s, "
+                f"{chip.internode_bandwidth / 1e9:g} GB/s between nodes, {chip.smem_per_block // 1024} KiB shared "
+                f"memory per block, compute capability {cc} ({chip.source}); a JAX process takes 75% of a GPU's "
+                f"memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says more (e.g. 0.95)")
+    return (f"{chip.name}: {chip.hbm_gib:g} GiB HBM, {chip.peak_flops / 1e12:g} TFLOP/s bf16, "
+            f"{chip.hbm_bandwidth / 1e9:g} GB/s per chip (published figures)")
 
 
 def _print_table(cols: list[tuple[str, str]], cells: list[list[str]]) -> None:
@@ -105,7 +121,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default bfloat16)")
     p.add_argument("--mesh", help="mesh sizes, e.g. fsdp=8,tensor=1 (default: fsdp takes every chip)")
     p.add_argument("--topology", "--chips", dest="topology", required=True,
-                   help="slice(s), comma-separated: v5p:2x2x2, v5e:2x4, v5p-16, v5litepod-8, v6e-8")
+                   help="slice(s), comma-separated: v5p:2x2x2, v5e:2x4, v5p-16, v5litepod-8, v6e-8, or GPU "
+                        "nodes h100:8, h100:2x8, h200:8, a100-80g:8, b200:8")
     p.add_argument("--search", action="store_true",
                    help="find the smallest slice (up to each named one) and mesh that the compiler accepts")
     p.add_argument("--json", dest="json_out", help="write the rows as a JSON list to this file")
@@ -209,8 +226,7 @@ def print_table(rows: list[dict], chips_used: list) -> None:
             f"{r['mfu_bound'] * 100:.0f}%", f"{r['tokens_per_s']:.0f}"])
     _print_table(cols, cells)
     for chip in chips_used:
-        print(f"{chip.name}: {chip.hbm_gib:g} GiB HBM, {chip.peak_flops / 1e12:g} TFLOP/s bf16, "
-              f"{chip.hbm_bandwidth / 1e9:g} GB/s per chip (published figures)")
+        print(chip_line(chip))
     print("GiB/chip: XLA's memory_analysis (arguments + outputs - aliased + temp); est: the planner's own "
           "estimate; TFLOP/step: model FLOPs (6 x weights x tokens + causal attention); roofline: max of "
           "compute (with remat's recompute) and HBM time per chip, communication not included")
@@ -225,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
         return run_engine(args)
     from sprint_jax.plan import train as plan_train
     from sprint_jax.plan.chips import parse_slices
-    from sprint_jax.plan.compile import libtpu_available
+    from sprint_jax.plan.compile import compiler_available
     from sprint_jax.plan.estimate import StepShape
 
     slices = parse_slices(args.topology)
@@ -237,9 +253,7 @@ def run(args: argparse.Namespace) -> int:
     if f["seq_len"] > cfg.max_position_embeddings:
         raise UserError(f"--seq-len {f['seq_len']} is past the model's max_position_embeddings "
                         f"({cfg.max_position_embeddings}); the trainer refuses it too")
-    if not libtpu_available():
-        raise UserError("plan compiles with XLA's TPU compiler, which comes with libtpu: "
-                        "pip install -e '.[tpu]' (jax[tpu])")
+    compiler_available(slices)
     rows, failures = [], []
     for where in slices:
         base = StepShape(cfg, f["batch"], f["seq_len"], f["grad_accum"], (1, 1, 1), f["remat"],
@@ -264,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
         row = plan_train.plan_row(shape, where, label, _progress)
         rows.append(row)
         if not row["fits"]:
-            if row["compiled"] or row["compiler_oom"]:
+            if row["compiled"] or row["compiler_oom"] or row["state_bytes"] > where.chip.hbm_bytes:
                 failures.append(plan_train.not_fit_line(row, shape, where))
             else:
                 failures.append(f"{row['program']} on {where.name} mesh "
@@ -331,8 +345,7 @@ def print_engine_table(rows: list[dict], chips_used: list) -> None:
                   f"decode step at full context: {ms}; fits by the estimate: up to {cap.get('max_concurrency')} "
                   f"runs at this width, up to {cap.get('max_executors')} executors at this concurrency")
     for chip in chips_used:
-        print(f"{chip.name}: {chip.hbm_gib:g} GiB HBM, {chip.peak_flops / 1e12:g} TFLOP/s bf16, "
-              f"{chip.hbm_bandwidth / 1e9:g} GB/s per chip (published figures)")
+        print(chip_line(chip))
     print("GiB/chip: XLA's memory_analysis (arguments + outputs - aliased + temp); est: the planner's own "
           "estimate; GFLOP, HBM GB and roofline: per chip for one call of the program at full context (a decode "
           "program: one step), max of compute and HBM time, communication not included")
@@ -341,7 +354,7 @@ def print_engine_table(rows: list[dict], chips_used: list) -> None:
 def run_engine(args: argparse.Namespace) -> int:
     from sprint_jax.plan import engine as pe
     from sprint_jax.plan.chips import parse_slices
-    from sprint_jax.plan.compile import libtpu_available
+    from sprint_jax.plan.compile import compiler_available
     from sprint_jax.plan.train import resolve_mesh
 
     slices = parse_slices(args.topology)
@@ -358,9 +371,7 @@ def run_engine(args: argparse.Namespace) -> int:
     if args.records:
         from sprint_jax.plan.records import load_records
         records = load_records(args.records)
-    if not libtpu_available():
-        raise UserError("plan compiles with XLA's TPU compiler, which comes with libtpu: "
-                        "pip install -e '.[tpu]' (jax[tpu])")
+    compiler_available(slices)
     kinds = None
     if args.programs:
         kinds = tuple(k.strip() for k in args.programs.split(",") if k.strip())
@@ -468,7 +479,7 @@ def _rl_config(args: argparse.Namespace):
 def run_rl(args: argparse.Namespace) -> int:
     from sprint_jax.rl import plan as prl
     from sprint_jax.plan.chips import parse_slices
-    from sprint_jax.plan.compile import libtpu_available
+    from sprint_jax.plan.compile import compiler_available
     from sprint_jax.plan.train import resolve_mesh
 
     slices = parse_slices(args.topology)
@@ -492,9 +503,7 @@ def run_rl(args: argparse.Namespace) -> int:
         sizes = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
         if sum(v == -1 for v in sizes.values()) > 1:
             raise UserError(f"mesh {sizes}: at most one axis may be -1")
-    if not libtpu_available():
-        raise UserError("plan compiles with XLA's TPU compiler, which comes with libtpu: "
-                        "pip install -e '.[tpu]' (jax[tpu])")
+    compiler_available(slices)
     rows, failures, engines = [], [], []
     for where in slices:
         shape = prl.shape_from_config(cfg, model_cfg, resolve_mesh(sizes, where.chips, where.name))
@@ -554,8 +563,7 @@ def print_rl_table(rows: list[dict], chips_used: list) -> None:
             print(f"{r['program']} on {r['topology']}: {r['flops_per_microbatch_update'] / 1e12:.2f} TFLOP per "
                   f"microbatch per batch (updates x grad + the old / reference log-prob forwards)")
     for chip in chips_used:
-        print(f"{chip.name}: {chip.hbm_gib:g} GiB HBM, {chip.peak_flops / 1e12:g} TFLOP/s bf16, "
-              f"{chip.hbm_bandwidth / 1e9:g} GB/s per chip (published figures)")
+        print(chip_line(chip))
     print("GiB/chip: XLA's memory_analysis (arguments + outputs - aliased + temp); beside: AdamW moments, the "
           "running gradient sum and the reference weights held while the grad step runs (in the headroom); est: "
           "the planner's own estimate (with beside); TFLOP: model FLOPs of one call (grad: 6 x weights x tokens "

@@ -1,13 +1,15 @@
-"""Compile the train step for TPU chips that are not here.
+"""Compile the train step for TPU chips or NVIDIA GPUs that are not here.
 
-libtpu builds compile-only devices for a named slice (`jax.experimental.topologies`); the step is
-traced from ShapeDtypeStructs (nothing allocated), lowered for the "tpu" platform on a mesh of
-those devices, and compiled by XLA's TPU compiler, whose `memory_analysis()` is what one chip
-would hold. The process itself runs with JAX_PLATFORMS=cpu: the attention dispatch
-(`model.attention.resolve_impl`) would pick its CPU body, so while tracing it is told the backend
-is "tpu" (splash for the flat layout, our Mosaic kernel for trie and merge, as the trainer on a
-TPU runs them), and each Pallas call's name, block sizes and shapes are recorded so that a
-kernel that fails to lower is named with them.
+libtpu builds compile-only devices for a named slice, and jax's CUDA plugin for GPU nodes from a
+target config (`chips.target_config`), both through `jax.experimental.topologies`; the step is
+traced from ShapeDtypeStructs (nothing allocated), lowered for the "tpu" or "cuda" platform on a
+mesh of those devices, and compiled by XLA's TPU or GPU compiler (Triton included), whose
+`memory_analysis()` is what one chip would hold. The process itself runs with JAX_PLATFORMS=cpu:
+the attention dispatch (`model.attention.resolve_impl`) would pick its CPU body, so while tracing
+it is told the backend is "tpu" (splash for the flat layout, our Mosaic kernel for trie and
+merge, as the trainer on a TPU runs them) or "gpu" (our Triton kernels, their block sizes chosen
+for the target's shared memory), and each Pallas call's name, block sizes and shapes are recorded
+so that a kernel that fails to lower or compile is named with them.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import time
 from typing import Any, Callable
 
 from sprint_jax.errors import UserError
-from sprint_jax.plan.chips import Slice
+from sprint_jax.plan.chips import Slice, parse_slice, target_config
 from sprint_jax.plan.estimate import StepShape
 
 # Names of the Mosaic kernels in the compiled HLO (the pallas_call names, in op_name metadata).
@@ -32,9 +34,13 @@ KERNEL_NAME = re.compile(r"(flash_span_(?:fwd|dq|dkdv)|splash_mha_\w+?|grouped_p
 
 @functools.lru_cache(maxsize=None)
 def slice_devices(name: str) -> tuple:
-    """The compile-only devices of a libtpu topology name (cached per process). libtpu writes
-    start-up warnings about the missing TPU host to the process's stderr; they are held back and
-    shown only in the error if the topology cannot be made."""
+    """The compile-only devices of a topology name (cached per process): a libtpu name, or GPU nodes
+    (`h100:8`, `h100:2x8`). libtpu and the CUDA plugin write start-up warnings about the missing
+    hardware to the process's stderr; they are held back and shown only in the error if the
+    topology cannot be made."""
+    where = parse_slice(name)
+    if where.platform == "gpu":
+        return _gpu_devices(where)
     # libtpu takes a host-wide lock for the TPU chips it would drive; a compile-only topology
     # drives none, and without this a second planning process (or test run) is refused
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -48,11 +54,44 @@ def slice_devices(name: str) -> tuple:
         except Exception as e:  # noqa: BLE001 - libtpu missing or the name refused: one line
             text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if "libtpu" in text.lower() or "no such" in text.lower() or "not found" in text.lower():
-                raise UserError(f"cannot make TPU topology {name}: {text}; install libtpu "
-                                f"(pip install 'jax[tpu]==<the jax version>', or the project's [tpu] extra)") from None
+                from sprint_jax import install_command
+                raise UserError(f"cannot make TPU topology {name}: {text}; install libtpu: "
+                                f"{install_command('tpu')}") from None
             raise UserError(f"cannot make TPU topology {name}: {text}") from None
     del held
     return tuple(topo.devices)
+
+
+def _gpu_devices(where: Slice) -> tuple:
+    """Compile-only CUDA devices for GPU nodes, from the GPU's target config."""
+    if not cuda_plugin_available():
+        raise UserError(f"planning {where.name} compiles with XLA's GPU compiler, which comes with jax's CUDA "
+                        f"plugin: pip install 'jax-cuda12-plugin==<the jax version>' (no GPU or CUDA needed)")
+    from jax.experimental import topologies
+    with _quiet_stderr():
+        try:
+            topo = topologies.get_topology_desc(platform="cuda", target_config=target_config(where.chip),
+                                                topology=where.topology)
+        except Exception as e:  # noqa: BLE001 - the plugin refused: one line
+            raise UserError(f"cannot make GPU topology {where.name}: {_first_line(e)}") from None
+    return tuple(topo.devices)
+
+
+def cuda_plugin_available() -> bool:
+    """jax's CUDA PJRT plugin is installed (the GPU compiler that compile-only GPU topologies need)."""
+    import importlib.util
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+
+
+def compiler_available(slices) -> None:
+    """Raise UserError naming the package to install when a slice's compiler is missing."""
+    if any(s.platform == "tpu" for s in slices) and not libtpu_available():
+        from sprint_jax import install_command
+        raise UserError("plan compiles for TPUs with XLA's TPU compiler, which comes with libtpu: "
+                        f"{install_command('tpu')}")
+    if any(s.platform == "gpu" for s in slices) and not cuda_plugin_available():
+        raise UserError("plan compiles for GPUs with XLA's GPU compiler, which comes with jax's CUDA plugin: "
+                        "pip install 'jax-cuda12-plugin==<the jax version>' (no GPU, driver or CUDA needed)")
 
 
 def libtpu_available() -> bool:
@@ -89,21 +128,23 @@ class KernelCall:
 
 
 @contextlib.contextmanager
-def tpu_attention(calls: list[KernelCall]):
-    """While tracing: attention resolves its body as on a TPU backend, and every Pallas
-    attention call is appended to `calls` (kernel, blocks, shapes of one shard)."""
+def tpu_attention(calls: list[KernelCall], where: Slice | None = None):
+    """While tracing: attention resolves its body as on the target's backend ("tpu" unless `where`
+    is GPU nodes: "gpu", with the Triton kernels' block sizes chosen for that GPU's shared memory),
+    and every Pallas attention call is appended to `calls` (kernel, blocks, shapes of one shard)."""
     from sprint_jax.kernels import flash_attention as kernel
-    from sprint_jax.kernels import splash
+    from sprint_jax.kernels import gpu_target, splash
     from sprint_jax.model import attention
 
+    target = "gpu" if where is not None and where.platform == "gpu" else "tpu"
     resolve, fwd, bwd, spl = (attention.resolve_impl, kernel.flash_forward, kernel.flash_backward,
                               splash.splash_attention)
 
     def shapes(q, k, extra=""):
         return f"q {list(q.shape)} {q.dtype}, k/v {list(k.shape)}{extra}"
 
-    def resolve_tpu(impl, layout=None, *, splash_ok=True, backend=None):
-        return resolve(impl, layout, splash_ok=splash_ok, backend="tpu")
+    def resolve_target(impl, layout=None, *, splash_ok=True, backend=None):
+        return resolve(impl, layout, splash_ok=splash_ok, backend=target)
 
     def record_fwd(q, k, v, span_end, q_offset, tags=None, **kw):
         calls.append(KernelCall("flash_span_fwd", f"block_q={kw.get('block_q')}, block_k={kw.get('block_k')}",
@@ -121,24 +162,28 @@ def tpu_attention(calls: list[KernelCall]):
                                 shapes(q, k)))
         return spl(q, k, v, span_end, block=block, interpret=interpret)
 
-    attention.resolve_impl, kernel.flash_forward, kernel.flash_backward = resolve_tpu, record_fwd, record_bwd
+    attention.resolve_impl, kernel.flash_forward, kernel.flash_backward = resolve_target, record_fwd, record_bwd
     splash.splash_attention = record_splash
+    cc = where.chip.compute_capability if target == "gpu" else None
     try:
-        yield calls
+        with gpu_target.target(cc):
+            yield calls
     finally:
         attention.resolve_impl, kernel.flash_forward, kernel.flash_backward = resolve, fwd, bwd
         splash.splash_attention = spl
 
 
 @contextlib.contextmanager
-def as_tpu(calls: list[KernelCall]):
-    """While tracing an engine program: the process reads as a TPU backend to every body that
-    asks `jax.default_backend()` (attention dispatch, the slot cache's gathers, the Pallas
-    parent-prefix kernel), and each parent-prefix kernel call is appended to `calls`."""
+def as_tpu(calls: list[KernelCall], where: Slice | None = None):
+    """While tracing an engine program: the process reads as the target's backend ("tpu", or "gpu"
+    for GPU nodes) to every body that asks `jax.default_backend()` (attention dispatch, the slot
+    cache's gathers, the Pallas parent-prefix kernel), and each parent-prefix kernel call is
+    appended to `calls`."""
     import jax
 
     from sprint_jax.kernels import parent_prefix
 
+    platform = "gpu" if where is not None and where.platform == "gpu" else "tpu"
     backend, grouped = jax.default_backend, parent_prefix.grouped_prefix_attention
 
     def record(q, k_cache, v_cache, kv_rows, lens, **kw):
@@ -146,15 +191,16 @@ def as_tpu(calls: list[KernelCall]):
         heads_first = kw.get("heads_first", False)
         hkv = k_cache.shape[1] if heads_first else k_cache.shape[2]
         s = k_cache.shape[2] if heads_first else k_cache.shape[1]
-        sizes = parent_prefix.default_group_block_sizes(kw.get("platform") or "tpu", g, w, h, hkv, s)
+        sizes = parent_prefix.default_group_block_sizes(kw.get("platform") or platform, g, w, h, hkv, s,
+                                                        dtype=q.dtype, head_dim=d)
         if not kw.get("interpret"):
             calls.append(KernelCall("grouped_prefix_attention", f"block_q={sizes.block_q}, block_k={sizes.block_k}",
                                     f"q {list(q.shape)} {q.dtype}, k/v {list(k_cache.shape)}"))
         return grouped(q, k_cache, v_cache, kv_rows, lens, **kw)
 
-    jax.default_backend, parent_prefix.grouped_prefix_attention = (lambda: "tpu"), record
+    jax.default_backend, parent_prefix.grouped_prefix_attention = (lambda: platform), record
     try:
-        with tpu_attention(calls):
+        with tpu_attention(calls, where):
             yield calls
     finally:
         jax.default_backend, parent_prefix.grouped_prefix_attention = backend, grouped
@@ -217,7 +263,7 @@ def kernel_error(e: BaseException, calls: list[KernelCall]) -> str | None:
 
     text = str(e) + "".join(traceback.format_exception(e))
     mosaic = any(w in text for w in ("Mosaic", "mosaic", "pallas", "Pallas", "tpu_custom_call",
-                                     "flash_span_", "splash"))
+                                     "flash_span_", "splash", "Triton", "triton", "Shared memory size limit"))
     if not mosaic:
         return None
     named = KERNEL_NAME.search(str(e))
@@ -228,7 +274,8 @@ def kernel_error(e: BaseException, calls: list[KernelCall]) -> str | None:
                      c.kernel.startswith(base[:10])), None)
     call = call or (calls[-1] if calls else None)
     what = call.describe() if call else (named.group(1) if named else "a Pallas kernel")
-    return f"Mosaic kernel {what} failed to lower: {_first_line(e)}"
+    kind = "Triton" if any(w in text for w in ("Triton", "triton", "Shared memory")) else "Mosaic"
+    return f"{kind} kernel {what} failed to lower: {_first_line(e)}"
 
 
 def memory_of(compiled) -> dict[str, int]:
@@ -276,30 +323,37 @@ def _compile_step(shape: StepShape, where: Slice, progress: Callable[[str], None
     calls: list[KernelCall] = []
 
     def trace():
-        with tpu_attention(calls):
+        with tpu_attention(calls, where):
             return setup.step.trace(setup.abstract_state(), setup.abstract_batch(shape.batch, shape.seq_len))
-    return compile_traced(trace, calls, setup.sharding_notes, progress)
+    return compile_traced(trace, calls, setup.sharding_notes, progress, where)
+
+
+# The custom call a Pallas kernel compiles to, per platform (Mosaic on TPU, Triton on GPU).
+_KERNEL_TARGET = {"tpu": 'custom_call_target="tpu_custom_call"', "gpu": 'custom_call_target="__gpu$xla.gpu.triton"'}
 
 
 def compile_traced(trace: Callable[[], Any], calls: list[KernelCall], notes: list[str] = (),
-                   progress: Callable[[str], None] | None = None) -> Compiled:
+                   progress: Callable[[str], None] | None = None, where: Slice | None = None) -> Compiled:
     """Trace (`trace()` returns a `jax.stages.Traced`; it appends its Pallas calls to `calls`),
-    lower for the "tpu" platform and compile; the result holds the compiler's per-chip memory and
-    the Mosaic kernels of the compiled HLO, or why it did not compile (never raises for that)."""
+    lower for the target's platform ("tpu", or "cuda" for GPU nodes `where`) and compile; the
+    result holds the compiler's per-chip memory and the Pallas kernels of the compiled HLO, or why
+    it did not compile (never raises for that)."""
     import jax
 
+    gpu = where is not None and where.platform == "gpu"
     out = Compiled(False, sharding_notes=list(notes))
     t = time.perf_counter()
     try:
         traced = trace()
-        lowered = traced.lower(lowering_platforms=("tpu",))
+        lowered = traced.lower(lowering_platforms=("cuda" if gpu else "tpu",))
     except Exception as e:  # noqa: BLE001 - a refused program is a result, not a crash
         out.lower_s = time.perf_counter() - t
         out.error = kernel_error(e, calls) or f"lowering failed: {_first_line(e)}"
         return out
     out.lower_s = time.perf_counter() - t
     if progress:
-        progress(f"lowered in {out.lower_s:.1f} s; compiling (XLA's TPU compiler: minutes for a 7B program)")
+        progress(f"lowered in {out.lower_s:.1f} s; compiling (XLA's {'GPU' if gpu else 'TPU'} compiler: "
+                 f"minutes for a 7B program)")
     t = time.perf_counter()
     log = ""
     try:
@@ -324,7 +378,8 @@ def compile_traced(trace: Callable[[], Any], calls: list[KernelCall], notes: lis
     out.compiled = True
     out.memory = memory_of(compiled)
     hlo = compiled.as_text()
-    custom = [ln for ln in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in ln]
+    target = _KERNEL_TARGET["gpu" if gpu else "tpu"]
+    custom = [ln for ln in hlo.splitlines() if target in ln]
     out.custom_calls = len(custom)
     names = []
     for ln in custom:

@@ -380,9 +380,9 @@ def engine_rows(shape: EngineShape, where, model: str, progress: Callable[[str],
         calls: list = []
 
         def trace(prog=prog, calls=calls):
-            with as_tpu(calls):
+            with as_tpu(calls, where):
                 return prog.trace()
-        result = compile_traced(trace, calls, notes, progress)
+        result = compile_traced(trace, calls, notes, progress, where)
         memory = memory_estimate(shape, prog.kind)
         row = {"program": f"{prog.name}", "kind": prog.kind, "engine": shape_label(shape, model),
                "topology": where.name, "accelerator_type": where.booking, "chips": where.chips,
@@ -452,14 +452,15 @@ def capacity(shape: EngineShape, hbm_bytes: float) -> dict[str, int]:
             "max_executors": _largest(lambda k: fits(dataclasses.replace(shape, executors=k), hbm_bytes))}
 
 
-def meshes(chips: int, shape: EngineShape) -> list[tuple[int, int, int]]:
+def meshes(chips: int, shape: EngineShape, node: int | None = None) -> list[tuple[int, int, int]]:
     """(data, 1, tensor) meshes on `chips` chips, least tensor parallelism first: tensor a power
     of two that divides the KV heads or is a multiple of them (the engine copies KV heads then),
-    data the rest, the runs splitting evenly over data."""
+    data the rest, the runs splitting evenly over data; on GPU nodes tensor stays inside one
+    (`node` GPUs)."""
     c = shape.config
     out = []
     t = 1
-    while t <= chips:
+    while t <= min(chips, node or chips):
         heads_ok = t == 1 or c.num_key_value_heads % t == 0 or t % c.num_key_value_heads == 0
         if chips % t == 0 and heads_ok and shape.concurrency % (chips // t) == 0:
             out.append((chips // t, 1, t))
@@ -472,9 +473,11 @@ def way_out(shape: EngineShape, where) -> str:
     slice, fewer runs, fewer executors, a smaller capacity, a larger slice."""
     from sprint_jax.plan.chips import Slice, shapes
 
+    from sprint_jax.plan.train import node_size
+
     hbm = where.chip.hbm_bytes
     options = []
-    for mesh in meshes(where.chips, shape):
+    for mesh in meshes(where.chips, shape, node_size(where)):
         if mesh[2] > shape.mesh[2] and fits(dataclasses.replace(shape, mesh=mesh), hbm):
             options.append(f"--mesh tensor={mesh[2]} (data={mesh[0]})")
             break
@@ -491,7 +494,7 @@ def way_out(shape: EngineShape, where) -> str:
         if n <= where.chips:
             continue
         bigger = Slice(where.chip, grid)
-        found = next((m for m in meshes(n, shape) if fits(dataclasses.replace(shape, mesh=m), hbm)), None)
+        found = next((m for m in meshes(n, shape, node_size(bigger)) if fits(dataclasses.replace(shape, mesh=m), hbm)), None)
         if found:
             options.append(f"--topology {bigger.name} ({bigger.booking}) --mesh tensor={found[2]}")
             break
@@ -535,11 +538,12 @@ def search(shape: EngineShape, top, model: str, progress: Callable[[str], None] 
     10% of HBM free, and the compiler has the last word. Returns (the accepted rows or None,
     every row compiled)."""
     from sprint_jax.plan.chips import ladder
+    from sprint_jax.plan.train import node_size
 
     tried: list[dict] = []
     candidates = 0
     for where in ladder(top):
-        for mesh in meshes(where.chips, shape):
+        for mesh in meshes(where.chips, shape, node_size(where)):
             candidate = dataclasses.replace(shape, mesh=mesh)
             need = peak_estimate(candidate)
             if need > where.chip.hbm_bytes * FILL:

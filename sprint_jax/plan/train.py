@@ -63,7 +63,22 @@ def resolve_mesh(sizes: dict[str, int], chips: int, where: str) -> tuple[int, in
             out[k] = chips // known
     if math.prod(out.values()) != chips:
         raise UserError(f"mesh {_mesh_text(out)} uses {math.prod(out.values())} chips but {where} has {chips}")
+    node = node_size(where)
+    if node and (out["tensor"] > node or node % out["tensor"]):
+        raise UserError(f"mesh {_mesh_text(out)} on {where}: tensor parallelism stays inside one node of {node} GPUs "
+                        f"(tensor a divisor of {node}); put the other GPUs in fsdp or data")
     return out["data"], out["fsdp"], out["tensor"]
+
+
+def node_size(where) -> int | None:
+    """GPUs per node of GPU nodes (a `Slice` or its name); None for a TPU slice."""
+    from sprint_jax.plan.chips import parse_slice
+    if isinstance(where, str):
+        try:
+            where = parse_slice(where)
+        except UserError:
+            return None
+    return where.shape[1] if where.platform == "gpu" else None
 
 
 def _mesh_text(sizes) -> str:
@@ -99,22 +114,38 @@ def figures(shape: StepShape, where: Slice) -> dict[str, Any]:
     return {"estimate_bytes": memory["total"], "estimate": memory, **roof}
 
 
+def state_bytes(shape: StepShape) -> float:
+    """Per-chip bytes of what the step holds whatever its temporaries (exact sizes): fp32 weights,
+    AdamW moments, gradients and the batch."""
+    memory = est.memory_estimate(shape)
+    return sum(memory[k] for k in ("params", "adam", "grads", "batch"))
+
+
 def plan_row(shape: StepShape, where: Slice, model: str,
              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Compile one (step, slice, mesh) and return its row (module docstring)."""
     from sprint_jax.plan.compile import compile_step
 
+    from sprint_jax.plan.compile import Compiled
+
     name = program_name(shape, model)
-    if progress:
-        progress(f"compiling {name} for {where.name} ({where.booking}), mesh {_mesh_text(shape.mesh)}")
-    result = compile_step(shape, where, progress)
+    state = state_bytes(shape)
+    if where.platform == "gpu" and state > where.chip.hbm_bytes:
+        # XLA's GPU compiler does not check the device's memory: a step whose weights, AdamW state and
+        # gradients alone (exact sizes) exceed it is refused here rather than compiled for minutes
+        result = Compiled(False, error=f"the fp32 weights, AdamW moments and gradients alone need "
+                                       f"{state / GIB:.1f} GiB per GPU of {where.chip.hbm_gib:g} GiB")
+    else:
+        if progress:
+            progress(f"compiling {name} for {where.name} ({where.booking}), mesh {_mesh_text(shape.mesh)}")
+        result = compile_step(shape, where, progress)
     row = {"program": name, "topology": where.name, "accelerator_type": where.booking,
            "chips": where.chips, "mesh": shape.mesh_dict, "compiled": result.compiled,
            "compile_s": round(result.compile_s, 2), "lower_s": round(result.lower_s, 2),
            "per_chip_bytes": None, "hbm_bytes": where.chip.hbm_bytes, "headroom": None,
            "kernels": sorted(set(result.kernels)), "tpu_custom_calls": result.custom_calls,
            "error": result.error, "compiler_oom": result.oom, "sharding_notes": result.sharding_notes,
-           **figures(shape, where)}
+           "state_bytes": state, **figures(shape, where)}
     if result.memory is not None:
         mem = {k: result.memory[k] for k in ("arguments", "outputs", "temp", "alias", "total")}
         row["per_chip_bytes"] = mem
@@ -139,7 +170,7 @@ def meshes(chips: int, shape: StepShape) -> list[tuple[int, int, int]]:
     c = shape.config
     micro = shape.batch // shape.grad_accum
     out = []
-    for tensor in (1, 2, 4, 8):
+    for tensor in (1, 2, 4, 8):       # at most 8: a GPU node's NVLink domain
         if chips % tensor or (tensor > 1 and c.num_key_value_heads % tensor and c.num_attention_heads % tensor):
             continue
         fsdp = chips // tensor
@@ -207,7 +238,12 @@ def not_fit_line(row: dict, shape: StepShape, where: Slice) -> str:
     oom = row.get("compiler_oom")
     mesh = _mesh_text(shape.mesh)
     head = f"{row['program']} on {where.name} ({where.booking}, mesh {mesh})"
-    if row["compiled"] and row["per_chip_bytes"]:
+    state, limit = row.get("state_bytes") or 0.0, where.chip.hbm_bytes
+    if not row["compiled"] and not oom and state > limit:
+        what = (f"does not fit: the fp32 weights, AdamW moments and gradients alone need {state / GIB:.1f} GiB per "
+                f"{'GPU' if where.platform == 'gpu' else 'chip'}, {(state - limit) / GIB:.1f} GiB over its "
+                f"{limit / GIB:g} GiB (not compiled)")
+    elif row["compiled"] and row["per_chip_bytes"]:
         used, limit = row["per_chip_bytes"]["total"], where.chip.hbm_bytes
         what = (f"needs {used / GIB:.1f} GiB per chip, {(used - limit) / GIB:.1f} GiB over the chip's "
                 f"{limit / GIB:g} GiB")

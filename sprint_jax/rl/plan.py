@@ -231,9 +231,9 @@ def plan_rows(s: RLShape, optim, where: Slice, model: str,
         calls: list[KernelCall] = []
 
         def trace(fn=fn, calls=calls):
-            with tpu_attention(calls):
+            with tpu_attention(calls, where):
                 return fn()
-        result = compile_traced(trace, calls, notes, progress)
+        result = compile_traced(trace, calls, notes, progress, where)
         memory = memory_estimate(s, kind)
         held = beside(s) if kind == "grad" else {}
         row = {"program": name, "kind": kind, "topology": where.name, "accelerator_type": where.booking,
