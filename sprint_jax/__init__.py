@@ -90,8 +90,12 @@ def _load_cuda_plugin_quietly() -> None:
     import tempfile
 
     library = Path(list(spec.submodule_search_locations)[0]) / "xla_cuda_plugin.so"
-    sys.stderr.flush()
-    saved = os.dup(2)
+    if sys.stderr is not None:
+        sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:                               # no stderr to protect: JAX loads the plugin as usual
+        return
     with tempfile.TemporaryFile() as caught:
         os.dup2(caught.fileno(), 2)
         try:
@@ -110,7 +114,7 @@ def _load_cuda_plugin_quietly() -> None:
         caught.seek(0)
         rest = [line for line in caught.read().decode("utf-8", "replace").splitlines(keepends=True)
                 if not any(note in line for note in _CUDA_NOTES)]
-    if rest:
+    if rest and sys.stderr is not None:
         sys.stderr.write("".join(rest))
 
 
