@@ -330,5 +330,6 @@ def gather_pages(pool: jax.Array, layer, table: jax.Array) -> jax.Array:
 
     def take(a):
         at = jax.lax.dynamic_index_in_dim(a, jnp.asarray(layer, jnp.int32), axis=0, keepdims=False)
-        return jnp.take(at, jnp.clip(table, 0, a.shape[2] - 1), axis=1)          # [Hkv, R, M, ps, D]
+        # mode "clip": padding entries read a valid page, never a filled (masked) gather
+        return jnp.take(at, table, axis=1, mode="clip")                        # [Hkv, R, M, ps, D]
     return _as_bits(pool, take).reshape(hkv, r, m * ps, d)
