@@ -161,10 +161,12 @@ def test_sampling_refuses_values_out_of_range_naming_the_field(field, value):
         Sampling(**{field: value})
 
 
-def test_sprint_config_refuses_a_seed_that_is_not_an_integer_and_keeps_any_integer():
+def test_sprint_config_refuses_a_seed_that_is_not_an_integer_or_outside_its_own_streams_range():
     with pytest.raises(UserError, match="seed must be an integer"):
         OrchestratorConfig(seed=1.5)
-    assert 0 <= OrchestratorConfig(seed=2 ** 40, temperature=1.0).sampling(3).seed < 2 ** 31
+    with pytest.raises(UserError, match="seed must be at most 2147483647"):   # would share 0's draws
+        OrchestratorConfig(seed=2 ** 31)
+    assert 0 <= OrchestratorConfig(seed=2 ** 31 - 1, temperature=1.0).sampling(3).seed < 2 ** 31
 
 
 def test_infer_with_a_sampling_value_out_of_range_is_one_line_and_exit_2(tmp_path, capsys):

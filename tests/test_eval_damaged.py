@@ -77,3 +77,18 @@ def test_plan_records_refuses_a_damaged_record_in_one_line(tmp_path, capsys):
     assert main(flags) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "field 'stages' must be a list of objects" in err[0], err
+
+
+def test_eval_merge_refuses_a_damaged_shard_line(tmp_path, capsys):
+    from sprint_jax.eval.shards import shard_meta
+
+    shard = tmp_path / "s0"
+    evaluate(_sprint_engine(), TASKS, "parallel", prompt_fn=_prompt, out_dir=shard, progress=False,
+             meta={"shard": shard_meta(len(TASKS), 0, 1)})
+    assert main(["eval", "merge", str(shard), "--out", str(tmp_path / "whole")]) == 0
+    capsys.readouterr()
+    _damage(shard)
+    assert main(["eval", "merge", str(shard), "--out", str(tmp_path / "again")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "results.jsonl:3: missing field 'kind'" in err[0] and "rerun shard 0/1" in err[0], err
+    assert not (tmp_path / "again").exists()

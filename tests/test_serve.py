@@ -327,7 +327,7 @@ def test_the_engine_on_a_thread_of_its_own_serves_the_same(setup, hf_untied):
     loop_server, _, alone, tok = setup
     assert loop_server.engine_on_loop and loop_server.worker.on_loop         # CPU: the engine on the loop
     switch = sys.getswitchinterval()
-    assert switch != 0.0005                  # the engine on the loop leaves the GIL switch interval alone
+    assert switch == 0.0005                  # paced by the loop, its steps run on a thread too: short hand-offs
     model = from_pretrained(hf_untied)
     engine = Engine(model, tok, max_seqs=4, max_children=4, **CAPS)    # the module engine's shapes
     server = Server(engine, NAME, SPRINT_CFG, engine_on_loop=False).start()
@@ -630,12 +630,18 @@ SUBPROCESS_FLAGS = ("--max-seq-len", "64", "--max-seqs", "4", "--max-prompts", "
 
 @pytest.mark.slow
 def test_cli_serves_a_checkpoint_until_terminated(hf_untied, tmp_path):
-    """`sprint-jax serve` as a user runs it: a subprocess on a free port, the openai client, SIGTERM."""
-    server = _Subprocess(_tiny_model_dir(hf_untied, tmp_path), *SUBPROCESS_FLAGS)
+    """`sprint-jax serve` as a user runs it: a subprocess on a free port, the openai client, SIGTERM.
+    The model is a trained export (RUN/hf): its id is the run's name, said at start-up."""
+    import shutil
+
+    export = tmp_path / "runs" / "demo_run" / "hf"
+    shutil.copytree(_tiny_model_dir(hf_untied, tmp_path), export)
+    server = _Subprocess(str(export), *SUBPROCESS_FLAGS)
     try:
+        assert "model ids demo_run and demo_run:sprint" in "".join(server.seen), server.seen
         c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
-        assert {m.id for m in c.models.list().data} == {"tinymodel", "tinymodel:sprint"}
-        r = c.completions.create(model="tinymodel", prompt="abc", max_tokens=5, temperature=0)
+        assert {m.id for m in c.models.list().data} == {"demo_run", "demo_run:sprint"}
+        r = c.completions.create(model="demo_run", prompt="abc", max_tokens=5, temperature=0)
         assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
     finally:
         rest = server.stop()

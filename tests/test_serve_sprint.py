@@ -200,3 +200,35 @@ def test_sprint_streaming_emits_the_stage_events_in_order_and_the_text_as_it_is_
         tagged = "".join(t for t, tag, _, _ in chunks if tag == {"stage": 1, "executor": e["index"]})
         assert tagged == execution_opening(1, e["index"]) + e["text"]
     assert sum(len(t) for t, _, _, last in chunks if last) < len("</Final Answer>")
+
+
+def test_a_stop_string_ends_a_sprint_run_there_and_a_max_stages_cut_finishes_with_length(stage_model, served, tmp_path):
+    """The body an evaluation harness sends (prompt, max_tokens, temperature 0, its stop strings,
+    seed): the reply is infer's text cut at the first stop string, finish_reason stop, whole and
+    streamed, and the run ended there (its record says stop_string and holds the tokens up to the
+    join only, not the second stage's). A run cut by max_stages finishes with length."""
+    export, _ = stage_model
+    ref = _infer(export, QUERIES[0], tmp_path)
+    server, client = served
+    stop = "<execution_1.2>"                  # committed with stage 1's executors, before the second plan
+    at = ref["text"].find(stop)
+    assert at > 0
+    body = dict(model=NAME + ":sprint", prompt=QUERIES[0], max_tokens=ref["total_tokens"], temperature=0,
+                stop=["\n\nQ:", stop], seed=1234)
+    r = client.completions.create(**body)
+    rec = r.model_extra["sprint"]
+    assert r.choices[0].text == ref["text"][:at] and r.choices[0].finish_reason == "stop"
+    assert rec["termination"] == "stop_string" and len(rec["stages"]) == 1
+    stage1 = ref["stages"][0]
+    assert rec["total_tokens"] == stage1["planner_tokens"] + sum(e["tokens"] for e in stage1["executions"])
+    assert rec["total_tokens"] < ref["total_tokens"]
+    text, finishes = "", []
+    for chunk in client.completions.create(**body, stream=True):
+        for ch in chunk.choices:
+            text += ch.text
+            if ch.finish_reason:
+                finishes.append(ch.finish_reason)
+    assert text == ref["text"][:at] and finishes == ["stop"]
+    cut = client.completions.create(model=NAME + ":sprint", prompt=QUERIES[0], temperature=0,
+                                    extra_body={"sprint": {"max_stages": 1}})
+    assert cut.model_extra["sprint"]["termination"] == "max_stages" and cut.choices[0].finish_reason == "length"

@@ -180,8 +180,9 @@ _RESULT_FIELDS = (("kind", lambda v: isinstance(v, str), "a string"),
                   ("outcome", lambda v: isinstance(v, str), "a string"))
 
 
-def _result_problem(row: dict, where: str, mode: str) -> str | None:
-    """Why a results line cannot be kept by a resumed run in `mode` (None when it can)."""
+def result_row_problem(row: dict, where: str, mode: str) -> str | None:
+    """Why a results line cannot be kept by a run in `mode` (None when it can): `check_result_row`,
+    the fields `result_of` writes with their types, and its mode."""
     from sprint_jax.eval.report import RunFileError
 
     try:
@@ -201,8 +202,9 @@ def _result_problem(row: dict, where: str, mode: str) -> str | None:
     return None
 
 
-def _record_problem(row: dict, where: str, mode: str) -> str | None:
-    """Why a records line cannot be kept by a resumed run in `mode` (None when it can)."""
+def record_row_problem(row: dict, where: str, mode: str) -> str | None:
+    """Why a records line cannot be kept by a run in `mode` (None when it can):
+    `infer.record_rows.record_problem`, and its mode."""
     from sprint_jax.infer.record_rows import record_problem
 
     why = record_problem(row)
@@ -250,8 +252,8 @@ def _prepare_out(out: Path, run: dict, problems: dict[str, str],
         raise UserError(f"{out}: problem {changed[0]!r} has a different prompt or answer than when it was evaluated "
                         f"({len(changed)} such); use --overwrite or a new --out")
     mode = run["mode"]
-    results, damaged = _resumable_rows(out / RESULTS_FILE, lambda row, where: _result_problem(row, where, mode))
-    records, damaged_records = _resumable_rows(out / RECORDS_FILE, lambda row, where: _record_problem(row, where, mode))
+    results, damaged = _resumable_rows(out / RESULTS_FILE, lambda row, where: result_row_problem(row, where, mode))
+    records, damaged_records = _resumable_rows(out / RECORDS_FILE, lambda row, where: record_row_problem(row, where, mode))
     damaged += damaged_records
     # every finished problem stays, asked for this time or not; a result without its record, a
     # cut line, or a damaged one (and its partner) is dropped and, if asked for, redone

@@ -81,10 +81,26 @@ def shard_meta(total: int, index: int, count: int) -> dict:
     return {"index": index, "count": count, "total": total, "positions": shard_positions(total, index, count)}
 
 
-def _read_lines(path: Path) -> list[dict]:
+def _read_lines(path: Path, problem, rerun: str) -> list[dict]:
+    """The rows of a shard's jsonl file, each checked by `problem(row, "file:line")` (None when
+    sound, else why): a line that is not UTF-8, not JSON or damaged is a UserError naming it."""
     if not path.is_file():
         return []
-    return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    rows = []
+    for n, raw in enumerate(path.read_bytes().splitlines(), 1):
+        if not raw.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            row = json.loads(raw.decode("utf-8"))
+            why = problem(row, where) if isinstance(row, dict) else "not a JSON object"
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            why = f"not valid {'UTF-8' if isinstance(e, UnicodeDecodeError) else 'JSON'}"
+        if why:
+            why = why if why.startswith(where) else f"{where}: {why}"
+            raise UserError(f"{why}; {rerun} to redo the damaged line")
+        rows.append(row)
+    return rows
 
 
 def _by_problem(rows: list[dict]) -> list[list[dict]]:
@@ -98,7 +114,8 @@ def _by_problem(rows: list[dict]) -> list[list[dict]]:
 
 def merge_shards(dirs: Sequence[str | Path], out: str | Path) -> dict:
     """Join shard directories into `out` (see the module docstring). Returns the report."""
-    from sprint_jax.eval.evaluate import RECORDS_FILE, REPORT_FILE, RESULTS_FILE
+    from sprint_jax.eval.evaluate import (RECORDS_FILE, REPORT_FILE, RESULTS_FILE, record_row_problem,
+                                          result_row_problem)
     from sprint_jax.eval.report import make_report, run_wall_clock, write_plots
 
     if not dirs:
@@ -113,7 +130,10 @@ def merge_shards(dirs: Sequence[str | Path], out: str | Path) -> dict:
         if not shard:
             raise UserError(f"{d}: not a shard (its {REPORT_FILE} has no meta.shard; run `eval --shard I/N`)")
         # one line per problem and sample: grouped by problem, in the shard's order
-        results, records = _by_problem(_read_lines(d / RESULTS_FILE)), _by_problem(_read_lines(d / RECORDS_FILE))
+        rerun = f"rerun shard {shard.get('index')}/{shard.get('count')} into {d}"
+        mode = report.get("mode")
+        results = _by_problem(_read_lines(d / RESULTS_FILE, lambda r, w: result_row_problem(r, w, mode), rerun))
+        records = _by_problem(_read_lines(d / RECORDS_FILE, lambda r, w: record_row_problem(r, w, mode), rerun))
         samples = (report.get("meta") or {}).get("samples") or 1
         if (len(results) != len(shard["positions"]) or len(records) != len(shard["positions"])
                 or any(len(g) != samples for g in results + records)):

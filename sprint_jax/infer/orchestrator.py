@@ -89,14 +89,13 @@ generated tokens.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import time
 from typing import Any, Callable
 
 from sprint_jax import format as fmt
 from sprint_jax import threadweaver as tw
 from sprint_jax.infer.requests import EngineError, common_prefix
-from sprint_jax.infer.sampling import Sampling, SamplingError
+from sprint_jax.infer.sampling import Sampling, user_seed
 
 MODES = ("parallel", "serial", "sequential")
 JOINS = ("reprefill", "merge")
@@ -287,11 +286,9 @@ class OrchestratorConfig:
                              "are tokenized on their own); a flat model re-prefills (join='reprefill')")
         if self.time_limit_s is not None and not self.time_limit_s > 0:
             raise ValueError(f"time_limit_s must be > 0 or null, got {self.time_limit_s!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
-            raise SamplingError(f"seed must be an integer, got {self.seed!r}")
-        # the sampling fields, checked where a bad one would otherwise fail inside the engine; any
-        # integer seed is fine (each call's seed is derived from it modulo 2^31)
-        Sampling(self.temperature, self.top_k, self.top_p, int(self.seed) % (2 ** 31))
+        # the sampling fields, checked where a bad one would otherwise fail inside the engine; the
+        # seed in the range where each one gives its own calls' seeds (derived modulo 2^31)
+        Sampling(self.temperature, self.top_k, self.top_p, user_seed(self.seed))
 
     @property
     def resolved_join(self) -> str:
@@ -435,6 +432,11 @@ class _Stop(Exception):
         super().__init__(reason)
         self.reason = reason
         self.problem = problem
+
+
+class RunEnded(_Stop):
+    """Thrown into a run's `steps` generator in place of a call's answer: the run ends there, as a
+    budget ends it, and returns its record with termination `reason` (a driver's own limit)."""
 
 
 def _which_stop(text: str, stops: list[str]) -> str | None:

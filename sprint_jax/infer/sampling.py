@@ -18,6 +18,10 @@ from sprint_jax.errors import UserError
 
 # the ranges the decode step's per-row int32 / float32 arrays hold
 SEED_RANGE = (-2 ** 31, 2 ** 31 - 1)
+# the seeds a user may give a run or a request: each one a sampling stream of its own on every path
+# (a row's key folds in a Sampling seed as is; a SPRINT run derives each call's seed from its seed
+# modulo 2^31, one-to-one on this range only: s and s + 2^31, or -1 and 2^31 - 1, would share draws)
+USER_SEED_RANGE = (0, 2 ** 31 - 1)
 TOP_K_MAX = 2 ** 31 - 1
 TEMPERATURE_MAX = float(np.finfo(np.float32).max)
 
@@ -41,6 +45,12 @@ def _real(name: str, v) -> float:
     if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
         raise SamplingError(f"{name} must be a finite number, got {v!r}")
     return float(v)
+
+
+def user_seed(v, name: str = "seed") -> int:
+    """A seed given by a user (a config, a request) as an int in USER_SEED_RANGE; SamplingError
+    naming `name` otherwise."""
+    return _integer(name, v, *USER_SEED_RANGE)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,9 +25,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from sprint_jax.schema import apply_prompt_format
-from sprint_jax.infer.sampling import Sampling, SamplingError
-from sprint_jax.serve.worker import (LATENCY_BUCKETS, Channel, EngineWorker, Job, SprintText, TokenCursor, TokenEntry,
-                                     executor_opening, sprint_token_layout)
+from sprint_jax.infer.sampling import USER_SEED_RANGE, Sampling, SamplingError
+from sprint_jax.serve.worker import (LATENCY_BUCKETS, STOP_TERMINATION, Channel, EngineWorker, Job, SprintText,
+                                     TokenCursor, TokenEntry, cut_at_stop as _cut, executor_opening,
+                                     sprint_token_layout)
 
 SPRINT_SUFFIX = ":sprint"
 ROLES = ("system", "developer", "user", "assistant")
@@ -275,6 +276,8 @@ def _int(body: dict, name: str, default, lo: int | None = None, hi: int | None =
         raise APIError(400, f"{label} must be an integer, got {_show(v)}", label)
     if lo is not None and v < lo or hi is not None and v > hi:
         bound = f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"between {lo} and {hi}"
+        if hi == INT_MAX:            # a count with no real upper bound: name the side it is past
+            bound = f">= {lo}" if v < lo else f"<= {hi}"
         raise APIError(400, f"{label} must be {bound}, got {_show(v)}", label)
     return v
 
@@ -292,7 +295,7 @@ def _float(body: dict, name: str, default, lo: float, hi: float, lo_open: bool =
     return float(v)
 
 
-SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 63 - 1       # OpenAI's seed is a 64-bit integer
+INT_MAX = 2 ** 63 - 1          # the largest integer any count field takes (a bigger one is a 400, not a 500)
 
 
 def _sampling_fields(obj: dict, state: "ServeState", prefix: str = "") -> dict:
@@ -301,17 +304,18 @@ def _sampling_fields(obj: dict, state: "ServeState", prefix: str = "") -> dict:
     got = {"temperature": _float(obj, "temperature", None, 0.0, 2.0, label=prefix + "temperature"),
            "top_p": _float(obj, "top_p", None, 0.0, 1.0, lo_open=True, label=prefix + "top_p"),
            "top_k": _int(obj, "top_k", None, 0, vocab, label=prefix + "top_k"),
-           "seed": _int(obj, "seed", None, SEED_MIN, SEED_MAX, label=prefix + "seed")}
+           # only seeds that each give a stream of their own, in plain and SPRINT mode alike
+           "seed": _int(obj, "seed", None, *USER_SEED_RANGE, label=prefix + "seed")}
     return {k: v for k, v in got.items() if v is not None}
 
 
 def _max_tokens(body: dict, chat: bool) -> tuple[int | None, str]:
     """The completion's token limit the request sets (None: unset) and the field that set it.
     Chat takes max_completion_tokens or (its older name) max_tokens; both set must agree."""
-    max_tokens = _int(body, "max_tokens", None, 1)
+    max_tokens = _int(body, "max_tokens", None, 1, INT_MAX)
     if not chat:
         return max_tokens, "max_tokens"
-    mct = _int(body, "max_completion_tokens", None, 1)
+    mct = _int(body, "max_completion_tokens", None, 1, INT_MAX)
     if mct is None:
         return max_tokens, "max_tokens"
     if max_tokens is not None and max_tokens != mct:
@@ -429,6 +433,17 @@ def _check_model(body: dict, state: ServeState) -> bool:
 
 
 SAMPLING_NAMES = ("temperature", "top_p", "top_k", "seed")
+SPRINT_COUNTS = ("max_stages", "max_prompts", "max_planner_tokens", "max_branch_tokens", "max_total_tokens")
+
+
+def _time_limit(v) -> float | None:
+    """sprint.time_limit_s: seconds > 0, or null (no limit)."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+        raise APIError(400, f"sprint.time_limit_s must be a number of seconds > 0 (or null), got {_show(v)}",
+                       "sprint.time_limit_s")
+    return float(v)
 
 
 def _sprint_config(extra: dict, state: ServeState, sampling: dict, max_tokens: int | None) -> tuple[Any, str]:
@@ -449,6 +464,10 @@ def _sprint_config(extra: dict, state: ServeState, sampling: dict, max_tokens: i
             mode = v
         elif k in SAMPLING_NAMES:
             continue
+        elif k in SPRINT_COUNTS:
+            upd[k] = _int(extra, k, None, 1, INT_MAX, label=f"sprint.{k}")
+        elif k == "time_limit_s":
+            upd[k] = _time_limit(v)
         elif k in fields:
             upd[k] = v
         else:
@@ -493,8 +512,6 @@ async def build_job(body: dict, state: ServeState, chat: bool, channel: Channel)
     if sprint:
         if n != 1:
             raise APIError(400, "n must be 1 in SPRINT mode (the executors already run in parallel)", "n")
-        if stop:
-            raise APIError(400, "stop is not supported in SPRINT mode (the orchestrator sets its own stops)", "stop")
         config, mode = _sprint_config(extra or {}, state, sampling, max_tokens)
         reserve = None                  # the prompt must leave room for one token
     else:
@@ -516,7 +533,7 @@ async def build_job(body: dict, state: ServeState, chat: bool, channel: Channel)
             raise _too_long(cap, len(prompt), None, param)
         if text is None:
             text = await _off_loop(state, len(prompt), state.engine.decode_text, prompt, False)
-        return Job("sprint", channel, prompt=prompt, query=text, mode=mode, config=config, stream=stream,
+        return Job("sprint", channel, prompt=prompt, query=text, mode=mode, config=config, stream=stream, stop=stop,
                    logprobs=top is not None, top_logprobs=top or 0), len(prompt), include_usage
     temperature = sampling.get("temperature", 1.0)
     top_p = sampling.get("top_p", 1.0)
@@ -524,9 +541,10 @@ async def build_job(body: dict, state: ServeState, chat: bool, channel: Channel)
     seed = sampling.get("seed")
     if seed is None:
         seed = secrets.randbits(31)
-    seed &= 0x7FFFFFFF
     if max_tokens is None:
         max_tokens = min(state.default_max_tokens, max(1, cap - len(prompt)))
+        if n > 1:                  # each child holds at most this many (the check below)
+            max_tokens = min(max_tokens, max(1, state.engine.max_branch_tokens - 1))
     if len(prompt) + max_tokens > cap:
         raise _too_long(cap, len(prompt), max_tokens, limit_param)
     if n > 1 and max_tokens + 1 > state.engine.max_branch_tokens:
@@ -582,12 +600,6 @@ def _prompt(body: dict, state: ServeState) -> tuple[str | None, list[int] | None
 # ---------------------------------------------------------------------------------------------
 # Response shapes
 # ---------------------------------------------------------------------------------------------
-def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
-    """Text up to the first stop string (excluded, as OpenAI does)."""
-    at = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-    return (text[:at], True) if at >= 0 else (text, False)
-
-
 def _finish(gen, stops: list[str]) -> tuple[str, str]:
     text, hit = _cut(gen.text, stops)
     return text, "stop" if hit or gen.stop_reason in ("stop", "eos") else "length"
@@ -892,8 +904,9 @@ class _Endpoints:
         chat = head.chat
         if job.kind == "sprint":
             rec = value
-            lp = _sprint_logprobs(job, chat, rec, self.state.engine.decode_text)
-            return _JSON(head.body(choices=[_choice(chat, 0, rec.text, _sprint_finish(rec), lp)],
+            text, finish = _sprint_reply(rec, job.stop)
+            lp = _sprint_logprobs(job, chat, rec, text, self.state.engine.decode_text)
+            return _JSON(head.body(choices=[_choice(chat, 0, text, finish, lp)],
                                    usage=_usage(n_prompt, rec.total_tokens), sprint=_sprint_json(rec)))
         choices, completion = [], 0
         for i, g in enumerate(value):
@@ -914,7 +927,7 @@ class _Endpoints:
         cursors = [TokenCursor(state.engine.decode_text, job.top_logprobs) for _ in range(job.n)] \
             if job.logprobs and job.kind == "plain" else None
         # SPRINT mode: the completion as it is decoded, in the model's tag format
-        sprint_text = SprintText(state.engine.decode_text, getattr(job.config, "format", "sprint"))
+        sprint_text = SprintText(state.engine.decode_text, getattr(job.config, "format", "sprint"), job.stop)
         sprint_lp = _SprintStreamLogprobs(head.chat, job.top_logprobs, state.engine.decode_text) \
             if job.logprobs and job.kind == "sprint" else None
         try:
@@ -973,11 +986,12 @@ def _final_chunks(job: Job, head: _Head, value, texts: list, sprint_text: Sprint
     chunk, [DONE]."""
     if job.kind == "sprint":
         rec = value
+        text, finish = _sprint_reply(rec, job.stop)
         lp = None
         if sprint_lp is not None:
-            lp = sprint_lp.chunk(sprint_token_layout(job.layout, rec.text, decode, job.top_logprobs), len(rec.text))
-        yield _sse(head.body(choices=[_delta(head.chat, 0, sprint_text.rest(rec.text), _sprint_finish(rec),
-                                             logprobs=lp)], sprint=_sprint_json(rec)))
+            lp = sprint_lp.chunk(sprint_token_layout(job.layout, rec.text, decode, job.top_logprobs), len(text))
+        yield _sse(head.body(choices=[_delta(head.chat, 0, sprint_text.rest(text), finish, logprobs=lp)],
+                             sprint=_sprint_json(rec)))
         completion = rec.total_tokens
     else:
         completion = 0
@@ -1104,17 +1118,26 @@ def _authorized(scope, key: bytes) -> bool:
     return False
 
 
-def _sprint_finish(rec) -> str:
-    return "length" if rec.termination in ("token_budget", "planner_token_limit", "context_full") else "stop"
+# the terminations of a SPRINT run that ended on its own (its final answer, EOS) or at a stop
+# string of the request: finish_reason "stop"; every other one (a budget, the wall clock, the
+# context, max_stages, a malformed plan, an engine error) cut the run short: "length"
+SPRINT_STOPS = ("final_answer", "eos", STOP_TERMINATION)
 
 
-def _sprint_logprobs(job: Job, chat: bool, rec, decode) -> dict | None:
-    """A SPRINT reply's `logprobs` (None unless asked): `sprint_token_layout` of the run, with
-    text_offset in chat too."""
+def _sprint_reply(rec, stops: list[str]) -> tuple[str, str]:
+    """A SPRINT run's reply text and finish reason: its text cut at the first stop string of the
+    request (finish "stop"), else the whole text with the finish its termination implies."""
+    text, hit = _cut(rec.text, stops)
+    return text, "stop" if hit or rec.termination in SPRINT_STOPS else "length"
+
+
+def _sprint_logprobs(job: Job, chat: bool, rec, text: str, decode) -> dict | None:
+    """A SPRINT reply's `logprobs` (None unless asked): `sprint_token_layout` of the run, the
+    entries of the returned `text` only, with text_offset in chat too."""
     if not job.logprobs:
         return None
-    return _logprobs_json(chat, sprint_token_layout(job.layout, rec.text, decode, job.top_logprobs),
-                          job.top_logprobs, offsets=True)
+    entries = [e for e in sprint_token_layout(job.layout, rec.text, decode, job.top_logprobs) if e.offset < len(text)]
+    return _logprobs_json(chat, entries, job.top_logprobs, offsets=True)
 
 
 def _sprint_json(rec) -> dict:

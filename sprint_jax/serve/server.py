@@ -12,6 +12,7 @@ import time
 HEADER_TIMEOUT_S = 10.0     # a request's head (request line + headers) must arrive within this
 MAX_HEAD_BYTES = 64 * 1024  # and be at most this long (httptools sets no limit of its own)
 KEEP_ALIVE_S = 5            # an idle keep-alive connection is closed after this
+PROBE_S = 0.5               # after a client's EOF, how often a request not yet answered checks it still reads
 ENGINE_ON = {"auto": None, "loop": True, "thread": False}      # --engine-on -> Server(engine_on_loop=...)
 
 
@@ -29,7 +30,10 @@ def uvicorn_server(app, host: str, port: int, log_level: str = "warning", header
     `header_timeout_s` (or longer than MAX_HEAD_BYTES) gets 408 (431) and the connection closes (a
     connection that sent nothing in that time is closed, as an idle keep-alive one is);
     beyond `max_connections` open connections a new one gets 503 and closes. `on_shutdown()`, when
-    given, runs on the loop as the server begins to shut down (it stops listening right after)."""
+    given, runs on the loop as the server begins to shut down (it stops listening right after).
+
+    A client that sends EOF after a whole request (a half-close, `shutdown(SHUT_WR)`) is answered;
+    see `guarded_protocol`."""
     import uvicorn
 
     try:
@@ -69,7 +73,17 @@ def _server_class():
 
 def guarded_protocol(protocol, header_timeout_s: float, max_connections: int | None):
     """A subclass of uvicorn's HTTP protocol class (or its import string) with a deadline for each
-    request's head, a bound on its size, and a bound on open connections (see `uvicorn_server`)."""
+    request's head, a bound on its size, and a bound on open connections (see `uvicorn_server`).
+
+    EOF from the client: uvicorn takes it for a disconnect (the request in flight is dropped). At
+    the TCP level a client that half-closed (`shutdown(SHUT_WR)`, done reading nothing yet) and one
+    that left both send EOF; only a write tells them apart (the gone one's host answers it with a
+    reset, and the next write fails). So with a whole request in flight the connection stays open,
+    the request is answered and the connection closes after it; until the reply begins, an HTTP/1.1
+    connection gets a `100 Continue` interim response (which HTTP/1.1 clients read past) at once
+    and every PROBE_S, so a client that is gone is found (its request then sees a disconnect, as
+    before); a streamed reply's keep-alive comments do the same. Any other EOF closes, as uvicorn
+    does."""
     import asyncio
 
     from uvicorn.importer import import_from_string
@@ -95,7 +109,32 @@ def guarded_protocol(protocol, header_timeout_s: float, max_connections: int | N
 
         def connection_lost(self, exc) -> None:
             self._stop_head_timer()
+            self._stop_probe()
             super().connection_lost(exc)
+
+        _probe_timer: asyncio.TimerHandle | None = None
+
+        def eof_received(self):
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete or cycle.more_body or cycle.disconnected:
+                return super().eof_received()          # falsy: the transport closes
+            cycle.keep_alive = False                   # answer, then close
+            if getattr(self, "scope", {}).get("http_version") == "1.1":
+                self._probe()
+            return True                                # keep the write side open
+
+        def _probe(self) -> None:
+            self._probe_timer = None
+            cycle = self.cycle
+            if cycle is None or cycle.response_started or cycle.response_complete or self.transport.is_closing():
+                return
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self._probe_timer = asyncio.get_running_loop().call_later(PROBE_S, self._probe)
+
+        def _stop_probe(self) -> None:
+            if self._probe_timer is not None:
+                self._probe_timer.cancel()
+                self._probe_timer = None
 
         def _in_head(self) -> bool:
             """Waiting for a request's head: no request open, not idle between requests (the
@@ -214,12 +253,11 @@ class Server:
         self.http_impl, self.loop_impl = self._uv.http_impl, self._uv.loop_impl
         self._thread: threading.Thread | None = None
         self.port = port
-        # With the engine on a thread of its own, it and the HTTP thread hand work to each other
-        # many times per request; Python's default GIL switch interval (5 ms) would add up to that
-        # per hand-off. Set for the process while the server runs (restored by stop()); None leaves
-        # it alone, and so does an engine on the loop (one thread: no hand-off to speed up, and a
-        # short interval would only make any other thread of the process preempt it more often).
-        self._switch = None if engine_on_loop else switch_interval_s
+        # The engine's thread and the HTTP thread hand work to each other (every item with the
+        # engine on a thread of its own, every turn with it paced by the loop); Python's default GIL
+        # switch interval (5 ms) would add up to that per hand-off. Set for the process while the
+        # server runs (restored by stop()); None leaves it alone.
+        self._switch = switch_interval_s
         self._old_switch = sys.getswitchinterval()
 
     def _set_switch(self) -> None:

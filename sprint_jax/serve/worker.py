@@ -5,13 +5,13 @@ Where the engine runs (`on_loop`):
   thread  an engine thread of its own (default on accelerators): the HTTP side's event loop stays
           responsive while a step runs; items reach the loop by `loop.call_soon_threadsafe`, so a
           request crosses threads twice (loop -> engine thread -> loop).
-  loop    a task on the HTTP side's event loop (default on CPU): it runs one engine step, then
-          yields so the loop reads the sockets and runs the handlers of requests that arrived
-          meanwhile (they join the next step), and so on. No thread hand-off and no GIL contention
-          between two threads; the price: the loop does nothing else while a step runs (a request,
-          /health or /metrics waits for the step to end). On CPU the host is the device, so a
-          thread of its own buys no overlap; on an accelerator a step's device time is time the
-          loop could use, so there the thread is the default.
+  loop    a task on the HTTP side's event loop (default on CPU) paces the engine: one turn (take
+          what arrived, one engine step, hand out what it produced) at a time, each run on a
+          thread of its own while the task awaits it, then the requests whose handlers ran
+          meanwhile join the next turn. The turn is off the loop because a step can take any
+          time: XLA compiles a program the first time it meets a shape (seconds to minutes),
+          and the loop must keep answering (/health, new requests, a shutdown's grace) meanwhile.
+          One hand-off per turn; the engine thread runs only while the task waits for it.
 
 A job is one request:
   plain   open(prompt) -> generate (n = 1) or fork of n empty prefixes (n > 1: the n children
@@ -44,6 +44,13 @@ from sprint_jax.infer.sampling import Sampling
 log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+STOP_TERMINATION = "stop_string"     # a SPRINT run ended at a stop string of its request
+
+
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """Text up to the first stop string (excluded, as OpenAI does), and whether one was found."""
+    at = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    return (text[:at], True) if at >= 0 else (text, False)
 
 
 def _running_on(loop) -> bool:
@@ -52,6 +59,11 @@ def _running_on(loop) -> bool:
         return asyncio.get_running_loop() is loop
     except RuntimeError:
         return False
+
+
+def _settle(fut: asyncio.Future, out, exc) -> None:
+    if not fut.done():
+        fut.set_exception(exc) if exc is not None else fut.set_result(out)
 
 
 class Failure(str):
@@ -106,16 +118,26 @@ class SprintText:
     pieces (`text` events) and, ahead of them, what the planner call or executor 1 has decoded so
     far (`Progress`), each sent only as far as it cannot change. `event` / `progress` return the
     new deltas as (text, stage index or None, executor index or None); `rest(final_text)` is what
-    the final text adds to everything sent."""
+    the final text adds to everything sent. With the request's `stops`, nothing from the first
+    stop string on is sent, nor the characters that could still begin one."""
 
-    def __init__(self, decode, format_name: str = "sprint"):
+    def __init__(self, decode, format_name: str = "sprint", stops: list[str] | None = None):
         self.decode = decode
         self.format_name = format_name   # the model's tag format: where executor 1's forced opening is
+        self.stops = list(stops or [])
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.stopped = False             # a stop string was sent up to: nothing more goes out
         self.committed = ""              # the run's committed pieces so far
         self.sent = ""                   # everything returned so far (committed + a preview)
         self.stage: int | None = None    # the stage whose executors decode now
 
     def _to(self, target: str, stage: int | None, executor: int | None) -> list[tuple[str, int | None, int | None]]:
+        if self.stopped:
+            return []
+        if self.stops:
+            target, self.stopped = cut_at_stop(target, self.stops)
+            if not self.stopped:
+                target = target[:len(target) - self.hold]
         if len(target) <= len(self.sent) or not target.startswith(self.sent):
             return []
         delta, self.sent = target[len(self.sent):], target
@@ -303,6 +325,8 @@ class Job:
     # branches result, ("text", piece, executor, opening chars, kept chars) for each `text` event
     layout: list = dataclasses.field(default_factory=list)
     awaiting: str | None = None             # sprint: the kind of the engine call in flight
+    committed: str = ""                     # sprint with stop strings: the run's committed text so far
+    stop_hit: bool = False                  # ... holds one of them: the run ends at its next call
     cancelled: bool = False
     finished: bool = False
 
@@ -327,6 +351,8 @@ class EngineWorker:
         self._arrivals: list[Job] = []       # submitted on the event loop, not yet handed over
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="sprint-jax-engine", daemon=True)
+        self._turns: queue.SimpleQueue = queue.SimpleQueue()    # on_loop: turns for the engine thread
+        self.busy = False                    # the engine is inside a turn (a step, maybe a compile)
         self.error: str | None = None        # set if the engine thread / task died
         self._tok_window: deque[tuple[float, int]] = deque()
         self.metrics = dict(queue_depth=0, active_rows=0, slots_used=0, slots_total=engine.max_seqs,
@@ -342,11 +368,22 @@ class EngineWorker:
         return self
 
     def start_on_loop(self) -> None:
-        """on_loop: start the engine task on the running loop (the server's startup does)."""
+        """on_loop: start the engine task on the running loop (the server's startup does), and the
+        thread its turns run on."""
         if self.on_loop and self._task is None:
             self._event_loop = asyncio.get_running_loop()
             self._wake = asyncio.Event()
+            self._thread = threading.Thread(target=self._run_turns, name="sprint-jax-engine", daemon=True)
+            self._thread.start()
             self._task = self._event_loop.create_task(self._run_on_loop())
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the engine to leave the turn it is in (a step or a compile
+        does not stop halfway); whether it is out."""
+        t_end = time.monotonic() + timeout
+        while self.busy and time.monotonic() < t_end:
+            time.sleep(0.01)
+        return not self.busy
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -356,6 +393,7 @@ class EngineWorker:
             return
         if self._task is None:
             return
+        self._turns.put(None)         # the turn thread ends after the turn it is in
         self._notify()
         if not _running_on(self._event_loop) and self._event_loop.is_running():
             self._ended.wait(timeout)
@@ -446,10 +484,10 @@ class EngineWorker:
             raise
 
     async def _run_on_loop(self) -> None:
-        """The engine task (on_loop): one turn (take what arrived, one engine step), then yield
-        to the loop twice: the first lets it poll the sockets (the handlers of requests that
-        arrived during the step are scheduled after this task), the second lets those handlers
-        run, so their requests join the next step instead of waiting for it."""
+        """The engine task (on_loop): one turn (take what arrived, one engine step) on the turn
+        thread while the loop serves the sockets, then yield to the loop twice: the first lets it
+        poll the sockets, the second lets the handlers of requests that arrived run, so their
+        requests join the next step instead of waiting for it."""
         try:
             stalled = False
             while not self._stop.is_set():
@@ -461,18 +499,51 @@ class EngineWorker:
                         pass
                     if not self._jobs and self._inbox.empty():
                         continue
-                stalled = self._turn()
+                stalled = await self._off_loop(self._turn)
                 await asyncio.sleep(0)
                 await asyncio.sleep(0)
+        except asyncio.CancelledError:   # the loop ends (the server has shut down) while a turn runs
+            pass
         except Exception as e:
             self._failed(e)
             traceback.print_exc()
         finally:
             self._ended.set()
 
+    def _off_loop(self, fn) -> asyncio.Future:
+        """fn() on the turn thread; a future of its result, on this loop."""
+        fut = self._event_loop.create_future()
+        self._turns.put((fn, fut))
+        return fut
+
+    def _run_turns(self) -> None:
+        """The turn thread (on_loop): runs each turn the engine task hands it, and passes back
+        its result (or exception) to the loop; ends at stop()."""
+        loop = self._event_loop
+        while True:
+            item = self._turns.get()
+            if item is None:
+                return
+            fn, fut = item
+            try:
+                out, exc = fn(), None
+            except Exception as e:        # noqa: BLE001  (raised on the loop, in the engine task)
+                out, exc = None, e
+            try:
+                loop.call_soon_threadsafe(_settle, fut, out, exc)
+            except RuntimeError:          # the loop has closed: nobody waits for this turn
+                return
+
     def _turn(self) -> bool:
         """Take every queued submission / cancel, step the engine once, hand out what finished.
         Returns whether the step was stalled (nothing could move)."""
+        self.busy = True
+        try:
+            return self._turn_once()
+        finally:
+            self.busy = False
+
+    def _turn_once(self) -> bool:
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -529,9 +600,10 @@ class EngineWorker:
                     self._poll(job)
                 else:
                     from sprint_jax.infer.orchestrator import Orchestrator
-                    # events only for a streaming client or a log-prob layout (a run emits them
-                    # at every stage)
-                    on_event = (lambda ev, job=job: self._event(job, ev)) if job.stream or job.logprobs else None
+                    # events only for a streaming client, a log-prob layout or stop strings (a run
+                    # emits them at every stage)
+                    on_event = (lambda ev, job=job: self._event(job, ev)) \
+                        if job.stream or job.logprobs or job.stop else None
                     job.steps = Orchestrator(self.engine, job.config, on_event=on_event).steps(job.query, job.mode)
                     self._advance(job)
             except Exception as e:            # noqa: BLE001  (this job ends; the engine serves on)
@@ -572,6 +644,10 @@ class EngineWorker:
     def _event(self, job: Job, ev) -> None:
         if job.logprobs and ev.kind == "text":
             job.layout.append(_text_piece(job, ev))
+        if job.stop and ev.kind == "text" and not job.stop_hit:
+            # the committed text is the reply's beginning: a stop string in it is where the reply ends
+            job.committed += ev.text
+            job.stop_hit = cut_at_stop(job.committed, job.stop)[1]
         if job.stream:      # with log-probs, the layout so far: where the tokens of its text lie
             job.channel.put(("event", ev, list(job.layout) if job.logprobs else None))
 
@@ -632,8 +708,10 @@ class EngineWorker:
     def _advance(self, job: Job, value=None, error=None) -> None:
         """`orchestrator.run_many`'s advance for one run: answer calls until one has to wait. With
         log-probs, each generate / branches result is logged in `job.layout` before the run sees
-        it, and those calls ask the engine for the job's alternatives per token."""
-        from sprint_jax.infer.orchestrator import submit_call
+        it, and those calls ask the engine for the job's alternatives per token. Once the run's
+        committed text holds a stop string of the request, the run ends at the call it asks for
+        next (`RunEnded`: its record as a budget ends it, termination STOP_TERMINATION)."""
+        from sprint_jax.infer.orchestrator import RunEnded, submit_call
 
         top = job.top_logprobs if job.logprobs else 0
         while True:
@@ -642,6 +720,8 @@ class EngineWorker:
             job.awaiting = None
             try:
                 call = job.steps.throw(error) if error is not None else job.steps.send(value)
+                if job.stop_hit:
+                    call = job.steps.throw(RunEnded(STOP_TERMINATION, "the reply reached a stop string of the request"))
             except StopIteration as done:
                 self._end(job, ("done", done.value))
                 return
