@@ -3,7 +3,9 @@
 Each subcommand lives in its own module, which provides `add_arguments(parser)` and
 `run(args) -> int`; modules are imported only when their subcommand runs, so `--help` is fast.
 User mistakes (bad config, missing file) end with one clear line and exit code 2, never a traceback;
-so does a write that finds the disk full (nothing else to do but free space and rerun).
+so does a write that finds the disk full or the directory not writable (nothing else to do but free
+space or fix the permissions, and rerun). Ctrl-C at any moment ends with one line ("interrupted",
+and what a rerun will do where the command knows) and exit code 130.
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run `sprint-jax ARGV` (sys.argv when None, i.e. as the program); returns the exit code."""
+    argv_given = argv
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="sprint-jax",
@@ -52,12 +56,41 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     name = argv[0]
+    program = argv_given is None       # the process itself, not a caller in Python (tests, scripts)
+    if program:
+        from sprint_jax import interrupt
+        interrupt.install()
+    try:
+        return _run_command(name, argv[1:])
+    except KeyboardInterrupt as e:     # any moment: while importing, compiling, training, saving
+        note = str(e)
+        print(f"sprint-jax {name}: interrupted" + (f"; {note}" if note else ""), file=sys.stderr, flush=True)
+        if program:
+            _exit_now(130)
+        return 130
+
+
+def _exit_now(code: int) -> None:
+    """End the process at once, after flushing what it printed. Python's normal exit finalises
+    the interpreter while XLA's threads may still be compiling, which crashed it (segmentation
+    fault) after a Ctrl-C during the first step's compile; every file the commands write is
+    closed by then (they are written under `with`, sqlite commits, the lock is the OS's)."""
+    import os
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _run_command(name: str, argv: list[str]) -> int:
     module_name, help_text = COMMANDS[name]
     module = importlib.import_module(module_name)
     cmd_parser = argparse.ArgumentParser(prog=f"sprint-jax {name}", description=getattr(
         module, "DESCRIPTION", help_text), formatter_class=argparse.RawDescriptionHelpFormatter)
     module.add_arguments(cmd_parser)
-    args = cmd_parser.parse_args(argv[1:])
+    args = cmd_parser.parse_args(argv)
     from sprint_jax.config import ConfigError
     try:
         return int(module.run(args) or 0)
@@ -68,16 +101,18 @@ def main(argv: list[str] | None = None) -> int:
         import os
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except KeyboardInterrupt:
-        print(f"sprint-jax {name}: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # noqa: BLE001 -- only a full disk is turned into a line; the rest re-raises
+    except Exception as e:  # noqa: BLE001 -- a full disk or a denied write is turned into a line; the rest re-raises
         why = _out_of_space(e)
-        if why is None:
-            raise
-        print(f"sprint-jax {name}: error: {why}; free some space and rerun the same command (train, "
-              f"curate and eval resume where they stopped)", file=sys.stderr)
-        return 2
+        if why is not None:
+            print(f"sprint-jax {name}: error: {why}; free some space and rerun the same command (train, "
+                  f"curate and eval resume where they stopped)", file=sys.stderr)
+            return 2
+        why = _not_writable(e)
+        if why is not None:
+            print(f"sprint-jax {name}: error: {why}; what was written so far is kept: make the directory "
+                  f"writable and rerun the same command, or choose another output directory", file=sys.stderr)
+            return 2
+        raise
 
 
 _SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
@@ -101,6 +136,29 @@ def _out_of_space(e: BaseException) -> str | None:
         e = e.__cause__ or e.__context__
     return None
 
+
+
+_ACCESS_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
+_ACCESS_TEXTS = ("Permission denied", "Read-only file system", "Operation not permitted")
+
+
+def _not_writable(e: BaseException) -> str | None:
+    """A one-line description when `e`, or anything in its cause/context chain, is a file
+    operation the file system refused (no permission, a read-only file system), e.g. an --out the
+    user cannot write, or one made read-only mid-run; orbax and tensorstore wrap the OSError, so
+    their messages are read too. None for every other error."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _ACCESS_ERRNOS:
+            where = f" on {e.filename}" if e.filename else ""
+            return f"permission denied{where} ({e.strerror})"
+        text = str(e)
+        for t in _ACCESS_TEXTS:
+            if t in text:
+                return f"permission denied ({t})"
+        e = e.__cause__ or e.__context__
+    return None
 
 if __name__ == "__main__":
     sys.exit(main())

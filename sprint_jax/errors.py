@@ -8,3 +8,8 @@ from __future__ import annotations
 
 class UserError(Exception):
     """A mistake in the user's input: printed as one line, exit code 2."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A Ctrl-C, with what a rerun of the same command will do (its message), e.g. which
+    checkpoint training resumes from: printed after "interrupted", exit code 130."""

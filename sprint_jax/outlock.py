@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import json
 import os
 import socket
@@ -52,9 +53,15 @@ def acquire(directory: str | Path, what: str, process_index: int = 0):
     d = Path(directory)
     if d.exists() and not d.is_dir():
         raise UserError(f"{what} {d} exists and is not a directory")
-    d.mkdir(parents=True, exist_ok=True)
     path = d / (LOCK_FILE if process_index == 0 else f"{LOCK_FILE}.{process_index}")
-    f = open(path, "a+", encoding="utf-8")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+", encoding="utf-8")
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise UserError(f"{what} {d} is not writable ({e.strerror}: {e.filename}); choose a directory you can "
+                        f"write, or fix its permissions") from None
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -80,6 +80,9 @@ class TasksConfig:
     def __post_init__(self) -> None:
         if self.source in ("file", "hf_dataset") and not self.path:
             raise ValueError(f"path is required when source is {self.source}")
+        if self.source in ("countdown", "chains") and self.path:
+            raise ValueError(f"path {self.path!r} is set but source is {self.source}, which generates its problems "
+                             f"and reads no file: set source: file (or hf_dataset) to read it, or drop path")
         if self.n < 1:
             raise ValueError("n must be >= 1")
         if self.limit is not None and self.limit < 1:

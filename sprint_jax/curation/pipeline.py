@@ -478,16 +478,56 @@ def run_pipeline(config: CurateConfig, out_dir: str | Path | None = None, stages
                  progress: bool = True) -> dict:
     """Run (or resume) curation into `out_dir` (default config.out); returns the report dict.
 
-    The directory is locked for the run (`sprint_jax.outlock`): a second run into it stops at once."""
+    The directory is locked for the run (`sprint_jax.outlock`): a second run into it stops at once.
+    A run that fails before any task was stored leaves nothing it created (`_discard_unused`): a
+    store left behind would refuse the corrected rerun as "a different config"."""
     from sprint_jax import outlock
 
-    out = out_dir if out_dir is not None else config.out
-    with outlock.locked(out, "curation output directory"):
-        cur = Curation(config, out, progress=progress)
+    out = Path(out_dir if out_dir is not None else config.out)
+    from sprint_jax.outlock import LOCK_FILE
+    fresh_dir, fresh_db, fresh_lock = not out.exists(), not (out / DB_NAME).exists(), not (out / LOCK_FILE).exists()
+    discarded = False
+    try:
+        with outlock.locked(out, "curation output directory"):
+            try:
+                cur = Curation(config, out, progress=progress)
+                try:
+                    return cur.run(stages)
+                finally:
+                    cur.close()
+            except BaseException:
+                discarded = fresh_db and _discard_unused(out, fresh_lock)
+                raise
+    finally:
+        if discarded and fresh_dir:
+            try:
+                out.rmdir()           # only when empty
+            except OSError:
+                pass
+
+
+def _discard_unused(out: Path, lock_too: bool) -> bool:
+    """Delete OUT's store when it holds no task and no LLM call (and, with `lock_too`, the lock
+    file, still held: a run starting now creates its own); True when deleted."""
+    import sqlite3
+
+    db = out / DB_NAME
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
         try:
-            return cur.run(stages)
+            used = sum(con.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ("tasks", "llm_calls"))
         finally:
-            cur.close()
+            con.close()
+    except sqlite3.Error:
+        return False
+    if used:
+        return False
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        Path(f"{db}{suffix}").unlink(missing_ok=True)
+    if lock_too:
+        from sprint_jax.outlock import LOCK_FILE
+        (out / LOCK_FILE).unlink(missing_ok=True)
+    return True
 
 
 def status(out_dir: str | Path) -> dict:

@@ -173,14 +173,14 @@ def load_model_arg(model: str | None, dtype: str | None, mesh=None):
     (activations, KV cache) in `dtype` (float32 when None); on `mesh`, each parameter is loaded
     straight into its sharding (a 7B checkpoint never sits whole on one device)."""
     from sprint_jax.errors import UserError
-    from sprint_jax.model.convert import load_model
+    from sprint_jax.model.convert import load_model, model_dir_error
     from sprint_jax.model.hf import CheckpointError
 
     if not model:
         raise UserError("--model DIR is required")
     model_dir = Path(model)
     if not model_dir.is_dir():
-        raise UserError(f"model directory not found: {model_dir}")
+        raise UserError(f"--model: {model_dir_error(model_dir)}")
     shardings_fn = None
     if mesh is not None:
         from sprint_jax.infer.sharding import param_shardings

@@ -136,7 +136,9 @@ class Qwen2Config:
             if p.is_dir():
                 p = p / "config.json"
             if not p.is_file():
-                raise ConfigError(f"no config.json at {p}" if not p.exists() else f"{p} is not a file")
+                run_export = p.parent / "hf" / "config.json"     # a training run's directory: its model is RUN/hf
+                hint = f" (a training run's directory? its model is {run_export.parent})" if run_export.is_file() else ""
+                raise ConfigError(f"no config.json at {p}{hint}" if not p.exists() else f"{p} is not a file")
             try:
                 d = json.loads(p.read_text(encoding="utf-8"))
             except UnicodeDecodeError as e:

@@ -103,15 +103,39 @@ def load_orbax(path: str | Path, param_dtype=None, shardings=None) -> tuple[Qwen
     return config, params
 
 
+def model_dir_error(path: str | Path) -> str | None:
+    """Why `path` is not a model directory (HF or orbax: a directory holding config.json), in one
+    line, or None when it is one. A training run's directory points at its export, RUN/hf."""
+    path = Path(path)
+    if not path.exists():
+        return f"model directory not found: {path}"
+    if not path.is_dir():
+        return f"{path} is a file, not a model directory (an HF or orbax model directory holding config.json)"
+    if not (path / "config.json").exists():
+        if (path / "hf" / "config.json").is_file():
+            return f"no config.json at {path / 'config.json'} (a training run's directory? its model is {path / 'hf'})"
+        return f"no config.json at {path / 'config.json'}: not an HF or orbax model directory"
+    return None
+
+
+def check_model_dir(path: str | Path, flag: str = "") -> Path:
+    """`path` as a Path when it is a model directory, else a UserError (`model_dir_error`),
+    prefixed with the flag that named it."""
+    from sprint_jax.errors import UserError
+
+    why = model_dir_error(path)
+    if why is not None:
+        raise UserError(f"{flag}: {why}" if flag else why)
+    return Path(path)
+
+
 def load_model(path: str | Path, param_dtype=None, compute_dtype=None, shardings_fn=None) -> Qwen2:
     """A Qwen2 / Qwen3 model from either an HF directory or an orbax model directory (dtypes as in
     `from_pretrained`: float32 unless given). shardings_fn(config) -> a tree of shardings: each
     tensor goes straight to its devices, read shard by shard (HF: each safetensors tensor is put
     on its sharding as it is read; orbax: restored with the shardings as the target, so every
     device reads only its own slice), so a 7B checkpoint never sits whole on one device."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"model directory not found: {path}")
+    path = check_model_dir(path)
     if is_orbax_dir(path):
         config = Qwen2Config.from_hf_config(path / "config.json")
         shardings = shardings_fn(config) if shardings_fn is not None else None
@@ -139,12 +163,31 @@ def add_arguments(p) -> None:
     p.add_argument("--max-shard-size", default="5GB", help="HF output: shard files past this size")
 
 
+def _check_destination(src: Path, dst: Path) -> None:
+    """The output must be a new or empty directory, other than the source: never a file, never
+    the source itself, never a directory that already holds something (another model's weights,
+    a previous conversion): nothing is overwritten or mixed in."""
+    from sprint_jax.errors import UserError
+
+    if dst.exists() or dst.is_symlink():
+        if dst.exists() and src.exists() and dst.resolve() == src.resolve():
+            raise UserError(f"the output {dst} is the source directory: convert writes a new directory")
+        if not dst.is_dir():
+            raise UserError(f"the output {dst} exists and is not a directory: give a new directory")
+        if any(dst.iterdir()):
+            held = "a model" if (dst / "config.json").exists() or (dst / "params").exists() else "files"
+            raise UserError(f"the output {dst} already holds {held}: convert writes only into a new or empty "
+                            "directory (remove it or choose another)")
+    elif dst.resolve().is_relative_to(src.resolve()):
+        raise UserError(f"the output {dst} is inside the source directory {src}: give a directory outside it")
+
+
 def run(args) -> int:
     from sprint_jax.errors import UserError
 
     src, dst = Path(args.src), Path(args.dst)
-    if not src.exists():
-        raise UserError(f"source directory not found: {src}")
+    check_model_dir(src, "source")
+    _check_destination(src, dst)
     dtype = args.dtype
     try:
         if args.to == "orbax":

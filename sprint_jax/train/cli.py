@@ -10,7 +10,11 @@ model.name is a preset (configs/model_*.json: tiny, tiny-qwen3, r1-distill-qwen-
 qwen3-8b, qwen3-0.6b) or an HF checkpoint directory / config.json; its model_type (qwen2 | qwen3)
 picks the family.
 
-Resumes automatically from DIR/checkpoints. Multi-host: pass --coordinator HOST:PORT
+Resumes automatically from DIR/checkpoints, with the config the run was started with (DIR/config.yaml):
+a rerun that changes another field than checkpoint.every / keep / async_save, export.*, mesh.*,
+distributed.*, log_every, tensorboard or plot is refused, naming the fields (steps and epochs too:
+they set the learning-rate schedule, so a longer run is not the shorter one continued); --new-run
+starts over instead. Ctrl-C ends with the step a rerun resumes from. Multi-host: pass --coordinator HOST:PORT
 --num-processes N --process-id I on every host (or run under SLURM / on a TPU pod, detected
 from the environment).
 
@@ -29,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-processes", type=int, help="number of processes (multi-host)")
     p.add_argument("--process-id", type=int, help="this process's id (multi-host)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or status lines")
+    p.add_argument("--new-run", action="store_true",
+                   help="start a new run from step 0 even if --out holds one: DELETES its checkpoints, metrics, "
+                        "tb/, hf/ export and summary first (without it a rerun resumes, and only with the same config)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         if value is not None:
             overrides.append(f"distributed.{key}={value}")
     cfg = load_train_config(args.config, overrides)
-    summary = train(cfg, args.out, progress=not args.no_progress)
+    summary = train(cfg, args.out, progress=not args.no_progress, new_run=args.new_run)
     import jax
     if jax.process_index() == 0:
         print(json.dumps({k: summary[k] for k in ("final_loss", "steps", "tokens", "tokens_per_s", "wall_s",

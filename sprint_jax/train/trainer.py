@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from sprint_jax.config import ConfigError
-from sprint_jax.errors import UserError
+from sprint_jax import interrupt
+from sprint_jax.errors import Interrupted, UserError
 from sprint_jax.train import distributed
 from sprint_jax.train.config import TrainConfig
 
@@ -195,12 +196,15 @@ def export_hf(config, params, tokenizer, path: Path, dtype: str, meta: dict | No
 
 
 def train(config: TrainConfig, out_dir: str | Path, tokenizer=None, progress: bool = True,
-          callbacks: Sequence[Callable[[StepEvent], None]] = ()) -> dict:
+          callbacks: Sequence[Callable[[StepEvent], None]] = (), new_run: bool = False) -> dict:
     """Run SFT as configured; returns the summary (also written to OUT/summary.json).
 
     `tokenizer`: any object with the HF call convention (`tok(text, add_special_tokens=False,
     return_offsets_mapping=True)`, `eos_token_id`, `len()`); default from `data.tokenizer`.
     OUT is locked for the whole run (`sprint_jax.outlock`): a second run into it stops at once.
+    A run resumes OUT's checkpoints only with the config they were trained with (`check_resume`);
+    `new_run` instead deletes what a previous run left in OUT (RUN_OUTPUTS) and starts at step 0.
+    A KeyboardInterrupt leaves as `Interrupted`, saying what a rerun does.
     """
     distributed.initialize(config.distributed)         # before any other JAX call
     import jax
@@ -209,9 +213,103 @@ def train(config: TrainConfig, out_dir: str | Path, tokenizer=None, progress: bo
 
     lock = outlock.acquire(out_dir, "--out", jax.process_index())
     try:
-        return _train(config, out_dir, tokenizer, progress, callbacks)
+        return _train(config, out_dir, tokenizer, progress, callbacks, new_run)
+    except KeyboardInterrupt as e:
+        if isinstance(e, Interrupted):
+            raise
+        raise Interrupted(rerun_note(Path(out_dir))) from None
     finally:
         outlock.release(lock)
+
+
+def saved_steps(out: Path) -> list[int]:
+    """The steps of the finished checkpoints under OUT/checkpoints, ascending (orbax writes a
+    temporary directory and renames it to the step's number when the save is complete)."""
+    d = out / "checkpoints"
+    try:
+        return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and p.is_dir())
+    except OSError:
+        return []
+
+
+def rerun_note(out: Path) -> str:
+    """What rerunning the same command into `out` does, for the line an interrupted run ends with."""
+    steps = saved_steps(out)
+    if steps:
+        return f"rerun the same command to resume from step {steps[-1]} (checkpoint {out / 'checkpoints' / str(steps[-1])})"
+    return "no checkpoint was written yet: rerunning the same command starts from step 0"
+
+
+# What a run writes into OUT: `new_run` deletes these (and only these) before starting over.
+RUN_OUTPUTS = ("checkpoints", "checkpoints_quarantine", "tb", "hf", "metrics.jsonl", "summary.json", "loss.png",
+               "data_stats.json", "config.yaml")
+
+# Config fields a resumed run may change: how it is saved, logged, exported and spread over
+# devices, nothing that decides which weights it computes. Every other field (the model, the data
+# and its layout, the optimizer, the seeds, `steps` and `epochs`, which set the learning-rate
+# schedule: a longer run is not the short one continued) must be what the checkpoints were trained with.
+RESUME_MAY_CHANGE = ("checkpoint.every", "checkpoint.keep", "checkpoint.async_save", "export.", "distributed.",
+                     "mesh.", "log_every", "tensorboard", "plot")
+
+
+def _flat(d, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix[:-1]: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+    return out
+
+
+def check_resume(cfg: TrainConfig, out: Path) -> None:
+    """Refuse (ConfigError naming the fields) to resume OUT's checkpoints with a config that
+    differs from OUT/config.yaml, the one they were trained with, in a field outside
+    RESUME_MAY_CHANGE. Nothing to check without checkpoints or without OUT/config.yaml."""
+    import yaml
+
+    from sprint_jax.config import to_dict
+
+    steps = saved_steps(out)
+    saved_path = out / "config.yaml"
+    if not steps or not saved_path.is_file():
+        return
+    try:
+        saved = yaml.safe_load(saved_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise ConfigError(f"{saved_path}: cannot read the config of the run whose checkpoints are in {out} "
+                          f"({e}); pass --new-run to start a new run there, or choose another --out") from None
+    old = _flat(saved if isinstance(saved, dict) else {})
+    new = _flat(yaml.safe_load(yaml.safe_dump(to_dict(cfg), sort_keys=False)))
+    if cfg.epochs is not None:
+        old.pop("steps", None)      # derived from epochs and the data, both compared
+        new.pop("steps", None)
+    missing = object()
+    diffs = [f"{k} {old[k] if k in old else '(unset)'} -> {new[k] if k in new else '(unset)'}"
+             for k in sorted(set(old) | set(new))
+             if old.get(k, missing) != new.get(k, missing)
+             and not any(k == a or (a.endswith(".") and k.startswith(a)) for a in RESUME_MAY_CHANGE)]
+    if diffs:
+        raise ConfigError(
+            f"--out {out} holds a run with checkpoints up to step {steps[-1]} trained with another config "
+            f"({'; '.join(diffs)}); to resume it, rerun with its config ({saved_path}); to start a new run "
+            f"there instead, pass --new-run (deletes its checkpoints); or choose another --out")
+
+
+def _clear_run(out: Path) -> None:
+    """Delete what a previous run left in OUT (RUN_OUTPUTS), so a new one starts at step 0."""
+    import shutil
+
+    if _is_main():
+        for name in RUN_OUTPUTS:
+            p = out / name
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            elif p.exists() or p.is_symlink():
+                p.unlink()
+    import jax
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("sprint_jax_new_run")
 
 
 @dataclasses.dataclass
@@ -246,7 +344,7 @@ class _Steps:
 
 
 def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
-           callbacks: Sequence[Callable[[StepEvent], None]]) -> dict:
+           callbacks: Sequence[Callable[[StepEvent], None]], new_run: bool = False) -> dict:
     """`train` inside the output lock: set up, run the steps, write the outputs."""
     distributed.initialize(config.distributed)
     import jax
@@ -260,6 +358,10 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     main = _is_main()
+    if new_run:
+        _clear_run(out)
+    else:
+        check_resume(cfg, out)
     if main:
         import yaml
         from sprint_jax.config import to_dict
@@ -284,6 +386,7 @@ def _train(config: TrainConfig, out_dir: str | Path, tokenizer, progress: bool,
     state, start, resumed = _restore_or_init(cfg, ckpt, setup, model_cfg, data, out, progress and main, say)
     done = _run_steps(cfg, setup, ckpt, data, state, start, resumed, out, t_start, progress and main,
                       callbacks)
+    interrupt.check()
     t_end = time.time()
 
     if cfg.plot and main and done.records:
@@ -314,9 +417,11 @@ def _model_and_tokenizer(cfg: TrainConfig, tokenizer):
     from sprint_jax.model.tokenizer import check_tokenizer_fits
     from sprint_jax.train import data as data_lib
 
-    if cfg.model.init == "pretrained" and not (Path(cfg.model.name) / "config.json").exists():
-        raise ConfigError(f"model.name: init is pretrained but {cfg.model.name!r} is not an HF checkpoint "
-                          "directory (no config.json)")
+    if cfg.model.init == "pretrained":
+        from sprint_jax.model.convert import model_dir_error
+        why = model_dir_error(cfg.model.name)
+        if why is not None:
+            raise ConfigError(f"model.name: init is pretrained, so it must be an HF checkpoint directory; {why}")
     model_cfg = _resolve_model(cfg)
     tokenizer_name = _tokenizer_name(cfg, tokenizer is not None, tokenizer)
     check_positions(model_cfg, cfg.data.seq_len, "data.seq_len")     # before any row is built
@@ -405,7 +510,7 @@ def _open_checkpoints(cfg: TrainConfig, out: Path):
     ckpt_dir = out / "checkpoints"
     if not cfg.checkpoint.resume and ckpt_dir.exists() and any(p.name.isdigit() for p in ckpt_dir.iterdir()):
         raise ConfigError(f"{ckpt_dir} already holds checkpoints and checkpoint.resume is false: "
-                          "use a new --out, or resume")
+                          "use a new --out, resume, or pass --new-run to delete them and start over")
     return ckpt_lib.Checkpointer(ckpt_dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
 
 
@@ -421,6 +526,10 @@ def _restore_or_init(cfg: TrainConfig, ckpt, setup, model_cfg, data: _Data, out:
     if restored is not None:
         state, meta = restored
         step = int(meta["step"])
+        if step > cfg.steps:
+            raise ConfigError(f"the latest checkpoint in {out / 'checkpoints'} is step {step}, past steps = "
+                              f"{cfg.steps}: it cannot be resumed to a shorter run; pass --new-run to start "
+                              f"over, or choose another --out")
         cursors = meta.get("bucket_rows")
         if cursors is None or len(cursors) != len(data.stream.buckets):
             # a checkpoint of the unbucketed stream (its cursor is `rows`), or of other buckets
@@ -508,6 +617,7 @@ def _run_steps(cfg: TrainConfig, setup, ckpt, data: _Data, state, start: _Positi
     pending = None                      # (step, metrics) still to be checked for NaN: one step late
     try:
         for step in range(start.step, cfg.steps):
+            interrupt.check()                   # a Ctrl-C whose KeyboardInterrupt Python dropped
             k, row_ids, after = stream.advance(pos.cursors)
             rows = stream.streams[k]            # the bucket's RowStream (one bucket: all items)
             width = rows.width(row_ids, data.trims[k])
