@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sprint_jax.infer.pages import (KVPages, PageAllocator, PageCopy, PoolExhausted, copy_args, copy_pages,
+from sprint_jax.infer.pages import (KVPages, PageAllocator, PageCopy, PoolExhausted, copy_args, copy_pages, copy_tokens,
                                     gather_pages, write_kv)
 from sprint_jax.infer.requests import EngineError
 from sprint_jax.model.config import Qwen2Config
@@ -136,3 +136,22 @@ def test_copy_pages_and_gather_pages_like_numpy():
     got = np.asarray(gather_pages(out.k, 1, jnp.asarray(table)))
     want = np.stack([np.concatenate([k[1, :, p] for p in row], axis=1) for row in table], axis=1)   # [Hkv, R, S, D]
     np.testing.assert_array_equal(got, want)
+
+
+def test_copy_tokens_places_tokens_through_page_tables_like_numpy():
+    """A merge join's copy: each child's tokens after the parent's prefix, by page tables."""
+    pool, k, v, _ = _pool()
+    src = np.array([[3, 5, 0], [6, 1, 2]], np.int32)        # two children's tables
+    dst = np.array([[4, 2, 0], [4, 2, 0]], np.int32)        # the parent's (both rows)
+    src_pos = np.array([[0, 1, 2, 3], [1, 2, 0, 0]], np.int32)
+    dst_pos = np.array([[3, 4, 5, 6], [7, 8, -1, -1]], np.int32)
+    out = copy_tokens(pool, jnp.asarray(src), jnp.asarray(src_pos), jnp.asarray(dst), jnp.asarray(dst_pos))
+    k0, v0 = k.copy(), v.copy()
+    for r in range(2):
+        for t in range(4):
+            if dst_pos[r, t] >= 0:
+                sp, ss = src[r, src_pos[r, t] // 3], src_pos[r, t] % 3
+                dp, ds = dst[r, dst_pos[r, t] // 3], dst_pos[r, t] % 3
+                k[:, :, dp, ds], v[:, :, dp, ds] = k0[:, :, sp, ss], v0[:, :, sp, ss]
+    np.testing.assert_array_equal(np.asarray(out.k), k)
+    np.testing.assert_array_equal(np.asarray(out.v), v)
