@@ -25,7 +25,8 @@ and GPU), and a page of one KV head is one contiguous [page_size, D] block, so t
 attention multiplies gathered pages without transposing them (heads-first, as the slot cache is).
 Placed with KV heads over `tensor` (`pool_sharding`); the pages axis is whole on every device.
 `write_kv` scatters new tokens' K/V (a prefill chunk or a decode step) through page tables in
-place (the pool is donated); `copy_pages` copies whole pages (copy on write).
+place (the pool is donated); `copy_pages` copies whole pages (copy on write); `copy_tokens` copies
+single tokens between page tables (a merge join's placement of the children's tokens).
 """
 from __future__ import annotations
 
