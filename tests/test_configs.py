@@ -93,7 +93,7 @@ def test_qwen3_8b_configs_fit_the_model_and_agree():
     rl = load_config(RLConfig, CONFIG_DIR / "rl_qwen3_8b.yaml")
     assert rl.loss.seq_len <= positions and rl.rollout.max_seq_len <= positions
     assert rl.rollout.orchestrator.max_total_tokens <= rl.loss.seq_len    # one run's trie fits a row
-    recipe = load_recipe_config(CONFIG_DIR / "recipe_qwen3_8b.yaml")
+    recipe = load_recipe_config(CONFIG_DIR / "recipe_sprint_qwen3_8b.yaml")
     assert recipe.sprint_layout == sft.data.layout and recipe.train["model"]["name"] == sft.model.name
     data = recipe.train["data"]
     assert (data["seq_len"], data["buckets"], data["trie_whole_trajectory"]) == (

@@ -122,7 +122,9 @@ def test_tiny_recipe_end_to_end_rerun_and_one_change(tmp_path, capsys, training_
     _check_fixed_bins(report, per, yaml.safe_load(cfg.read_text())["compare"]["bins"], populated=False)
     steps = {arm: json.loads((out / f"train_{arm}" / "out" / "summary.json").read_text())["steps"]
              for arm in ("sprint", "rft")}
-    assert f"| SPRINT | merge | {steps['sprint']} |" in report
+    assert f"| SPRINT | train_sprint | merge | {steps['sprint']} |" in report
+    stages_table = report[report.index("## Stages"):report.index("## Training")]
+    assert all(f"| {s} |" in stages_table for s in STAGES)         # the report names every stage
 
     # the same command again: nothing runs
     capsys.readouterr()
@@ -206,7 +208,10 @@ def test_r1_recipe_needs_its_keys_from_the_environment_and_never_writes_them(tmp
     cfg = load_recipe_config(R1)
     stages = runner.plan(cfg, tmp_path)
     assert [s.name for s in stages] == ["curate", "train_sprint", "train_rft", "eval_sprint_math500",
-                                        "eval_rft_math500", "compare_math500", "report"]
+                                        "eval_rft_math500", "compare_math500", "eval_sprint_countdown",
+                                        "eval_rft_countdown", "compare_countdown", "report"]
+    # SPRINT's DAG model; the out-of-domain set that needs no data is on
+    assert yaml.safe_load(stages[0].config)["dag"]["model"] == "gpt-4o-mini"
     from sprint_jax.config import from_dict
     from sprint_jax.train.config import TrainConfig
     for s in stages:

@@ -3,19 +3,28 @@ from __future__ import annotations
 
 import argparse
 
-DESCRIPTION = """The paper's experiment as one resumable run (paper §4-5, §8-9, §13):
+DESCRIPTION = """A paper's experiment as one resumable run: a parallel model (SPRINT's or ThreadWeaver's)
+against a sequential one trained the same way.
 
-  curate -> SPRINT and RFT example sets (paired: both train on the same problems)
-  -> SFT of both (train_sprint, train_rft) -> eval of both on each eval set (eval_sprint_SET,
-  eval_rft_SET) -> eval compare (compare_SET) -> DIR/report.md (the paper's table, its length bins,
-  the comparison plots)
+  curate -> parallel and sequential example sets (paired: both train on the same problems)
+  [-> convert: ThreadWeaver's format (format: threadweaver)]
+  -> SFT of both (train_sprint, train_rft; with a curriculum: mix, then train_sprint_1..N, one per
+     phase, each from the previous export)
+  [-> selftrain_sprint, selftrain_rft (selftrain: rounds of sample -> keep the well-formed,
+     correct rollouts -> SFT)] [-> rl_sprint, rl_rft (rl: P-GRPO; the sequential arm's rollouts
+     are sequential, without the acceleration bonus)]
+  -> eval of both on each eval set (eval_sprint_SET, eval_rft_SET; an hf:OWNER/NAME set is fetched
+     first by data_SET) -> eval compare (compare_SET) -> DIR/report.md (every stage, the paper's
+     table, its length bins, the comparison plots)
 
-  sprint-jax recipe run configs/recipe_tiny_cpu.yaml --out runs/recipe_tiny   # offline, this CPU
+  sprint-jax recipe run configs/recipe_tiny_cpu.yaml --out runs/recipe_tiny   # SPRINT, offline, this CPU
   sprint-jax recipe run configs/recipe_r1_7b.yaml --out runs/recipe_7b [--set key=value ...]
+  sprint-jax recipe run configs/recipe_threadweaver_qwen3_8b.yaml --out runs/tw --set prompts=FILE
   sprint-jax recipe status runs/recipe_7b
 
 Each stage runs as a `sprint-jax` command with its generated config and its log in DIR/STAGE/
-(config.yaml, log.txt, out/). DIR/state.json records each stage's inputs digest (command, config,
+(config.yaml, log.txt, out/). A killed run takes its running stage with it (Linux), so rerunning at once resumes.
+DIR/state.json records each stage's inputs digest (command, config,
 the outputs of the stages it reads, the content of external files such as task files and a
 pretrained checkpoint) and outputs digest. Rerunning the same command skips every finished stage
 whose inputs are unchanged and reruns the rest: a changed train setting reruns both trainings and

@@ -1,6 +1,7 @@
-"""DIR/report.md: the paper's table (accuracy, sequential and total tokens, wall clock, SPRINT
-against RFT) and its length bins for every eval set, from each `eval compare` stage's
-compare.json, with both trainings' summaries and links to the comparison plots."""
+"""DIR/report.md: every stage of the run with its status and time, the paper's table (accuracy,
+sequential and total tokens, wall clock, the parallel arm against the sequential one) and its
+length bins for every eval set, from each `eval compare` stage's compare.json, with the trainings'
+summaries (SFT phases, self-training rounds, RL) and links to the comparison plots."""
 from __future__ import annotations
 
 import datetime
@@ -19,16 +20,57 @@ def _table(head: list[str], rows: list[list[str]]) -> list[str]:
         "| " + " | ".join(r) + " |" for r in rows]
 
 
-def _training(root: Path) -> list[str]:
+def _read(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _stages(root: Path) -> list[str]:
+    """Every stage of the run with its status and seconds (state.json, as this stage starts)."""
+    from sprint_jax.recipe.runner import STATE_FILE
+
+    state = _read(root / STATE_FILE).get("stages") or {}
+    rows = [[name, "this file" if name == "report" else rec.get("status", "-"), _num(rec.get("seconds"), ".0f")]
+            for name, rec in state.items()]
+    return ["## Stages", ""] + _table(["stage", "status", "seconds"], rows)
+
+
+def _training(root: Path, names: list[str]) -> list[str]:
     rows = []
-    for arm in ("sprint", "rft"):
-        path = root / f"train_{arm}" / "out" / "summary.json"
-        s = json.loads(path.read_text()) if path.exists() else {}
-        data = s.get("data") or {}
-        rows.append([arm.upper(), str(s.get("layout", "-")), str(s.get("steps", "-")), str(data.get("used", "-")),
-                     _num(s.get("final_loss"), ".4f"), str(s.get("tokens", "-"))])
-    return ["## Training", ""] + _table(["model", "layout", "steps", "examples used", "final loss",
-                                         "tokens trained"], rows)
+    for arm, label in zip(("sprint", "rft"), names):
+        stages = ([root / f"train_{arm}"] if (root / f"train_{arm}").exists() else
+                  sorted(root.glob(f"train_{arm}_*"), key=lambda p: int(p.name.rsplit("_", 1)[1])))
+        for d in stages:
+            s = _read(d / "out" / "summary.json")
+            data = s.get("data") or {}
+            rows.append([label, d.name, str(s.get("layout", "-")), str(s.get("steps", "-")),
+                         str(data.get("used", "-")), _num(s.get("final_loss"), ".4f"), str(s.get("tokens", "-"))])
+    lines = ["## Training", ""] + _table(["model", "stage", "layout", "steps", "examples used", "final loss",
+                                          "tokens trained"], rows)
+    mix = _read(root / "mix" / "out" / "mix.json").get("phases")
+    if mix:
+        lines += ["", "Curriculum of the parallel arm's SFT (one train stage per phase):", ""]
+        lines += _table(["phase", "parallel fraction", "epochs", "parallel examples", "sequential examples"],
+                        [[str(p["phase"]), f"{p['parallel_fraction']:.2f}", f"{p['epochs']:g}", str(p["parallel"]),
+                          str(p["sequential"])] for p in mix])
+    rows = []
+    for arm, label in zip(("sprint", "rft"), names):
+        for r in _read(root / f"selftrain_{arm}" / "out" / "summary.json").get("rounds") or []:
+            rows.append([label, str(r["round"]), "-" if r["round"] == 0 else f"{r['kept']}/{r['sampled']}",
+                         _num(r.get("accuracy"), ".3f"), _num(r.get("mean_sequential_tokens"), ".1f")])
+    if rows:
+        lines += ["", "## Self-training", ""] + _table(
+            ["model", "round", "kept / sampled", "held-out accuracy", "held-out seq tokens"], rows)
+    rows = []
+    for arm, label in zip(("sprint", "rft"), names):
+        s = _read(root / f"rl_{arm}" / "out" / "summary.json")
+        if s:
+            last = s.get("last") or {}
+            rows.append([label, str(last.get("step", "-")), _num(last.get("reward"), ".3f"),
+                         _num(last.get("accuracy"), ".3f"), _num(last.get("sequential_tokens"), ".1f")])
+    if rows:
+        lines += ["", "## RL (P-GRPO)", ""] + _table(
+            ["model", "steps", "last reward", "last rollout accuracy", "last rollout seq tokens"], rows)
+    return lines
 
 
 def _bins(bins: list[dict], names: list[str]) -> list[str]:
@@ -99,10 +141,12 @@ def write_report(cfg: RecipeConfig, root: Path) -> Path:
     from sprint_jax.recipe.runner import REPORT_FILE
 
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = ["# SPRINT against RFT", "",
+    names = [n.strip() for n in cfg.compare.names.split(",")]
+    lines = [f"# {names[0]} against {names[1]}", "",
              f"Written by `sprint-jax recipe` at {now} (config: recipe.yaml; per-stage logs: "
              f"*/log.txt; full tables: compare_*/out/compare.json).", ""]
-    lines += _training(root)
+    lines += _stages(root) + [""]
+    lines += _training(root, names)
     for s in cfg.eval.sets:
         lines += [""] + _eval_set(root, s.name, s.data)
     path = root / REPORT_FILE

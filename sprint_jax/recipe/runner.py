@@ -58,7 +58,10 @@ def stage_dir(out: Path, name: str) -> Path:
 
 
 def plan(cfg: RecipeConfig, out: Path) -> list[Stage]:
-    """The stages of `cfg` writing into `out`, in the order they run."""
+    """The stages of `cfg` writing into `out`, in the order they run: curate [-> convert] -> the
+    parallel arm's SFT (one train stage, or a mix stage and one per curriculum phase) and the
+    sequential arm's [-> selftrain_ARM] [-> rl_ARM] -> [data_SET ->] eval of both arms per set ->
+    compare -> report."""
     import yaml
 
     out = out.resolve()
@@ -73,10 +76,19 @@ def plan(cfg: RecipeConfig, out: Path) -> list[Stage]:
     stages = [Stage("curate", [], [sprint_file, rft_file],
                     ["curate", "--config", str(stage_dir(out, "curate") / "config.yaml"), "--no-progress"],
                     yaml.safe_dump(curate, sort_keys=False), files)]
+    data_stage = "curate"
+    if cfg.format == "threadweaver":
+        conv = stage_dir(out, "convert") / "out"
+        sprint_tw, rft_tw = conv / "sprint.jsonl", conv / "rft.jsonl"
+        pairs = [(sprint_file, sprint_tw), (rft_file, rft_tw)]
+        stages.append(Stage("convert", ["curate"], [sprint_tw, rft_tw], None,
+                            yaml.safe_dump({"to": "threadweaver", "files": [[str(a), str(b)] for a, b in pairs]}),
+                            write=lambda root, pairs=pairs: convert_to_threadweaver(pairs)))
+        sprint_file, rft_file, data_stage = sprint_tw, rft_tw, "convert"
 
-    arms = {"sprint": (sprint_file, cfg.sprint_layout, rft_file, "flat"),
-            "rft": (rft_file, "flat", sprint_file, cfg.sprint_layout)}
     data = dict(cfg.train.get("data") or {})
+    if cfg.format == "threadweaver":
+        data["format"] = "threadweaver"
     train_files = []
     if cfg.tokenizer == "chains":
         data["tokenizer"] = str(out / TOKENIZER_DIR)
@@ -88,13 +100,67 @@ def plan(cfg: RecipeConfig, out: Path) -> list[Stage]:
     if model.get("init") == "pretrained":
         model["name"] = str(Path(model["name"]).resolve())
         train_files.append(Path(model["name"]))
-    for arm, (mine, layout, partner, partner_layout) in arms.items():
-        train = {**cfg.train, "model": model, "data": {**data, "train": [str(mine)], "layout": layout,
-                                       "paired": {"train": [str(partner)], "layout": partner_layout}}}
-        d = stage_dir(out, f"train_{arm}")
-        stages.append(Stage(f"train_{arm}", ["curate"], [d / "out" / "hf"],
-                            ["train", "--config", str(d / "config.yaml"), "--out", str(d / "out"), "--no-progress"],
-                            yaml.safe_dump(train, sort_keys=False), list(train_files)))
+
+    def train_stage(name: str, after: list[str], train_file: Path, layout: str, partner=None, init=None,
+                    epochs=None) -> Stage:
+        d = stage_dir(out, name)
+        m = model if init is None else {**model, "name": str(init), "init": "pretrained"}
+        dd = {**data, "train": [str(train_file)], "layout": layout}
+        if partner is not None:
+            dd["paired"] = {"train": [str(partner[0])], "layout": partner[1]}
+        train = {**cfg.train, "model": m, "data": dd}
+        if epochs is not None:
+            train["epochs"] = epochs
+        return Stage(name, after, [d / "out" / "hf"],
+                     ["train", "--config", str(d / "config.yaml"), "--out", str(d / "out"), "--no-progress"],
+                     yaml.safe_dump(train, sort_keys=False), list(train_files))
+
+    phases = cfg.curriculum.phases(cfg.train.get("epochs"))
+    final: dict[str, tuple[str, Path]] = {}                # arm -> (stage, its model directory)
+    if len(phases) == 1:
+        stages.append(train_stage("train_sprint", [data_stage], sprint_file, cfg.sprint_layout,
+                                  (rft_file, "flat")))
+        stages.append(train_stage("train_rft", [data_stage], rft_file, "flat", (sprint_file, cfg.sprint_layout)))
+    else:
+        mix = stage_dir(out, "mix") / "out"
+        phase_files = [mix / f"phase_{k + 1}.jsonl" for k in range(len(phases))]
+        spec = {"parallel": [str(sprint_file)], "sequential": [str(rft_file)], "seed": cfg.curriculum.seed,
+                "phases": [{"parallel_fraction": p, "epochs": e, "file": str(f)}
+                           for (p, e), f in zip(phases, phase_files)]}
+        stages.append(Stage("mix", [data_stage], [*phase_files, mix / "mix.json"], None,
+                            yaml.safe_dump(spec, sort_keys=False),
+                            write=lambda root, spec=spec: write_curriculum(spec, mix / "mix.json")))
+        prev, init = "mix", None
+        for k, ((_, epochs), f) in enumerate(zip(phases, phase_files)):
+            name = f"train_sprint_{k + 1}"
+            stages.append(train_stage(name, [prev], f, cfg.sprint_layout, init=init, epochs=epochs))
+            prev, init = name, stage_dir(out, name) / "out" / "hf"
+        final["sprint"] = (prev, init)
+        stages.append(train_stage("train_rft", [data_stage], rft_file, "flat", epochs=sum(e for _, e in phases)))
+    final.setdefault("sprint", ("train_sprint", stage_dir(out, "train_sprint") / "out" / "hf"))
+    final["rft"] = ("train_rft", stage_dir(out, "train_rft") / "out" / "hf")
+
+    modes = {"sprint": cfg.eval.sprint_mode, "rft": "sequential"}
+    if cfg.selftrain_rounds:
+        for arm in ("sprint", "rft"):
+            d, (after, start) = stage_dir(out, f"selftrain_{arm}"), final[arm]
+            conf = selftrain_stage_config(cfg, start, modes[arm])
+            model_dir = d / "out" / f"round_{cfg.selftrain_rounds}" / "model" / "hf"
+            stages.append(Stage(f"selftrain_{arm}", [after], [d / "out" / "summary.json", model_dir],
+                                ["selftrain", "--config", str(d / "config.yaml"), "--out", str(d / "out"),
+                                 "--no-progress"], yaml.safe_dump(conf, sort_keys=False),
+                                _task_files(conf.get("train_tasks"), conf.get("heldout_tasks"))))
+            final[arm] = (f"selftrain_{arm}", model_dir)
+    if cfg.rl:
+        for arm in ("sprint", "rft"):
+            d, (after, start) = stage_dir(out, f"rl_{arm}"), final[arm]
+            conf = rl_stage_config(cfg, start, modes[arm], arm == "rft")
+            t = conf.get("tasks") or {}
+            stages.append(Stage(f"rl_{arm}", [after], [d / "out" / "hf"],
+                                ["rl", "--config", str(d / "config.yaml"), "--out", str(d / "out"), "--no-progress"],
+                                yaml.safe_dump(conf, sort_keys=False),
+                                [Path(p) for p in (t.get("source"), t.get("eval_source")) if p and Path(p).is_file()]))
+            final[arm] = (f"rl_{arm}", d / "out" / "hf")
 
     orch = [a for k, v in cfg.eval.orchestrator.items() for a in ("--set", f"{k}={v}")]
     eval_files = []
@@ -102,24 +168,34 @@ def plan(cfg: RecipeConfig, out: Path) -> list[Stage]:
         from sprint_jax.config import resolve_config_path
         eval_files.append(resolve_config_path(cfg.eval.config).resolve())
         orch = ["--config", str(eval_files[0]), *orch]           # --set fields override the file's
-    compares = []
+    compares, fetches = [], []               # fetches run first: a bad dataset name fails before any training
     for s in cfg.eval.sets:
-        data_args = ["--data", s.data if s.data in BUILTIN_DATA else str(Path(s.data).resolve()),
-                     "--task-kind", s.task_kind] + (["--limit", str(s.limit)] if s.limit else [])
-        set_files = eval_files + ([] if s.data in BUILTIN_DATA else [Path(s.data).resolve()])
+        data_after = []
+        if s.hf is not None:
+            d = stage_dir(out, f"data_{s.name}")
+            task_file = d / "out" / "tasks.jsonl"
+            spec = {"dataset": s.hf, "split": s.split, "subset": s.subset}
+            fetches.append(Stage(f"data_{s.name}", [], [task_file], None, yaml.safe_dump(spec, sort_keys=False),
+                                 write=lambda root, spec=spec, path=task_file: fetch_hf_tasks(spec, path)))
+            data_arg, set_files, data_after = str(task_file), list(eval_files), [f"data_{s.name}"]
+        elif s.data in BUILTIN_DATA:
+            data_arg, set_files = s.data, list(eval_files)
+        else:
+            data_arg, set_files = str(Path(s.data).resolve()), eval_files + [Path(s.data).resolve()]
+        data_args = ["--data", data_arg, "--task-kind", s.task_kind] + (["--limit", str(s.limit)] if s.limit else [])
         runs = {}
         for arm, mode in (("sprint", cfg.eval.sprint_mode), ("rft", cfg.eval.rft_mode)):
             d = stage_dir(out, f"eval_{arm}_{s.name}")
             runs[arm] = d / "out"
-            stages.append(Stage(f"eval_{arm}_{s.name}", [f"train_{arm}"], [d / "out" / "results.jsonl"],
-                                ["eval", "--model", str(stage_dir(out, f"train_{arm}") / "out" / "hf"),
+            stages.append(Stage(f"eval_{arm}_{s.name}", [final[arm][0], *data_after], [d / "out" / "results.jsonl"],
+                                ["eval", "--model", str(final[arm][1]),
                                  *data_args, "--mode", mode, "--out", str(d / "out"), "--no-progress",
                                  *orch, *cfg.eval.args, *s.args], None, set_files))
         d = stage_dir(out, f"compare_{s.name}")
         compares.append(f"compare_{s.name}")
         stages.append(Stage(f"compare_{s.name}", [f"eval_sprint_{s.name}", f"eval_rft_{s.name}"],
                             [d / "out" / "compare.json"],
-                            ["eval", "compare", str(runs["sprint"]), str(runs["rft"]), "--names", "SPRINT,RFT",
+                            ["eval", "compare", str(runs["sprint"]), str(runs["rft"]), "--names", cfg.compare.names,
                              "--bins", cfg.compare.bins, "--quantiles", str(cfg.compare.quantiles),
                              "--out", str(d / "out")]))
 
@@ -127,9 +203,130 @@ def plan(cfg: RecipeConfig, out: Path) -> list[Stage]:
         from sprint_jax.recipe.report import write_report as write
         write(cfg, root)
 
-    stages.append(Stage("report", ["train_sprint", "train_rft", *compares], [out / REPORT_FILE],
-                        write=write_report))
+    stages[:0] = fetches
+    trained = sorted({s.name for s in stages if s.name.startswith(("train_", "selftrain_", "rl_"))})
+    stages.append(Stage("report", [*trained, *compares], [out / REPORT_FILE], write=write_report))
     return stages
+
+
+def _task_files(*task_sets) -> list[Path]:
+    """The local task files a selftrain stage reads (an input of its digest)."""
+    return [Path(t["data"]) for t in task_sets if t and t.get("data") and Path(str(t["data"])).is_file()]
+
+
+def _deep_merge(a: dict, b: dict) -> dict:
+    merged = dict(a)
+    for k, v in b.items():
+        merged[k] = _deep_merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
+    return merged
+
+
+def selftrain_stage_config(cfg: RecipeConfig, model: Path, mode: str) -> dict:
+    """A `sprint-jax selftrain` config for one arm: the recipe's selftrain section with the arm's
+    SFT model and mode. Each round's SFT takes the recipe's train settings (model compute, data
+    shape, optimiser, mesh, checkpoints, export) for 1 epoch, as ThreadWeaver's self-training SFT
+    does, under anything selftrain.train sets."""
+    t = cfg.train
+    train = {"model": {k: v for k, v in (t.get("model") or {}).items() if k in ("dtype", "remat", "loss_chunk")},
+             "data": {k: v for k, v in (t.get("data") or {}).items()
+                      if k in ("seq_len", "buckets", "overlong", "span_weights", "seed", "trie_whole_trajectory")},
+             **{k: t[k] for k in ("optim", "mesh", "checkpoint", "export", "log_every", "seed") if k in t},
+             "epochs": 1}
+    own = dict(cfg.selftrain.get("train") or {})
+    if "steps" in own and "epochs" not in own:
+        del train["epochs"]
+    tasks = {k: dict(cfg.selftrain[k]) for k in ("train_tasks", "heldout_tasks") if k in cfg.selftrain}
+    for ts in tasks.values():
+        if ts.get("data") and Path(str(ts["data"])).is_file():
+            ts["data"] = str(Path(ts["data"]).resolve())
+    return {**cfg.selftrain, **tasks, "model": str(model), "mode": mode, "train": _deep_merge(train, own)}
+
+
+def rl_stage_config(cfg: RecipeConfig, model: Path, mode: str, sequential_arm: bool) -> dict:
+    """A `sprint-jax rl` config for one arm: the recipe's rl section from the arm's model, with the
+    arm's rollout mode; the sequential arm without the acceleration bonus (reward.rho 0: its
+    rollouts have one call, so there is no parallelism to reward)."""
+    conf = _deep_merge(cfg.rl, {"policy": {"path": str(model)}, "rollout": {"mode": mode}})
+    if sequential_arm:
+        conf = _deep_merge(conf, {"reward": {"rho": 0.0}})
+    t = dict(conf.get("tasks") or {})
+    for key in ("source", "eval_source"):
+        if t.get(key) and Path(str(t[key])).is_file():
+            t[key] = str(Path(t[key]).resolve())
+    return {**conf, "tasks": t} if t else conf
+
+
+def convert_to_threadweaver(pairs: list[tuple[Path, Path]]) -> None:
+    """Each (SPRINT-format file, destination) in ThreadWeaver's format; an example already in it
+    (a ThreadWeaver curation) is copied as it is. Examples the format cannot express are skipped
+    and counted (printed into the stage's log)."""
+    from sprint_jax import threadweaver as tw
+    from sprint_jax.fsutil import write_atomic
+    from sprint_jax.jsonl import iter_objects
+    from sprint_jax.schema import Example
+
+    for src, dst in pairs:
+        lines, skipped = [], {}
+        for n, d in iter_objects(src, ValueError):
+            ex = Example.from_record(d, f"{src}:{n}", ValueError)
+            if (ex.meta or {}).get(tw.FORMAT_META_KEY) != "threadweaver":
+                try:
+                    ex = tw.convert_example(ex, "threadweaver")
+                except tw.ConversionError as e:
+                    skipped[e.reason] = skipped.get(e.reason, 0) + 1
+                    continue
+            lines.append(json.dumps(ex.to_json(), ensure_ascii=False) + "\n")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(dst, "".join(lines))
+        print(f"{src.name}: {len(lines)} in ThreadWeaver's format -> {dst}; skipped: {skipped or 'none'}")
+        if not lines:
+            raise ValueError(f"{src}: no example could be written in ThreadWeaver's format (skipped: {skipped})")
+
+
+def write_curriculum(spec: dict, summary: Path) -> None:
+    """The curriculum's phase files: every curated problem once per phase, in its parallel form
+    with the phase's probability (numpy's default_rng((seed, phase)); else its sequential form),
+    falling back to the form it has when it lacks the other. Counts per phase in `summary`."""
+    import numpy as np
+
+    from sprint_jax.fsutil import write_atomic
+    from sprint_jax.jsonl import iter_objects
+
+    def read(paths):
+        return {str(d["id"]): d for p in paths for _, d in iter_objects(p, ValueError)}
+
+    par, seq = read(spec["parallel"]), read(spec["sequential"])
+    ids = list(par) + [i for i in seq if i not in par]
+    counts = []
+    for k, phase in enumerate(spec["phases"]):
+        rng = np.random.default_rng((spec["seed"], k))
+        draws = rng.random(len(ids))
+        rows, n_par = [], 0
+        for i, u in zip(ids, draws):
+            want_par = u < phase["parallel_fraction"]
+            rec = (par.get(i) if want_par else seq.get(i)) or par.get(i) or seq.get(i)
+            n_par += rec is par.get(i)
+            rows.append(json.dumps(rec, ensure_ascii=False) + "\n")
+        Path(phase["file"]).parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(Path(phase["file"]), "".join(rows))
+        counts.append({"phase": k + 1, "parallel_fraction": phase["parallel_fraction"], "epochs": phase["epochs"],
+                       "parallel": n_par, "sequential": len(rows) - n_par})
+        print(f"phase {k + 1}: {n_par} parallel, {len(rows) - n_par} sequential examples, {phase['epochs']} epochs")
+    write_atomic(summary, json.dumps({"phases": counts}, indent=2) + "\n")
+
+
+def fetch_hf_tasks(spec: dict, path: Path) -> None:
+    """A Hugging Face dataset's split as a task file (one JSON record a line) for `eval --data`."""
+    from sprint_jax.fsutil import write_atomic
+    from sprint_jax.tasks.sources import read_hf_records
+
+    rows = [json.dumps(r, ensure_ascii=False, default=str) + "\n"
+            for _, r in read_hf_records(spec["dataset"], spec["split"], spec.get("subset"))]
+    if not rows:
+        raise ValueError(f"{spec['dataset']} ({spec['split']}): no records")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, "".join(rows))
+    print(f"{spec['dataset']} ({spec['split']}): {len(rows)} records -> {path}")
 
 
 # ---------------------------------------------------------------------------------------------
