@@ -276,3 +276,38 @@ def test_a_shutdown_during_a_long_engine_step_holds_its_grace(setup):
         release.set()
         server.stop()
     assert all(_ended(r) for r in results), results
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_first_requests_compile_drains_and_exits_0(hf_untied, tmp_path):
+    """A real `sprint-jax serve`, SIGTERM while its first requests (a plain one and a SPRINT stream)
+    still compile their programs: /health answers meanwhile, every request ends whole or cleanly
+    ended (never a reset or a stream without [DONE]), and the process exits 0 without a traceback."""
+    import signal
+
+    from test_serve import SUBPROCESS_FLAGS, _Subprocess, _tiny_model_dir
+
+    server = _Subprocess(_tiny_model_dir(hf_untied, tmp_path), *SUBPROCESS_FLAGS, "--shutdown-grace", "0.5")
+    port = int(server.url.rsplit(":", 1)[1])
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(_post, port, {"model": "tinymodel", "prompt": "abc", "max_tokens": 40,
+                                                 "temperature": 0}),
+                       pool.submit(_stream_events, port, {"model": "tinymodel:sprint", "prompt": "abc"})]
+            time.sleep(0.5)                     # the first step's programs compile (seconds on this CPU)
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)       # the loop answers meanwhile
+            conn.request("GET", "/health")
+            assert json.loads(conn.getresponse().read())["status"] == "ok"
+            conn.close()
+            server.proc.send_signal(signal.SIGTERM)
+            results = [f.result(timeout=120) for f in futures]
+        log = "".join(server.seen) + server.proc.communicate(timeout=60)[0]
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.communicate(timeout=30)
+    assert server.proc.returncode == 0, log[-3000:]
+    assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+    plain, stream = results
+    assert plain[0] == 200 or _ended(plain), plain
+    assert stream[-1] == "[DONE]" and ("sprint" in stream[-2] or "usage" in stream[-2] or _ended(stream)), stream[-3:]
