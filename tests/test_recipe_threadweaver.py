@@ -106,6 +106,7 @@ def test_the_gradual_curriculum_raises_the_parallel_share_by_epoch(tmp_path):
 
 @pytest.mark.parametrize("change, match", [
     (["curriculum.kind=staged", "train.epochs=3"], "curriculum staged is 8 epochs"),
+    (["curriculum.kind=gradual", "train.epochs=2.5"], "curriculum gradual needs train.epochs >= 2"),
     (["selftrain.mode=parallel"], "selftrain.mode is set by the recipe"),
     (["rl.rollout.mode=sequential"], "rl.rollout.mode is set by the recipe"),
     (["rl.rollout.group_size=1"], "rollout.group_size must be >= 2"),
@@ -150,10 +151,17 @@ def test_an_eval_set_named_by_a_hugging_face_dataset_is_fetched_into_a_task_file
     runner.fetch_hf_tasks({"dataset": str(d / "dict"), "split": "test", "subset": None}, tmp_path / "t.jsonl")
     tasks = load_task_file(tmp_path / "t.jsonl", "math")
     assert [(t.problem, t.answer) for t in tasks] == [("1+1?", "2"), ("2+3?", "5")]
+    from sprint_jax.recipe.config import EvalSet
+    with pytest.raises(ValueError, match="names no dataset"):
+        EvalSet("aime", "hf:")
 
 
 @pytest.mark.slow
-def test_tiny_threadweaver_recipe_end_to_end(tmp_path, capsys, training_subprocesses):
+def test_tiny_threadweaver_recipe_end_to_end(tmp_path, capsys, monkeypatch, training_subprocesses):
+    # compile-bound: the arms' stages meet the same shapes (the two SFT phases, both RL updates), so
+    # the stages share a persistent XLA cache
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "xla"))
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     out = tmp_path / "run"
     assert main(["recipe", "run", str(TINY), "--out", str(out)]) == 0
     cfg = load_recipe_config(TINY)

@@ -100,7 +100,7 @@ class CurriculumSection:
     1 in the last (our reading of the paper's gradual variant). Each phase is a train stage that
     starts from the previous one's export, on a file where each problem appears once, in parallel
     form with the phase's probability (drawn with `seed`), so the learning-rate schedule restarts
-    with every phase."""
+    with every phase; the two arms are then not paired (each trains on every problem it has)."""
     kind: Literal["none", "staged", "gradual"] = "none"
     seed: int = 0
 
@@ -159,7 +159,8 @@ class RecipeConfig:
             if s.data not in BUILTIN_DATA and s.hf is None and not Path(s.data).exists():
                 raise ValueError(f"eval set {s.name}: data {s.data!r} is not {', '.join(BUILTIN_DATA)}, "
                                  f"hf:OWNER/NAME or an existing file")
-        if self.curriculum.kind == "gradual" and int(self.train.get("epochs") or 0) < 2:
+        epochs = self.train.get("epochs") or 0
+        if self.curriculum.kind == "gradual" and (epochs < 2 or epochs != int(epochs)):
             raise ValueError("curriculum gradual needs train.epochs >= 2 (a whole number: one phase per epoch)")
         if self.curriculum.kind == "staged" and self.train.get("epochs") not in (None, 8):
             raise ValueError(f"curriculum staged is 8 epochs (2 sequential, 4 mixed, 2 parallel); remove "
