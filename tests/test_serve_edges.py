@@ -211,15 +211,17 @@ def test_a_request_followed_by_a_half_close_is_answered(setup, stream):
 def test_an_address_the_server_cannot_listen_on_is_one_line_and_exit_2_before_the_model_loads(tmp_path, capsys):
     from sprint_jax.cli import main
 
-    missing = str(tmp_path / "missing")              # never reached: the address is checked first
+    model = tmp_path / "m"                             # a model directory that would fail to load: the
+    model.mkdir()                                      # address is checked before it is read
+    (model / "config.json").write_text("{}")
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        assert main(["serve", "--model", missing, "--port", str(port)]) == 2
+        assert main(["serve", "--model", str(model), "--port", str(port)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"cannot listen on 127.0.0.1:{port}" in err and "model" not in err, err
-    assert main(["serve", "--model", missing, "--host", "no-such-host.invalid"]) == 2
+    assert err.count("\n") == 1 and f"cannot listen on 127.0.0.1:{port}" in err and "config" not in err, err
+    assert main(["serve", "--model", str(model), "--host", "no-such-host.invalid"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--host no-such-host.invalid: not an address" in err, err
 

@@ -370,16 +370,19 @@ def test_an_api_key_guards_every_route_but_health(setup, tmp_path, capsys):
     # the command line: listening beyond this machine without a key warns; a bad key is one line
     from sprint_jax.cli import main
 
-    missing = str(tmp_path / "missing")
-    assert main(["serve", "--model", missing, "--host", "0.0.0.0"]) == 2
+    broken = tmp_path / "broken"              # a model directory whose loading fails (after the warning)
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    model = [str(broken), "--port", "0"]
+    assert main(["serve", "--model", *model, "--host", "0.0.0.0"]) == 2
     err = capsys.readouterr().err
-    assert "warning: listening on 0.0.0.0 without an API key" in err and "model directory not found" in err
-    assert main(["serve", "--model", missing, "--host", "0.0.0.0", "--api-key", KEY]) == 2
+    assert "warning: listening on 0.0.0.0 without an API key" in err and "config.json" in err
+    assert main(["serve", "--model", *model, "--host", "0.0.0.0", "--api-key", KEY]) == 2
     err = capsys.readouterr().err
     assert "warning" not in err and KEY not in err
-    assert main(["serve", "--model", missing]) == 2
+    assert main(["serve", "--model", *model]) == 2
     assert "warning" not in capsys.readouterr().err
-    assert main(["serve", "--model", missing, "--api-key", " "]) == 2
+    assert main(["serve", "--model", str(tmp_path / "missing"), "--api-key", " "]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--api-key is empty" in err
 

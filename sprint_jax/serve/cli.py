@@ -172,6 +172,9 @@ def run(args) -> int:
     if not 0 <= args.shutdown_grace < float("inf"):
         raise UserError(f"--shutdown-grace must be a number of seconds >= 0, got {args.shutdown_grace}")
     api_key = _api_key(args)
+    if args.model:                   # a wrong --model is named first, then the address, then the model loads
+        from sprint_jax.model.convert import check_model_dir
+        check_model_dir(args.model, "--model")
     check_address(args.host, args.port)
     if api_key is None and not _loopback(args.host):
         print(f"sprint-jax serve: warning: listening on {args.host} without an API key: anyone who can reach "
