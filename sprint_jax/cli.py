@@ -91,9 +91,17 @@ def _run_command(name: str, argv: list[str]) -> int:
         module, "DESCRIPTION", help_text), formatter_class=argparse.RawDescriptionHelpFormatter)
     module.add_arguments(cmd_parser)
     args = cmd_parser.parse_args(argv)
+    from sprint_jax import interrupt
     from sprint_jax.config import ConfigError
+    from sprint_jax.errors import Interrupted
     try:
-        return int(module.run(args) or 0)
+        try:
+            interrupt.check()          # a Ctrl-C that came during the import
+            return int(module.run(args) or 0)
+        except KeyboardInterrupt as e:  # the command's `rerun_note(args)`, where it has one, says what a rerun does
+            if isinstance(e, Interrupted) or not hasattr(module, "rerun_note"):
+                raise
+            raise Interrupted(module.rerun_note(args)) from None
     except (UserError, ConfigError, FileNotFoundError) as e:
         print(f"sprint-jax {name}: error: {e}", file=sys.stderr)
         return 2

@@ -64,15 +64,18 @@ def _interrupted_line(proc: subprocess.Popen) -> str:
     return ours[0]
 
 
-def test_ctrl_c_while_compiling_is_one_line_and_exit_130(tmp_path):
+def test_ctrl_c_while_importing_or_compiling_is_one_line_and_exit_130(tmp_path):
     """Ctrl-C while the first step compiled crashed the interpreter's exit (segmentation fault,
-    rc 139) in 4 of 6 tries. Interrupted at three moments after the data is read (setup, init and
-    first-step compiles), each process ends cleanly and says a rerun starts from step 0."""
+    rc 139) in 4 of 6 tries; during jax's import it aborted (SIGABRT) or printed a traceback.
+    Interrupted 1 s after start (importing) and at three moments after the data is read (setup,
+    init and first-step compiles), each process ends cleanly and says a rerun starts from step 0."""
     cfg = _config(tmp_path)
-    for i, delay in enumerate((0.3, 1.5, 3.0)):
+    for i, (after, delay) in enumerate(((None, 1.0), ("data_stats.json", 0.3), ("data_stats.json", 1.5),
+                                        ("data_stats.json", 3.0))):
         out = tmp_path / f"run{i}"
         proc = _start(cfg, out)
-        _wait_for(out / "data_stats.json", proc)
+        if after is not None:
+            _wait_for(out / after, proc)
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
         line = _interrupted_line(proc)

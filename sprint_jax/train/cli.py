@@ -55,3 +55,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({k: summary[k] for k in ("final_loss", "steps", "tokens", "tokens_per_s", "wall_s",
                                                    "export_dir")}, indent=2))
     return 0
+
+
+def rerun_note(args: argparse.Namespace) -> str:
+    """For an interrupt that came before training started: what a rerun of the command does."""
+    from sprint_jax.train.rundir import rerun_note as note
+    return note(args.out)

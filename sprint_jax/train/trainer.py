@@ -26,6 +26,7 @@ from sprint_jax import interrupt
 from sprint_jax.errors import Interrupted, UserError
 from sprint_jax.train import distributed
 from sprint_jax.train.config import TrainConfig
+from sprint_jax.train.rundir import rerun_note, saved_steps
 
 
 @dataclasses.dataclass
@@ -220,24 +221,6 @@ def train(config: TrainConfig, out_dir: str | Path, tokenizer=None, progress: bo
         raise Interrupted(rerun_note(Path(out_dir))) from None
     finally:
         outlock.release(lock)
-
-
-def saved_steps(out: Path) -> list[int]:
-    """The steps of the finished checkpoints under OUT/checkpoints, ascending (orbax writes a
-    temporary directory and renames it to the step's number when the save is complete)."""
-    d = out / "checkpoints"
-    try:
-        return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and p.is_dir())
-    except OSError:
-        return []
-
-
-def rerun_note(out: Path) -> str:
-    """What rerunning the same command into `out` does, for the line an interrupted run ends with."""
-    steps = saved_steps(out)
-    if steps:
-        return f"rerun the same command to resume from step {steps[-1]} (checkpoint {out / 'checkpoints' / str(steps[-1])})"
-    return "no checkpoint was written yet: rerunning the same command starts from step 0"
 
 
 # What a run writes into OUT: `new_run` deletes these (and only these) before starting over.
