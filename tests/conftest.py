@@ -143,6 +143,7 @@ def start_lock_holder(directory: Path):
                                str(directory)], cwd=Path(__file__).resolve().parents[1],
                               stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "locked"
+    holder.stdout.close()                 # it writes nothing more; an open pipe is a ResourceWarning later
     return holder
 
 

@@ -161,3 +161,16 @@ def test_benchmarks_keep_one_row_per_command_in_each_table():
         commands = [" ".join(re.findall(r"`([^`]+)`", row.split("|")[1])) for row in table[2:]]
         commands = [c for c in commands if c]
         assert len(commands) == len(set(commands)), (table[0], sorted(c for c in commands if commands.count(c) > 1))
+
+
+def test_the_lock_holder_helper_leaves_no_pipe_open(tmp_path):
+    """The suite's lock-holding process (conftest.start_lock_holder) is read once and its pipe closed:
+    an open pipe left behind is a ResourceWarning in whichever test the collector runs under."""
+    from conftest import start_lock_holder
+
+    holder = start_lock_holder(tmp_path)
+    try:
+        assert holder.stdout.closed
+    finally:
+        holder.kill()
+        holder.wait()
