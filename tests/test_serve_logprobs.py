@@ -106,7 +106,9 @@ def test_streamed_logprobs_concatenate_to_the_whole_reply_and_equal_the_engines(
             assert c.text == text == streamed[c.index]
             assert parts[c.index] == _entries(c.logprobs, chat=False)
             assert c.logprobs.tokens == [dec([t]) for t in ref.tokens[:k]]
-            assert np.allclose(c.logprobs.token_logprobs, ref.logprobs[:k], atol=1e-6, rtol=0)
+            # float32: a fork's children and the lone sequence run different programs (log-probs near
+            # -4 were seen 1.2e-6 apart, a few ulps); 1e-5 still tells any other token's apart
+            assert np.allclose(c.logprobs.token_logprobs, ref.logprobs[:k], atol=1e-5, rtol=0)
             _same_alternatives([sorted(a.items()) for a in c.logprobs.top_logprobs],
                                [sorted(dict((dec([i]), v) for i, v in alts).items()) for alts in ref.top_logprobs[:k]])
             assert c.logprobs.text_offset == starts[:k]
