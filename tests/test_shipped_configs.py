@@ -32,10 +32,16 @@ def test_the_package_carries_the_tiny_configs_examples_as_the_suite_has_them():
         assert len(shipped.splitlines()) == n
 
 
-def test_install_hint_in_a_checkout_is_the_editable_one():
+def test_install_hint_in_a_checkout_is_the_editable_one(monkeypatch):
     import sprint_jax
+    import sprint_jax.plan.compile as plan_compile
+    from sprint_jax.errors import UserError
+    from sprint_jax.plan.chips import parse_slices
 
     assert sprint_jax.install_command("tpu") == "pip install -e '.[tpu]'"
+    monkeypatch.setattr(plan_compile, "libtpu_available", lambda: False)
+    with pytest.raises(UserError, match=r"comes with libtpu: pip install -e '\.\[tpu\]'$"):
+        plan_compile.compiler_available(parse_slices("v5e:2x2"))
 
 
 @pytest.mark.slow
@@ -54,7 +60,16 @@ counts = {}
 for name in ("sft_tiny_cpu", "sft_tiny_cpu_threadweaver"):
     cfg = load_train_config(f"configs/{name}.yaml")
     counts[name] = len(read_examples(cfg.data.train, data_format=cfg.data.format))
-print(json.dumps({"file": sprint_jax.__file__, "counts": counts, "hint": sprint_jax.install_command("tpu")}))
+import sprint_jax.plan.compile as plan_compile
+from sprint_jax.plan.chips import parse_slices
+plan_compile.libtpu_available = lambda: False        # as on a machine without the tpu extra
+try:
+    plan_compile.compiler_available(parse_slices("v5e:2x2"))
+    plan_error = None
+except Exception as e:
+    plan_error = str(e)
+print(json.dumps({"file": sprint_jax.__file__, "counts": counts, "hint": sprint_jax.install_command("tpu"),
+                  "plan_error": plan_error}))
 """
     r = subprocess.run([sys.executable, "-c", script], cwd=elsewhere, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -62,6 +77,7 @@ print(json.dumps({"file": sprint_jax.__file__, "counts": counts, "hint": sprint_
     assert got["file"] == str(target / "sprint_jax" / "__init__.py")          # the installed copy ran
     assert got["counts"] == {"sft_tiny_cpu": 24, "sft_tiny_cpu_threadweaver": 16}
     assert got["hint"] == "pip install 'sprint-jax[tpu]'"
+    assert got["plan_error"].endswith("comes with libtpu: pip install 'sprint-jax[tpu]'"), got["plan_error"]
     # recipe run finds the shipped recipe: it goes on to the next check (an --out that is a file)
     (elsewhere / "taken").write_text("")
     r = subprocess.run([sys.executable, "-m", "sprint_jax.cli", "recipe", "run", "configs/recipe_tiny_cpu.yaml",
