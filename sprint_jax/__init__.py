@@ -74,6 +74,17 @@ def choose_platform(environ=os.environ, dev: str | Path = "/dev") -> str | None:
     return chosen
 
 
+def _plugin_matches_jaxlib() -> bool:
+    """The CUDA plugin is the installed jaxlib's version: JAX loads only such a plugin (it skips
+    another with a warning), so only such a one is loaded ahead of it."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("jax-cuda12-plugin") == metadata.version("jaxlib")
+    except metadata.PackageNotFoundError:
+        return False
+
+
 def _load_cuda_plugin_quietly() -> None:
     """Load the CUDA plugin's libraries (if installed) with file descriptor 2 sent to a file, then
     write back to stderr whatever else they printed. Loaded once, they print nothing when JAX loads
@@ -84,7 +95,7 @@ def _load_cuda_plugin_quietly() -> None:
         spec = importlib.util.find_spec("jax_plugins.xla_cuda12")
     except (ImportError, ValueError):
         spec = None
-    if spec is None or not spec.submodule_search_locations:
+    if spec is None or not spec.submodule_search_locations or not _plugin_matches_jaxlib():
         return
     import ctypes
     import tempfile
