@@ -108,6 +108,19 @@ def test_unwritable_out_is_one_line_for_train_eval_curate(read_only_dir, hf_unti
                                     "--no-progress"), "eval")
     assert f"{read_only_dir} is not writable" in line, line
     assert list(read_only_dir.iterdir()) == []
+    # a curation directory made read-only after a run: the store cannot be written (it read as
+    # "not a readable curation store ... may be damaged")
+    done = tmp_path / "curated"
+    assert main(["curate", "--config", str(CURATE), "--set", "tasks.n=2", "--out", str(done), "--no-progress"]) == 0
+    kept = {p.name: p.read_bytes() for p in done.iterdir() if p.name != ".sprint-jax.lock"}
+    done.chmod(0o555)
+    try:
+        line = _one_error_line(_as_user("curate", "--config", str(CURATE), "--set", "tasks.n=2", "--out", str(done),
+                                        "--no-progress"), "curate")
+    finally:
+        done.chmod(0o755)
+    assert f"cannot write the curation store {done / 'curation.sqlite'}" in line, line
+    assert {p.name: p.read_bytes() for p in done.iterdir() if p.name != ".sprint-jax.lock"} == kept
 
 
 def test_a_write_refused_mid_run_is_one_line_and_keeps_what_was_written(read_only_dir, tmp_path):

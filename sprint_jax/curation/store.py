@@ -130,6 +130,9 @@ class Store:
                 self._db.executescript(_SCHEMA)
         except sqlite3.DatabaseError as e:
             self._db.close()
+            if "readonly" in str(e) or "unable to open" in str(e):   # the file or its directory is not writable
+                raise StoreError(f"cannot write the curation store {self.path} ({e}): make it and its directory "
+                                 f"writable and rerun the same command, or choose another --out") from None
             raise StoreError(f"{self.path} is not a readable curation store ({e}); it may be damaged or "
                              f"another program's file") from None
         except StoreError:
