@@ -83,3 +83,16 @@ print(json.dumps({"file": sprint_jax.__file__, "counts": counts, "hint": sprint_
     r = subprocess.run([sys.executable, "-m", "sprint_jax.cli", "recipe", "run", "configs/recipe_tiny_cpu.yaml",
                         "--out", "taken"], cwd=elsewhere, env=env, capture_output=True, text=True)
     assert r.returncode == 2 and "--out taken exists and is not a directory" in r.stderr, r.stderr[-2000:]
+
+
+def test_the_served_teacher_config_names_the_model_its_comment_serves():
+    """curate_countdown_served.yaml's teacher.model is the id `sprint-jax serve` gives the model its
+    header comment serves (the demo's SPRINT export), so the two commands work as written."""
+    from sprint_jax.config import read_yaml
+    from sprint_jax.curation.config import load_curate_config
+    from sprint_jax.serve.cli import model_name
+
+    path = ROOT / "configs" / "curate_countdown_served.yaml"
+    (serve,) = [line for line in path.read_text().splitlines() if "sprint-jax serve --model" in line]
+    served = serve.split("--model")[1].split()[0]
+    assert model_name(served) == load_curate_config(path).teacher.model == read_yaml(path)["teacher"]["model"]
