@@ -54,7 +54,7 @@ CONCRETE: dict[str, tuple[str, str]] = {
     "sprint-jax serve --model runs/demo/train/sprint/hf --config runs/demo/orchestrator.yaml":
         ("checked", DEMO_NEXT + " parses it and loads its config; it listens on :8000 until stopped, which a shared "
                                 "test machine cannot promise free: serving is run by tests/test_serve*.py"),
-    "sprint-jax serve --model runs/sft_sprint --port 8000":
+    "sprint-jax serve --model runs/sft_sprint/hf --port 8000":
         ("checked", "test_synopses_and_flags_exist parses it; runs/sft_sprint is the reader's own run"),
     "sprint-jax train --config configs/sft_tiny_cpu.yaml --out runs/tiny":
         ("same", "tests/test_eval_analysis.py::test_train_writes_the_fingerprint_and_eval_refuses_overlap (this "
