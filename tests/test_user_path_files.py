@@ -190,6 +190,10 @@ def test_model_flag_names_a_file_and_points_a_run_directory_at_its_export(hf_unt
         assert main(argv) == 2, argv
         line = _err_line(capsys)
         assert f"its model is {run / 'hf'}" in line, (argv, line)
+    stage = tmp_path / "recipe" / "train_sprint"       # a recipe stage: its model is STAGE/out/hf
+    shutil.copytree(hf_untied, stage / "out" / "hf")
+    assert main(["generate", "--model", str(stage), "hi"]) == 2
+    assert f"its model is {stage / 'out' / 'hf'}" in _err_line(capsys)
     cfg = _sft_config(tmp_path, model={"name": str(run), "init": "pretrained"})
     assert main(["train", "--config", str(cfg), "--out", str(tmp_path / "t"), "--no-progress"]) == 2
     assert f"its model is {run / 'hf'}" in _err_line(capsys)

@@ -136,8 +136,9 @@ class Qwen2Config:
             if p.is_dir():
                 p = p / "config.json"
             if not p.is_file():
-                run_export = p.parent / "hf" / "config.json"     # a training run's directory: its model is RUN/hf
-                hint = f" (a training run's directory? its model is {run_export.parent})" if run_export.is_file() else ""
+                # a training run's directory: its model is RUN/hf (a recipe stage's: STAGE/out/hf)
+                export = next((e for e in (p.parent / "hf", p.parent / "out" / "hf") if (e / "config.json").is_file()), None)
+                hint = f" (a training run's directory? its model is {export})" if export else ""
                 raise ConfigError(f"no config.json at {p}{hint}" if not p.exists() else f"{p} is not a file")
             try:
                 d = json.loads(p.read_text(encoding="utf-8"))

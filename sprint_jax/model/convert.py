@@ -105,15 +105,17 @@ def load_orbax(path: str | Path, param_dtype=None, shardings=None) -> tuple[Qwen
 
 def model_dir_error(path: str | Path) -> str | None:
     """Why `path` is not a model directory (HF or orbax: a directory holding config.json), in one
-    line, or None when it is one. A training run's directory points at its export, RUN/hf."""
+    line, or None when it is one. A training run's directory points at its export, RUN/hf (a
+    recipe stage's at STAGE/out/hf)."""
     path = Path(path)
     if not path.exists():
         return f"model directory not found: {path}"
     if not path.is_dir():
         return f"{path} is a file, not a model directory (an HF or orbax model directory holding config.json)"
     if not (path / "config.json").exists():
-        if (path / "hf" / "config.json").is_file():
-            return f"no config.json at {path / 'config.json'} (a training run's directory? its model is {path / 'hf'})"
+        for export in (path / "hf", path / "out" / "hf"):        # a training run's, a recipe stage's
+            if (export / "config.json").is_file():
+                return f"no config.json at {path / 'config.json'} (a training run's directory? its model is {export})"
         return f"no config.json at {path / 'config.json'}: not an HF or orbax model directory"
     return None
 
