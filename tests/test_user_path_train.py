@@ -155,6 +155,11 @@ def test_rerun_with_another_schedule_is_refused_naming_the_fields(tmp_path, caps
         assert named in line and "--new-run" in line and "checkpoints up to step 4" in line, line
         assert ckpts() == [4] and (out / "config.yaml").read_text() == saved
 
+    # checkpoint.resume false: the directory's checkpoints are refused as before
+    assert main(["train", "--config", str(cfg), "--out", str(out), "--no-progress", "--set",
+                 "checkpoint.resume=false"]) == 2
+    assert "checkpoint.resume is false" in _err_line(capsys)
+
     # without the saved config.yaml the checkpoint itself says the run is longer than asked
     (out / "config.yaml").unlink()
     assert main(["train", "--config", str(cfg), "--out", str(out), "--no-progress", "--set", "steps=2"]) == 2
@@ -164,7 +169,7 @@ def test_rerun_with_another_schedule_is_refused_naming_the_fields(tmp_path, caps
 
     # how it is logged or saved may change: the run resumes (and has nothing left to do)
     assert main(["train", "--config", str(cfg), "--out", str(out), "--no-progress", "--set", "log_every=2",
-                 "--set", "checkpoint.keep=1"]) == 0
+                 "--set", "checkpoint.keep=1", "--set", "checkpoint.resume=true"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed"] and summary["start_step"] == 4 and ckpts() == [4]
 

@@ -11,7 +11,7 @@ qwen3-8b, qwen3-0.6b) or an HF checkpoint directory / config.json; its model_typ
 picks the family.
 
 Resumes automatically from DIR/checkpoints, with the config the run was started with (DIR/config.yaml):
-a rerun that changes another field than checkpoint.every / keep / async_save, export.*, mesh.*,
+a rerun that changes another field than checkpoint.every / keep / async_save / resume, export.*, mesh.*,
 distributed.*, log_every, tensorboard or plot is refused, naming the fields (steps and epochs too:
 they set the learning-rate schedule, so a longer run is not the shorter one continued); --new-run
 starts over instead. Ctrl-C ends with the step a rerun resumes from. Multi-host: pass --coordinator HOST:PORT

@@ -231,8 +231,8 @@ RUN_OUTPUTS = ("checkpoints", "checkpoints_quarantine", "tb", "hf", "metrics.jso
 # devices, nothing that decides which weights it computes. Every other field (the model, the data
 # and its layout, the optimizer, the seeds, `steps` and `epochs`, which set the learning-rate
 # schedule: a longer run is not the short one continued) must be what the checkpoints were trained with.
-RESUME_MAY_CHANGE = ("checkpoint.every", "checkpoint.keep", "checkpoint.async_save", "export.", "distributed.",
-                     "mesh.", "log_every", "tensorboard", "plot")
+RESUME_MAY_CHANGE = ("checkpoint.every", "checkpoint.keep", "checkpoint.async_save", "checkpoint.resume", "export.",
+                     "distributed.", "mesh.", "log_every", "tensorboard", "plot")
 
 
 def _flat(d, prefix: str = "") -> dict[str, Any]:
@@ -247,15 +247,16 @@ def _flat(d, prefix: str = "") -> dict[str, Any]:
 def check_resume(cfg: TrainConfig, out: Path) -> None:
     """Refuse (ConfigError naming the fields) to resume OUT's checkpoints with a config that
     differs from OUT/config.yaml, the one they were trained with, in a field outside
-    RESUME_MAY_CHANGE. Nothing to check without checkpoints or without OUT/config.yaml."""
+    RESUME_MAY_CHANGE. Nothing to check without checkpoints, without OUT/config.yaml or when
+    checkpoint.resume is false."""
     import yaml
 
     from sprint_jax.config import to_dict
 
     steps = saved_steps(out)
     saved_path = out / "config.yaml"
-    if not steps or not saved_path.is_file():
-        return
+    if not steps or not saved_path.is_file() or not cfg.checkpoint.resume:
+        return                  # (checkpoint.resume false: _open_checkpoints refuses the directory)
     try:
         saved = yaml.safe_load(saved_path.read_text(encoding="utf-8"))
     except (OSError, ValueError, yaml.YAMLError) as e:
