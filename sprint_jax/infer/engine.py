@@ -20,8 +20,8 @@ import jax
 from sprint_jax.infer import sharding as sh
 from sprint_jax.infer.joins import Joins
 from sprint_jax.infer.programs import STOP_WIDTH
-from sprint_jax.infer.requests import (DecodeTrace, EngineError, Generation, Op, Row, Seq, checked_sampling,
-                                       decode_tokens, sample_first)
+from sprint_jax.infer.requests import (DecodeTrace, EngineError, ForkRecord, Generation, Op, PrefillWork, Row,
+                                       Seq, checked_sampling, decode_tokens, sample_first)
 from sprint_jax.infer.sampling import TOP_LOGPROBS, Sampling, valid_vocab
 from sprint_jax.infer.scheduler import Scheduler
 from sprint_jax.infer.slot_cache import SlotCache
@@ -123,9 +123,9 @@ class Engine(Scheduler, Joins):
         self._parts = sh.slot_parts(self._kv)          # slot shards (data > 1): rows placed per shard
         self._free = sh.slot_order(max_seqs, self._parts)
         self._waiting: deque[Op] = deque()             # opens waiting for a slot
-        # seq id -> [seq, run, done, base]: tokens run[done:] still to write at slot positions
-        # base + done.. (an open's prompt, extends; queued when submitted, written by the next step)
-        self._prefill_work: dict[int, list] = {}
+        # seq id -> its queued tokens (an open's prompt, extends; queued when submitted, written
+        # by the next step)
+        self._prefill_work: dict[int, PrefillWork] = {}
         self._groups: dict[int, list[Row | None]] = {}                  # slot -> [parent row, children...]
         self._single_token: dict[str, list[int]] = {}     # stop string -> tokens whose text holds it
         self._texts: list[str] | None = None
@@ -219,8 +219,8 @@ class Engine(Scheduler, Joins):
         """Tokens to write into the sequence's slot after what it holds. The op that queued them
         ends at once: the next step writes them (in a prefill call, or as forced tokens of the
         sequence's next decode chunk when few), before anything of the sequence decodes."""
-        work = self._prefill_work.setdefault(seq.id, [seq, [], 0, base])
-        work[1] = work[1] + run
+        work = self._prefill_work.setdefault(seq.id, PrefillWork(seq, [], 0, base))
+        work.run = work.run + run
 
     def generate(self, seq: Seq, max_new_tokens: int, stop: Sequence[str] = (), sampling: Sampling | None = None,
                  tag=None, top_logprobs: int = 0) -> Op:
@@ -303,7 +303,7 @@ class Engine(Scheduler, Joins):
         for row in rows:
             group[1 + row.j] = row
         op.result = [None] * n
-        seq.last_fork = (len(seq.tokens), [None] * n)
+        seq.last_fork = ForkRecord(len(seq.tokens), [None] * n)
         if seq.trace is not None:
             seq.trace.fork(seq, n, join)
         return op
@@ -319,11 +319,11 @@ class Engine(Scheduler, Joins):
                               "(its branches' KV cannot be rolled back)")
         work = self._prefill_work.get(seq.id)
         if work is not None:                  # queued tokens past the new length are not written
-            keep = n - 1 - work[3]
-            if work[2] >= keep:
+            keep = n - 1 - work.base
+            if work.done >= keep:
                 del self._prefill_work[seq.id]
             else:
-                work[1] = work[1][:keep]
+                work.run = work.run[:keep]
         seq.tokens = seq.tokens[:n]
         if seq.trace is not None:
             seq.trace.sync(seq)
@@ -361,11 +361,22 @@ class Engine(Scheduler, Joins):
             return []
         if op.done:
             return [op.result.tokens] if op.kind == "generate" else [g.tokens for g in op.result]
-        rows = self._groups.get(op.seq.slot, [])
+        rows = self.running_rows(op)
         if op.kind == "generate":
-            return [list(rows[0].gen) if rows and rows[0] is not None else []]
-        return [list(g.tokens) if g is not None else (list(rows[1 + j].gen) if rows and rows[1 + j] is not None else [])
-                for j, g in enumerate(op.result)]
+            return [list(rows[0].gen) if rows[0] is not None else []]
+        return [list(g.tokens) if g is not None else (list(r.gen) if r is not None else [])
+                for g, r in zip(op.result, rows)]
+
+    def running_rows(self, op: Op) -> list[Row | None]:
+        """Per choice of an unfinished generate (one) or fork (one per child) op, the `Row` that
+        decodes it now (its tokens so far in `gen`, their log-probs in `lps` / `tops`), or None:
+        finished, or a serial fork's child not started yet. Read-only for callers (a server
+        streaming partial results)."""
+        group = self._groups.get(op.seq.slot) if op.seq.slot is not None else None
+        n = 1 if op.kind == "generate" else len(op.prefixes)
+        if group is None:
+            return [None] * n
+        return [group[0]] if op.kind == "generate" else [group[1 + j] for j in range(n)]
 
     # ---- state ----------------------------------------------------------------------------
     @property

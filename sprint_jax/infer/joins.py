@@ -17,7 +17,7 @@ import numpy as np
 from sprint_jax.infer import programs
 from sprint_jax.infer import sharding as sh
 from sprint_jax.infer.programs import PrefillRows
-from sprint_jax.infer.requests import EngineError, Seq, common_prefix
+from sprint_jax.infer.requests import EngineError, ForkChild, ForkRecord, Seq, common_prefix
 from sprint_jax.infer.slot_cache import bucket, bucket_fine
 
 
@@ -50,10 +50,10 @@ class Joins:
         (`join_logits`). Runs at once (no step needed): the call is dispatched now."""
         self._check_idle(seq, "merge")
         fork = seq.last_fork
-        if fork is None or fork[0] != len(seq.tokens) or any(r is None for r in fork[1]):
+        if fork is None or fork.at != len(seq.tokens) or not fork.finished:
             raise EngineError("merge needs the fork just finished on this sequence, with the sequence unchanged since")
-        rows = fork[1]
-        n = len(rows)
+        kids: list[ForkChild] = fork.children
+        n = len(kids)
         branches = [[int(t) for t in b] for b in branches]
         if len(branches) != n:
             raise EngineError(f"merge of {len(branches)} branches; the fork has {n}")
@@ -70,8 +70,8 @@ class Joins:
         # 1..keep[j]; slot 0 is the parent's pending token): the common prefix of what the child
         # ran and the branch, up to what its slot holds. The last child's last token also needs
         # its logits (the join's): kept from its decode (`fork(join=True)`), else it runs again.
-        keep = [min(common_prefix(have[1:], b), done - 1) for b, (have, done, _) in zip(branches, rows)]
-        if keep[-1] == len(branches[-1]) and not (rows[-1][2] is not None and rows[-1][1] - 1 == keep[-1]):
+        keep = [min(common_prefix(kid.tokens[1:], b), kid.written - 1) for b, kid in zip(branches, kids)]
+        if keep[-1] == len(branches[-1]) and not (kids[-1].logits is not None and kids[-1].written - 1 == keep[-1]):
             keep[-1] -= 1
         tails = [b[k:] for b, k in zip(branches, keep)]
         # the copy (`copy_join`): child 0's slots 0..len (slot 0: the parent's pending token, run
@@ -85,7 +85,7 @@ class Joins:
             # every token was computed in its branch (the children fed their last token): no
             # model call, only the copy
             self.cache = programs.copy_join(self.cache, meta, w=w, kv=self._kv)
-            return self._joined(seq, branches, rows[-1][2], 0)
+            return self._joined(seq, branches, kids[-1].logits, 0)
         # else one call (`programs.merge`): the tails (one child prefill row per child, its shard's
         # block; tail bucket 1, 2, 4, ...), then the copy. A tail longer than prefill_chunk (rare) runs
         # its leading chunks as child prefill calls first.
@@ -111,7 +111,7 @@ class Joins:
             if pieces[-1]:
                 last = logits[at[n - 1]]
             pos += self.prefill_chunk
-        return self._joined(seq, branches, last if tails[-1] else rows[-1][2], sum(len(t) for t in tails))
+        return self._joined(seq, branches, last if tails[-1] else kids[-1].logits, sum(len(t) for t in tails))
 
     def _join_meta(self, seq: Seq, p0: int, lens: list[int]) -> np.ndarray:
         """`copy_join`'s meta: one row per slot shard, the sequence's shard's (parent slot, p0, per
@@ -210,7 +210,8 @@ class Joins:
             logits = np.asarray(logits)
             for j, (i, p) in enumerate(zip(at, pieces)):
                 out[j].append(logits[i, : len(p)])
-        seq.last_fork = (len(seq.tokens), [([seq.tokens[-1]] + b, len(r), None) for b, r in zip(branches, runs)])
+        seq.last_fork = ForkRecord(len(seq.tokens), [ForkChild([seq.tokens[-1]] + b, len(r))
+                                                     for b, r in zip(branches, runs)])
         if seq.trace is not None:               # teacher forcing: not followed by the trace
             seq.trace.exact = False
         return [np.concatenate(o) for o in out]
@@ -224,9 +225,9 @@ class Joins:
         given up: the same prefill calls, run before the next step instead of in it. Returns
         whether it wrote anything."""
         work = self._prefill_work.get(seq.id)
-        if (self._waiting or any(w[0] is not seq for w in self._prefill_work.values())
+        if (self._waiting or any(w.seq is not seq for w in self._prefill_work.values())
                 or any(r is not None for rows in self._groups.values() for r in rows)
-                or (work is not None and len(work[1]) - work[2] <= self.decode_chunk)):
+                or (work is not None and work.left <= self.decode_chunk)):
             return False
         wrote = work is not None
         while seq.id in self._prefill_work:

@@ -291,6 +291,55 @@ def _sample_rows(logits, base, steps, temperature, top_k, top_p, top_n: int = 0)
     return tok, lp, top_ids.astype(jnp.int32), top_lp
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeOut:
+    """What `decode` returns: the cache; per row the emitted tokens [B, chunk + F] (-1 = none),
+    reason codes [B] (1 stop id / EOS, 2 length) and each emitted token's log-prob [B, chunk + F]
+    fp32; the steps the call ran (scalar); with `feeding` the kept logits [B, V] (else None); with
+    top_logprobs = n the n most likely ids and their log-probs per emitted token [B, chunk + F, n]
+    (else None)."""
+    cache: SlotCache
+    tokens: jax.Array
+    reason: jax.Array
+    steps: jax.Array
+    logprobs: jax.Array
+    kept: jax.Array | None = None
+    top_ids: jax.Array | None = None
+    top_logprobs: jax.Array | None = None
+
+
+def _decode_fields(feeding: bool, top_logprobs: int) -> tuple[tuple[str, str], ...]:
+    """The `DecodeOut` fields a decode call sets, in order, each with the kind `sh.slot_local`
+    maps it by under slot shards ("cache", "rows", "max")."""
+    return ((("cache", "cache"), ("tokens", "rows"), ("reason", "rows"), ("steps", "max"), ("logprobs", "rows"))
+            + (("kept", "rows"),) * bool(feeding) + (("top_ids", "rows"), ("top_logprobs", "rows")) * bool(top_logprobs))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _DecodeCarry:
+    """The decode loop's state (`jax.lax.while_loop`'s carry), per row [B, ...] but `i` (the step)
+    and `cache`: each row's KV entries in its own slot, pending token, whether it still decodes,
+    its token budget and sampled steps, the emitted tokens and reason codes so far, whether it
+    feeds its last token this step (`fed`), the logits kept from such a step, and the emitted
+    tokens' log-probs (with the top ids / log-probs, [.., 0] wide when not asked for)."""
+    i: jax.Array
+    cache: SlotCache
+    lengths: jax.Array
+    pending: jax.Array
+    active: jax.Array
+    remaining: jax.Array
+    steps: jax.Array
+    out: jax.Array
+    reason: jax.Array
+    fed: jax.Array
+    kept: jax.Array
+    lps: jax.Array
+    top_ids: jax.Array
+    top_lps: jax.Array
+
+
 def parent_prefix_attention(pk: jax.Array, pv: jax.Array, layer, pslot: jax.Array, q: jax.Array,
                             plen: jax.Array, s_b: int, attention_impl: str = "xla", kv=None):
     """The shared-prefix attention of a step: group i's W queries q[i] [G, W, H, D] attend to the
@@ -305,16 +354,11 @@ def parent_prefix_attention(pk: jax.Array, pv: jax.Array, layer, pslot: jax.Arra
     return attend_partial_heads(q, gather_rows(pk, layer, pslot, s_b), gather_rows(pv, layer, pslot, s_b), mask)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "layout", "chunk", "s_b", "c_b", "kv", "attention_impl",
-                                             "n_valid", "feeding", "top_logprobs"),
-                   donate_argnames=("cache",))
-@sh.slot_local(rows=("rows",),
-               out=lambda a: ("cache", "rows", "rows", "max", "rows") + ("rows",) * bool(a["feeding"])
-               + ("rows", "rows") * bool(a["top_logprobs"]),
+@sh.slot_local(rows=("rows",), out=lambda a: tuple(k for _, k in _decode_fields(a["feeding"], a["top_logprobs"])),
                cache_kv=(0, 0, 1, 1))
-def decode(params, config: Qwen2Config, cache: SlotCache, rows, layout: tuple, chunk: int, s_b: int, c_b: int,
-           kv=None, attention_impl: str = "xla", n_valid: int | None = None, feeding: bool = False,
-           top_logprobs: int = 0):
+def _decode_body(params, config: Qwen2Config, cache: SlotCache, rows, layout: tuple, chunk: int, s_b: int, c_b: int,
+                 kv=None, attention_impl: str = "xla", n_valid: int | None = None, feeding: bool = False,
+                 top_logprobs: int = 0):
     """Up to `chunk` decode steps of every active row (`rows, layout = DecodeRows.pack()`), reading
     s_b parent and c_b child slots per row. Forced tokens: step k < n_forced writes the pending token's KV and makes
     forced[k] pending; it emits nothing and is not one of the row's generated steps (its sampling
@@ -325,8 +369,9 @@ def decode(params, config: Qwen2Config, cache: SlotCache, rows, layout: tuple, c
     id, EOS, length) runs one more step that only feeds its last token: its KV is written and its
     logits (before the padded ids are masked) are kept; the token that step samples is dropped. A
     merge join's children so hold their close tag's KV, and the last one its join logits.
-    Returns the cache, the emitted tokens [B, chunk + F] (-1 = none), per-row reason codes
-    (1 stop id / EOS, 2 length), the steps run, each emitted token's log-prob [B, chunk + F] fp32
+    Returns a flat tuple, the `DecodeOut` fields `_decode_fields` lists (`decode` names them):
+    the cache, the emitted tokens [B, chunk + F] (-1 = none), per-row reason codes (1 stop id /
+    EOS, 2 length), the steps run, each emitted token's log-prob [B, chunk + F] fp32
     (`_sample_rows`: under the distribution it was drawn from; computed here from the logits the
     step holds, so it costs no transfer but its [B, chunk + F] floats), with feeding the kept logits
     [B, V], and with top_logprobs = n (static) the n most likely ids and their log-probs per
@@ -384,39 +429,58 @@ def decode(params, config: Qwen2Config, cache: SlotCache, rows, layout: tuple, c
     forced, n_forced = r.forced, r.n_forced
     out = jnp.full((b, chunk + forced.shape[1]), -1, jnp.int32)     # step i's token in column i
     steps_cap = chunk + n_forced                      # a row's forced steps do not count against the chunk
-    kept0 = jnp.zeros((b, config.vocab_size if feeding else 0), jnp.float32)
-    lps0 = (jnp.zeros(out.shape, jnp.float32), jnp.zeros(out.shape + (top_logprobs,), jnp.int32),
-            jnp.zeros(out.shape + (top_logprobs,), jnp.float32))
+    top_shape = out.shape + (top_logprobs,)
 
-    def cond(c):          # the same trip count on every slot shard (see any_slot_shard)
-        return sh.any_slot_shard(jnp.any(c[4] & (c[0] < steps_cap)) | jnp.any(c[9]))
+    def cond(c: _DecodeCarry):          # the same trip count on every slot shard (see any_slot_shard)
+        return sh.any_slot_shard(jnp.any(c.active & (c.i < steps_cap)) | jnp.any(c.fed))
 
-    def body(c):
-        i, cache, lengths, pending, active, remaining, steps, out, reason, fed, kept, lps = c
-        cache, tok, raw, step_lp = one_step(cache, lengths, pending, active, steps, fed)
-        lps = (lps[0].at[:, i].set(step_lp[0], mode="drop"),) + ((
-            lps[1].at[:, i].set(step_lp[1], mode="drop"), lps[2].at[:, i].set(step_lp[2], mode="drop"))
-            if top_logprobs else lps[1:])
+    def body(c: _DecodeCarry) -> _DecodeCarry:
+        i = c.i
+        cache, tok, raw, (lp, top_ids, top_lp) = one_step(c.cache, c.lengths, c.pending, c.active, c.steps, c.fed)
+        lps = c.lps.at[:, i].set(lp, mode="drop")
+        top_ids_, top_lps = c.top_ids, c.top_lps
+        if top_logprobs:
+            top_ids_ = top_ids_.at[:, i].set(top_ids, mode="drop")
+            top_lps = top_lps.at[:, i].set(top_lp, mode="drop")
+        kept = c.kept
         if feeding:                   # the rows fed their last token this step: its logits kept
-            kept = jnp.where(fed[:, None], raw.astype(jnp.float32), kept)
-        active = active & (i < steps_cap)             # a step past the chunk only feeds
+            kept = jnp.where(c.fed[:, None], raw.astype(jnp.float32), kept)
+        active = c.active & (i < steps_cap)           # a step past the chunk only feeds
         forcing = active & (i < n_forced)
         sampling = active & ~forcing
         tok, finished, remaining, reason, lengths, pending = advance_rows(
-            tok, sampling, r.stop_ids, remaining, reason, lengths, pending)
+            tok, sampling, r.stop_ids, c.remaining, c.reason, c.lengths, c.pending)
         nxt = forced[:, jnp.minimum(i, forced.shape[1] - 1)]
         lengths = jnp.where(forcing, lengths + 1, lengths)
         pending = jnp.where(forcing, nxt, pending)
-        out = out.at[:, i].set(tok, mode="drop")
-        steps = jnp.where(sampling, steps + 1, steps)
-        active = active & ~finished
-        fed = (finished & r.feed_last) if feeding else fed
-        return i + 1, cache, lengths, pending, active, remaining, steps, out, reason, fed, kept, lps
+        return _DecodeCarry(
+            i=i + 1, cache=cache, lengths=lengths, pending=pending, active=active & ~finished, remaining=remaining,
+            steps=jnp.where(sampling, c.steps + 1, c.steps), out=c.out.at[:, i].set(tok, mode="drop"),
+            reason=reason, fed=(finished & r.feed_last) if feeding else c.fed, kept=kept, lps=lps,
+            top_ids=top_ids_, top_lps=top_lps)
 
-    init = (jnp.int32(0), cache, r.lengths, r.pending, r.active, r.remaining, r.steps, out,
-            jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), kept0, lps0)
-    i, cache, *_, out, reason, _, kept, lps = jax.lax.while_loop(cond, body, init)
-    return (cache, out, reason, i, lps[0]) + ((kept,) if feeding else ()) + (lps[1:] if top_logprobs else ())
+    init = _DecodeCarry(
+        i=jnp.int32(0), cache=cache, lengths=r.lengths, pending=r.pending, active=r.active, remaining=r.remaining,
+        steps=r.steps, out=out, reason=jnp.zeros((b,), jnp.int32), fed=jnp.zeros((b,), bool),
+        kept=jnp.zeros((b, config.vocab_size if feeding else 0), jnp.float32),
+        lps=jnp.zeros(out.shape, jnp.float32), top_ids=jnp.zeros(top_shape, jnp.int32),
+        top_lps=jnp.zeros(top_shape, jnp.float32))
+    c = jax.lax.while_loop(cond, body, init)
+    return ((c.cache, c.out, c.reason, c.i, c.lps) + ((c.kept,) if feeding else ())
+            + ((c.top_ids, c.top_lps) if top_logprobs else ()))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "layout", "chunk", "s_b", "c_b", "kv", "attention_impl",
+                                             "n_valid", "feeding", "top_logprobs"),
+                   donate_argnames=("cache",))
+def decode(params, config: Qwen2Config, cache: SlotCache, rows, layout: tuple, chunk: int, s_b: int, c_b: int,
+           kv=None, attention_impl: str = "xla", n_valid: int | None = None, feeding: bool = False,
+           top_logprobs: int = 0) -> DecodeOut:
+    """Up to `chunk` decode steps of every active row (`_decode_body`); returns a `DecodeOut`
+    (the optional fields set by `feeding` and `top_logprobs`)."""
+    res = _decode_body(params, config, cache, rows, layout=layout, chunk=chunk, s_b=s_b, c_b=c_b, kv=kv,
+                       attention_impl=attention_impl, n_valid=n_valid, feeding=feeding, top_logprobs=top_logprobs)
+    return DecodeOut(**{name: x for (name, _), x in zip(_decode_fields(feeding, top_logprobs), res, strict=True)})
 
 
 @jax.jit

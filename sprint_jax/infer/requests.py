@@ -55,11 +55,11 @@ class Seq:
         # side in the slot but continues at fork + the longest); the first `joined` tokens are
         # fixed (no rollback into them); right after a join the last token is already in the slot
         # (computed in its branch) and join_logits are its logits. last_fork: the last fork's
-        # children, [(tokens from the parent's pending token on, slots computed)], for merge.
+        # record (its children's tokens and what their slots hold), for merge.
         self.pos_offset = 0
         self.joined = 0
         self.join_logits = None
-        self.last_fork: tuple[int, list] | None = None
+        self.last_fork: ForkRecord | None = None
         self.trace: DecodeTrace | None = None   # how its tokens were computed (Engine(trace=True))
 
     @property
@@ -198,6 +198,44 @@ class Row:
         self.prefill_pos = 0              # child: how much of run[:-1] is in its suffix slot
         self.fed = False                  # its last token was run (a join fork's child: decode's feed_last)
         self.last_logits = None           # then its logits after that token (device, [V]), if kept
+
+
+@dataclasses.dataclass
+class PrefillWork:
+    """A sequence's queued tokens (an open's prompt, extends): run[done:] still to be written into
+    its slot at slots base + done.. (by a prefill call, or as forced tokens of its next decode
+    chunk when few are left)."""
+    seq: Seq
+    run: list[int]
+    done: int
+    base: int
+
+    @property
+    def left(self) -> int:
+        """Tokens still to write."""
+        return len(self.run) - self.done
+
+
+@dataclasses.dataclass
+class ForkChild:
+    """One finished child of a fork, as a merge join needs it: its tokens from the parent's pending
+    token on (forced prefix, then generated), how many of them its slot holds (`written`), and its
+    logits after the last one (device [V]; None: not kept)."""
+    tokens: list[int]
+    written: int
+    logits: object = None
+
+
+@dataclasses.dataclass
+class ForkRecord:
+    """A sequence's last fork: its length when forked (`at`) and each child once it finished
+    (None while it runs)."""
+    at: int
+    children: list[ForkChild | None]
+
+    @property
+    def finished(self) -> bool:
+        return all(c is not None for c in self.children)
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,7 +18,7 @@ import numpy as np
 from sprint_jax.infer import programs
 from sprint_jax.infer import sharding as sh
 from sprint_jax.infer.programs import DecodeRows, PrefillRows
-from sprint_jax.infer.requests import EngineError, Generation, Op, Row
+from sprint_jax.infer.requests import EngineError, ForkChild, Generation, Op, PrefillWork, Row
 from sprint_jax.infer.sampling import TOP_LOGPROBS
 from sprint_jax.infer.slot_cache import bucket, bucket_fine
 
@@ -51,30 +51,28 @@ class Scheduler:
             raise EngineError(f"no progress: {len(self._waiting)} open(s) wait for a slot and all "
                               f"{self.max_seqs} slots hold idle sequences (close one)")
 
-    def _forced_in_decode(self, work: list) -> bool:
+    def _forced_in_decode(self, work: PrefillWork) -> bool:
         """Whether a sequence's queued tokens ride as forced tokens in its next decode chunk (few
         left, and its generate op decodes next) instead of a prefill call."""
-        seq = work[0]
-        rows = self._groups.get(seq.slot)
-        return (len(work[1]) - work[2] <= self.decode_chunk and rows is not None and rows[0] is not None
+        rows = self._groups.get(work.seq.slot)
+        return (work.left <= self.decode_chunk and rows is not None and rows[0] is not None
                 and rows[0].reason is None)
 
     def _prefill_parents(self) -> None:
         rows = []
         for work in self._prefill_work.values():
             if not self._forced_in_decode(work):
-                seq, run, done, base = work
-                rows.append((work, run[done: done + self.prefill_chunk]))
+                rows.append((work, work.run[work.done: work.done + self.prefill_chunk]))
         if not rows:
             return
-        at, r_b = sh.slot_blocks([work[0].slot for work, _ in rows], self.max_seqs, self._parts)
+        at, r_b = sh.slot_blocks([work.seq.slot for work, _ in rows], self.max_seqs, self._parts)
         r = PrefillRows.empty(r_b, bucket_fine(max(len(p) for _, p in rows), 16), self.max_seqs)
         for i, (work, piece) in zip(at, rows):
             r.tokens[i, : len(piece)] = piece
-            r.slot[i] = r.parent[i] = work[0].slot
-            r.start[i] = work[3] + work[2]
+            r.slot[i] = r.parent[i] = work.seq.slot
+            r.start[i] = work.base + work.done
             r.n_valid[i] = len(piece)
-            r.pos_off[i] = work[0].pos_offset
+            r.pos_off[i] = work.seq.pos_offset
         s_b = min(bucket_fine(int(r.start.max()) + 1, self.min_bucket), self.parent_capacity)
         # host arrays go to the jitted call as they are (jnp.asarray / jnp.zeros would each be a
         # dispatched op: ~0.1-0.4 ms of host time per prefill call on a small model)
@@ -82,9 +80,9 @@ class Scheduler:
                                       kv=self._kv)
         self.stats["prefill_calls"] += 1
         for work, piece in rows:
-            work[2] += len(piece)
-            if work[2] >= len(work[1]):
-                del self._prefill_work[work[0].id]
+            work.done += len(piece)
+            if work.left <= 0:
+                del self._prefill_work[work.seq.id]
 
     def _prefill_children(self) -> None:
         work = []
@@ -135,8 +133,7 @@ class Scheduler:
         seq = row.op.seq
         work = self._prefill_work.get(seq.id)
         if work is not None:
-            _, run, done, base = work
-            return base + done, run[done:] + [seq.tokens[-1]]
+            return work.base + work.done, work.run[work.done:] + [seq.tokens[-1]]
         return seq.length + len(row.gen), [row.gen[-1] if row.gen else seq.tokens[-1]]
 
     def _decode(self) -> None:
@@ -207,9 +204,9 @@ class Scheduler:
             self._step_params, self.config, self.cache, packed, layout=layout, chunk=self.decode_chunk, s_b=s_b,
             c_b=c_b, kv=self._kv, attention_impl=self.attention_impl, n_valid=self.n_valid,
             feeding=feeding, top_logprobs=top_n)
-        self.cache, out, reason, _, lps = res[:5]
-        kept = res[5] if feeding else None
-        out, reason, lps, tops = jax.device_get((out, reason, lps, res[-2:] if top_n else None))
+        self.cache, kept = res.cache, res.kept
+        out, reason, lps, tops = jax.device_get((res.tokens, res.reason, res.logprobs,
+                                                 (res.top_ids, res.top_logprobs) if top_n else None))
         self.stats["decode_calls"] += 1
         for i, row, child in placed:
             if n_forced[i]:                   # all taken: a row forces before it can finish
@@ -265,8 +262,8 @@ class Scheduler:
             # logits after the last (None: not kept). At the end every forced token (prefilled or
             # taken in a decode chunk) and each generated token but the last is written; the last
             # too when it was fed (row.fed; a host-side stop's overshoot wrote more: not counted)
-            seq.last_fork[1][row.j] = (row.run + row.gen, len(row.run) - 1 + len(row.gen) + row.fed,
-                                       row.last_logits)
+            seq.last_fork.children[row.j] = ForkChild(row.run + row.gen, len(row.run) - 1 + len(row.gen) + row.fed,
+                                                      row.last_logits)
         if op.queued:                         # a serial fork: the next child starts
             nxt = op.queued.pop(0)
             group[1 + nxt.j] = nxt
