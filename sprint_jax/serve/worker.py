@@ -250,8 +250,8 @@ def _text_piece(job: "Job", ev) -> tuple:
 def _progress_logprobs(engine, op) -> list[tuple[list[float], list | None]]:
     """Per choice of a streaming generate / fork op, the log-probs and alternatives of the tokens
     `engine.progress(op)` reports: a finished row's from its Generation, a decoding row's from the
-    scheduler's running lists (Row.lps / Row.tops, kept in step with Row.gen), read the way
-    `Engine.progress` reads Row.gen."""
+    scheduler's running lists (Row.lps / Row.tops, kept in step with Row.gen; `Engine.running_rows`),
+    read the way `Engine.progress` reads Row.gen."""
     def of(g):
         return (list(g.logprobs), list(g.top_logprobs) if g.top_logprobs is not None else None)
 
@@ -259,10 +259,10 @@ def _progress_logprobs(engine, op) -> list[tuple[list[float], list | None]]:
         return (list(row.lps), list(row.tops)) if row is not None else ([], None)
     if op.done:
         return [of(op.result)] if op.kind == "generate" else [of(g) for g in op.result]
-    rows = engine._groups.get(op.seq.slot, [])
+    rows = engine.running_rows(op)
     if op.kind == "generate":
-        return [running(rows[0] if rows else None)]
-    return [of(g) if g is not None else running(rows[1 + j] if rows else None) for j, g in enumerate(op.result)]
+        return [running(rows[0])]
+    return [of(g) if g is not None else running(r) for g, r in zip(op.result, rows)]
 
 
 class Channel:
