@@ -6,7 +6,11 @@ jax's CUDA plugin builds compile-only devices from a target config (`plan.chips.
 Triton refuses a kernel whose tiles exceed the GPU's shared memory ("Shared memory size limit
 exceeded"), so a compile here is the check a first train step on the GPU would be. Sequence
 lengths are short (the blocks are the full-length choice; a Triton kernel's code does not depend on
-the grid), so each compile is of the kernels alone. Skipped only without the plugin.
+the grid), so each compile is of the kernels alone. fp32 Triton kernels compile several times slower
+than bf16 (minutes on a loaded 2-core host), so fp32 compiles at the 7B's head layout alone: the
+Qwen3-8B's flash kernels take the same blocks (head_dim 128), and its decode blocks are smaller
+ones under the same shared-memory bound, which `test_shared_memory_bounds_hold_against_the_compiler`
+holds against the compiler. Skipped only without the plugin.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ def _heads(model: str) -> tuple[int, int, int]:
     return c.num_attention_heads, c.num_key_value_heads, c.head_dim
 
 
-def _every_kernel(dtype, sharding):
+def _every_kernel(dtype, sharding, models=MODELS):
     """(function, abstract args) running each Pallas GPU kernel once per model: flash forward and
     backward without and with merge tags (flat / trie, merge), the grouped-prefix decode kernel in
     both cache layouts and the shared-prefix decode kernel, all with their default block sizes."""
@@ -49,19 +53,18 @@ def _every_kernel(dtype, sharding):
         return jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
 
     t, slots, cap, width, n, suffix = 512, 2, 512, 8, 8, 128
-    args, parts = [], []
-    for model in MODELS:
+    args = []
+    for model in models:
         h, hkv, d = _heads(model)
         q, kv, se, tags = s((1, t, h, d)), s((1, t, hkv, d)), s((1, t), jnp.int32), s((1, t), jnp.int32)
         gq, cache, cache_hf = s((slots, width, h, d)), s((slots, cap, hkv, d)), s((slots, hkv, cap, d))
         rows, lens = s((slots,), jnp.int32), s((slots, width), jnp.int32)
         sq, pk, sk = s((n, h, d)), s((cap, hkv, d)), s((n, suffix, hkv, d))
         args += [q, kv, se, tags, gq, cache, cache_hf, rows, lens, sq, pk, sk, s((), jnp.int32), s((n,), jnp.int32)]
-        parts.append(14)
 
     def f(*a):
         out = []
-        for i in range(len(MODELS)):
+        for i in range(len(models)):
             q, kv, se, tags, gq, cache, cache_hf, rows, lens, sq, pk, sk, plen, slens = a[14 * i:14 * i + 14]
             for stage in (None, tags):          # trie / flat, then merge (stage and branch tags)
                 def loss(q, k, v, stage=stage):
@@ -77,7 +80,7 @@ def _every_kernel(dtype, sharding):
 
 # kernels per model: flash fwd, dq, dkdv without and with tags (6), grouped prefix x 2 layouts,
 # shared prefix (its prefix and suffix parts); at least these many Triton calls must be compiled
-MIN_TRITON_CALLS = len(MODELS) * (6 + 2 + 1)
+TRITON_CALLS_PER_MODEL = 6 + 2 + 1
 
 
 @needs_plugin
@@ -88,11 +91,12 @@ def test_every_kernel_compiles_for_the_gpu(cc, dtype):
     from jax.sharding import SingleDeviceSharding
 
     sharding = SingleDeviceSharding(_device(cc))
+    models = MODELS if dtype == "bfloat16" else MODELS[:1]
     with gpu_target.target(cc):
-        f, args = _every_kernel(jnp.dtype(dtype), sharding)
+        f, args = _every_kernel(jnp.dtype(dtype), sharding, models)
         lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
     compiled = lowered.compile()          # raises "Shared memory size limit exceeded" if a block is too big
-    assert compiled.as_text().count(TRITON) >= MIN_TRITON_CALLS
+    assert compiled.as_text().count(TRITON) >= len(models) * TRITON_CALLS_PER_MODEL
 
 
 @pytest.mark.parametrize("cc, dtype, blocks", [

@@ -278,6 +278,18 @@ def kernel_error(e: BaseException, calls: list[KernelCall]) -> str | None:
     return f"{kind} kernel {what} failed to lower: {_first_line(e)}"
 
 
+def shared_memory_error(e: BaseException, calls: list[KernelCall]) -> str | None:
+    """One line for Triton's refusal of a kernel whose tiles exceed the GPU's shared memory (XLA
+    reports it as RESOURCE_EXHAUSTED without naming the kernel: the step's Pallas calls are listed),
+    None for any other error."""
+    m = re.search(r"Shared memory size limit exceeded: requested (\d+), available: (\d+)", str(e))
+    if not m:
+        return None
+    seen = list(dict.fromkeys(c.describe() for c in calls))
+    return (f"a Triton kernel asks {int(m.group(1)):,} bytes of shared memory per block, the GPU has "
+            f"{int(m.group(2)):,}; the step's kernels: {'; '.join(seen) or 'none recorded'}")
+
+
 def memory_of(compiled) -> dict[str, int]:
     """Per-chip bytes from XLA's memory analysis; total = arguments + outputs - alias + temp."""
     ma = compiled.memory_analysis()
@@ -365,8 +377,11 @@ def compile_traced(trace: Callable[[], Any], calls: list[KernelCall], notes: lis
                 log = held.read().decode(errors="replace")
     except Exception as e:  # noqa: BLE001
         out.compile_s = time.perf_counter() - t
-        out.oom = parse_oom(str(e))
-        if out.oom is not None:
+        smem = shared_memory_error(e, calls)
+        out.oom = None if smem else parse_oom(str(e))
+        if smem:
+            out.error = smem
+        elif out.oom is not None:
             out.error = "out of memory: " + _first_line(e)
         else:
             out.error = kernel_error(e, calls) or f"compile failed: {_first_line(e)}"
