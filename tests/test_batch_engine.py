@@ -180,7 +180,8 @@ def test_fork_children_equal_each_branch_decoded_alone_from_a_fresh_prefill(setu
 
 def test_serial_fork_runs_children_one_after_another(setup):
     """`serial=True`: one child row at a time (the scheduler never holds two), each child's tokens
-    those of the same fork decoded together (sampled: the same key streams)."""
+    those of the same fork decoded together (sampled: the same key streams). `running_rows` names
+    the one decoding child, whose tokens so far are what `progress` streams."""
     model, tok, engine, alone = setup
     prompt, prefixes = _ids(9, 12), [_ids(30 + j, j) for j in range(3)]
     hot = Sampling(temperature=1.0, seed=3)
@@ -188,11 +189,18 @@ def test_serial_fork_runs_children_one_after_another(setup):
     engine.run([op])
     seq = op.result
     fork = engine.fork(seq, prefixes, [6, 9, 7], sampling=hot, serial=True)
-    live = []
+    live, decoding = [], []
     while not fork.done:
         engine.step()
         live.append(engine.live_rows)
+        if not fork.done:
+            rows = engine.running_rows(fork)
+            assert len(rows) == 3 and sum(r is not None for r in rows) == 1
+            j = next(j for j, r in enumerate(rows) if r is not None)
+            assert rows[j].j == j and fork.result[j] is None and engine.progress(fork)[j] == rows[j].gen
+            decoding.append(j)
     assert max(live) == 1 and len(live) >= 3
+    assert decoding == sorted(decoding) and set(decoding) <= {0, 1, 2}
     engine.close(seq)
     ref = alone.decode_branches(alone.prefill(prompt), prefixes, [6, 9, 7], sampling=hot, mode="shared")
     assert [g.tokens for g in fork.result] == [g.tokens for g in ref]
