@@ -4,7 +4,6 @@ that is a file or a training run's directory, and a `curate` that fails before d
 leaving nothing behind. Each through the real command."""
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
@@ -30,21 +29,25 @@ def _err_line(capsys) -> str:
 
 # ---- an output directory the user cannot write -------------------------------------------------
 
-def _without_root_file_powers() -> None:
-    """In the child before exec: drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the bounding
-    set, so a root process (as CI runs) is held to permission bits like any user."""
+# Run ARGV (a python command line) with CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH dropped from the
+# bounding set, so that a root process (as CI runs) is held to permission bits like any user: a
+# fresh wrapper process does it and execs (not a preexec_fn: forking this multithreaded process
+# to run Python in the child can deadlock).
+AS_USER = r"""
+import ctypes, os, sys
+if os.geteuid() == 0:
     libc = ctypes.CDLL(None, use_errno=True)
     for cap in (1, 2):
         if libc.prctl(24, cap, 0, 0, 0) != 0:          # PR_CAPBSET_DROP
-            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+            sys.exit(f"prctl(PR_CAPBSET_DROP): {os.strerror(ctypes.get_errno())}")
+os.execv(sys.executable, [sys.executable] + sys.argv[1:])
+"""
 
 
 def _as_user(*argv: str) -> subprocess.CompletedProcess:
-    """`sprint-jax ARGV` in a process that permission bits apply to (a user; root without the
-    capabilities that bypass them)."""
-    preexec = _without_root_file_powers if os.geteuid() == 0 else None
-    return subprocess.run([sys.executable, "-m", "sprint_jax.cli", *argv], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, preexec_fn=preexec, timeout=600)
+    """`sprint-jax ARGV` in a process that permission bits apply to."""
+    return subprocess.run([sys.executable, "-c", AS_USER, "-m", "sprint_jax.cli", *argv], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600)
 
 
 @pytest.fixture
@@ -52,21 +55,12 @@ def read_only_dir(tmp_path):
     d = tmp_path / "ro"
     d.mkdir()
     d.chmod(0o555)
-    probe = _as_user_probe(d)
-    if not probe:
-        pytest.skip("cannot run a process that permission bits apply to (root without CAP_SETPCAP)")
+    probe = subprocess.run([sys.executable, "-c", AS_USER, "-c", f"open({str(d / 'probe')!r}, 'w')"],
+                           capture_output=True, text=True, timeout=60)
+    if "PermissionError" not in probe.stderr:
+        pytest.skip(f"cannot run a process that permission bits apply to: {probe.stderr.strip()[-200:]}")
     yield d
     d.chmod(0o755)
-
-
-def _as_user_probe(d: Path) -> bool:
-    preexec = _without_root_file_powers if os.geteuid() == 0 else None
-    try:
-        p = subprocess.run([sys.executable, "-c", f"open({str(d / 'probe')!r}, 'w')"], preexec_fn=preexec,
-                           capture_output=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return p.returncode != 0 and not (d / "probe").exists()
 
 
 def _one_error_line(p: subprocess.CompletedProcess, command: str) -> str:
