@@ -53,6 +53,20 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
         time.sleep(0.05)
 
 
+def _wait_for_library(proc: subprocess.Popen, name: str, timeout: float = 120) -> None:
+    """Until the process has mapped a shared library whose path holds `name` (jaxlib: it is
+    importing JAX); 1 s where /proc cannot tell."""
+    maps = Path(f"/proc/{proc.pid}/maps")
+    if not maps.exists():
+        time.sleep(1.0)
+        return
+    t0 = time.time()
+    while name not in maps.read_text(errors="replace"):
+        assert proc.poll() is None, f"train ended before loading {name}: {proc.communicate()[1][-3000:]}"
+        assert time.time() - t0 < timeout, f"{name} was not loaded"
+        time.sleep(0.02)
+
+
 def _interrupted_line(proc: subprocess.Popen) -> str:
     """The process's one line after the SIGINT: exit 130, nothing else of ours, no crash."""
     _, err = proc.communicate(timeout=300)
@@ -67,14 +81,16 @@ def _interrupted_line(proc: subprocess.Popen) -> str:
 def test_ctrl_c_while_importing_or_compiling_is_one_line_and_exit_130(tmp_path):
     """Ctrl-C while the first step compiled crashed the interpreter's exit (segmentation fault,
     rc 139) in 4 of 6 tries; during jax's import it aborted (SIGABRT) or printed a traceback.
-    Interrupted 1 s after start (importing) and at three moments after the data is read (setup,
+    Interrupted while importing JAX and at three moments after the data is read (setup,
     init and first-step compiles), each process ends cleanly and says a rerun starts from step 0."""
     cfg = _config(tmp_path)
-    for i, (after, delay) in enumerate(((None, 1.0), ("data_stats.json", 0.3), ("data_stats.json", 1.5),
+    for i, (after, delay) in enumerate((("jaxlib", 0.2), ("data_stats.json", 0.3), ("data_stats.json", 1.5),
                                         ("data_stats.json", 3.0))):
         out = tmp_path / f"run{i}"
         proc = _start(cfg, out)
-        if after is not None:
+        if after == "jaxlib":
+            _wait_for_library(proc, after)
+        else:
             _wait_for(out / after, proc)
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
