@@ -137,3 +137,45 @@ def test_a_kernel_over_shared_memory_is_named_not_read_as_out_of_memory():
         "a Triton kernel asks 327,680 bytes of shared memory per block, the GPU has 232,448; the step's kernels: "
         "flash_span_fwd (block_q=128, block_k=128; q [1, 8192, 28, 128] float32)")
     assert shared_memory_error(RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory"), calls) is None
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_engine_programs_compile_for_one_gpu(tmp_path):
+    """The engine's four programs for one H100: the decode calls hold the Triton grouped-prefix
+    kernel, each row's bytes add up, the estimate within 10% of the compiler (the 7B at 31 runs:
+    70.57 GiB compiled, 70.42 estimated)."""
+    out = tmp_path / "rows.json"
+    rc = main(["plan", "engine", "--model", _model_file(tmp_path, TOY), "--concurrency", "8", "--executors", "4",
+               "--capacity", "2048", "--topology", "h100:1", "--json", str(out)])
+    rows = [r for r in json.loads(out.read_text()) if "kind" in r]
+    assert rc == 0 and sorted(r["kind"] for r in rows) == ["decode_planner", "decode_stage", "join_copy", "prefill"]
+    for r in rows:
+        assert r["compiled"] and r["fits"], r["error"]
+        mem = r["per_chip_bytes"]
+        assert mem["total"] == mem["arguments"] + mem["outputs"] - mem["alias"] + mem["temp"]
+        if r["kind"].startswith("decode"):
+            assert r["kernels"] == ["grouped_prefix_attention"]
+            assert abs(r["estimate_bytes"] / mem["total"] - 1) < 0.1
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_a_toy_rl_update_compiles_for_gpus(tmp_path, capsys):
+    """The RL update (grad with old and reference log-probs, the log-prob forward, the apply) for
+    two H100s at fsdp 2: the grad step's attention is the Triton flash kernels, forward and backward."""
+    model = tmp_path / "policy"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**TOY, "vocab_size": 8192, "tie_word_embeddings": False}))
+    out = tmp_path / "rows.json"
+    rc = main(["plan", "rl", "configs/rl_tiny_cpu.yaml", "--set", f"policy.path={model}",
+               "--set", "loss.rows_per_micro=4", "--set", "loss.seq_len=512", "--set", "loss.kl_coef=0.1",
+               "--set", "loss.updates_per_batch=2", "--set", "mesh.fsdp=-1", "--dtype", "bfloat16",
+               "--topology", "h100:2", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    programs = [r for r in json.loads(out.read_text()) if "kind" in r]
+    assert [r["kind"] for r in programs] == ["grad", "logp", "apply"]
+    grad, logp, apply = programs
+    assert all(r["compiled"] and r["fits"] and r["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1} for r in programs)
+    assert grad["kernels"] == ["flash_span_dkdv", "flash_span_dq", "flash_span_fwd"]
+    assert logp["kernels"] == ["flash_span_fwd"] and apply["kernels"] == []

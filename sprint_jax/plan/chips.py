@@ -71,17 +71,11 @@ class Gpu:
     l2_bytes: int
     clock_ghz: float             # boost clock
     source: str
-    dims = 0                     # not a torus: nodes x GPUs per node
-    cores_per_chip = 1
     platform = "gpu"
 
     @property
     def hbm_bytes(self) -> int:
         return int(self.hbm_gib * GIB)
-
-    @property
-    def booking(self) -> str:
-        return self.product
 
 
 KIB = 1024
@@ -210,7 +204,7 @@ def shapes(chip: Chip | Gpu) -> dict[int, tuple[int, ...]]:
     return dict(_SHAPES_3D if chip.dims == 3 else _SHAPES_2D)
 
 
-def _gpu(name: str, text: str) -> Gpu | None:
+def _gpu(name: str) -> Gpu | None:
     name = _GPU_ALIASES.get(name.lower(), name.lower())
     return GPUS.get(name)
 
@@ -222,7 +216,7 @@ def parse_gpu(text: str) -> Slice | None:
     m = re.fullmatch(r"([A-Za-z0-9-]+?):(\d+)(?:x(\d+))?", t)
     if not m:
         return None
-    gpu = _gpu(m.group(1), t)
+    gpu = _gpu(m.group(1))
     if gpu is None:
         return None
     nodes, per = (1, int(m.group(2))) if m.group(3) is None else (int(m.group(2)), int(m.group(3)))

@@ -1,5 +1,5 @@
 """`sprint-jax plan train|engine|rl ...`: compile the SFT step, the inference engine's programs or
-an RL config's policy-gradient update for TPU slices from this host, and print what each chip
+an RL config's policy-gradient update for TPU slices or NVIDIA GPU nodes from this host, and print what each chip
 would hold, its headroom, and the roofline (engine: also the capacity that fits and, from eval
 records, SPRINT's and RFT's latency).
 """

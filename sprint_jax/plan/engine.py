@@ -1,4 +1,4 @@
-"""`plan engine`: the engine's own jitted programs compiled for TPU slices, its memory and roofline.
+"""`plan engine`: the engine's own jitted programs compiled for TPU slices or GPU nodes, memory and roofline.
 
 The programs are `sprint_jax.infer.programs`' own (prefill, decode, copy_join), called on abstract
 arguments built by the same code the engine uses: weights from `qwen2.abstract_params` placed by

@@ -1,4 +1,4 @@
-"""`plan train`: the SFT step compiled for TPU slices, one row per (slice, mesh).
+"""`plan train`: the SFT step compiled for TPU slices or GPU nodes, one row per (slice, mesh).
 
 A row holds the compiler's verdict (compiled or not, per-chip bytes from `memory_analysis()`),
 the chip's HBM and the headroom left, the planner's own memory estimate beside it, and our FLOPs,
