@@ -222,6 +222,7 @@ def test_r1_recipe_needs_its_keys_from_the_environment_and_never_writes_them(tmp
     # the pair: each arm trains on its own file and names the other's as its partner
     assert sprint.data.train == rft.data.paired.train and rft.data.train == sprint.data.paired.train
     assert sprint.data.train[0].endswith("sprint.jsonl") and rft.data.layout == "flat"
+    assert sprint.data.layout == "merge"      # the layout docs/experiments/layouts.md's flat measurement chose
     ev = next(s for s in stages if s.name == "eval_sprint_math500")
     assert ev.command[ev.command.index("--mode") + 1] == "parallel"
     assert ev.command[ev.command.index("--samples") + 1] == "8"
