@@ -26,15 +26,18 @@ PACKAGE_DIRS = {"sprint_jax": ROOT / "sprint_jax", "sprint_jax.kernels": ROOT / 
 
 # Bottom to top: (layer, what lives there, its components as {component: module prefixes}).
 LAYERS: list[tuple[str, str, dict[str, tuple[str, ...]]]] = [
-    ("base", "errors, dtypes, files, JSONL, output locks, tree checksums, config loading; the Pallas "
+    ("base", "errors, dtypes, files, JSONL, output locks, tree checksums, config loading, the "
+     "interrupt handler; the Pallas "
      "kernels with their dense references, which import nothing of the package",
      {"base": ("sprint_jax", "sprint_jax.errors", "sprint_jax.dtypes", "sprint_jax.fsutil",
-               "sprint_jax.jsonl", "sprint_jax.outlock", "sprint_jax.treesum", "sprint_jax.config"),
+               "sprint_jax.jsonl", "sprint_jax.outlock", "sprint_jax.treesum", "sprint_jax.config",
+               "sprint_jax.interrupt"),
       "kernels": ("sprint_jax.kernels",)}),
     ("model", "the decoder, attention dispatch, sharding rules and mesh helpers, checkpoints, "
      "tokenizers, KV capacity", {"model": ("sprint_jax.model",)}),
-    ("schema", "the SPRINT and ThreadWeaver text formats, training examples and the prompt format",
-     {"schema": ("sprint_jax.format", "sprint_jax.threadweaver", "sprint_jax.schema")}),
+    ("schema", "the SPRINT and ThreadWeaver text formats, training examples, the prompt format and "
+     "the examples' shape (stages and prompts: the caps)",
+     {"schema": ("sprint_jax.format", "sprint_jax.threadweaver", "sprint_jax.schema", "sprint_jax.caps")}),
     ("tasks", "task kinds: loaders, prompts, graders", {"tasks": ("sprint_jax.tasks",)}),
     ("pipelines", "curation (traces -> examples), training (examples -> weights), inference "
      "(weights -> text); independent of each other",

@@ -359,7 +359,7 @@ def bench_attention(s: dict[str, Any], cfg) -> list[dict]:
     """Pallas vs XLA shared-prefix attention at the model's heads (`bench kernels`' point)."""
     import jax
 
-    from sprint_jax.bench.kernels import _bench_point
+    from sprint_jax.bench.kernels import bench_point
 
     ks = {"dtype": s["dtype"], "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
           "head_dim": cfg.head_dim, "suffix_len": s["attn_suffix"], "methods": ["pallas", "xla"],
@@ -368,7 +368,7 @@ def bench_attention(s: dict[str, Any], cfg) -> list[dict]:
     out = []
     for n in s["attn_branches"]:
         _progress(f"attention: {n} branches x prefix {s['attn_prefix']} (pallas{' interpreted' if interpret else ''}, xla)")
-        rows = {r["method"]: r for r in _bench_point(n, s["attn_prefix"], ks, interpret, s["seed"])}
+        rows = {r["method"]: r for r in bench_point(n, s["attn_prefix"], ks, interpret, s["seed"])}
         pl, xl = rows["pallas"], rows["xla"]
         out.append({"branches": n, "prefix_len": s["attn_prefix"], "suffix_len": s["attn_suffix"],
                     "heads": ks["heads"], "kv_heads": ks["kv_heads"], "head_dim": ks["head_dim"],

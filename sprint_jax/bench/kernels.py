@@ -171,7 +171,9 @@ def _copy_fork_attention(q, k_full, v_full, lens):
     return out[:, 0]
 
 
-def _bench_point(n: int, p: int, s: dict[str, Any], interpret: bool, seed: int) -> list[dict]:
+def bench_point(n: int, p: int, s: dict[str, Any], interpret: bool, seed: int) -> list[dict]:
+    """One point of the shared-prefix attention benchmark: n branches over a p-token shared prefix
+    (shapes, dtype and suffix length from `s`), each method timed; one row per method."""
     from sprint_jax.kernels import (bytes_read, copy_fork_bytes_read, default_block_sizes,
                                     shared_prefix_attention, shared_prefix_attention_reference)
     dtype = dtype_of(s["dtype"])
@@ -297,7 +299,7 @@ def run_kernels_bench(args: argparse.Namespace) -> int:
     results = []
     for i, p in enumerate(s["prefix_lens"]):
         for j, n in enumerate(s["branches"]):
-            for r in _bench_point(n, p, s, interpret, seed=1000 * i + j):
+            for r in bench_point(n, p, s, interpret, seed=1000 * i + j):
                 r["fraction_of_peak"] = None if peak is None else r["bytes_per_s"] / peak
                 results.append(r)
                 print(f"{n:>3} {p:>6} {r['method']:>9} {r['ms_per_call']:>9.3f} "

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sprint_jax.infer.requests import EngineError
-from sprint_jax.infer.slot_cache import _as_bits, _put
+from sprint_jax.infer.slot_cache import as_bits, put_dropping
 from sprint_jax.model import sharding as mesh_lib
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.model.qwen2 import dtype_of
@@ -291,7 +291,7 @@ def scatter_pages(pool: jax.Array, table: jax.Array, pos: jax.Array, new: jax.Ar
     page, slot = token_slots(table, pos, ps, n_pages)
     layer = jnp.arange(n_layers)[:, None, None, None]                  # [L, R, T, Hkv]
     head = jnp.arange(n_kv)[None, None, None, :]
-    return _put(pool, (layer, head, page[None, :, :, None], slot[None, :, :, None]), new)
+    return put_dropping(pool, (layer, head, page[None, :, :, None], slot[None, :, :, None]), new)
 
 
 @functools.partial(jax.jit, static_argnames=("sharding",), donate_argnames=("pool",))
@@ -307,7 +307,7 @@ def copy_pages(pool: KVPages, src: jax.Array, dst: jax.Array, sharding=None) -> 
     """Copy whole pages src [n] -> dst [n] (every layer, K and V), in place; dst out of range
     (>= num_pages) is padding, dropped. `copy_args` builds src, dst from `PageCopy`s."""
     def one(a):
-        return _as_bits(a, lambda b: b.at[:, :, dst].set(b[:, :, jnp.clip(src, 0, b.shape[2] - 1)], mode="drop"))
+        return as_bits(a, lambda b: b.at[:, :, dst].set(b[:, :, jnp.clip(src, 0, b.shape[2] - 1)], mode="drop"))
     return constrain_pool(KVPages(one(pool.k), one(pool.v)), sharding)
 
 
@@ -323,7 +323,7 @@ def copy_tokens(pool: KVPages, src_table: jax.Array, src_pos: jax.Array, dst_tab
         page, slot = token_slots(src_table, jnp.maximum(src_pos, 0), ps, n_pages)
         layer = jnp.arange(n_layers)[:, None, None, None]              # [L, R, T, Hkv]
         head = jnp.arange(n_kv)[None, None, None, :]
-        rows = _as_bits(a, lambda b: b[layer, head, jnp.minimum(page, n_pages - 1)[None, :, :, None],
+        rows = as_bits(a, lambda b: b[layer, head, jnp.minimum(page, n_pages - 1)[None, :, :, None],
                                        slot[None, :, :, None]])       # [L, R, T, Hkv, D]
         return scatter_pages(a, dst_table, dst_pos, rows)
     return constrain_pool(KVPages(one(pool.k), one(pool.v)), sharding)
@@ -351,4 +351,4 @@ def gather_pages(pool: jax.Array, layer, table: jax.Array) -> jax.Array:
         at = jax.lax.dynamic_index_in_dim(a, jnp.asarray(layer, jnp.int32), axis=0, keepdims=False)
         # mode "clip": padding entries read a valid page, never a filled (masked) gather
         return jnp.take(at, table, axis=1, mode="clip")                        # [Hkv, R, M, ps, D]
-    return _as_bits(pool, take).reshape(hkv, r, m * ps, d)
+    return as_bits(pool, take).reshape(hkv, r, m * ps, d)

@@ -82,7 +82,7 @@ def gather_rows(cache: jax.Array, layer, rows: jax.Array, size: int) -> jax.Arra
         zero = jnp.zeros((), jnp.int32)
         return jax.vmap(lambda r: jax.lax.dynamic_slice(
             c, (jnp.asarray(layer, jnp.int32), r.astype(jnp.int32), zero, zero, zero), shape)[0, 0])(rows)
-    return _as_bits(cache, take)
+    return as_bits(cache, take)
 
 
 def _on_bits(cache: jax.Array) -> bool:
@@ -93,7 +93,7 @@ def _on_bits(cache: jax.Array) -> bool:
     return cache.dtype.itemsize == 2 and jax.default_backend() == "cpu"
 
 
-def _as_bits(cache: jax.Array, fn) -> jax.Array:
+def as_bits(cache: jax.Array, fn) -> jax.Array:
     """fn(cache), run on the cache's uint16 bits on CPU (`_on_bits`); fn only moves elements."""
     if not _on_bits(cache):
         return fn(cache)
@@ -101,7 +101,7 @@ def _as_bits(cache: jax.Array, fn) -> jax.Array:
     return bits(fn(bits(cache, jnp.uint16)), cache.dtype)
 
 
-def _put(cache: jax.Array, index, new: jax.Array) -> jax.Array:
+def put_dropping(cache: jax.Array, index, new: jax.Array) -> jax.Array:
     """cache.at[index].set(new, mode="drop") (as bits on CPU: `_on_bits`)."""
     new = new.astype(cache.dtype)
     if not _on_bits(cache):
@@ -111,7 +111,7 @@ def _put(cache: jax.Array, index, new: jax.Array) -> jax.Array:
 
 
 def put_slots(cache: jax.Array, slot: jax.Array, pos: jax.Array, new: jax.Array) -> jax.Array:
-    """Write new K or V into the cache [L, N, Hkv, C, D] in place (`_put`): new [L, R, T, Hkv, D] at
+    """Write new K or V into the cache [L, N, Hkv, C, D] in place (`put_dropping`): new [L, R, T, Hkv, D] at
     slot[r], positions pos[r, t] (prefill), or new [L, R, Hkv, D] at slot[r], position pos[r]
     (a decode step); out-of-range positions are dropped (padding).
 
@@ -123,7 +123,7 @@ def put_slots(cache: jax.Array, slot: jax.Array, pos: jax.Array, new: jax.Array)
     if new.ndim == 5:             # index arrays broadcast to [L, R, T, Hkv]: the update is new itself
         layer = jnp.arange(n_layers)[:, None, None, None]
         head = jnp.arange(n_kv)[None, None, None, :]
-        return _put(cache, (layer, slot[None, :, None, None], head, pos[None, :, :, None]), new)
+        return put_dropping(cache, (layer, slot[None, :, None, None], head, pos[None, :, :, None]), new)
     layer = jnp.arange(n_layers)[:, None, None]    # [L, R, Hkv]
     head = jnp.arange(n_kv)[None, None, :]
-    return _put(cache, (layer, slot[None, :, None], head, pos[None, :, None]), new)
+    return put_dropping(cache, (layer, slot[None, :, None], head, pos[None, :, None]), new)

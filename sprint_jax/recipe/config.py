@@ -189,7 +189,7 @@ class RecipeConfig:
     def _check_selftrain(self) -> None:
         if not self.selftrain_rounds:
             return
-        from sprint_jax.selftrain_cli import SelftrainConfig
+        from sprint_jax.recipe.selftrain_config import SelftrainConfig
 
         for owned in ("model", "mode", "out"):
             if owned in self.selftrain:
