@@ -230,25 +230,7 @@ def test_killed_during_rewrites_then_resumed(tmp_path, monkeypatch):
     expected = reference(tmp_path, monkeypatch)
     with FakeOpenAIServer(RewriteCurator(), api_key=SECRET) as srv:
         data = rewrite_data(srv.base_url, tmp_path)
-        data["teacher"]["concurrency"] = data["rewriter"]["concurrency"] = 1
-        cfg_path = tmp_path / "curate_rewrite.yaml"
-        cfg_path.write_text(yaml.safe_dump(data))
-        pid = {}
-
-        def on_receive(record) -> bool:
-            if record.n != 12:
-                return False
-            os.kill(pid["pid"], signal.SIGKILL)
-            return True
-
-        srv.on_receive = on_receive
-        out = tmp_path / "killed"
-        proc = subprocess.Popen([sys.executable, "-m", "sprint_jax.cli", "curate", "--config", str(cfg_path),
-                                 "--out", str(out), "--no-progress"], cwd=REPO, env={**os.environ, KEY_ENV: SECRET},
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        pid["pid"] = proc.pid
-        _, stderr = proc.communicate(timeout=120)
-        assert proc.returncode == -signal.SIGKILL, stderr
+        cfg_path, out = curate_killed_at(srv, data, tmp_path, 12)
         assert RewriteCurator.is_rewrite(srv.log[11].body) and srv.script.task_id(srv.log[11].body) == "t3"
         report = run_pipeline(load_config(CurateConfig, cfg_path), out, progress=False)
         # the resumed run pays for the rewrites not yet answered; t1's and t2's come from the store
@@ -313,3 +295,28 @@ def test_config_selects_the_path_and_the_default_is_unchanged(tmp_path, monkeypa
     assert main(["curate", "status", str(tmp_path / "run")]) == 0
     rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if line.split()}
     assert rows["rewrite"] == ["0", "0", str(cfg.tasks.n)] and "extract" not in rows
+
+
+def curate_killed_at(srv, data: dict, tmp_path: Path, n: int) -> tuple[Path, Path]:
+    """Run a real `sprint-jax curate` of `data` (one request at a time) against `srv` and SIGKILL it
+    as the server receives its n-th request; returns (the config's path, the run's out)."""
+    data["teacher"]["concurrency"] = data["rewriter"]["concurrency"] = 1
+    cfg_path = tmp_path / "curate_killed.yaml"
+    cfg_path.write_text(yaml.safe_dump(data))
+    pid = {}
+
+    def on_receive(record) -> bool:
+        if record.n != n:
+            return False
+        os.kill(pid["pid"], signal.SIGKILL)
+        return True
+
+    srv.on_receive = on_receive
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "sprint_jax.cli", "curate", "--config", str(cfg_path),
+                             "--out", str(out), "--no-progress"], cwd=REPO, env={**os.environ, KEY_ENV: SECRET},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid["pid"] = proc.pid
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, stderr
+    return cfg_path, out

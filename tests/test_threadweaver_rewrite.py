@@ -5,18 +5,13 @@ that never send a completed step's request again (the server counts what it rece
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from fake_openai_server import FakeOpenAIServer, Reply
-from test_curation_pipeline import KEY_ENV, REPO, SECRET, outputs, records
-from test_curation_rewrite import TASKS, RewriteCurator, rewrite_data, write_tasks
+from test_curation_pipeline import KEY_ENV, SECRET, outputs, records
+from test_curation_rewrite import TASKS, RewriteCurator, curate_killed_at, rewrite_data, write_tasks
 from sprint_jax import threadweaver as tw
 from sprint_jax.config import load_config
 from sprint_jax.curation import tw_rewrite
@@ -278,25 +273,7 @@ def test_killed_during_step_three_then_resumed(tmp_path, monkeypatch):
     expected = reference(tmp_path, monkeypatch)
     with FakeOpenAIServer(TWCurator(), api_key=SECRET) as srv:
         data = tw_data(srv.base_url, tmp_path)
-        data["teacher"]["concurrency"] = data["rewriter"]["concurrency"] = 1
-        cfg_path = tmp_path / "curate_tw.yaml"
-        cfg_path.write_text(yaml.safe_dump(data))
-        pid = {}
-
-        def on_receive(record) -> bool:
-            if record.n != 25:
-                return False
-            os.kill(pid["pid"], signal.SIGKILL)
-            return True
-
-        srv.on_receive = on_receive
-        out = tmp_path / "killed"
-        proc = subprocess.Popen([sys.executable, "-m", "sprint_jax.cli", "curate", "--config", str(cfg_path),
-                                 "--out", str(out), "--no-progress"], cwd=REPO, env={**os.environ, KEY_ENV: SECRET},
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        pid["pid"] = proc.pid
-        _, stderr = proc.communicate(timeout=120)
-        assert proc.returncode == -signal.SIGKILL, stderr
+        cfg_path, out = curate_killed_at(srv, data, tmp_path, 25)
         killed = srv.log[24].body
         assert TWCurator.step_of(killed) == "tw3_rewrite" and srv.script.task_id(killed) == "t2"
         done_before = {r.hash for r in srv.log[:24]}
