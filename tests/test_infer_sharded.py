@@ -287,7 +287,7 @@ from conftest import tiny_vocab_tokenizer
 from test_batch_engine import _copies_of_the_cache
 from sprint_jax.infer import sharding as sh
 from sprint_jax.infer.engine import Engine
-from sprint_jax.infer.programs import DecodeRows, PrefillRows, decode, prefill
+from sprint_jax.infer.programs import DecodeRows, PrefillRows, _decode_body, decode, prefill
 from sprint_jax.model import from_pretrained
 
 assert jax.device_count() == 8, jax.devices()
@@ -311,9 +311,11 @@ def collectives(hlo):
     return out
 
 out = {}
-for name, fn, args, kws in (("decode", decode, dec, kw), ("prefill", prefill, pre, pkw)):
+# the plain function: the program's body without slot_local (decode's returns its results as a tuple)
+for name, fn, body, args, kws in (("decode", decode, _decode_body.__wrapped__, dec, kw),
+                                  ("prefill", prefill, prefill.__wrapped__.__wrapped__, pre, pkw)):
     comp = fn.lower(*args, **kws).compile()
-    plain = jax.jit(fn.__wrapped__.__wrapped__, static_argnames=tuple(kws) + ("config",)).lower(*args, **kws).compile()
+    plain = jax.jit(body, static_argnames=tuple(kws) + ("config",)).lower(*args, **kws).compile()
     ma = comp.memory_analysis()
     out[name] = {"local": collectives(comp.as_text()), "plain": collectives(plain.as_text()),
                  "copies": _copies_of_the_cache(comp.as_text(), {eng.parent_capacity, eng.child_capacity}),

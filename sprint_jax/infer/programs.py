@@ -430,6 +430,9 @@ def _decode_body(params, config: Qwen2Config, cache: SlotCache, rows, layout: tu
     out = jnp.full((b, chunk + forced.shape[1]), -1, jnp.int32)     # step i's token in column i
     steps_cap = chunk + n_forced                      # a row's forced steps do not count against the chunk
     top_shape = out.shape + (top_logprobs,)
+    kept0 = jnp.zeros((b, config.vocab_size if feeding else 0), jnp.float32)
+    lps0, top_ids0, top_lps0 = (jnp.zeros(out.shape, jnp.float32), jnp.zeros(top_shape, jnp.int32),
+                                jnp.zeros(top_shape, jnp.float32))
 
     def cond(c: _DecodeCarry):          # the same trip count on every slot shard (see any_slot_shard)
         return sh.any_slot_shard(jnp.any(c.active & (c.i < steps_cap)) | jnp.any(c.fed))
@@ -437,11 +440,9 @@ def _decode_body(params, config: Qwen2Config, cache: SlotCache, rows, layout: tu
     def body(c: _DecodeCarry) -> _DecodeCarry:
         i = c.i
         cache, tok, raw, (lp, top_ids, top_lp) = one_step(c.cache, c.lengths, c.pending, c.active, c.steps, c.fed)
-        lps = c.lps.at[:, i].set(lp, mode="drop")
-        top_ids_, top_lps = c.top_ids, c.top_lps
+        lps, tids, tlps = c.lps.at[:, i].set(lp, mode="drop"), c.top_ids, c.top_lps
         if top_logprobs:
-            top_ids_ = top_ids_.at[:, i].set(top_ids, mode="drop")
-            top_lps = top_lps.at[:, i].set(top_lp, mode="drop")
+            tids, tlps = tids.at[:, i].set(top_ids, mode="drop"), tlps.at[:, i].set(top_lp, mode="drop")
         kept = c.kept
         if feeding:                   # the rows fed their last token this step: its logits kept
             kept = jnp.where(c.fed[:, None], raw.astype(jnp.float32), kept)
@@ -453,18 +454,17 @@ def _decode_body(params, config: Qwen2Config, cache: SlotCache, rows, layout: tu
         nxt = forced[:, jnp.minimum(i, forced.shape[1] - 1)]
         lengths = jnp.where(forcing, lengths + 1, lengths)
         pending = jnp.where(forcing, nxt, pending)
-        return _DecodeCarry(
-            i=i + 1, cache=cache, lengths=lengths, pending=pending, active=active & ~finished, remaining=remaining,
-            steps=jnp.where(sampling, c.steps + 1, c.steps), out=c.out.at[:, i].set(tok, mode="drop"),
-            reason=reason, fed=(finished & r.feed_last) if feeding else c.fed, kept=kept, lps=lps,
-            top_ids=top_ids_, top_lps=top_lps)
+        out = c.out.at[:, i].set(tok, mode="drop")
+        steps = jnp.where(sampling, c.steps + 1, c.steps)
+        active = active & ~finished
+        fed = (finished & r.feed_last) if feeding else c.fed
+        return _DecodeCarry(i=i + 1, cache=cache, lengths=lengths, pending=pending, active=active, remaining=remaining,
+                            steps=steps, out=out, reason=reason, fed=fed, kept=kept, lps=lps, top_ids=tids,
+                            top_lps=tlps)
 
-    init = _DecodeCarry(
-        i=jnp.int32(0), cache=cache, lengths=r.lengths, pending=r.pending, active=r.active, remaining=r.remaining,
-        steps=r.steps, out=out, reason=jnp.zeros((b,), jnp.int32), fed=jnp.zeros((b,), bool),
-        kept=jnp.zeros((b, config.vocab_size if feeding else 0), jnp.float32),
-        lps=jnp.zeros(out.shape, jnp.float32), top_ids=jnp.zeros(top_shape, jnp.int32),
-        top_lps=jnp.zeros(top_shape, jnp.float32))
+    init = _DecodeCarry(i=jnp.int32(0), cache=cache, lengths=r.lengths, pending=r.pending, active=r.active,
+                        remaining=r.remaining, steps=r.steps, out=out, reason=jnp.zeros((b,), jnp.int32),
+                        fed=jnp.zeros((b,), bool), kept=kept0, lps=lps0, top_ids=top_ids0, top_lps=top_lps0)
     c = jax.lax.while_loop(cond, body, init)
     return ((c.cache, c.out, c.reason, c.i, c.lps) + ((c.kept,) if feeding else ())
             + ((c.top_ids, c.top_lps) if top_logprobs else ()))
