@@ -71,35 +71,90 @@ class Example:
 # ---------------------------------------------------------------------------------------------
 # `sprint-jax train` records how the prompts it trained on end; `infer`, `generate`, `eval` and
 # `serve` apply that to a user's text, so "Q: 8 5 2 1" typed in a shell reaches a model trained on
-# "Q: 8 5 2 1\n" as exactly that. Only the trailing whitespace is recorded: it is invisible, hard
-# to type as a shell argument, and part of the format (the body starts on the next line); a
-# visible character every training prompt happens to end with ("?") is content, which the user's
-# text may rightly lack.
+# "Q: 8 5 2 1\n" as exactly that. Recorded: the trailing whitespace (invisible, hard to type as a
+# shell argument, and part of the format: the body starts on the next line), and a known query
+# wrapper (`QUERY_WRAPPERS`, e.g. SPRINT's `<query> ... </query>`) when every prompt is written in
+# it. Any other text every training prompt happens to share ("Q: ", a final "?") is content, which
+# the user's text may rightly lack or differ in.
 META_KEY = "prompt_format"      # the key in MODEL/sprint_jax.json
+# curation's `prompt_wrapper` names -> (prefix, suffix) written around the task prompt
+QUERY_WRAPPERS = {"query_tags": ("<query> ", " </query>")}
+
+
+def _wrapped(body: str, prefix: str, suffix: str) -> bool:
+    core = body.strip()
+    return core.startswith(prefix.strip()) and core.endswith(suffix.strip()) and \
+        len(core) >= len(prefix.strip()) + len(suffix.strip())
+
+
+def wrap_query(text: str, prefix: str, suffix: str) -> str:
+    """`text` inside the wrapper: prefix + the text stripped + suffix, then the text's own trailing
+    whitespace. A text already wrapped (stripped, it starts with the stripped prefix and ends with
+    the stripped suffix) is returned unchanged, so wrapping never doubles; so is an all-whitespace
+    text."""
+    body = text.rstrip()
+    if not body or _wrapped(body, prefix, suffix):
+        return text
+    return prefix + body.strip() + suffix + text[len(body):]
+
+
+def unwrap_query(text: str) -> str:
+    """`text` with a `QUERY_WRAPPERS` wrapper taken off (the inner text stripped, then the text's
+    trailing whitespace); any other text unchanged. What a wrapped training prompt asks, for
+    comparing it with a bare task prompt (the training fingerprint)."""
+    body = text.rstrip()
+    for prefix, suffix in QUERY_WRAPPERS.values():
+        if body and _wrapped(body, prefix, suffix):
+            core = body.strip()
+            return core[len(prefix.strip()):len(core) - len(suffix.strip())].strip() + text[len(body):]
+    return text
 
 
 def prompt_format_of(prompts: Iterable[str]) -> dict[str, str] | None:
     """The format of a training set's prompts: {"trailing": S} when every prompt ends in the same
-    whitespace S ("" included: none of them ends in whitespace); None when they differ or there
-    are no prompts (nothing to apply)."""
+    whitespace S ("" included: none of them ends in whitespace), plus {"prefix": P, "suffix": X}
+    when every prompt, without that whitespace, is exactly P + text + X for one of
+    `QUERY_WRAPPERS`; None when there is neither (no prompts, endings differing and no wrapper)."""
+    prompts = list(prompts)
     endings = {p[len(p.rstrip()):] for p in prompts}
-    return {"trailing": endings.pop()} if len(endings) == 1 else None
+    out = {"trailing": endings.pop()} if len(endings) == 1 else {}
+    for prefix, suffix in QUERY_WRAPPERS.values():
+        if prompts and all(p.rstrip().startswith(prefix) and p.rstrip().endswith(suffix)
+                           and len(p.rstrip()) > len(prefix) + len(suffix) for p in prompts):
+            out.update(prefix=prefix, suffix=suffix)
+            break
+    return out or None
+
+
+def _checked(fmt: Any) -> dict[str, str]:
+    ok = isinstance(fmt, dict) and set(fmt) <= {"trailing", "prefix", "suffix"} and \
+        ("prefix" in fmt) == ("suffix" in fmt) and bool(fmt) and all(isinstance(v, str) for v in fmt.values())
+    if ok and "trailing" in fmt:
+        ok = not fmt["trailing"].strip()
+    if ok and "prefix" in fmt:
+        ok = bool(fmt["prefix"].strip() and fmt["suffix"].strip())
+    if not ok:
+        raise ValueError(f"{META_KEY} must be {{\"trailing\": WHITESPACE}} with optional non-blank "
+                         f"\"prefix\" and \"suffix\" strings, got {fmt!r}")
+    return fmt
 
 
 def apply_prompt_format(text: str, meta: dict[str, Any]) -> str:
-    """`text` as the model was trained to see it: its trailing whitespace replaced by the one of
-    `meta["prompt_format"]` (`meta` is the export's sprint_jax.json). Idempotent: a text already in
-    the format is unchanged; so is any text for a model without the field (or with null), and a
-    text that is only whitespace. A malformed field raises ValueError naming it."""
+    """`text` as the model was trained to see it (`meta` is the export's sprint_jax.json): inside
+    the recorded query wrapper if there is one (`wrap_query`: a text already wrapped is left as
+    it is, never wrapped twice), then its trailing whitespace replaced by the recorded one.
+    Idempotent: a text already in the format is unchanged; so is any text for a model without
+    the field (or with null), and a text that is only whitespace. A malformed field raises
+    ValueError naming it."""
     fmt = meta.get(META_KEY)
     if fmt is None:
         return text
-    trailing = fmt.get("trailing") if isinstance(fmt, dict) else None
-    if not isinstance(trailing, str) or trailing.strip():
-        raise ValueError(f"{META_KEY} must be {{\"trailing\": WHITESPACE}}, got {fmt!r}")
+    fmt = _checked(fmt)
     if not text.strip():
         return text
-    return text.rstrip() + trailing
+    if "prefix" in fmt:
+        text = wrap_query(text, fmt["prefix"], fmt["suffix"])
+    return text.rstrip() + fmt["trailing"] if "trailing" in fmt else text
 
 
-__all__ = ["Step", "Example", "META_KEY", "prompt_format_of", "apply_prompt_format"]
+__all__ = ["Step", "Example", "META_KEY", "QUERY_WRAPPERS", "wrap_query", "unwrap_query", "prompt_format_of", "apply_prompt_format"]

@@ -138,6 +138,10 @@ class CurateConfig:
     merge_min_chars: int = 80       # executions shorter than this merge into their plan (E_i := empty)
     min_ratio: float = 1.5          # keep a trace if rho = |S| / #stages >= this (paper §5)
     rft_source: Literal["sprint", "correct"] = "sprint"  # RFT set: the traces kept for SPRINT, or every correct one
+    # how each example's prompt is written: the task prompt as it is (`none`), or inside SPRINT's
+    # `<query> ... </query>` (`query_tags`; its trailing whitespace kept after the closing tag).
+    # The teacher always sees the bare task prompt; `train` records the wrapper in the export
+    prompt_wrapper: Literal["none", "query_tags"] = "none"
     seed: int = 0                   # seeds the programmatic teacher
     out: str = "runs/curate"        # output directory (store, jsonl files, report)
 
@@ -183,6 +187,8 @@ def data_fingerprint(cfg: CurateConfig) -> dict:
     for k, v in CHAINS_DEFAULTS.items():      # at their defaults: stores written before they existed resume
         if out["tasks"].get(k) == v:
             del out["tasks"][k]
+    if out.get("prompt_wrapper") == "none":   # likewise
+        del out["prompt_wrapper"]
     return out
 
 

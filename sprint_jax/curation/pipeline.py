@@ -379,6 +379,7 @@ class Curation:
 
     def _stage_reformat(self) -> None:
         from sprint_jax.curation import reformat
+        from sprint_jax.schema import QUERY_WRAPPERS, wrap_query
 
         kept = set(self.store.survivors(self.store.stages[-2]))     # pack, rewrite, or tw5_validate
         threadweaver = self.cfg.restructure == "threadweaver_rewrite"
@@ -386,6 +387,10 @@ class Curation:
         def work(task: Task) -> None:
             trace = self.store.trace(task.id)
             prompt = task_prompt(task)
+            # what the examples' prompt field holds; the bare `prompt` is what the teacher saw
+            # (its echo is removed from the RFT trace) and what the SPRINT body is built from
+            model_prompt = prompt if self.cfg.prompt_wrapper == "none" else \
+                wrap_query(prompt, *QUERY_WRAPPERS[self.cfg.prompt_wrapper])
             base = {"task_id": task.id, "task_kind": task.kind, "teacher": trace.teacher}
             examples = []
             failure = None
@@ -397,7 +402,7 @@ class Curation:
                     failure = ("render_error", f"sprint: {e}")
             if (sprint_completion is not None) or self.cfg.rft_source == "correct":
                 try:
-                    rft = Example(id=task.id, kind="rft", prompt=prompt,
+                    rft = Example(id=task.id, kind="rft", prompt=model_prompt,
                                   completion=reformat.to_rft(prompt, trace.text, trace.final_answer),
                                   answer=task.answer, meta=base)
                     if threadweaver:      # the sequential baseline in the same format: a trace with no block
@@ -410,7 +415,7 @@ class Curation:
                         sprint_completion = None   # keep the two sets over the same traces
             if sprint_completion is not None:
                 examples.insert(0, Example(
-                    id=task.id, kind="sprint", prompt=prompt, completion=sprint_completion, answer=task.answer,
+                    id=task.id, kind="sprint", prompt=model_prompt, completion=sprint_completion, answer=task.answer,
                     meta=sprint_meta))
             self.store.put_examples(task.id, examples, failure)
 

@@ -147,7 +147,10 @@ def formatted_prompt(model: str | None, text: str, encode, what: str = "query") 
         ids = list(encode(out))
     except ValueError as e:          # e.g. a character outside a VocabTokenizer's vocabulary
         raise UserError(f"the tokenizer cannot encode the {what}: {e}") from None
-    if out != text:
+    if out.rstrip() != text.rstrip():           # wrapped (e.g. in <query> tags)
+        print(f"note: the {what} is now {out!r}, as every prompt the model was trained on "
+              f"({META_KEY} in {Path(model) / EXPORT_META_FILE})", file=sys.stderr, flush=True)
+    elif out != text:
         print(f"note: the {what} now ends in {out[len(out.rstrip()):]!r} instead of {text[len(text.rstrip()):]!r}, "
               f"as every prompt the model was trained on ({META_KEY} in {Path(model) / EXPORT_META_FILE})",
               file=sys.stderr, flush=True)

@@ -78,12 +78,20 @@ def load_tasks(cfg: RLConfig):
 
 
 def prompt_fn(cfg: RLConfig):
-    """The query of a task as the policy was trained on it (keyed chains carry their key)."""
+    """The query of a task as the policy was trained on it (keyed chains carry their key): the
+    task prompt in the prompt format the policy's export records (sprint_jax.schema)."""
     from sprint_jax.eval.evaluate import default_prompt
+    from sprint_jax.model.hf import read_export_meta
+    from sprint_jax.schema import apply_prompt_format
     if cfg.tasks.source == "keyed_chains":
         from sprint_jax.rl import keyed
         return keyed.prompt_for
-    return default_prompt
+    meta = read_export_meta(cfg.policy.path)
+    try:
+        apply_prompt_format("x", meta)          # a malformed format is one line, before any rollout
+    except ValueError as e:
+        raise ConfigError(f"policy.path {cfg.policy.path}: {e}") from None
+    return lambda task: apply_prompt_format(default_prompt(task), meta)
 
 
 def export_meta(policy_path, layout: str, train_prompts: list[str]) -> dict:

@@ -16,9 +16,11 @@ KEY = "train_fingerprint"
 
 
 def fingerprint(prompts: Iterable[str]) -> dict:
-    """{"normalization", "n", "hashes"} over the distinct normalised prompts."""
+    """{"normalization", "n", "hashes"} over the distinct normalised prompts, each without its
+    query wrapper (`schema.unwrap_query`), so it hashes as the bare task prompt eval checks."""
+    from sprint_jax.schema import unwrap_query
     from sprint_jax.tasks import problem_hash
-    hashes = sorted({problem_hash(p) for p in prompts})
+    hashes = sorted({problem_hash(unwrap_query(p)) for p in prompts})
     return {"normalization": "nfkc-lower-whitespace/sha256[:16]", "n": len(hashes), "hashes": hashes}
 
 
