@@ -136,13 +136,16 @@ def memory_estimate(s: StepShape) -> dict[str, float]:
         # accumulating: the running sum, one microbatch's gradients and the sum's next value
         "grads": FP32 * p_chip * (1 if s.grad_accum == 1 else 3),
     }
-    # saved per layer for the backward pass
+    # saved per layer for the backward pass, in the compute dtype (bf16; fp32 when the step
+    # computes in fp32, as a GPU user may: 23.56 GiB compiled for the 7B on h100:8, 19.5 by
+    # bf16 sizes)
+    act = FP32 if c.dtype == "float32" else BF16
     if s.remat == "full":
-        saved = BF16 * e
+        saved = act * e
     elif s.remat == "dots":
-        saved = BF16 * (e + (hd + 2 * kvd) / tensor + e + 2 * m / tensor + e)
+        saved = act * (e + (hd + 2 * kvd) / tensor + e + 2 * m / tensor + e)
     else:
-        saved = BF16 * (4 * e + 3 * (hd + 2 * kvd) / tensor + 3 * m / tensor) + FP32 * 2 * e
+        saved = act * (4 * e + 3 * (hd + 2 * kvd) / tensor + 3 * m / tensor) + FP32 * 2 * e
     out["saved_activations"] = n * saved * c.num_hidden_layers
     # The backward pass peaks either in the loss (vocabulary projection gathered in bf16, its
     # fp32 gradient whole over fsdp, one chunk's fp32 logits; the embedding's own gradient
@@ -155,8 +158,8 @@ def memory_estimate(s: StepShape) -> dict[str, float]:
                   + _LOSS_WORK * rows * chunk * vocab_local * FP32
                   + n * e * (BF16 + FP32))
     heads_local = c.num_attention_heads / (tensor if c.num_attention_heads % tensor == 0 else 1)
-    layer_phase = ((BF16 + FP32) * layer_gathered
-                   + n * (_LAYER_WORK["embed"] * BF16 * e + _LAYER_WORK["mlp"] * BF16 * m / tensor
+    layer_phase = ((act + FP32) * layer_gathered
+                   + n * (_LAYER_WORK["embed"] * act * e + _LAYER_WORK["mlp"] * act * m / tensor
                           + _LAYER_WORK["heads_fp32"] * FP32 * hd / tensor + 2 * FP32 * heads_local * LANES))
     out["peak_in_loss" if loss_phase >= layer_phase else "peak_in_layer"] = max(loss_phase, layer_phase)
     out["total"] = sum(out.values())
