@@ -94,6 +94,7 @@ from typing import Any, Callable
 
 from sprint_jax import format as fmt
 from sprint_jax import threadweaver as tw
+from sprint_jax.infer.drive import EngineCall, Run, RunDriver, submit_call
 from sprint_jax.infer.requests import EngineError, common_prefix
 from sprint_jax.infer.sampling import Sampling, user_seed
 
@@ -445,7 +446,7 @@ def _which_stop(text: str, stops: list[str]) -> str | None:
 
 
 class Orchestrator:
-    """Runs SPRINT stages over an engine (`run_many` answers the stage loop's calls). Only the
+    """Runs SPRINT stages over an engine (`drive.RunDriver` answers the stage loop's calls). Only the
     engine's public interface is used: encode, decode_text, open, extend, truncate, generate, fork,
     merge, close, step, max_seqs, max_seq_len, max_branches, max_branch_tokens (and flush_sync,
     last_join_tokens, last_branch_stats when present), so a test double can stand in."""
@@ -886,50 +887,8 @@ def _problem(record: RunRecord, stage: StageRecord, message: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Engine calls and their driver
+# Many runs on one engine
 # ---------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class EngineCall:
-    """One request of the stage loop. prefill -> a state; generate -> a Generation; branches ->
-    one Generation per prefix; extend / truncate / merge -> the state. `state` is the `Seq` a
-    prefill returned."""
-    kind: str                                   # prefill | generate | branches | extend | truncate | merge
-    state: Any = None
-    tokens: list[int] = dataclasses.field(default_factory=list)        # prefill / extend
-    n: int = 0                                                         # truncate
-    prefixes: list[list[int]] = dataclasses.field(default_factory=list)  # branches; merge: each branch's tokens
-    limits: list[int] = dataclasses.field(default_factory=list)
-    stops: list[list[str]] = dataclasses.field(default_factory=list)
-    sampling: Sampling | None = None
-    mode: str = "shared"                        # branches: shared | serial
-    join: bool = False                          # branches: a merge join follows (children feed their last token)
-
-
-def submit_call(engine: Any, call: EngineCall, top_logprobs: int = 0) -> tuple[Any, Any]:
-    """One stage-loop call handed to an `Engine`, as every driver hands it (`run_many`, the
-    server's worker): (None, value) for a call the engine answers at once (truncate, merge), else
-    (op, None) with the engine's `Op` (a prefill opens a sequence; a serial stage's branches run
-    one executor at a time; top_logprobs > 0 asks generate and branches for that many
-    alternatives per token). EngineError passes through."""
-    top = {"top_logprobs": top_logprobs} if top_logprobs else {}
-    if call.kind == "truncate":
-        return None, engine.truncate(call.state, call.n)
-    if call.kind == "merge":              # a copy of KV rows (+ a few tokens): done at once
-        return None, engine.merge(call.state, call.prefixes)
-    if call.kind == "prefill":
-        return engine.open(call.tokens), None
-    if call.kind == "generate":
-        return engine.generate(call.state, call.limits[0], call.stops[0], call.sampling, **top), None
-    if call.kind == "branches":
-        serial = {"serial": True} if call.mode == "serial" else {}   # one executor at a time
-        join = {"join": True} if call.join else {}
-        return engine.fork(call.state, call.prefixes, call.limits, call.stops, call.sampling, **serial, **join,
-                           **top), None
-    if call.kind == "extend":
-        return engine.extend(call.state, call.tokens), None
-    raise ValueError(f"unknown engine call {call.kind!r}")
-
-
 def run_many(engine: Any, queries: list[str], mode: str = "parallel", config: OrchestratorConfig | None = None,
              concurrency: int | None = None, on_event: Callable[[Event], None] | None = None,
              on_record: Callable[[int, RunRecord], None] | None = None,
@@ -943,7 +902,9 @@ def run_many(engine: Any, queries: list[str], mode: str = "parallel", config: Or
     `configs` (optional) gives run i its own config (e.g. its own sampling seed) instead of `config`.
     `on_call(i, call, context, result)` (optional) is called as each call of run i is answered
     (not when the engine refuses it): `context` is the state's tokens when the call was issued,
-    `result` what the run receives (RL records the sampled tokens of every call this way)."""
+    `result` what the run receives (RL records the sampled tokens of every call this way).
+    The calls are answered by `drive.RunDriver`; this adds admission up to `concurrency`, the
+    engine steps, and closing each run's sequence when it ends."""
     if configs is not None and len(configs) != len(queries):
         raise ValueError(f"configs has {len(configs)} entries for {len(queries)} queries")
     if mode not in MODES:
@@ -952,58 +913,32 @@ def run_many(engine: Any, queries: list[str], mode: str = "parallel", config: Or
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     records: list[RunRecord | None] = [None] * len(queries)
-    runs: dict[int, dict] = {}                  # run index -> its generator, sequence, op in flight
+    runs: dict[int, Run] = {}                   # run index -> its generator, sequence, op in flight
     todo = list(range(len(queries)))[::-1]
 
-    def advance(i: int, value=None, error=None) -> None:
-        run = runs[i]
-        while True:
-            try:
-                call = run["steps"].throw(error) if error is not None else run["steps"].send(value)
-            except StopIteration as done:
-                records[i] = done.value
-                if run["seq"] is not None and not run["seq"].closed:
-                    engine.close(run["seq"])
-                del runs[i]
-                if on_record is not None:
-                    on_record(i, done.value)
-                return
-            value, error = None, None
-            context = list(call.state.tokens) if on_call is not None and call.state is not None else []
-            try:
-                op, value = submit_call(engine, call)
-            except EngineError as e:
-                error = e
-                continue
-            if op is None:
-                if on_call is not None and call.kind == "truncate":
-                    on_call(i, call, context, value)
-                continue
-            if call.kind == "prefill":
-                run["seq"] = op.seq
-            if op.done:
-                value = op.result
-                if on_call is not None:
-                    on_call(i, call, context, value)
-                continue
-            run["op"], run["call"] = op, (call, context)
-            return
+    def done(run: Run, record: RunRecord) -> None:
+        records[run.key] = record
+        if run.seq is not None and not run.seq.closed:
+            engine.close(run.seq)
+        del runs[run.key]
+        if on_record is not None:
+            on_record(run.key, record)
 
+    answer = (lambda run, call, context, value: on_call(run.key, call, context, value)) \
+        if on_call is not None else None
+    driver = RunDriver(engine, on_answer=answer, on_done=done, context=on_call is not None)
     while todo or runs:
         while todo and len(runs) < concurrency:
             i = todo.pop()
             cfg = configs[i] if configs is not None else config
-            runs[i] = dict(steps=Orchestrator(engine, cfg, on_event).steps(queries[i], mode), seq=None, op=None)
-            advance(i)
+            runs[i] = Run(Orchestrator(engine, cfg, on_event).steps(queries[i], mode), key=i)
+            driver.advance(runs[i])
         if not runs:
             continue
         if engine.step() is False:
             raise EngineError("no progress: every sequence slot is held by a run that waits for a slot")
-        for i in [i for i, r in runs.items() if r["op"] is not None and r["op"].done]:
-            op, runs[i]["op"] = runs[i]["op"], None
-            if on_call is not None:
-                on_call(i, *runs[i]["call"], op.result)
-            advance(i, op.result)
+        for run in [r for r in runs.values() if r.op is not None and r.op.done]:
+            driver.poll(run)
     return records
 
 

@@ -17,9 +17,11 @@ A job is one request:
   plain   open(prompt) -> generate (n = 1) or fork of n empty prefixes (n > 1: the n children
           share the prompt's one prefill) -> close. Streaming jobs get their new tokens after
           every engine step (`Engine.progress`).
-  sprint  the orchestrator's generator (`Orchestrator.steps`), driven here exactly as
-          `orchestrator.run_many` drives it, so SPRINT runs and plain requests share every engine
-          step; its stage events are forwarded as they happen.
+  sprint  the orchestrator's generator (`Orchestrator.steps`), its calls answered by the driver
+          `orchestrator.run_many` uses (`infer.drive.RunDriver`), so SPRINT runs and plain
+          requests share every engine step; its stage events are forwarded as they happen. The
+          server's own parts plug in as the driver's hooks: log-probs per token (and the log of
+          generated calls they are placed by), and ending a run at a stop string of the request.
 A job whose client went away is cancelled: `Engine.abort` drops its rows and frees its slot
 before the next engine step. A job that raises ends alone (its client gets an "error" item whose
 `status` is 400 for input it should have refused, 500 for a bug, logged with its traceback); the
@@ -38,6 +40,7 @@ from collections import deque
 from typing import Any
 
 from sprint_jax.errors import UserError
+from sprint_jax.infer.drive import RunDriver
 from sprint_jax.infer.requests import EngineError
 from sprint_jax.infer.sampling import Sampling
 
@@ -324,7 +327,8 @@ class Job:
     # (`sprint_token_layout` reads them): ("call", Generation or [Generation]) for each generate /
     # branches result, ("text", piece, executor, opening chars, kept chars) for each `text` event
     layout: list = dataclasses.field(default_factory=list)
-    awaiting: str | None = None             # sprint: the kind of the engine call in flight
+    call: Any = None                        # sprint: the engine call `op` answers (`RunDriver`)
+    context: list[int] = dataclasses.field(default_factory=list)   # RunDriver's; the server asks for none
     committed: str = ""                     # sprint with stop strings: the run's committed text so far
     stop_hit: bool = False                  # ... holds one of them: the run ends at its next call
     cancelled: bool = False
@@ -360,6 +364,10 @@ class EngineWorker:
         self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
         self.latency_sum = 0.0
         self.requests: dict[str, int] = {}   # status code -> count
+        # SPRINT jobs' calls: answered as run_many answers them, with the server's hooks
+        self._driver = RunDriver(engine, on_answer=self._answered, on_done=lambda job, rec: self._end(job, ("done", rec)),
+                                 interrupt=self._stop_hit,
+                                 top_logprobs=lambda job: job.top_logprobs if job.logprobs else 0)
 
     # ---- any thread ---------------------------------------------------------------------------
     def start(self) -> "EngineWorker":
@@ -605,7 +613,7 @@ class EngineWorker:
                     on_event = (lambda ev, job=job: self._event(job, ev)) \
                         if job.stream or job.logprobs or job.stop else None
                     job.steps = Orchestrator(self.engine, job.config, on_event=on_event).steps(job.query, job.mode)
-                    self._advance(job)
+                    self._driver.advance(job)
             except Exception as e:            # noqa: BLE001  (this job ends; the engine serves on)
                 self._job_failed(job, e)
         elif what == "cancel" and not job.finished:
@@ -682,9 +690,7 @@ class EngineWorker:
         if job.finished or job.op is None:
             return
         if job.kind == "sprint":
-            if job.op.done:
-                op, job.op = job.op, None
-                self._advance(job, op.result)
+            self._driver.poll(job)
             return
         op = job.op
         if op.kind in ("generate", "fork") and job.stream:
@@ -705,43 +711,22 @@ class EngineWorker:
         job.op = None
         self._end(job, ("done", gens))
 
-    def _advance(self, job: Job, value=None, error=None) -> None:
-        """`orchestrator.run_many`'s advance for one run: answer calls until one has to wait. With
-        log-probs, each generate / branches result is logged in `job.layout` before the run sees
-        it, and those calls ask the engine for the job's alternatives per token. Once the run's
-        committed text holds a stop string of the request, the run ends at the call it asks for
-        next (`RunEnded`: its record as a budget ends it, termination STOP_TERMINATION)."""
-        from sprint_jax.infer.orchestrator import RunEnded, submit_call
+    @staticmethod
+    def _answered(job: Job, call, context, value) -> None:
+        """RunDriver's on_answer: with log-probs, each generate / branches result is logged in
+        `job.layout` before the run sees it (`sprint_token_layout` places the tokens by it)."""
+        if job.logprobs and call.kind in ("generate", "branches"):
+            job.layout.append(("call", value))
 
-        top = job.top_logprobs if job.logprobs else 0
-        while True:
-            if job.awaiting is not None and error is None and job.logprobs:
-                job.layout.append(("call", value))
-            job.awaiting = None
-            try:
-                call = job.steps.throw(error) if error is not None else job.steps.send(value)
-                if job.stop_hit:
-                    call = job.steps.throw(RunEnded(STOP_TERMINATION, "the reply reached a stop string of the request"))
-            except StopIteration as done:
-                self._end(job, ("done", done.value))
-                return
-            value, error = None, None
-            try:
-                op, value = submit_call(self.engine, call, top)
-            except EngineError as e:
-                error = e
-                continue
-            if op is None:                       # truncate, merge: answered at once
-                continue
-            if call.kind == "prefill":
-                job.seq = op.seq
-            if call.kind in ("generate", "branches"):
-                job.awaiting = call.kind
-            if op.done:
-                value = op.result
-                continue
-            job.op = op
-            return
+    @staticmethod
+    def _stop_hit(job: Job):
+        """RunDriver's interrupt: once the run's committed text holds a stop string of the request,
+        the run ends at the call it asks for next (`RunEnded`: its record as a budget ends it,
+        termination STOP_TERMINATION)."""
+        if not job.stop_hit:
+            return None
+        from sprint_jax.infer.orchestrator import RunEnded
+        return RunEnded(STOP_TERMINATION, "the reply reached a stop string of the request")
 
     def _update_metrics(self) -> None:
         e = self.engine
