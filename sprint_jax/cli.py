@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("sprint_jax.serve.cli", "an OpenAI-compatible server (completions, chat, streaming) with a SPRINT mode"),
     "rl": ("sprint_jax.rl.cli", "reinforcement learning on parallel rollouts: P-GRPO with the acceleration reward"),
     "bench": ("sprint_jax.bench.cli", "benchmarks: " + ", ".join(BENCHES)),
-    "plan": ("sprint_jax.plan.cli", "plan a run on TPU slices from this host: compile the train step, the engine's programs or the RL update, per-chip memory, roofline"),
+    "plan": ("sprint_jax.plan.cli", "plan a run on TPU slices or NVIDIA GPU nodes from this host: compile the train step, the engine's programs or the RL update, per-chip memory, roofline"),
     "selftrain": ("sprint_jax.selftrain_cli", "self-training rounds: sample k trajectories -> keep correct, well-formed -> SFT -> held-out eval"),
     "recipe": ("sprint_jax.recipe.cli", "the paper's experiment, resumable: curate -> SFT both -> eval both -> compare -> report.md"),
 }

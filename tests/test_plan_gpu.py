@@ -86,10 +86,22 @@ def test_a_7b_with_adamw_on_one_h100_is_one_line_and_exit_2(capsys):
 
 
 def test_a_missing_plugin_is_one_line(monkeypatch):
+    from importlib.metadata import version
+
     from sprint_jax.plan import compile as pc
     monkeypatch.setattr(pc, "cuda_plugin_available", lambda: False)
-    with pytest.raises(UserError, match="jax-cuda12-plugin"):
+    with pytest.raises(UserError, match=f"jax-cuda12-plugin=={version('jax')}"):
         pc.compiler_available([chips.parse_slice("h100:8")])
+
+
+def test_no_plugin_package_at_all_is_not_a_crash(monkeypatch):
+    """A plain `pip install sprint-jax` has no jax_plugins package: looking for the CUDA plugin is
+    False there, not a ModuleNotFoundError (find_spec of a submodule imports its parent)."""
+    import sys
+
+    from sprint_jax.plan import compile as pc
+    monkeypatch.setitem(sys.modules, "jax_plugins", None)      # importing it now raises ModuleNotFoundError
+    assert pc.cuda_plugin_available() is False
 
 
 @needs_plugin

@@ -80,7 +80,10 @@ def _gpu_devices(where: Slice) -> tuple:
 def cuda_plugin_available() -> bool:
     """jax's CUDA PJRT plugin is installed (the GPU compiler that compile-only GPU topologies need)."""
     import importlib.util
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except (ImportError, ValueError):   # no jax_plugins package at all: find_spec of a submodule raises
+        return False
 
 
 def compiler_available(slices) -> None:
@@ -90,8 +93,9 @@ def compiler_available(slices) -> None:
         raise UserError("plan compiles for TPUs with XLA's TPU compiler, which comes with libtpu: "
                         f"{install_command('tpu')}")
     if any(s.platform == "gpu" for s in slices) and not cuda_plugin_available():
+        from importlib.metadata import version
         raise UserError("plan compiles for GPUs with XLA's GPU compiler, which comes with jax's CUDA plugin: "
-                        "pip install 'jax-cuda12-plugin==<the jax version>' (no GPU, driver or CUDA needed)")
+                        f"pip install 'jax-cuda12-plugin=={version('jax')}' (no GPU, driver or CUDA needed)")
 
 
 def libtpu_available() -> bool:
