@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     program = argv_given is None       # the process itself, not a caller in Python (tests, scripts)
     if program:
         from sprint_jax import interrupt
+        interrupt.die_with_parent_from_env()    # a recipe stage: dies with its runner
         interrupt.install()
     try:
         return _run_command(name, argv[1:])

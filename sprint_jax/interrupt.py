@@ -67,3 +67,27 @@ def check() -> None:
 
 
 __all__ = ["install", "requested", "check"]
+
+
+# A stage the recipe runner starts names the runner's pid here; the stage then asks the kernel to
+# SIGKILL it when the runner dies (PR_SET_PDEATHSIG), so a kill -9 of the runner never leaves a
+# stage running. Done by the stage itself, at start, rather than in a preexec_fn: a preexec_fn
+# makes subprocess fork the runner (which has imported JAX) instead of spawning, and JAX warns
+# that a fork of a multithreaded process may deadlock.
+DIE_WITH_ENV = "SPRINT_JAX_DIE_WITH"
+
+
+def die_with_parent_from_env(environ=None) -> None:
+    """If DIE_WITH_ENV names this process's parent: take the variable out of the environment (no
+    grandchild sees it) and, on Linux, have the kernel SIGKILL this process when the parent dies;
+    exit at once if the parent has died already. A no-op without the variable."""
+    import os
+    environ = os.environ if environ is None else environ
+    value = environ.pop(DIE_WITH_ENV, None)
+    if not value or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if str(os.getppid()) != value:       # the parent died before prctl took effect
+        os._exit(1)

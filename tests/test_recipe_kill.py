@@ -108,3 +108,18 @@ def test_a_killed_runner_takes_its_stage_along_and_a_rerun_starts(tmp_path):
         _kill(rerun, stage)
     said = rerun.stdout.read()
     assert "curate: running (resuming after running)" in said, said
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_stage_side_of_the_tie_keeps_it_from_grandchildren_and_refuses_an_orphan():
+    """A stage takes the runner's pid out of its environment (a process it starts is no stage)
+    and exits at once when its runner is already gone (the pid named is not its parent)."""
+    probe = ("import os, sys; from sprint_jax.interrupt import DIE_WITH_ENV, die_with_parent_from_env; "
+             "die_with_parent_from_env(); print(DIE_WITH_ENV in os.environ)")
+    from sprint_jax.interrupt import DIE_WITH_ENV
+    mine = subprocess.run([sys.executable, "-c", probe], env={**os.environ, DIE_WITH_ENV: str(os.getpid())},
+                          capture_output=True, text=True, timeout=60)
+    assert mine.returncode == 0 and mine.stdout.strip() == "False", mine.stderr
+    orphan = subprocess.run([sys.executable, "-c", probe], env={**os.environ, DIE_WITH_ENV: "1"},
+                            capture_output=True, text=True, timeout=60)
+    assert orphan.returncode == 1 and orphan.stdout == ""

@@ -534,34 +534,21 @@ def _execute(stage: Stage, out: Path, log: Path) -> int:
         argv = [sys.executable, "-m", "sprint_jax.cli", *stage.command]
         f.write("$ sprint-jax " + " ".join(stage.command) + "\n")
         f.flush()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        return subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=env,
-                              **die_with_parent()).returncode
+        tie = die_with_parent()
+        env = {**tie.pop("env"), "PYTHONUNBUFFERED": "1"}
+        return subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=env, **tie).returncode
 
 
 def die_with_parent() -> dict:
-    """Popen arguments that tie a stage to this process: its own process group (a signal to the
-    group reaches whatever it started) and, on Linux, PR_SET_PDEATHSIG, so the kernel sends it
-    SIGKILL when this process dies, however (kill -9 included). Without it a killed runner left
+    """Popen arguments that tie a stage to this process: its own session and process group (a
+    signal to the group reaches whatever it started) and the runner's pid in the stage's
+    environment, with which the stage (sprint_jax.cli, at start) asks the kernel to SIGKILL it
+    when this process dies, however (kill -9 included; Linux). Without it a killed runner left
     its stage running, holding the stage's output lock (the rerun failed with "in use") and
     writing into the log the rerun had truncated. SIGKILL, not SIGTERM: the stage must be gone
     before a rerun starts it again; every stage resumes from what it last wrote."""
-    if not sys.platform.startswith("linux"):
-        return {"start_new_session": True}
-    import ctypes
-    import signal
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl   # looked up before the fork: the child only calls it
-    parent = os.getpid()
-    pr_set_pdeathsig = 1
-
-    def preexec() -> None:
-        os.setpgid(0, 0)
-        prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:            # the parent died before prctl took effect
-            os._exit(1)
-
-    return {"preexec_fn": preexec}
+    from sprint_jax.interrupt import DIE_WITH_ENV
+    return {"start_new_session": True, "env": {**os.environ, DIE_WITH_ENV: str(os.getpid())}}
 
 
 def status_rows(out: Path) -> list[dict]:
