@@ -49,10 +49,23 @@ GENERATED = {("sprint", "p1"): 3 + 3 + 5 + 2 + 2 + 4 + 2 - 1, ("sprint", "p2"): 
 FLOPS, BYTES_PER_S = 2e9, 1e9
 
 
+def as_written(rec: dict) -> dict:
+    """`rec` as eval writes it: the fields replay does not read given neutral values, and the
+    token sums its stages give (the records reader refuses a line without them)."""
+    stages = [{"planner_text": "", "prompts": [""] * len(st["executions"]), **st,
+               "executions": [{"text": "", **e} for e in st["executions"]]} for st in rec["stages"]]
+    runs = [[e["tokens"] for e in st["executions"]] for st in stages]
+    return {"query": f"Q {rec['id']}", "config": {}, "final_text": "", "final_answer": None, "text": "",
+            "termination": "final_answer", "problems": [], "wall_s": 0.0, **rec, "stages": stages,
+            "sequential_tokens": rec["final_tokens"] + sum(st["planner_tokens"] + max(r, default=0)
+                                                           for st, r in zip(stages, runs)),
+            "total_tokens": rec["final_tokens"] + sum(st["planner_tokens"] + sum(r) for st, r in zip(stages, runs))}
+
+
 def write_records(root):
     for name, recs in (("sprint", SPRINT), ("rft", RFT)):
         (root / name).mkdir(parents=True)
-        (root / name / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        (root / name / "records.jsonl").write_text("".join(json.dumps(as_written(r)) + "\n" for r in recs))
     return root
 
 
@@ -174,7 +187,7 @@ def test_the_cli_replays_pairs_and_prints_the_models_prediction(records_dir, tmp
 
 @pytest.mark.parametrize("make, flags, message", [
     (lambda d: None, [], "not a directory"),
-    (lambda d: (d.mkdir(), (d / "records.jsonl").write_text(json.dumps(SPRINT[0]) + "\n")), [],
+    (lambda d: (d.mkdir(), (d / "records.jsonl").write_text(json.dumps(as_written(SPRINT[0])) + "\n")), [],
      "no problem has both a SPRINT record (1 found) and an RFT record (0 found)"),
     (write_records, ["--problems", "0"], "--problems must be >= 1, got 0"),
     (write_records, ["--repeats", "0"], "--repeats must be >= 1, got 0"),

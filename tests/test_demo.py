@@ -87,10 +87,14 @@ def _check_printout(text: str, out, cfg) -> None:
     assert [a[-1] for a in by_cmd["infer"]] == [query, query]
     assert all(a[a.index("--model") + 1] == sprint_export for a in (by_cmd["infer"][0], by_cmd["eval"][0],
                                                                    by_cmd["serve"][0]))
-    assert all("--data" in a and a[a.index("--data") + 1] == "chains" for a in by_cmd["eval"])
+    compare = [a for a in by_cmd["eval"] if a[1] == "compare"]
+    evals = [a for a in by_cmd["eval"] if a[1] != "compare"]
+    assert all("--data" in a and a[a.index("--data") + 1] == "chains" for a in evals)
+    # eval compare names the two evals' --out, SPRINT's first
+    assert len(compare) == 1 and compare[0][2:] == [a[a.index("--out") + 1] for a in evals]
     assert "its test set differs" in text             # this run's task shape is not the default one
     assert main(by_cmd["infer"][0]) == 0              # runs exactly as printed
-    assert main(by_cmd["eval"][1]) == 0
+    assert main(evals[1]) == 0
     import argparse
     from sprint_jax.serve import cli as serve_cli
     p = argparse.ArgumentParser()
