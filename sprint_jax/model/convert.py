@@ -57,6 +57,7 @@ def _stored_shapes(ckptr, path: Path) -> dict[str, tuple]:
     try:
         meta = ckptr.metadata(path / "params")
     except Exception as e:   # noqa: BLE001 - orbax raises many types for a corrupt or foreign directory
+        _quiet_late_tensorstore_callbacks()
         raise CheckpointError(f"{path}: cannot read the orbax metadata of params/ "
                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     tree = getattr(meta, "item_metadata", meta)
@@ -66,9 +67,32 @@ def _stored_shapes(ckptr, path: Path) -> dict[str, tuple]:
         if shape is None:
             raise CheckpointError(f"{path}: the orbax metadata gives no shape for {_key_name(kp)}")
         shapes[_key_name(kp)] = tuple(shape)
-    if not shapes:
+    if not shapes:               # orbax logged a failed read of the metadata and gave none
+        _quiet_late_tensorstore_callbacks()
         raise CheckpointError(f"{path}: cannot read the orbax metadata of params/ (it lists no tensor)")
     return shapes
+
+
+def _quiet_late_tensorstore_callbacks() -> None:
+    """After a failed read of an orbax checkpoint, drop the unraisable errors it leaves behind. The
+    reads orbax had started for the other files finish later on tensorstore's threads, whose completion
+    callback is the (by then closed) restore loop's call_soon_threadsafe: Python printed
+    "Exception ignored in: None ... RuntimeError: Event loop is closed" with a traceback under
+    the one-line error. Only that exact error, from no object, is dropped; any other goes on to
+    the hook that was installed."""
+    import sys
+    previous = sys.unraisablehook
+    if getattr(previous, "_drops_closed_loop_callbacks", False):
+        return
+
+    def hook(args) -> None:
+        if (args.object is None and isinstance(args.exc_value, RuntimeError)
+                and str(args.exc_value) == "Event loop is closed"):
+            return
+        previous(args)
+
+    hook._drops_closed_loop_callbacks = True
+    sys.unraisablehook = hook
 
 
 def load_orbax(path: str | Path, param_dtype=None, shardings=None) -> tuple[Qwen2Config, dict]:
@@ -97,6 +121,7 @@ def load_orbax(path: str | Path, param_dtype=None, shardings=None) -> tuple[Qwen
         try:
             params = ckptr.restore(path / "params", target)
         except Exception as e:  # noqa: BLE001 -- orbax/tensorstore raise many types for a damaged tree
+            _quiet_late_tensorstore_callbacks()
             text = (str(e).splitlines() or [""])[0][:300]
             raise CheckpointError(f"{path}: cannot read the orbax checkpoint ({type(e).__name__}: {text})") from None
     params = jax.tree.map(lambda a: a.astype(dtype_of(config.param_dtype)), params)
