@@ -100,6 +100,8 @@ def test_no_plugin_package_at_all_is_not_a_crash(monkeypatch):
     import sys
 
     from sprint_jax.plan import compile as pc
+    for name in [m for m in sys.modules if m.startswith("jax_plugins.")]:
+        monkeypatch.delitem(sys.modules, name)                 # as if never imported in this process
     monkeypatch.setitem(sys.modules, "jax_plugins", None)      # importing it now raises ModuleNotFoundError
     assert pc.cuda_plugin_available() is False
 
