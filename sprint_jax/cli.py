@@ -128,23 +128,28 @@ _SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _SPACE_TEXTS = ("No space left on device", "Disk quota exceeded", "File too large")
 
 
-def _out_of_space(e: BaseException) -> str | None:
-    """A one-line description when `e`, or anything in its cause/context chain, is a write that
-    found no space (ENOSPC, a quota, a file size limit); orbax and tensorstore wrap the OSError in
-    their own exception types, so their messages are read too. None for every other error."""
+def _chain_error(e: BaseException, errnos: set, texts: tuple, what: str, at: str) -> str | None:
+    """`what` with where and why when `e`, or anything in its cause/context chain, is an OSError
+    whose errno is in `errnos` or an error whose message holds one of `texts` (orbax and
+    tensorstore wrap the OSError in their own types, so their messages are read too); else None."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in _SPACE_ERRNOS:
-            where = f" writing {e.filename}" if e.filename else ""
-            return f"out of disk space{where} ({e.strerror})"
+        if isinstance(e, OSError) and e.errno in errnos:
+            where = f" {at} {e.filename}" if e.filename else ""
+            return f"{what}{where} ({e.strerror})"
         text = str(e)
-        for t in _SPACE_TEXTS:
+        for t in texts:
             if t in text:
-                return f"out of disk space ({t})"
+                return f"{what} ({t})"
         e = e.__cause__ or e.__context__
     return None
 
+
+def _out_of_space(e: BaseException) -> str | None:
+    """A one-line description when `e`'s chain holds a write that found no space (ENOSPC, a quota,
+    a file size limit); None for every other error."""
+    return _chain_error(e, _SPACE_ERRNOS, _SPACE_TEXTS, "out of disk space", "writing")
 
 
 _ACCESS_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
@@ -152,22 +157,11 @@ _ACCESS_TEXTS = ("Permission denied", "Read-only file system", "Operation not pe
 
 
 def _not_writable(e: BaseException) -> str | None:
-    """A one-line description when `e`, or anything in its cause/context chain, is a file
-    operation the file system refused (no permission, a read-only file system), e.g. an --out the
-    user cannot write, or one made read-only mid-run; orbax and tensorstore wrap the OSError, so
-    their messages are read too. None for every other error."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in _ACCESS_ERRNOS:
-            where = f" on {e.filename}" if e.filename else ""
-            return f"permission denied{where} ({e.strerror})"
-        text = str(e)
-        for t in _ACCESS_TEXTS:
-            if t in text:
-                return f"permission denied ({t})"
-        e = e.__cause__ or e.__context__
-    return None
+    """A one-line description when `e`'s chain holds a file operation the file system refused (no
+    permission, a read-only file system), e.g. an --out the user cannot write, or one made
+    read-only mid-run; None for every other error."""
+    return _chain_error(e, _ACCESS_ERRNOS, _ACCESS_TEXTS, "permission denied", "on")
+
 
 if __name__ == "__main__":
     sys.exit(main())
