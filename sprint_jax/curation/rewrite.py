@@ -160,6 +160,22 @@ _FENCE = re.compile(r"\A\s*```[\w-]*[ \t]*\n(.*?)\n\s*```\s*\Z", re.S)
 _THINK = re.compile(r"\A\s*<think>.*?</think>", re.S)
 
 
+def answer_problem(task: Task, trace: Trace, written: str | None) -> tuple[str, str] | None:
+    """(reason, detail) when a rewrite's final answer `written` is not the trace's: the grader
+    failed, the answer is wrong, or it is right but changed from the trace's; None when it is
+    the trace's answer."""
+    written = written or ""
+    answer = final_answer_of(task, written) or written.strip()
+    grade = grade_result(task, answer)
+    if grade.error is not None:
+        return f"grader_error:{grade.error.split(':', 1)[0]}", grade.error
+    if not grade.correct:
+        return "answer_wrong", f"final answer {answer!r}"
+    if " ".join(answer.split()) != " ".join(trace.final_answer.split()):
+        return "answer_changed", f"{answer!r} instead of {trace.final_answer!r}"
+    return None
+
+
 def check_reply(task: Task, trace: Trace, content: str, finish_reason: str | None) -> Accepted:
     """Accept the rewriter's reply for a correct `trace`, or raise RewriteRejected(reason, detail).
 
@@ -183,15 +199,9 @@ def check_reply(task: Task, trace: Trace, content: str, finish_reason: str | Non
     if deps:
         raise RewriteRejected("sibling_dependency", "; ".join(
             f"execution {k}.{j} uses {n}, a result of execution {k}.{s}" for k, j, n, s in deps[:5]))
-    written = traj.final_answer or ""
-    answer = final_answer_of(task, written) or written.strip()
-    grade = grade_result(task, answer)
-    if grade.error is not None:
-        raise RewriteRejected(f"grader_error:{grade.error.split(':', 1)[0]}", grade.error)
-    if not grade.correct:
-        raise RewriteRejected("answer_wrong", f"final answer {answer!r}")
-    if " ".join(answer.split()) != " ".join(trace.final_answer.split()):
-        raise RewriteRejected("answer_changed", f"{answer!r} instead of {trace.final_answer!r}")
+    wrong = answer_problem(task, trace, traj.final_answer)
+    if wrong:
+        raise RewriteRejected(*wrong)
     traj.final_answer = trace.final_answer
     return Accepted(fmt.render_completion(traj), widths)
 

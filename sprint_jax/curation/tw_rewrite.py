@@ -39,9 +39,9 @@ import pydantic
 from sprint_jax import format as sf
 from sprint_jax import threadweaver as tw
 from sprint_jax.curation.llm import Discarded, json_schema_format
-from sprint_jax.curation.rewrite import first_uses, numbers, sibling_dependencies
+from sprint_jax.curation.rewrite import answer_problem, first_uses, numbers, sibling_dependencies
 from sprint_jax.curation.store import TW_STEPS
-from sprint_jax.tasks import final_answer_of, grade_result, task_prompt
+from sprint_jax.tasks import task_prompt
 from sprint_jax.tasks.types import Task, Trace
 
 STEPS = TW_STEPS
@@ -382,15 +382,9 @@ def _check_validate(task, trace, prior, content) -> dict:
     deps = sibling_dependencies(task_prompt(task), _as_sprint("", traj))
     if deps:
         raise StepRejected("sibling_dependency", _sibling_detail(deps))
-    written = traj.answer or ""
-    answer = final_answer_of(task, written) or written.strip()
-    grade = grade_result(task, answer)
-    if grade.error is not None:
-        raise StepRejected(f"grader_error:{grade.error.split(':', 1)[0]}", grade.error)
-    if not grade.correct:
-        raise StepRejected("answer_wrong", f"final answer {answer!r}")
-    if " ".join(answer.split()) != " ".join(trace.final_answer.split()):
-        raise StepRejected("answer_changed", f"{answer!r} instead of {trace.final_answer!r}")
+    wrong = answer_problem(task, trace, traj.answer)
+    if wrong:
+        raise StepRejected(*wrong)
     traj.answer = trace.final_answer
     return {"completion": tw.render_completion(traj), "widths": [len(b.threads) for b in traj.blocks]}
 
