@@ -1024,6 +1024,21 @@ def _prometheus(worker: EngineWorker) -> str:
     metric("generated_tokens_total", "counter", "Tokens generated since start.", m["tokens_total"])
     metric("tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.", f"{m['tokens_per_s']:.3f}")
     metric("cancelled_total", "counter", "Requests cancelled because their client went away.", m["cancelled"])
+    metric("kv_pages_total", "gauge", "Pages of the KV pool.", m["pages_total"])
+    metric("kv_pages_free", "gauge", "Pages of the KV pool on the free list.", m["pages_free"])
+    metric("kv_pages_used", "gauge", "Pages of the KV pool held by live sequences.", m["pages_used"])
+    metric("kv_pages_cached", "gauge", "Pages of the KV pool held only by the prefix cache (evictable).",
+           m["pages_cached"])
+    metric("kv_page_size", "gauge", "Tokens per page of the KV pool.", m["page_size"])
+    metric("prefix_hit_tokens_total", "counter", "Prompt tokens sequences took from the prefix cache.",
+           m["prefix_hit_tokens"])
+    metric("evicted_pages_total", "counter", "Cached pages evicted from the KV pool.", m["evicted_pages"])
+    metric("prompt_tokens_total", "counter", "Prompt tokens of the sequences opened for requests.",
+           m["prompt_tokens"])
+    metric("prompt_tokens_cached_total", "counter", "Prompt tokens of requests taken from the prefix cache.",
+           m["prompt_tokens_cached"])
+    metric("prompt_tokens_prefilled_total", "counter", "Prompt tokens of requests the model ran (not cached).",
+           m["prompt_tokens_prefilled"])
     with worker._lock:
         counts, total, reqs = list(worker.latency_counts), worker.latency_sum, dict(worker.requests)
     lines += ["# HELP sprint_serve_requests_total HTTP requests to the completion endpoints by status.",

@@ -47,6 +47,9 @@ from sprint_jax.infer.sampling import Sampling
 log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# `Engine.page_stats` walks the radix tree (~2 ms per 10k cached pages on a CPU): while requests
+# run, the pool figures of /metrics are renewed at most this often; at every idle turn always
+POOL_STATS_EVERY_S = 1.0
 STOP_TERMINATION = "stop_string"     # a SPRINT run ended at a stop string of its request
 
 
@@ -359,8 +362,16 @@ class EngineWorker:
         self.busy = False                    # the engine is inside a turn (a step, maybe a compile)
         self.error: str | None = None        # set if the engine thread / task died
         self._tok_window: deque[tuple[float, int]] = deque()
+        # prompt tokens of the sequences this worker opened (requests' prompts, SPRINT runs'
+        # prompts), counted when admitted: when the engine's radix tree counts their cache hits
+        self.prompt_tokens = 0
+        self._pool = engine.page_stats()
+        self._pool_t, self._pool_prompt = time.perf_counter(), 0
+        self._hits_before = self._pool["prefix_hit_tokens"]       # hits of opens before this worker
         self.metrics = dict(queue_depth=0, active_rows=0, slots_used=0, slots_total=engine.max_seqs,
-                            running_jobs=0, tokens_total=0, tokens_per_s=0.0, steps=0, cancelled=0)
+                            running_jobs=0, tokens_total=0, tokens_per_s=0.0, steps=0, cancelled=0,
+                            prefill_calls=engine.stats["prefill_calls"], decode_calls=engine.stats["decode_calls"],
+                            **self._pool_metrics())
         self.latency_counts = [0] * (len(LATENCY_BUCKETS) + 1)
         self.latency_sum = 0.0
         self.requests: dict[str, int] = {}   # status code -> count
@@ -701,6 +712,7 @@ class EngineWorker:
         if not op.done:
             return
         if op.kind == "open":              # an EngineError here ends the job (`_job_failed`: a 400)
+            self.prompt_tokens += len(job.prompt)
             top = {"top_logprobs": job.top_logprobs} if job.top_logprobs else {}
             if job.n == 1:
                 job.op = self.engine.generate(job.seq, job.max_tokens, job.stop, job.sampling, **top)
@@ -711,10 +723,12 @@ class EngineWorker:
         job.op = None
         self._end(job, ("done", gens))
 
-    @staticmethod
-    def _answered(job: Job, call, context, value) -> None:
-        """RunDriver's on_answer: with log-probs, each generate / branches result is logged in
-        `job.layout` before the run sees it (`sprint_token_layout` places the tokens by it)."""
+    def _answered(self, job: Job, call, context, value) -> None:
+        """RunDriver's on_answer: a run's prompt counts as prompt tokens once its sequence is
+        open; with log-probs, each generate / branches result is logged in `job.layout` before
+        the run sees it (`sprint_token_layout` places the tokens by it)."""
+        if call.kind == "prefill":
+            self.prompt_tokens += len(call.tokens)
         if job.logprobs and call.kind in ("generate", "branches"):
             job.layout.append(("call", value))
 
@@ -743,4 +757,18 @@ class EngineWorker:
                             slots_used=e.max_seqs - e.free_slots, slots_total=e.max_seqs,
                             running_jobs=len(self._jobs), tokens_total=total, tokens_per_s=rate,
                             steps=e.stats["steps"], cancelled=self.metrics["cancelled"],
-                            prefill_calls=e.stats["prefill_calls"], decode_calls=e.stats["decode_calls"])
+                            prefill_calls=e.stats["prefill_calls"], decode_calls=e.stats["decode_calls"],
+                            **self._pool_metrics(now))
+
+    def _pool_metrics(self, now: float | None = None) -> dict:
+        """The KV pool's figures (`Engine.page_stats`: pages in all / free / held by live
+        sequences / cached only, page size, prefix tokens taken from the cache, evicted pages) and
+        the prompt tokens of this worker's opens: taken from the cache (the radix tree's hits since
+        the worker started) and prefilled (the rest; a prompt's last token is always run, so a
+        whole-prompt hit still prefills one). Renewed when idle or every POOL_STATS_EVERY_S."""
+        if now is not None and (not self._jobs or now - self._pool_t >= POOL_STATS_EVERY_S):
+            self._pool, self._pool_t, self._pool_prompt = self.engine.page_stats(), now, self.prompt_tokens
+        cached = self._pool["prefix_hit_tokens"] - self._hits_before
+        # the prompt tokens as of the same moment as the hits (both count at admission)
+        return dict(self._pool, prompt_tokens=self._pool_prompt, prompt_tokens_cached=cached,
+                    prompt_tokens_prefilled=self._pool_prompt - cached)
