@@ -1,6 +1,8 @@
 """`sprint-jax bench serve` at the smallest settings (two concurrencies, two problems, one
 capacity): the rows it writes follow the flags, every concurrency does the same work, a fork's
-bytes read off the cache equal prefix + suffixes, and the latency model's counts follow the flags.
+bytes read off the KV pool equal prefix + suffixes + the copies of the partly filled page (counted
+by hand), and the latency model's counts follow the flags. `--prefix`: the cache hits of each
+request equal the hand count.
 No timing assertion (benchmarks, never timed tests)."""
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ P, E, F, K, S = 6, 5, 3, 3, 20
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "serve.json"
     assert main(["bench", "serve", "--concurrency", "1,2", "--problems", "2", "--repeats", "1",
-                 "--prompt-len", "8", "--planner-tokens", str(P), "--executors", str(K), "--executor-tokens", str(E),
+                 "--prompt-len", "40", "--planner-tokens", str(P), "--executors", str(K), "--executor-tokens", str(E),
                  "--final-tokens", str(F), "--decode-chunk", "4", "--used", "24", "--capacities", "64",
                  "--model-context", "16", "--sequential-tokens", str(S), "--out", str(out)]) == 0
     return json.loads(out.read_text())
@@ -36,7 +38,12 @@ def test_throughput_rows_run_the_same_work_at_every_concurrency(report):
 
 def test_fork_bytes_are_the_prefix_once_plus_each_childs_suffix(report):
     fb = report["fork_bytes"]
-    assert fb["exact"] and fb["measured_bytes"] == fb["prefix_plus_suffixes_bytes"]
+    # the prompt's 40 tokens less the pending last: 39, two full pages of 16 (shared) and 7 in a
+    # partly filled page, which each child copies before writing its suffix (copy on write)
+    assert fb["prefix_slots"] == 39 and fb["page_size"] == 16 and fb["copied_page_slots"] == [7] * K
+    per = fb["bytes_per_slot"]
+    assert fb["exact"] and fb["measured_bytes"] == fb["expected_bytes"] == per * (39 + K * (4 + E) + K * 7)
+    assert fb["parent_slots"] == 39 and fb["child_slots"] == [7 + 4 + E] * K
     assert len(fb["child_slots"]) == K and fb["suffix_slots"] == [4 + E] * K
     assert fb["measured_bytes"] < fb["copied_prefix_bytes"]
 
@@ -67,3 +74,26 @@ def test_http_bad_flags_are_one_line_and_exit_2(flags, capsys):
     assert main(["bench", "serve", "--http", *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and ("must be >= 1" in err or "comma-separated integers" in err), err
+
+
+def test_prefix_bench_hits_the_system_prompts_whole_pages(tmp_path):
+    """`bench serve --prefix`, tiny: a 43-token system prompt in pages of 8, two hits after each
+    miss: every miss takes 0 tokens from the cache and every hit 40 (5 whole pages; the user parts
+    differ in their first token), in process and through the server; one TTFT sample per request."""
+    out = tmp_path / "prefix.json"
+    assert main(["bench", "serve", "--prefix", "--preset", "bench-tiny", "--system-tokens", "43", "--user-tokens",
+                 "4", "--hits", "2", "--repeats", "2", "--page-size", "8", "--decode-chunk", "4",
+                 "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["expected_hit_tokens"] == 40 and [r["path"] for r in res["rows"]] == ["inproc", "http"]
+    for r in res["rows"]:
+        assert r["hit_tokens"] == {"miss": [0, 0], "hit": [40] * 4} and r["hits_as_expected"]
+        assert len(r["samples_ms"]["miss"]) == 2 and len(r["samples_ms"]["hit"]) == 4
+        assert 0 < r["miss_best_ms"] <= r["miss_median_ms"] and 0 < r["hit_best_ms"] <= r["hit_median_ms"]
+
+
+@pytest.mark.parametrize("flags", [["--http"], ["--hits", "0"], ["--system-tokens", "0"]])
+def test_prefix_bad_flags_are_one_line_and_exit_2(flags, capsys):
+    assert main(["bench", "serve", "--prefix", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ("must be >= 1" in err or "pick one" in err), err

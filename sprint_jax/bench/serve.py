@@ -32,8 +32,9 @@ Rows, all measured in one run:
                cheap next to a step's fixed cost (accelerators); the ratio says where this
                machine stands, e.g. against the demo's latency target (<= 0.75).
   fork bytes   a fork of --executors children on a fresh engine: the KV bytes written, read off the
-               cache arrays (slots whose K or V is non-zero), against prefix + n x suffix (the
-               prefix stored once) and against what per-child prefix copies would hold.
+               KV pool (token slots whose K or V is non-zero), against prefix + n x suffix + each
+               child's copy of the parent's partly filled last page (the prefix's full pages
+               stored once) and against what per-child prefix copies would hold.
   --http       instead: plain greedy requests through `sprint-jax serve` vs in-process on an
                identical Engine. Model: the demo's (configs/demo.yaml: its shape, its
                tokenizer, its held-out queries as prompts; random weights) unless --preset. Per
@@ -45,6 +46,18 @@ Rows, all measured in one run:
                (requests/s, tokens/s); per client, what HTTP adds: the median per-request
                difference to the same request's in-process latency. Every path must return the
                same texts. --engine-on picks where the server's engine steps.
+  --prefix     instead: time to first token of a prefix-cache hit vs a miss. Each round is a
+               fresh random system prompt (--system-tokens) followed by --hits + 1 requests, each
+               with its own random user part (--user-tokens; distinct first tokens): the first
+               request misses the cache, the others take the system prompt's whole pages from it
+               (hit tokens read off the engine / the server's /health per request, against the
+               hand count system_tokens // page_size * page_size). Side by side in one run:
+               in-process on an Engine (TTFT: open -> the step that produced the first token) and
+               through `sprint-jax serve` (the openai client streaming, in this process: TTFT =
+               request sent -> the first chunk with a token), each with its own cache. One untimed
+               round first (compiles the miss's and the hits' shapes), then --repeats rounds;
+               best and median per kind, every sample in the JSON. A round's miss may evict the
+               previous rounds' pages (counted).
 Every point runs once untimed first (compiles every shape it meets; checks that every concurrency
 generates identical tokens: the same work), then --repeats times interleaved; the best is reported
 and every sample is kept in the JSON. Each sample also records this process's CPU seconds (all its
@@ -58,6 +71,7 @@ Run:
     sprint-jax bench serve --quick --out bench_serve.json     # CPU, a few minutes
     sprint-jax bench serve --preset r1-distill-qwen-7b        # accelerator, random weights
     sprint-jax bench serve --http --problems 32 --repeats 3   # HTTP vs in-process, a few minutes
+    sprint-jax bench serve --prefix --repeats 5               # prefix-cache hit vs miss TTFT, ~1 minute
 """
 from __future__ import annotations
 
@@ -102,6 +116,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="--http: tokens generated per request, comma-separated (default 32,80: a short request "
                         "(the demo's planner calls stay within 48 tokens), and about a whole answer of the demo's "
                         "RFT model, 77 tokens; a whole SPRINT run of it writes ~93)")
+    x = parser.add_argument_group("--prefix: time to first token of a prefix-cache hit vs a miss")
+    x.add_argument("--prefix", action="store_true",
+                   help="measure TTFT of requests sharing a long system prompt: the first a miss, the next a "
+                        "hit (in-process and through `sprint-jax serve`; model: --preset, default demo-size)")
+    x.add_argument("--system-tokens", type=int, default=1024, help="--prefix: the shared system prompt's tokens")
+    x.add_argument("--user-tokens", type=int, default=32, help="--prefix: each request's own tokens after it")
+    x.add_argument("--hits", type=int, default=3, help="--prefix: requests after the miss in a round")
+    x.add_argument("--page-size", type=int, default=16, help="--prefix: the KV pool's tokens per page")
     h.add_argument("--engine-on", choices=("auto", "loop", "thread"), default="auto",
                    help="--http: where the server's engine steps, as `sprint-jax serve --engine-on` (default auto: "
                         "the server's default, loop on CPU)")
@@ -185,10 +207,12 @@ def run_batched(engine, prompts: list[list[int]], s: dict, concurrency: int, out
 
 
 def fork_bytes(model, tok, prompt: list[int], s: dict, common: dict) -> dict[str, Any]:
-    """A fork's KV footprint read off the cache arrays: on a fresh engine (zero cache), open the
-    prompt and fork --executors children (4-token openings, --executor-tokens each); every slot
-    whose K or V is non-zero anywhere (layers, heads, dims) was written. The bytes written must be
-    exactly prefix + sum of the children's suffixes (the prefix stored once), never a copy."""
+    """A fork's KV footprint read off the KV pool: on a fresh engine (zero pool), open the prompt
+    and fork --executors children (4-token openings, --executor-tokens each); every token slot of
+    a page whose K or V is non-zero anywhere (layers, heads, dims) was written. The slots written
+    must be exactly the prefix once + each child's suffix + each child's copy of the parent's
+    partly filled last page (copy on write: prefix % page_size tokens; full pages are shared),
+    never a per-child copy of the prefix."""
     import jax
 
     from sprint_jax.infer.engine import Engine
@@ -198,25 +222,32 @@ def fork_bytes(model, tok, prompt: list[int], s: dict, common: dict) -> dict[str
     seq = op.result
     fork = e.fork(seq, _openings(s), s["executor_tokens"])
     e.run([fork])
-    pk, pv, ck, cv = jax.device_get((e.cache.pk, e.cache.pv, e.cache.ck, e.cache.cv))
-
-    def written(k, v):                      # [L, N, H, C, D] -> slots written, per row
-        return ((k != 0).any(axis=(0, 2, 4)) | (v != 0).any(axis=(0, 2, 4))).sum(axis=1)
-    per_slot = 2 * pk.shape[0] * pk.shape[2] * pk.shape[4] * pk.dtype.itemsize   # K and V, all layers
-    parent_slots = int(written(pk, pv).sum())
-    child_slots = [int(x) for x in written(ck, cv)[: len(fork.result)]]
+    k, v = jax.device_get((e.cache.k, e.cache.v))                     # [L, Hkv, N, ps, D]
+    written = (k != 0).any(axis=(0, 1, 4)) | (v != 0).any(axis=(0, 1, 4))      # [N, ps]
+    per_slot = 2 * k.shape[0] * k.shape[1] * k.shape[4] * k.dtype.itemsize     # K and V, all layers
+    parent_pages = set(e.page_ids(seq))
+    child_pages = [sorted(set(c.pages.pages) - parent_pages) for c in seq.last_fork.children]
+    parent_slots = int(written[sorted(parent_pages)].sum())
+    child_slots = [int(written[pages].sum()) for pages in child_pages]
     prefix = seq.length                                   # the context's KV entries
     suffixes = [len(o) + len(g.tokens) for o, g in zip(_openings(s), fork.result)]   # pending + opening + generated - 1
-    measured = per_slot * (parent_slots + sum(child_slots))
-    expected = per_slot * (prefix + sum(suffixes))
-    return dict(bytes_per_slot=per_slot, parent_slots=parent_slots, child_slots=child_slots,
-                prefix_slots=prefix, suffix_slots=suffixes, measured_bytes=measured,
-                prefix_plus_suffixes_bytes=expected, copied_prefix_bytes=per_slot * (len(suffixes) * prefix + sum(suffixes)),
-                exact=measured == expected)
+    cow = [prefix % e.page_size] * len(suffixes)          # each child's copy of the partly filled page
+    measured = per_slot * int(written.sum())
+    expected = per_slot * (prefix + sum(suffixes) + sum(cow))
+    return dict(bytes_per_slot=per_slot, page_size=e.page_size, parent_slots=parent_slots, child_slots=child_slots,
+                prefix_slots=prefix, suffix_slots=suffixes, copied_page_slots=cow, measured_bytes=measured,
+                prefix_plus_suffixes_bytes=per_slot * (prefix + sum(suffixes)), expected_bytes=expected,
+                copied_prefix_bytes=per_slot * (len(suffixes) * prefix + sum(suffixes)),
+                exact=measured == expected == per_slot * (parent_slots + sum(child_slots)))
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:
-    if args.http:
+    if args.prefix and args.http:
+        from sprint_jax.errors import UserError
+        raise UserError("--prefix and --http are separate benches: pick one")
+    if args.prefix:
+        prefix_bench(args)
+    elif args.http:
         http_bench(args)
     else:
         serve_bench(args)
@@ -591,6 +622,154 @@ def _http_report(out: dict, repeats: int) -> None:
         print(line)
 
 
+# ---------------------------------------------------------------------------------------------
+# --prefix: time to first token of a prefix-cache hit vs a miss
+# ---------------------------------------------------------------------------------------------
+PREFIX_NEW_TOKENS = 4          # tokens each --prefix request generates (TTFT needs the first)
+
+
+def _prefix_rounds(n: int, system: int, user: int, hits: int, vocab: int, seed: int) -> list[list[list[int]]]:
+    """n rounds of hits + 1 prompts: a fresh random system prompt per round, then per request its
+    own random user part whose first token differs from the round's others (the cached prefix of
+    a hit is the system prompt's whole pages, nothing of an earlier request's user part)."""
+    rng = np.random.default_rng(seed)
+    rounds = []
+    for _ in range(n):
+        sys_ids = [int(x) for x in rng.integers(2, vocab, system)]
+        firsts = rng.choice(np.arange(2, vocab), hits + 1, replace=False)
+        rounds.append([sys_ids + [int(f)] + [int(x) for x in rng.integers(2, vocab, user - 1)] for f in firsts])
+    return rounds
+
+
+def _inproc_ttft(engine, prompt: list[int]) -> tuple[float, int]:
+    """(TTFT s, prefix-hit tokens) of one greedy request on `engine` driven here as the server
+    drives it (generate as soon as the open is admitted, one step at a time)."""
+    hits0 = engine.page_stats()["prefix_hit_tokens"]
+    t0 = time.perf_counter()
+    op = engine.open(prompt)
+    gen = engine.generate(op.result, PREFIX_NEW_TOKENS) if op.done else None
+    ttft = None
+    while True:
+        engine.step()
+        if gen is None and op.done:
+            gen = engine.generate(op.result, PREFIX_NEW_TOKENS)
+        if gen is not None and ttft is None and engine.progress(gen)[0]:
+            ttft = time.perf_counter() - t0
+        if gen is not None and gen.done:
+            break
+    engine.close(op.result)
+    return ttft, engine.page_stats()["prefix_hit_tokens"] - hits0
+
+
+def _health(url: str, within: float = 30.0) -> dict:
+    """The server's /health once its engine holds nothing (its pool figures are renewed then)."""
+    import urllib.request
+    t_end = time.perf_counter() + within
+    while True:
+        with urllib.request.urlopen(url + "/health", timeout=60) as r:
+            h = json.loads(r.read())
+        if h["running_jobs"] == 0 and h["slots_used"] == 0 or time.perf_counter() > t_end:
+            return h
+        time.sleep(0.005)
+
+
+def _http_ttft(client, url: str, model: str, prompt: list[int]) -> tuple[float, int]:
+    """(TTFT s, prefix-hit tokens) of one greedy streamed request through the server: request sent
+    -> the first chunk carrying a token (the stream is read to its end, untimed)."""
+    hits0 = _health(url)["prefix_hit_tokens"]
+    t0 = time.perf_counter()
+    ttft = None
+    for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=PREFIX_NEW_TOKENS,
+                                           temperature=0, stream=True):
+        if ttft is None and chunk.choices and chunk.choices[0].text:
+            ttft = time.perf_counter() - t0
+    return ttft, _health(url)["prefix_hit_tokens"] - hits0
+
+
+def prefix_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """TTFT of prefix-cache hits vs misses, in-process and through the server (the module
+    docstring's --prefix), printed and written to --out."""
+    import os
+
+    import jax
+    import openai
+
+    from sprint_jax.errors import UserError
+    from sprint_jax.infer.engine import Engine
+    from sprint_jax.serve import Server
+    from sprint_jax.serve.server import ENGINE_ON
+
+    for flag, v in (("--system-tokens", args.system_tokens), ("--user-tokens", args.user_tokens),
+                    ("--hits", args.hits), ("--repeats", args.repeats), ("--page-size", args.page_size)):
+        if v < 1:
+            raise UserError(f"{flag} must be >= 1, got {v}")
+    model, tok, name = _model(args.preset, args.seed)
+    vocab = model.config.vocab_size
+    if args.hits + 1 > vocab - 2:
+        raise UserError(f"--hits {args.hits}: the vocabulary ({vocab}) has too few tokens for distinct user parts")
+    rounds = _prefix_rounds(1 + args.repeats, args.system_tokens, args.user_tokens, args.hits, vocab, args.seed)
+    caps = dict(max_seqs=2, max_children=1, max_branch_tokens=8, decode_chunk=args.decode_chunk, prefill_chunk=512,
+                eos_token_ids=[], page_size=args.page_size,
+                max_seq_len=args.system_tokens + args.user_tokens + PREFIX_NEW_TOKENS + 8)
+    local = Engine(model, tok, **caps)
+    server = Server(Engine(model, tok, **caps), name, engine_on_loop=ENGINE_ON[args.engine_on]).start()
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+    expected = args.system_tokens // args.page_size * args.page_size
+    samples: dict[str, dict[str, list]] = {p: dict(miss=[], hit=[], miss_hits=[], hit_hits=[])
+                                           for p in ("inproc", "http")}
+    try:
+        load_before = os.getloadavg()
+        for r, prompts in enumerate(rounds):
+            for path in ("inproc", "http"):
+                for k, prompt in enumerate(prompts):
+                    if path == "inproc":
+                        ttft, hit = _inproc_ttft(local, prompt)
+                    else:
+                        ttft, hit = _http_ttft(client, server.url, name, prompt)
+                    if r == 0:                          # the untimed round: compiles
+                        continue
+                    kind = "miss" if k == 0 else "hit"
+                    samples[path][kind].append(1000 * ttft)
+                    samples[path][kind + "_hits"].append(hit)
+        load_after = os.getloadavg()
+        pools = dict(inproc=local.page_stats(), http=_health(server.url))
+    finally:
+        server.stop()
+    out: dict[str, Any] = dict(model=name, backend=jax.default_backend(), system_tokens=args.system_tokens,
+                               user_tokens=args.user_tokens, hits_per_round=args.hits, rounds=args.repeats,
+                               page_size=args.page_size, prefill_chunk=caps["prefill_chunk"],
+                               decode_chunk=args.decode_chunk, expected_hit_tokens=expected,
+                               loadavg=dict(before=load_before, after=load_after), rows=[])
+    for path, x in samples.items():
+        miss, hit = np.asarray(x["miss"]), np.asarray(x["hit"])
+        out["rows"].append(dict(
+            path=path, miss_best_ms=float(miss.min()), miss_median_ms=float(np.median(miss)),
+            hit_best_ms=float(hit.min()), hit_median_ms=float(np.median(hit)),
+            hit_over_miss=float(np.median(hit) / np.median(miss)),
+            hits_as_expected=all(h == 0 for h in x["miss_hits"]) and all(h == expected for h in x["hit_hits"]),
+            evicted_pages=int(pools[path]["evicted_pages"]), samples_ms=dict(miss=x["miss"], hit=x["hit"]),
+            hit_tokens=dict(miss=x["miss_hits"], hit=x["hit_hits"])))
+    _prefix_report(out)
+    _write_json(out, args.out)
+    return out
+
+
+def _prefix_report(out: dict) -> None:
+    print(f"model {out['model']} on {out['backend']}; system prompt {out['system_tokens']} tokens + "
+          f"{out['user_tokens']} own tokens per request, {out['hits_per_round']} hits after each miss, "
+          f"{out['rounds']} rounds; page {out['page_size']}, prefill chunk {out['prefill_chunk']}, decode chunk "
+          f"{out['decode_chunk']}; load average {out['loadavg']['before'][0]:.1f} -> {out['loadavg']['after'][0]:.1f}")
+    print("Time to first token, ms (inproc: open -> the step that made the first token on an Engine; http: the "
+          "openai client streaming through `sprint-jax serve`); hits: every miss took 0 tokens from the cache "
+          f"and every hit {out['expected_hit_tokens']} (the system prompt's whole pages)")
+    print(f"{'path':<8}{'miss best':>11}{'miss p50':>10}{'hit best':>10}{'hit p50':>9}{'hit/miss':>10}"
+          f"{'hits':>7}{'evicted':>9}")
+    for r in out["rows"]:
+        print(f"{r['path']:<8}{r['miss_best_ms']:>11.2f}{r['miss_median_ms']:>10.2f}{r['hit_best_ms']:>10.2f}"
+              f"{r['hit_median_ms']:>9.2f}{r['hit_over_miss']:>10.3f}{('ok' if r['hits_as_expected'] else 'WRONG'):>7}"
+              f"{r['evicted_pages']:>9}")
+
+
 def _write_json(out: dict, path: str | None) -> None:
     if path:
         with open(path, "w") as f:
@@ -854,9 +1033,10 @@ def _report(out: dict, conc: list[int], caps: list[int]) -> None:
     out["ratios"] = targets
     fb = out.get("fork_bytes")
     if fb:
-        print(f"\nfork of {len(fb['child_slots'])} children, read off the cache arrays: {fb['measured_bytes']} bytes "
-              f"written ({fb['parent_slots']} parent + {sum(fb['child_slots'])} child slots); prefix + n x suffix = "
-              f"{fb['prefix_plus_suffixes_bytes']} ({fb['prefix_slots']} + {fb['suffix_slots']} slots): "
+        print(f"\nfork of {len(fb['child_slots'])} children, read off the KV pool: {fb['measured_bytes']} bytes "
+              f"written ({fb['parent_slots']} parent + {sum(fb['child_slots'])} child token slots); prefix + n x suffix "
+              f"+ the copies of the partly filled page = {fb['expected_bytes']} ({fb['prefix_slots']} + "
+              f"{fb['suffix_slots']} + {fb['copied_page_slots']} slots, page {fb['page_size']}): "
               f"{'exact' if fb['exact'] else 'DIFFERENT'}; a per-child prefix copy would hold {fb['copied_prefix_bytes']}")
     lm = out.get("latency_model")
     if lm:
