@@ -53,8 +53,11 @@ Rows, all measured in one run:
                (hit tokens read off the engine / the server's /health per request, against the
                hand count system_tokens // page_size * page_size). Side by side in one run:
                in-process on an Engine (TTFT: open -> the step that produced the first token) and
-               through `sprint-jax serve` (the openai client streaming, in this process: TTFT =
-               request sent -> the first chunk with a token), each with its own cache. One untimed
+               through `sprint-jax serve` (http.client streaming on a keep-alive connection: TTFT =
+               request sent -> the first event with a token's text; the openai client would add
+               its own time to build a request of 1,000 token ids), each with its own cache.
+               Each request generates 4 tokens: its first token comes back with the decode call
+               that writes it (min(4, --decode-chunk) steps), in both paths alike. One untimed
                round first (compiles the miss's and the hits' shapes), then --repeats rounds;
                best and median per kind, every sample in the JSON. A round's miss may evict the
                previous rounds' pages (counted).
@@ -673,26 +676,39 @@ def _health(url: str, within: float = 30.0) -> dict:
         time.sleep(0.005)
 
 
-def _http_ttft(client, url: str, model: str, prompt: list[int]) -> tuple[float, int]:
-    """(TTFT s, prefix-hit tokens) of one greedy streamed request through the server: request sent
-    -> the first chunk carrying a token (the stream is read to its end, untimed)."""
+def _http_ttft(conn, url: str, model: str, prompt: list[int]) -> tuple[float, int]:
+    """(TTFT s, prefix-hit tokens) of one greedy streamed request through the server on the
+    keep-alive http.client connection `conn`: request sent -> the first event carrying a token's
+    text (the stream is read to its end, untimed)."""
     hits0 = _health(url)["prefix_hit_tokens"]
+    body = json.dumps(dict(model=model, prompt=prompt, max_tokens=PREFIX_NEW_TOKENS, temperature=0,
+                           stream=True)).encode()
     t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    if r.status != 200:
+        raise RuntimeError(f"HTTP {r.status}: {r.read()[:500]!r}")
     ttft = None
-    for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=PREFIX_NEW_TOKENS,
-                                           temperature=0, stream=True):
-        if ttft is None and chunk.choices and chunk.choices[0].text:
-            ttft = time.perf_counter() - t0
+    while True:
+        line = r.readline()
+        if not line or line.startswith(b"data: [DONE]"):
+            break
+        if ttft is None and line.startswith(b"data: {"):
+            choices = json.loads(line[6:]).get("choices") or []
+            if choices and choices[0].get("text"):
+                ttft = time.perf_counter() - t0
+    r.read()
     return ttft, _health(url)["prefix_hit_tokens"] - hits0
 
 
 def prefix_bench(args: argparse.Namespace) -> dict[str, Any]:
     """TTFT of prefix-cache hits vs misses, in-process and through the server (the module
     docstring's --prefix), printed and written to --out."""
+    import http.client
     import os
+    from urllib.parse import urlsplit
 
     import jax
-    import openai
 
     from sprint_jax.errors import UserError
     from sprint_jax.infer.engine import Engine
@@ -713,7 +729,8 @@ def prefix_bench(args: argparse.Namespace) -> dict[str, Any]:
                 max_seq_len=args.system_tokens + args.user_tokens + PREFIX_NEW_TOKENS + 8)
     local = Engine(model, tok, **caps)
     server = Server(Engine(model, tok, **caps), name, engine_on_loop=ENGINE_ON[args.engine_on]).start()
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+    where = urlsplit(server.url)
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=600)
     expected = args.system_tokens // args.page_size * args.page_size
     samples: dict[str, dict[str, list]] = {p: dict(miss=[], hit=[], miss_hits=[], hit_hits=[])
                                            for p in ("inproc", "http")}
@@ -725,7 +742,7 @@ def prefix_bench(args: argparse.Namespace) -> dict[str, Any]:
                     if path == "inproc":
                         ttft, hit = _inproc_ttft(local, prompt)
                     else:
-                        ttft, hit = _http_ttft(client, server.url, name, prompt)
+                        ttft, hit = _http_ttft(conn, server.url, name, prompt)
                     if r == 0:                          # the untimed round: compiles
                         continue
                     kind = "miss" if k == 0 else "hit"
@@ -734,6 +751,7 @@ def prefix_bench(args: argparse.Namespace) -> dict[str, Any]:
         load_after = os.getloadavg()
         pools = dict(inproc=local.page_stats(), http=_health(server.url))
     finally:
+        conn.close()
         server.stop()
     out: dict[str, Any] = dict(model=name, backend=jax.default_backend(), system_tokens=args.system_tokens,
                                user_tokens=args.user_tokens, hits_per_round=args.hits, rounds=args.repeats,
@@ -759,8 +777,8 @@ def _prefix_report(out: dict) -> None:
           f"{out['user_tokens']} own tokens per request, {out['hits_per_round']} hits after each miss, "
           f"{out['rounds']} rounds; page {out['page_size']}, prefill chunk {out['prefill_chunk']}, decode chunk "
           f"{out['decode_chunk']}; load average {out['loadavg']['before'][0]:.1f} -> {out['loadavg']['after'][0]:.1f}")
-    print("Time to first token, ms (inproc: open -> the step that made the first token on an Engine; http: the "
-          "openai client streaming through `sprint-jax serve`); hits: every miss took 0 tokens from the cache "
+    print("Time to first token, ms (inproc: open -> the step that made the first token on an Engine; http: "
+          "http.client streaming through `sprint-jax serve`); hits: every miss took 0 tokens from the cache "
           f"and every hit {out['expected_hit_tokens']} (the system prompt's whole pages)")
     print(f"{'path':<8}{'miss best':>11}{'miss p50':>10}{'hit best':>10}{'hit p50':>9}{'hit/miss':>10}"
           f"{'hits':>7}{'evicted':>9}")
