@@ -465,6 +465,11 @@ def run(args) -> int:
           + ", pass@k " + ", ".join(f"{k}: {100 * v:.1f}%" for k, v in samples["pass_at_k"].items())
           + f"; outcomes {report['outcomes']} (context_full: cut by the context or the token budget; "
           f"capped: cut by max_stages or max_prompts; neither is a graded wrong answer)")
+    pool = report.get("engine_pool")
+    if pool:
+        print(f"KV pool: {pool['pages_total']} pages of {pool['page_size']} tokens; of this run's "
+              f"{pool['prompt_tokens']} prompt tokens {pool['prefix_hit_tokens']} came from the prefix cache and "
+              f"{pool['prompt_tokens_prefilled']} were prefilled; {pool['evicted_pages']} cached pages evicted")
     if report["grader_errors"]:
         print(f"grader errors: {report['grader_errors']} problem(s) could not be graded and count as wrong "
               f"(ids in report.json grader_error_ids; messages in results.jsonl grader_error)")

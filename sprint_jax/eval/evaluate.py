@@ -25,6 +25,12 @@ wall clock with the compilation that stalled it taken out, `compile_s` that comp
 wall clock is derived from these (`report.run_wall_clock`). Nothing is run twice: the records
 are those of an untimed run.
 
+KV pool. With an engine that pages its KV cache (`Engine.page_stats`), report.json's `engine_pool`
+holds the pool's pages (in all, page size; free, held by live sequences and cached only when the
+run ended) and what this invocation's runs did with it: their prompt tokens (each run opens its
+prompt once), how many of them came from the prefix cache instead of being prefilled, and the
+cached pages evicted (`engine_pool_figures`).
+
 Samples. `samples=k` runs each problem k times; a results line is one (problem, sample) run, and
 its `sample` names it. A sampled run (temperature > 0) draws with its own seed, `run_seed(config
 seed, problem id, sample)`: a stable hash of the three, so different problems draw independently
@@ -358,6 +364,21 @@ def run_config(config: OrchestratorConfig, problem_id: str, sample: int) -> Orch
     return dataclasses.replace(config, seed=run_seed(config.seed, problem_id, sample))
 
 
+def engine_pool_figures(engine, before: dict | None, prompt_tokens: int) -> dict | None:
+    """report.json's `engine_pool`: the engine's pool now (`Engine.page_stats`: pages_total,
+    page_size, pages_free / pages_used / pages_cached) and, since `before` (page_stats at the start
+    of this invocation), prefix_hit_tokens (prompt tokens taken from the cache) and evicted_pages;
+    prompt_tokens: this invocation's runs' prompt tokens, prompt_tokens_prefilled the rest of them.
+    None for an engine without a paged pool (`before` None)."""
+    if before is None:
+        return None
+    now = engine.page_stats()
+    hits = now["prefix_hit_tokens"] - before["prefix_hit_tokens"]
+    return dict({k: now[k] for k in ("pages_total", "page_size", "pages_free", "pages_used", "pages_cached")},
+                prompt_tokens=prompt_tokens, prefix_hit_tokens=hits, prompt_tokens_prefilled=prompt_tokens - hits,
+                evicted_pages=now["evicted_pages"] - before["evicted_pages"])
+
+
 def _evaluate(engine, tasks, mode, prompt_fn, config, out: Path | None, progress: bool, meta: dict | None,
               done: dict[tuple[str, int], tuple[dict, dict]], on_disk: list[dict], answer_from: str,
               concurrency: int | None, samples: int = 1) -> tuple[list[dict], dict]:
@@ -373,6 +394,8 @@ def _evaluate(engine, tasks, mode, prompt_fn, config, out: Path | None, progress
         from tqdm import tqdm
         bar = tqdm(total=len(wanted), initial=len(wanted) - len(todo), desc=f"eval ({mode})",
                    unit="run" if samples > 1 else "problem")
+    pool_before = engine.page_stats() if hasattr(engine, "page_stats") else None
+    prompt_tokens = 0
     clock = CompileClock().start()
     t0 = time.time()
     files = []
@@ -383,8 +406,10 @@ def _evaluate(engine, tasks, mode, prompt_fn, config, out: Path | None, progress
         written = 0
 
         def on_record(i: int, record: RunRecord) -> None:
-            nonlocal written
+            nonlocal written, prompt_tokens
             finished[i] = (record, time.time())
+            if pool_before is not None and 0 < record.prompt_tokens < engine.max_seq_len:
+                prompt_tokens += record.prompt_tokens          # the run opened its prompt
             while written in finished:            # write in task order as soon as possible
                 task, sample = todo[written]
                 record, end = finished.pop(written)
@@ -418,6 +443,9 @@ def _evaluate(engine, tasks, mode, prompt_fn, config, out: Path | None, progress
     results = [results_by_id[(str(t.id), s)] for t, s in wanted]
     report = make_report(results, mode, compile_s=compile_s, meta={
         **(meta or {}), "answer_from": answer_from, "config": config.to_json(), "concurrency": concurrency})
+    pool = engine_pool_figures(engine, pool_before, prompt_tokens)
+    if pool is not None:
+        report["engine_pool"] = pool
     if done:
         report["resumed_problems"] = len(done)   # finished by an earlier invocation; their timings are kept
     if out is not None:
@@ -428,4 +456,5 @@ def _evaluate(engine, tasks, mode, prompt_fn, config, out: Path | None, progress
 
 
 __all__ = ["RESULTS_FILE", "RECORDS_FILE", "REPORT_FILE", "RUN_FILE", "TIMING_FIELDS", "COMPILE_EVENTS",
-           "CompileClock", "SEED_RULE", "default_prompt", "result_of", "untimed", "evaluate", "run_config", "run_seed"]
+           "CompileClock", "SEED_RULE", "default_prompt", "engine_pool_figures", "result_of", "untimed", "evaluate",
+           "run_config", "run_seed"]

@@ -14,7 +14,8 @@ wall clock in the merged report is derived from the problems' timings like any r
 (`report.run_wall_clock`): the shards' invocations are numbered alike, so shards count as
 running at once, and a merge of shards run side by side takes about the slowest shard's time
 (shards written before per-problem timings: the slowest shard's report). The shards and their
-wall clocks are listed in merge.json.
+wall clocks are listed in merge.json. Each shard's KV pool figures (report.json engine_pool) are
+kept per shard, and their counts (prompt tokens, prefix-cache hits, evictions) summed.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from sprint_jax.errors import UserError
 MERGE_FILE = "merge.json"
 # report meta keys that differ per shard by construction; everything else must agree
 _PER_SHARD = ("shard", "train_overlap")
+# report.json engine_pool counts a merge sums over the shards (each ran its own engine)
+POOL_COUNTS = ("prompt_tokens", "prefix_hit_tokens", "prompt_tokens_prefilled", "evicted_pages")
 
 
 def detect_shard() -> tuple[int, int]:
@@ -182,6 +185,9 @@ def merge_shards(dirs: Sequence[str | Path], out: str | Path) -> dict:
         wall = max(walls)
     report = make_report(results, rep0["mode"], wall_clock_s=wall, meta=meta)
     report["problems_in_out"] = total
+    pools = [s[1].get("engine_pool") for s in sorted(shards, key=lambda x: x[2]["index"])]
+    if all(pools):              # each shard's engine: what they did summed, their pools per shard
+        report["engine_pool"] = dict({k: sum(p[k] for p in pools) for k in POOL_COUNTS}, shards=pools)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for name, rows in ((RESULTS_FILE, results), (RECORDS_FILE, records)):
