@@ -2,7 +2,8 @@
 the real `openai` client over HTTP, on the tiny real checkpoint (a character-level tokenizer, so a
 string's tokens are its characters). References: the expected cache hits, page counts and prefill
 calls derived by hand from the prompts' token ids (whole pages of the common prefix), and each
-reply decoded greedily on a cold engine of its own (nothing cached)."""
+reply decoded greedily on a cold engine of its own (nothing cached). A SPRINT run's prompt is
+counted and cached like a plain request's."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ import pytest
 
 from conftest import tiny_vocab_tokenizer
 from sprint_jax.infer import Engine
+from sprint_jax.infer.orchestrator import OrchestratorConfig
 from sprint_jax.model import from_pretrained
 from sprint_jax.serve import Server
 
@@ -39,7 +41,8 @@ def _system_prompt() -> str:
 def setup(hf_untied):
     model = from_pretrained(hf_untied)
     tok = tiny_vocab_tokenizer()
-    server = Server(Engine(model, tok, **CAPS), NAME).start()
+    sprint_cfg = OrchestratorConfig(max_planner_tokens=6, max_branch_tokens=4, max_total_tokens=8, max_prompts=1)
+    server = Server(Engine(model, tok, **CAPS), NAME, sprint_cfg).start()
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
     yield server, client, model, tok
     server.stop()
@@ -143,3 +146,14 @@ def test_a_shared_system_prompt_is_prefilled_once(setup):
     # the shared 64 pages, then 3 of each chat's own: its 1,066-1,073 prompt tokens + 8 generated,
     # less the last, fill 67 pages
     assert pages_cached == 64 + 4 * 3
+    # a SPRINT run opens its prompt too (the planner's sequence): counted, and it hits the same pages
+    text = f"system: {system}\nuser: Epsilon: 5 - 1?\nassistant:"
+    m0 = _prometheus(server)
+    r = client.completions.create(model=NAME + ":sprint", prompt=text, max_tokens=8, temperature=0)
+    _idle(server)
+    m1 = _prometheus(server)
+    n = len(tok.encode(text))
+    assert r.usage.prompt_tokens == n
+    assert m1["prompt_tokens_total"] - m0["prompt_tokens_total"] == n
+    assert m1["prompt_tokens_cached_total"] - m0["prompt_tokens_cached_total"] == 1024
+    assert m1["prompt_tokens_prefilled_total"] - m0["prompt_tokens_prefilled_total"] == n - 1024
