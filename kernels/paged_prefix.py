@@ -50,7 +50,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
 from . import gpu_target
-from .parent_prefix import _step
+from .parent_prefix import online_softmax_step
 from .reference import attend_partial_heads, merge_partials
 from .shared_prefix import (GPU_MIN_DIM, LOG2E, M_INIT, TPU_LANES, TPU_MAX_BLOCK_Q, BlockSizes,
                             Platform, auto_splits, finish, next_pow2, resolve_platform, round_up)
@@ -133,7 +133,7 @@ def _gpu_kernel(layer_ref, table_ref, glen_ref, rlen_ref, q_ref, k_ref, v_ref, o
         ok = row0 + lax.broadcasted_iota(jnp.int32, (page_size, d), 0) < end
         k = plgpu.load(k_ref.at[row, page, :, :], mask=ok, other=0)
         v = plgpu.load(v_ref.at[row, page, :, :], mask=ok, other=0)
-        return _step(q, k, v, row0, row_end, end, *carry, scale_log2=scale_log2, precision=precision)
+        return online_softmax_step(q, k, v, row0, row_end, end, *carry, scale_log2=scale_log2, precision=precision)
 
     init = (jnp.full((bq, 1), M_INIT, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
             jnp.zeros((bq, d), jnp.float32))
@@ -171,7 +171,7 @@ def _tpu_kernel(layer_ref, table_ref, glens_ref, rlen_ref, q_ref, *refs, pages_p
     def _step_block():
         m, l = stats()
         row_end = jnp.max(rlen_ref[...], axis=1, keepdims=True)                     # [bq, 1] f32
-        m, l, acc = _step(q_ref[...], block(k_refs), block(v_refs), kb * block_k, row_end, length,
+        m, l, acc = online_softmax_step(q_ref[...], block(k_refs), block(v_refs), kb * block_k, row_end, length,
                           m, l, acc_ref[...], scale_log2=scale_log2, precision=precision)
         m_ref[...] = jnp.broadcast_to(m, m_ref.shape)
         l_ref[...] = jnp.broadcast_to(l, l_ref.shape)

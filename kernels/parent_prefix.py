@@ -93,7 +93,7 @@ def lowers_for(platform: Platform, head_dim: int, num_kv_heads: int, heads_first
     return head_dim >= GPU_MIN_DIM and not head_dim & (head_dim - 1)
 
 
-def _step(q, k, v, row0, row_end, end, m, l, acc, *, scale_log2: float, precision):
+def online_softmax_step(q, k, v, row0, row_end, end, m, l, acc, *, scale_log2: float, precision):
     """Online-softmax update of q [bq, D] with keys row0.. (k, v [bk, D]).
 
     Query row r sees keys < row_end[r] (row_end [bq, 1]); V rows >= end (the group's length) are
@@ -129,7 +129,7 @@ def _gpu_kernel(row_ref, glen_ref, rlen_ref, q_ref, k_ref, v_ref, o_ref, lse_ref
         at = (slot, head, pl.ds(row0, block_k)) if heads_first else (slot, pl.ds(row0, block_k), head)
         k = plgpu.load(k_ref.at[at + (slice(None),)], mask=ok, other=0)
         v = plgpu.load(v_ref.at[at + (slice(None),)], mask=ok, other=0)
-        return _step(q, k, v, row0, row_end, end, *carry, scale_log2=scale_log2,
+        return online_softmax_step(q, k, v, row0, row_end, end, *carry, scale_log2=scale_log2,
                      precision=precision)
 
     init = (jnp.full((bq, 1), M_INIT, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
@@ -160,7 +160,7 @@ def _tpu_kernel(rows_ref, glens_ref, rlen_ref, q_ref, k_ref, v_ref, o_ref, lse_r
     def _step_block():
         m, l = stats()
         row_end = jnp.max(rlen_ref[...], axis=1, keepdims=True)                     # [bq, 1] f32
-        m, l, acc = _step(q_ref[...], k_ref[...], v_ref[...], kb * block_k, row_end, length, m, l,
+        m, l, acc = online_softmax_step(q_ref[...], k_ref[...], v_ref[...], kb * block_k, row_end, length, m, l,
                           acc_ref[...], scale_log2=scale_log2, precision=precision)
         m_ref[...] = jnp.broadcast_to(m, m_ref.shape)
         l_ref[...] = jnp.broadcast_to(l, l_ref.shape)

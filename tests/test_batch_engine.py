@@ -17,7 +17,7 @@ from conftest import SHARED_ENGINES, greedy_by_full_forward
 from sprint_jax.bench import copy_fork
 from sprint_jax.infer import programs
 from sprint_jax.infer.engine import Engine
-from sprint_jax.infer.programs import DecodeRows
+from sprint_jax.infer.programs import CopyRows, DecodeRows
 from sprint_jax.infer.requests import EngineError
 from sprint_jax.infer.sampling import Sampling
 
@@ -157,6 +157,7 @@ def test_fork_children_equal_each_branch_decoded_alone_from_a_fresh_prefill(setu
     context = _ids(7, 23)
     prefixes = [[30], [31, 32], [33, 34, 35], []]
     limits = [6, 10, 8, 12]
+    engine.reset_prefix_cache()
     engine.cache = jax.tree.map(jnp.zeros_like, engine.cache)     # the shared engine's earlier writes gone
     op = engine.open(context)
     engine.run([op])
@@ -164,17 +165,20 @@ def test_fork_children_equal_each_branch_decoded_alone_from_a_fresh_prefill(setu
     engine.run([fork])
     for j, (p, m) in enumerate(zip(prefixes, limits)):
         assert fork.result[j].tokens == greedy_by_full_forward(model, context + p, m), j
-    # What the fork holds, read off the arrays (slots written = any non-zero K): the parent slot
-    # still holds exactly the context (read-only while its children ran, nothing copied out of it)
-    # and child j exactly its suffix: forced prefix + one entry per decode step.
-    written = lambda a: np.asarray(jnp.any(a != 0, axis=(0, 2, 4)))  # noqa: E731  [slots, positions]
-    slot = op.result.slot
-    parent = written(engine.cache.pk)
-    assert parent[slot].sum() == len(context) - 1 and parent.sum() == len(context) - 1
-    child = written(engine.cache.ck)
-    per_child = [int(child[slot * engine.max_children + j].sum()) for j in range(engine.max_children)]
-    assert per_child[:4] == [len(p) + m for p, m in zip(prefixes, limits)] and not any(per_child[4:])
-    assert child.sum() == sum(per_child)                   # no other slot was touched
+    # What the fork holds, read off the pool (tokens written = any non-zero K): the parent's pages
+    # still hold exactly the context (read-only while its children ran); every child shares the
+    # parent's full page in place and holds its own copy of the partly filled one (copy on write):
+    # the 6 copied tokens, then its suffix (forced prefix + one entry per decode step).
+    seq, ps = op.result, engine.page_size
+    p0 = len(context) - 1
+    written = np.asarray(jnp.any(engine.cache.k != 0, axis=(0, 1, 4)))          # [pages, page_size]
+    parent = engine.page_ids(seq)
+    assert written[parent].sum() == p0 and p0 // ps == 1
+    kids = [c.pages.pages for c in seq.last_fork.children]
+    assert all(k[:1] == parent[:1] and k[1] != parent[1] for k in kids)
+    own = [int(written[k[1:]].sum()) for k in kids]
+    assert own == [p0 % ps + len(p) + m for p, m in zip(prefixes, limits)]
+    assert written.sum() == p0 + sum(own)                 # no other page was touched
     engine.close(op.result)
 
 
@@ -307,19 +311,18 @@ def test_decode_step_hlo_has_no_full_cache_copy(setup):
     of the engine)."""
     model, tok, engine, _ = setup
     na, nf, w = 2, 2, 4                                    # generate rows + fork groups of w children
-    packed, layout = DecodeRows.empty(na, nf, w, 8, engine.max_seqs, engine.max_seqs * engine.max_children).pack()
-    caps = {engine.parent_capacity, engine.child_capacity}
-    assert caps == {104, 56}
+    packed, layout = DecodeRows.empty(na, nf, w, 8, 4, 2, 2).pack()
+    caps = {engine.num_pages}
+    assert caps == {348} and engine.num_pages not in (engine.parent_capacity, engine.child_capacity)
     # both forms of the weights: the stacked scan (deep models, meshes) and the per-layer form this
     # small model runs (`qwen2.per_layer`: a scan over the layer index, a switch picking its weights)
     assert engine.per_layer_weights and isinstance(engine._step_params["layers"], tuple)
     for params in (engine.params, engine._step_params):
-        hlo = programs.decode.lower(params, engine.config, engine.cache, packed, layout=layout, chunk=8, s_b=64,
-                                    c_b=32).compile().as_text()   # used-length buckets below capacity
+        hlo = programs.decode.lower(params, engine.config, engine.cache, packed, layout=layout,
+                                    chunk=8).compile().as_text()
         assert _copies_of_the_cache(hlo, caps) == []
         assert "scatter" in hlo
-    meta = np.zeros((1, 2 + 2 * engine.max_children), np.int32)
-    join_hlo = programs.copy_join.lower(engine.cache, meta, w=engine.child_capacity).compile().as_text()
+    join_hlo = programs.copy_join.lower(engine.cache, CopyRows.empty(4, 8, 4, 4)).compile().as_text()
     assert _copies_of_the_cache(join_hlo, caps) == []
     # the counterexample: the copy-fork baseline's decode (sprint_jax.bench.copy_fork) carries its
     # plain cache through the layer scan, so the detector must find the capacity copy there

@@ -147,9 +147,14 @@ def test_copy_fork_baseline_same_branches_more_bytes(setup):
         [greedy_by_full_forward(model, context + p, 4) for p in prefixes]
     c = model.config
     per_tok = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4  # k+v, fp32
-    prefix, suffix = 64, engine.child_capacity    # the 40-token context is bucketed to 64 slots
-    assert shared_bytes == (prefix + n * suffix) * per_tok
-    assert copy_bytes == n * (prefix + suffix) * per_tok
+    # the shared fork: the 39 written tokens of the context in 3 pages of 16 (held once), and per
+    # child its copy of the partly filled third page, where its 5 tokens (pending, prefix, 3
+    # generated; a decode call reserves through position 39 + 1 + 8) also land
+    ps = engine.page_size
+    assert ps == 16 and shared_bytes == (3 + n * 1) * ps * per_tok
+    # the copy baseline: the prefix as a step reads it (bucketed to 64 slots) once per branch
+    prefix, suffix = 64, engine.child_capacity
+    assert copy_bytes == n * (prefix + suffix) * per_tok and copy_bytes > 4 * shared_bytes
 
 
 def test_a_closed_sequence_is_refused(setup):

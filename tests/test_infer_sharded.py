@@ -91,9 +91,8 @@ for spec, n, runs in MESHES:
     if "batched" in runs:
         eng = Engine(model, tok, max_seqs=4, max_children=4, mesh=mesh, **CAPS)
         got = drive(eng)
-        r.update({"same_tokens": got == ref, "pk_spec": norm(eng.cache.pk.sharding.spec, 5),
-                  "ck_spec": norm(eng.cache.ck.sharding.spec, 5),
-                  "pk_shard": list(eng.cache.pk.addressable_shards[0].data.shape),
+        r.update({"same_tokens": got == ref, "pk_spec": norm(eng.cache.k.sharding.spec, 5),
+                  "pk_shard": list(eng.cache.k.addressable_shards[0].data.shape), "num_pages": eng.num_pages,
                   "notes": eng.sharding_notes, "n_tokens": sum(len(t) for t in ref[1]) + len(ref[0]) + len(ref[2]),
                   "n_sampled": sum(map(len, got[3]))})
     if "single" in runs:
@@ -101,8 +100,7 @@ for spec, n, runs in MESHES:
         logits = one.step_logits(one.prefill(prompt))
         r.update({"max_logit_diff": float(np.abs(logits - ref_logits).max()), "same_single": single(one) == ref_single,
                   "n_single": sum(map(len, ref_single[1])) + len(ref_single[0]), "single_notes": one.sharding_notes,
-                  "single_pk_spec": norm(one.engine.cache.pk.sharding.spec, 5),
-                  "single_ck_spec": norm(one.engine.cache.ck.sharding.spec, 5)})
+                  "single_pk_spec": norm(one.engine.cache.k.sharding.spec, 5)})
     if spec == "tensor=8":   # the Pallas parent-prefix kernel per shard, copied KV heads (interpret mode)
         pe = SingleRun(Engine(model, tok, max_seqs=1, mesh=mesh, attention_impl="pallas", **CAPS))
         pallas_single = [g.tokens for g in pe.decode_branches(pe.prefill(prompt), [ids(8, 4), [], ids(9, 2)], 7)]
@@ -177,15 +175,16 @@ def test_shardings_follow_the_rules_table(sharded):
     r = sharded["tensor=2,data=2"]
     # [L, embed, heads, D]: heads over tensor (6 heads / 2)
     assert r["q_spec"] == [None, None, "tensor", None]
-    # KV slots: slots over data, KV heads over tensor; each device holds 2 of 4 slots, 1 of 2 heads
-    assert r["pk_spec"] == r["ck_spec"] == [None, "data", "tensor", None, None]     # [L, N, Hkv, S, D]
-    assert r["pk_shard"][1] == 2 and r["pk_shard"][2] == 1
+    # the page pool: pages over data (each data shard's sequences keep their pages on it), KV heads
+    # over tensor; each device holds half the pages, 1 of 2 heads
+    assert r["pk_spec"] == [None, "tensor", "data", None, None]                  # [L, Hkv, pages, ps, D]
+    assert r["pk_shard"][1] == 1 and r["pk_shard"][2] == r["num_pages"] // 2
     # tensor=4 and 8 exceed the tiny model's 2 KV heads and do not divide its 6 query heads: the
     # engine copies KV heads and pads query heads (an equivalent model; the tokens above are the
     # same), so the cache still splits over tensor; a note says so
     r4, r8 = sharded["tensor=4,data=2"], sharded["tensor=8"]
-    assert r4["pk_spec"] == [None, "data", "tensor", None, None]
-    assert r8["pk_spec"] == [None, None, "tensor", None, None]
+    assert r4["pk_spec"] == [None, "tensor", "data", None, None]
+    assert r8["pk_spec"] == [None, "tensor", None, None, None]
     assert any("KV heads copied -> 4" in n and "-> 8" in n for n in r4["notes"]), r4["notes"]
     assert any("KV heads copied -> 8" in n and "-> 8" in n for n in r8["notes"]), r8["notes"]
 
@@ -198,10 +197,10 @@ def test_a_one_slot_engine_on_a_mesh(sharded):
     on each data shard, noted, with the one-device tokens (test above)."""
     r8, r2 = sharded["tensor=8"], sharded["data=2"]
     assert any("KV heads copied -> 8" in n for n in r8["single_notes"]), r8["single_notes"]
-    assert r8["single_pk_spec"] == r8["single_ck_spec"] == [None, None, "tensor", None, None]
+    assert r8["single_pk_spec"] == [None, "tensor", None, None, None]
     assert r8["pallas_single"] is True
-    assert r2["single_pk_spec"][1] is None and r2["single_ck_spec"][1] is None     # slots whole
-    assert any("child slots: replicated like the parent slots" in n for n in r2["single_notes"]), r2["single_notes"]
+    assert r2["single_pk_spec"][2] is None                                        # pages whole
+    assert any("sequence slots" in n for n in r2["single_notes"]), r2["single_notes"]
 
 
 def test_parse_mesh_flag():
@@ -296,11 +295,11 @@ mesh = sh.mesh_from_flag("data=2", devices=jax.devices()[:2])
 eng = Engine(model, tiny_vocab_tokenizer(), max_seqs=4, max_children=4, max_seq_len=96, max_branch_tokens=48,
              decode_chunk=8, mesh=mesh)
 na, nf, w = 4, 4, eng.max_children       # generate rows, fork groups, rows per group (2 blocks of each)
-packed, layout = DecodeRows.empty(na, nf, w, 8, 0, 0).pack()
+packed, layout = DecodeRows.empty(na, nf, w, 8, 4, 2, 2).pack()
 dec = (eng.params, eng.config, eng.cache, tuple(jnp.asarray(a) for a in packed))
-kw = dict(layout=layout, chunk=8, s_b=64, c_b=32, kv=eng._kv)
-pre = (eng.params, eng.config, eng.cache, jax.tree.map(jnp.asarray, PrefillRows.empty(4, 32, 0)))
-pkw = dict(kind="child", s_b=64, c_b=32, kv=eng._kv)
+kw = dict(layout=layout, chunk=8, kv=eng._kv)
+pre = (eng.params, eng.config, eng.cache, jax.tree.map(jnp.asarray, PrefillRows.empty(4, 32, 4)))
+pkw = dict(kv=eng._kv)
 
 def collectives(hlo):
     # (op, elements of its result) for every cross-device op of the compiled step
@@ -318,7 +317,7 @@ for name, fn, body, args, kws in (("decode", decode, _decode_body.__wrapped__, d
     plain = jax.jit(body, static_argnames=tuple(kws) + ("config",)).lower(*args, **kws).compile()
     ma = comp.memory_analysis()
     out[name] = {"local": collectives(comp.as_text()), "plain": collectives(plain.as_text()),
-                 "copies": _copies_of_the_cache(comp.as_text(), {eng.parent_capacity, eng.child_capacity}),
+                 "copies": _copies_of_the_cache(comp.as_text(), {eng.num_pages // 2, eng.num_pages}),
                  "alias": int(ma.alias_size_in_bytes), "cache_per_device": eng.cache.nbytes // 2}
 print("RESULT " + json.dumps(out))
 """
@@ -418,7 +417,8 @@ def drive(engine):
     engine.run(gens)
     for s, g in zip(seqs, gens):
         out["tokens"].append(s.tokens)
-        out["kv"].append(np.asarray(engine.cache.pk)[:, s.slot, :, : s.length].tolist())
+        k = np.asarray(engine.cache.k)[:, :, engine.page_ids(s)]                 # [L, Hkv, M, ps, D]
+        out["kv"].append(k.reshape(k.shape[:2] + (-1, k.shape[-1]))[:, :, : s.length].tolist())
     return out
 
 model = from_pretrained(sys.argv[1])

@@ -16,7 +16,8 @@ from sprint_jax.infer import programs
 from sprint_jax.infer.engine import Engine
 from sprint_jax.infer.requests import EngineError
 from sprint_jax.infer.single import SingleRun
-from sprint_jax.infer.slot_cache import SlotCache
+from sprint_jax.infer.pages import KVPages
+from sprint_jax.infer.programs import CopyRows
 from sprint_jax.model.qwen2 import attend_partial, decoder, embed, unembed
 
 TOL = 1e-4
@@ -35,8 +36,14 @@ def engine(model):
 
 
 def _slot_kv(engine: Engine, seq, n: int):
-    """The first n K and V rows of the sequence's parent slot, [L, n, Hkv, D] (the reference's layout)."""
-    return tuple(np.asarray(a)[:, seq.slot, :, :n].swapaxes(1, 2) for a in (engine.cache.pk, engine.cache.pv))
+    """The K and V of the sequence's first n tokens, read through its page table, [L, n, Hkv, D]
+    (the reference's layout)."""
+    ids = np.asarray(engine.page_ids(seq))
+
+    def read(a):
+        a = np.asarray(a)[:, :, ids]                                   # [L, Hkv, M, ps, D]
+        return a.reshape(a.shape[:2] + (-1, a.shape[-1]))[:, :, :n].swapaxes(1, 2)
+    return tuple(read(a) for a in (engine.cache.k, engine.cache.v))
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -158,9 +165,9 @@ def test_batched_merge_is_one_call_compiled_ahead_and_long_tails_run_in_chunks(m
     _merge = programs.merge
     batch = Engine(model, tiny_vocab_tokenizer(), max_seqs=1, max_children=4, max_seq_len=48,
                         max_branch_tokens=12, decode_chunk=4, prefill_chunk=4, eos_token_ids=[], min_bucket=16)
-    # (parent 16, 32) x child 16 x tail 1, and the copy alone at child 16 (any number of children)
-    assert batch.warm_merge(children=3, max_parent_len=30, tails=(1,)) == 2 + 1
-    for a in (batch.cache.pk, batch.cache.pv, batch.cache.ck, batch.cache.cv):
+    # (tables of 1, 2 pages) x window 16 x (tail 1, and the copy alone)
+    assert batch.warm_merge(children=3, max_parent_len=30, tails=(1,)) == 2 * (1 + 1)
+    for a in (batch.cache.k, batch.cache.v):
         assert not np.asarray(a).any()
     compiled = _merge._cache_size()
     ctx, plan = _ids(30, 11), _ids(34, 3)
@@ -189,8 +196,8 @@ def test_batched_merge_is_one_call_compiled_ahead_and_long_tails_run_in_chunks(m
     logits, ref_k, ref_v = reference(model, toks, pos, mask)
     n = len(toks)
     assert seq.tokens == toks and seq.after_join and seq.length == n - 1     # every slot written
-    np.testing.assert_allclose(np.asarray(batch.cache.pk)[:, seq.slot, :, :n].swapaxes(1, 2), ref_k, atol=TOL, rtol=0)
-    np.testing.assert_allclose(np.asarray(batch.cache.pv)[:, seq.slot, :, :n].swapaxes(1, 2), ref_v, atol=TOL, rtol=0)
+    np.testing.assert_allclose(_slot_kv(batch, seq, n)[0], ref_k, atol=TOL, rtol=0)
+    np.testing.assert_allclose(_slot_kv(batch, seq, n)[1], ref_v, atol=TOL, rtol=0)
     np.testing.assert_allclose(np.asarray(seq.join_logits), logits[-1], atol=TOL, rtol=0)
     assert np.abs(logits[-1]).max() > 1e-2
     with pytest.raises(EngineError, match="children must be in"):
@@ -198,34 +205,38 @@ def test_batched_merge_is_one_call_compiled_ahead_and_long_tails_run_in_chunks(m
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_join_copy_places_each_childs_rows_and_writes_nothing_else(dtype):
-    """`copy_join` (the merge join's copy) against numpy indexing: child j's slots (child 0's from
-    slot 0, the parent's pending token; the others' from slot 1) land in the parent's slot at
-    p0 + len_0 + .. + len_{j-1} + t, in child order; with a window that would pass the parent's
-    capacity (w=16 here: it is placed earlier and the rows shifted in it) the same; a meta with no
-    child writes nothing, and no other slot or the child arrays change. bf16 moves exactly."""
+def test_join_copy_places_each_childs_tokens_and_writes_nothing_else(dtype):
+    """`copy_join` (the merge join's copy) against numpy indexing through the page tables: child
+    j's tokens at positions p0 + t (child 0's from t = 0, the parent's pending token; the others'
+    from t = 1) land at the parent's p0 + len_0 + .. + len_{j-1} + t, in child order, across page
+    boundaries; padding positions and rows copy nothing, and no other page changes (the
+    children's pages included). bf16 moves exactly."""
     _copy_join = programs.copy_join
-
     rng = np.random.default_rng(0)
-    n_layers, slots, g, cap, ccap = 2, 3, 3, 24, 16
-    arrays = [rng.standard_normal(s).astype(np.float32) for s in [(n_layers, slots, 2, cap, 4)] * 2
-              + [(n_layers, slots * g, 2, ccap, 4)] * 2]             # [L, N, Hkv, C, D]
-    cache0 = [np.asarray(jnp.asarray(a, dtype)) for a in arrays]
-    slot, p0, lens = 1, 9, [3, 2, 4]
-    offs = np.cumsum([0] + lens[:-1])
-    meta = np.array([[slot, p0] + [int(x) for o, n in zip(offs, lens) for x in (o, n)]], np.int32)
-    want = [a.copy() for a in cache0]
-    for j, (o, n) in enumerate(zip(offs, lens)):
-        for t in range(0 if j == 0 else 1, n + 1):
-            for par, child in ((0, 2), (1, 3)):
-                want[par][:, slot, :, p0 + o + t] = cache0[child][:, slot * g + j, :, t]
-    assert p0 + sum(lens) < cap and p0 + 16 > cap          # w=16: every child's window is shifted
-    for w in (8, 16):
-        got = _copy_join(SlotCache(*(jnp.array(a, copy=True) for a in cache0)), meta, w=w)
-        for a, b in zip((got.pk, got.pv, got.ck, got.cv), want):
-            assert a.dtype == jnp.dtype(dtype) and np.array_equal(np.asarray(a), b)
-    got = _copy_join(SlotCache(*(jnp.array(a, copy=True) for a in cache0)), np.zeros_like(meta), w=8)     # no child
-    for a, b in zip((got.pk, got.pv, got.ck, got.cv), cache0):
+    n_layers, hkv, n_pages, ps, d = 2, 2, 12, 4, 4
+    pool0 = [np.asarray(jnp.asarray(rng.standard_normal((n_layers, hkv, n_pages, ps, d)).astype(np.float32), dtype))
+             for _ in range(2)]
+    p0, lens = 9, [3, 2, 4]
+    parent = [7, 2, 10, 5, 0]                                   # the parent's pages, shuffled
+    kids = [[7, 2, 3, 11], [7, 2, 6, 1], [7, 2, 8, 4]]          # each shares the two full pages
+    copy = CopyRows.empty(4, 8, 5, 5)                           # one padding row
+    want = [a.copy() for a in pool0]
+    off = 0
+    for j, n in enumerate(lens):
+        t = np.arange(0 if j == 0 else 1, n + 1)
+        copy.src_table[j, :4], copy.dst_table[j] = kids[j], parent
+        copy.src_pos[j, : len(t)], copy.dst_pos[j, : len(t)] = p0 + t, p0 + off + t
+        for x in t:
+            src, dst = p0 + x, p0 + off + x
+            for w, a in zip(want, pool0):
+                w[:, :, parent[dst // ps], dst % ps] = a[:, :, kids[j][src // ps], src % ps]
+        off += n
+    got = _copy_join(KVPages(*(jnp.array(a, copy=True) for a in pool0)), copy)
+    for a, b in zip((got.k, got.v), want):
+        assert a.dtype == jnp.dtype(dtype) and np.array_equal(np.asarray(a), b)
+    assert not np.array_equal(want[0], pool0[0])
+    got = _copy_join(KVPages(*(jnp.array(a, copy=True) for a in pool0)), CopyRows.empty(4, 8, 5, 5))   # nothing
+    for a, b in zip((got.k, got.v), pool0):
         assert np.array_equal(np.asarray(a), b)
 
 
@@ -278,8 +289,8 @@ def test_a_join_fork_runs_its_last_tokens_so_the_merge_runs_no_model_call(model)
     logits, ref_k, ref_v = reference(model, toks, pos, mask)
     n = len(toks)
     assert seq.tokens == toks and seq.after_join and seq.length == n - 1
-    np.testing.assert_allclose(np.asarray(batch.cache.pk)[:, seq.slot, :, :n].swapaxes(1, 2), ref_k, atol=TOL, rtol=0)
-    np.testing.assert_allclose(np.asarray(batch.cache.pv)[:, seq.slot, :, :n].swapaxes(1, 2), ref_v, atol=TOL, rtol=0)
+    np.testing.assert_allclose(_slot_kv(batch, seq, n)[0], ref_k, atol=TOL, rtol=0)
+    np.testing.assert_allclose(_slot_kv(batch, seq, n)[1], ref_v, atol=TOL, rtol=0)
     for row, got in joins:
         np.testing.assert_allclose(got, logits[row], atol=TOL, rtol=0)
     assert np.abs(logits[-1]).max() > 1e-2
@@ -321,9 +332,8 @@ def test_flush_writes_a_sync_now_only_when_nothing_else_is_in_flight(model):
     a.run()
     n = seqs[0].length
     assert n == seqs[1].length == 9 + 3 + 13 + 6 - 1
-    for x, y in ((a.cache.pk, b.cache.pk), (a.cache.pv, b.cache.pv)):
-        np.testing.assert_allclose(np.asarray(x)[:, seqs[0].slot, :, :n].swapaxes(1, 2), np.asarray(y)[:, seqs[1].slot, :, :n].swapaxes(1, 2),
-                                   atol=TOL, rtol=0)
+    for x, y in zip(_slot_kv(a, seqs[0], n), _slot_kv(b, seqs[1], n)):
+        np.testing.assert_allclose(x, y, atol=TOL, rtol=0)
 
 
 def test_a_sampled_generate_right_after_a_join_follows_the_join_logits(model, engine):

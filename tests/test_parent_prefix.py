@@ -158,32 +158,32 @@ def test_lowers_for_triton_and_mosaic_at_qwen2_7b_sizes():
 
 def _decode_7b_text(target: str, attention_impl: str) -> str:
     """The batched engine's whole decode step (chunk 16, 28 layers) for the Qwen2-7B preset with 16
-    parent slots of capacity 8192 + 16 and 8 children each, lowered (not run) for `target`."""
+    sequences of 8192 + 16 tokens and 8 children of 1024 + 16 each (the pool of 16,656 pages of 16
+    tokens such an engine sizes by default), lowered (not run) for `target`."""
     from jax import export
 
+    from sprint_jax.infer.pages import KVPages
     from sprint_jax.infer.programs import DecodeRows, decode
-    from sprint_jax.infer.slot_cache import SlotCache
     from sprint_jax.model.config import Qwen2Config
     from sprint_jax.model.qwen2 import abstract_params
     cfg = Qwen2Config.preset("r1-distill-qwen-7b", dtype="bfloat16")
     slots, g = 16, 8
-    na, nf = slots, slots                        # every generate row and fork group of the 16 slots
-    cache = jax.eval_shape(lambda: SlotCache.zeros(cfg, slots, g, 8192 + 16, 1024 + 16))
-    packed, layout = DecodeRows.empty(na, nf, g, 16, slots, slots * g).pack()
-    args = (abstract_params(cfg), cache, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in packed))
-    fn = jax.jit(lambda p, c, r: decode(p, cfg, c, r, layout=layout, chunk=16, s_b=8192, c_b=1024,
-                                        attention_impl=attention_impl))
+    na, nf = slots, slots                        # every generate row and fork group of the 16 sequences
+    pool = jax.eval_shape(lambda: KVPages.zeros(cfg, 16656, 16))
+    packed, layout = DecodeRows.empty(na, nf, g, 16, 513, 513, 66).pack()
+    args = (abstract_params(cfg), pool, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in packed))
+    fn = jax.jit(lambda p, c, r: decode(p, cfg, c, r, layout=layout, chunk=16, attention_impl=attention_impl))
     return export.export(fn, platforms=[target], disabled_checks=[
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
 
 
 def test_batched_decode_step_lowers_with_the_kernel_at_7b_sizes():
     """Engine(attention_impl="pallas")'s decode step at 7B sizes lowers for GPU and TPU with
-    the kernel (two calls in the layer scan: the generate rows' groups of one, the fork children's
-    groups of w, as the engine packs them), and the parent cache [28, 16, 4, 8208, 128] reaches it
-    only through a view: never gathered, sliced or copied. The same detector finds the XLA path's
-    gather of the used slots (so it can fail)."""
-    pk = "28x16x4x8208x128"
+    the kernel (three calls in the layer scan: the generate rows' pages, the fork children's
+    shared prefixes in groups of w and each child's own pages, as the engine packs them), and the page pool [28, 4, 16656,
+    16, 128] reaches it only through a view: never gathered, sliced or copied. The same detector
+    finds the XLA path's gather of the used pages (so it can fail)."""
+    pk = "28x4x16656x16x128"
 
     def touches(text, ops):
         return [ln.strip()[:160] for ln in text.splitlines() if pk in ln and any(o in ln for o in ops)]
@@ -191,7 +191,7 @@ def test_batched_decode_step_lowers_with_the_kernel_at_7b_sizes():
     reads = ("stablehlo.gather", "dynamic_slice", "stablehlo.slice", "stablehlo.transpose", "stablehlo.copy")
     for target, marker in (("cuda", "__gpu$xla.gpu.triton"), ("tpu", "tpu_custom_call")):
         text = _decode_7b_text(target, "pallas")
-        assert text.count(marker) == 2, target
+        assert text.count(marker) == 3, target
         assert not touches(text, reads), (target, touches(text, reads))
     assert touches(_decode_7b_text("tpu", "xla"), reads)
 
@@ -310,12 +310,11 @@ for spec, n in (("tensor=4,data=2", 8),):
     mesh = sh.mesh_from_flag(spec, devices=jax.devices()[:n])
     eng = Engine(model, tok, max_seqs=4, max_children=4, mesh=mesh, attention_impl="pallas", **CAPS)
     got = _drive(eng)
-    from sprint_jax.infer.prefix_attention import pallas_parent_prefix_attention
-    c = eng.config
-    jaxpr = str(jax.make_jaxpr(lambda q, k, s, n: pallas_parent_prefix_attention(q, k, k, 0, s, n, eng._kv))(
-        jax.ShapeDtypeStruct((2, 5, c.num_attention_heads, c.head_dim), eng.cache.pk.dtype), eng.cache.pk,
-        jax.ShapeDtypeStruct((2,), jax.numpy.int32), jax.ShapeDtypeStruct((2, 5), jax.numpy.int32)))
-    out[spec] = {"same": got == ref, "shard_map": "shard_map" in jaxpr and "pallas_call" in jaxpr, "pk_spec": [None if x is None else str(x) for x in eng.cache.pk.sharding.spec]}
+    from sprint_jax.infer import programs
+    packed, layout = programs.DecodeRows.empty(2, 2, 4, 4, 4, 2, 2).pack()
+    jaxpr = str(programs.decode.trace(eng._step_params, eng.config, eng.cache, packed, layout=layout, chunk=4,
+                                      kv=eng._kv, attention_impl="pallas").jaxpr)
+    out[spec] = {"same": got == ref, "shard_map": "shard_map" in jaxpr and "pallas_call" in jaxpr, "pk_spec": [None if x is None else str(x) for x in eng.cache.k.sharding.spec]}
 print("RESULT " + json.dumps(out))
 """
 
@@ -332,6 +331,6 @@ def test_kernel_per_shard_on_a_mesh_gives_the_tokens_of_one_device(hf_untied):
     res = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))[7:])
     assert list(res) == ["tensor=4,data=2"]
     for spec, r in res.items():
-        assert r["pk_spec"][1] == "data" and r["pk_spec"][2] == "tensor", (spec, r)
+        assert r["pk_spec"][2] == "data" and r["pk_spec"][1] == "tensor", (spec, r)    # [L, Hkv, pages, ps, D]
         assert r["shard_map"], spec               # the kernel runs per shard
         assert r["same"], spec

@@ -202,9 +202,11 @@ def decode_branches_copy(run: SingleRun, seq, prefixes: Sequence[Sequence[int]],
     engine.flush(seq)
     p0 = seq.length
     pb = min(bucket(max(p0, 1), engine.min_bucket), engine.parent_capacity)    # as a shared fork reads it
-    # [L, Hkv, pb, D] slices of the slot cache, as the baseline's [L, pb, Hkv, D]
-    pk = jnp.swapaxes(engine.cache.pk[:, seq.slot, :, :pb], 1, 2)
-    pv = jnp.swapaxes(engine.cache.pv[:, seq.slot, :, :pb], 1, 2)
+    # the sequence's pages read out of the pool, [L, Hkv, pb, D], as the baseline's [L, pb, Hkv, D]
+    pages = -(-pb // engine.page_size)
+    table = np.asarray((engine.page_ids(seq) + [0] * pages)[:pages])
+    pk, pv = (jnp.swapaxes(a[:, :, table].reshape(a.shape[:2] + (-1, a.shape[-1]))[:, :, :pb], 1, 2)
+              for a in (engine.cache.k, engine.cache.v))
     gens, nbytes, steps = _copy_fork_branches(engine, pk, pv, p0, seq.tokens[-1], prefixes, [max_new_tokens] * n,
                                               [[] for _ in range(n)], sampling, seq.pos_offset,
                                               engine.child_capacity, engine.prefill_chunk)

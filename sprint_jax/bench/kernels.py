@@ -235,7 +235,7 @@ def _engine_xla_prefix(q, kc, vc, rows, lens, s_b: int):
     """The engine's XLA parent-prefix attention, its own code (`programs.parent_prefix_attention`:
     gather each group's first s_b slots of the heads-first cache kc, vc [N, Hkv, S, D], seen as
     one layer)."""
-    from sprint_jax.infer.programs import parent_prefix_attention
+    from sprint_jax.infer.slot_programs import parent_prefix_attention
     return parent_prefix_attention(kc[None], vc[None], 0, rows, q, lens, s_b)
 
 

@@ -12,10 +12,11 @@ drives one with blocking calls.
 """
 from __future__ import annotations
 
+import copy
+import itertools
 from collections import deque
 from typing import Sequence
 
-import jax
 
 from sprint_jax.infer import sharding as sh
 from sprint_jax.infer.joins import Joins
@@ -24,7 +25,8 @@ from sprint_jax.infer.requests import (DecodeTrace, EngineError, ForkRecord, Gen
                                        Seq, checked_sampling, decode_tokens, sample_first)
 from sprint_jax.infer.sampling import TOP_LOGPROBS, Sampling, valid_vocab
 from sprint_jax.infer.scheduler import Scheduler
-from sprint_jax.infer.slot_cache import SlotCache
+from sprint_jax.infer.pages import KVPages, PageAllocator, PoolExhausted
+from sprint_jax.infer.radix import RadixTree
 from sprint_jax.infer.stops import StopScanner
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.model.qwen2 import UNROLL_MAX_LAYERS, per_layer
@@ -67,14 +69,15 @@ class Engine(Scheduler, Joins):
     def __init__(self, model, tokenizer, *, max_seqs: int = 16, max_children: int = 8, max_seq_len: int = 2048,
                  max_branch_tokens: int = 512, decode_chunk: int = 16, prefill_chunk: int = 256,
                  eos_token_ids: Sequence[int] | None = None, min_bucket: int = 64, mesh=None,
-                 attention_impl: str = "xla", per_layer_weights: bool | None = None, trace: bool = False):
+                 attention_impl: str = "xla", per_layer_weights: bool | None = None, trace: bool = False,
+                 page_size: int = 16, num_pages: int | None = None):
         if attention_impl not in ("xla", "pallas"):
             raise EngineError(f"attention_impl must be 'xla' or 'pallas', got {attention_impl!r}")
         self.attention_impl = attention_impl
         self.trace = trace                # each sequence keeps a DecodeTrace (RL's loss layout)
         for name, v in (("max_seqs", max_seqs), ("max_children", max_children), ("max_seq_len", max_seq_len),
                         ("max_branch_tokens", max_branch_tokens), ("decode_chunk", decode_chunk),
-                        ("prefill_chunk", prefill_chunk)):
+                        ("prefill_chunk", prefill_chunk), ("page_size", page_size), ("num_pages", num_pages or 1)):
             if v <= 0:
                 raise EngineError(f"{name} must be positive, got {v}")
         self.config: Qwen2Config = model.config
@@ -99,28 +102,30 @@ class Engine(Scheduler, Joins):
         self.parent_capacity = max_seq_len + decode_chunk
         self.child_capacity = max_branch_tokens + decode_chunk
         self.sharding_notes: list[str] = []
+        self.page_size = page_size
+        per_seq = -(-self.parent_capacity // page_size) + max_children * (-(-self.child_capacity // page_size) + 1)
+        pages = max_seqs * per_seq if num_pages is None else num_pages
         self._kv = None
         if mesh is None:
             self.params = model.params
-            self.cache = SlotCache.zeros(self.config, max_seqs, max_children, self.parent_capacity,
-                                         self.child_capacity)
+            self._parts = 1
         else:
             notes = self.sharding_notes
             self.config, params = sh.shard_model(self.config, model.params, mesh, notes)
             self._set_params(params)
-            self._kv = (sh.kv_sharding(self.config, mesh, max_seqs, notes, "parent slots"),
-                        sh.kv_sharding(self.config, mesh, max_seqs * max_children, notes, "child slots"))
-            if not sh.slot_axes(self._kv[:1]) and sh.slot_axes(self._kv[1:]):
-                # too few parent slots to split (a single run's one): children stay with
-                # their parent on every device rather than split apart from it (no per-step gathers)
-                self._kv = (self._kv[0], sh.whole_slots(self._kv[1]))
-                notes.append("child slots: replicated like the parent slots (too few parent slots to split)")
+            # pages split over data like the slots (each sequence's pages on its slot's shard),
+            # KV heads over tensor; too few slots to split (a single run's one): whole pages
+            slots = sh.kv_sharding(self.config, mesh, max_seqs, notes, "sequence slots")
+            self._parts = sh.slot_parts((slots,))
+            pages = -(-pages // self._parts) * self._parts
+            self._kv = (sh.pool_sharding(self.config, mesh, slots, pages, page_size, notes),)
             sh.log_notes(notes, "Engine on mesh " + ",".join(f"{k}={v}" for k, v in mesh.shape.items()))
-            p, c = self._kv
-            self.cache = jax.jit(SlotCache.zeros, static_argnums=(0, 1, 2, 3, 4),
-                                 out_shardings=SlotCache(p, p, c, c))(
-                self.config, max_seqs, max_children, self.parent_capacity, self.child_capacity)
-        self._parts = sh.slot_parts(self._kv)          # slot shards (data > 1): rows placed per shard
+        self.num_pages = pages
+        self._part_pages = pages // self._parts                 # pages per shard (global id = part * this + local)
+        self._allocs = [PageAllocator(self._part_pages, page_size) for _ in range(self._parts)]
+        self._trees = [RadixTree(a) for a in self._allocs]
+        self._cache_epoch = 0                 # reset_prefix_cache: sequences opened before are not cached
+        self.cache = KVPages.zeros(self.config, pages, page_size, None if self._kv is None else self._kv[0])
         self._free = sh.slot_order(max_seqs, self._parts)
         self._waiting: deque[Op] = deque()             # opens waiting for a slot
         # seq id -> its queued tokens (an open's prompt, extends; queued when submitted, written
@@ -129,7 +134,10 @@ class Engine(Scheduler, Joins):
         self._groups: dict[int, list[Row | None]] = {}                  # slot -> [parent row, children...]
         self._single_token: dict[str, list[int]] = {}     # stop string -> tokens whose text holds it
         self._texts: list[str] | None = None
-        self.stats = dict(steps=0, decode_calls=0, prefill_calls=0, tokens=0, join_copies=0)
+        self.stats = dict(steps=0, decode_calls=0, prefill_calls=0, tokens=0, join_copies=0, preemptions=0)
+        self._preempted: deque[Seq] = deque()      # runs whose pages were taken back, waiting for pages
+        self._admissions = itertools.count()
+        self._page_waits = 0                       # rows the last step could not give pages
         self.last_join_tokens = 0           # tokens the last merge ran (in the children's slots)
 
     @property
@@ -144,6 +152,7 @@ class Engine(Scheduler, Joins):
         if self.mesh is not None:
             value = sh.shard_model(self.model_config, value, self.mesh, [])[1]
         self._set_params(value)
+        self.reset_prefix_cache()             # the cached K/V was computed by the old weights
 
     def _set_params(self, value) -> None:
         self._params = value
@@ -175,18 +184,87 @@ class Engine(Scheduler, Joins):
         return op
 
     def _admit(self) -> None:
+        """Queued opens take a free slot and the pages of their prompt: the longest cached prefix
+        from the slot's shard's radix tree, fresh pages for the rest (evicting cached pages no
+        sequence holds); an open whose pages are not there waits (admission by free pages)."""
+        while self._preempted and not self._page_waits:   # preempted runs come back first, once no row waits
+            seq = self._preempted[0]
+            full = self._preempted_tokens(seq)
+            tree, alloc = self._trees[seq.part], self._allocs[seq.part]
+            sp = tree.acquire(full)              # resumed from what the cache still holds
+            try:
+                alloc.prepare_write(sp, len(full) - 1 - sp.length)
+            except PoolExhausted:
+                tree.hit_tokens -= sp.length
+                tree.finish(sp, (), cache=False)
+                return
+            self._preempted.popleft()
+            seq.pages = sp
+            if len(full) - 1 > sp.length:        # recomputed: the rest is prefilled again
+                self._prefill_work[seq.id] = PrefillWork(seq, full[sp.length:-1], 0, sp.length)
         while self._waiting and self._free:
-            op = self._waiting.popleft()
+            op = self._waiting[0]
             seq = op.seq
-            seq.slot = self._free.pop(0)
+            slot = self._free[0]
+            part = self._part_of(slot)
+            tree, alloc = self._trees[part], self._allocs[part]
+            sp = tree.acquire(op.tokens)
+            try:
+                alloc.prepare_write(sp, len(op.tokens) - 1 - sp.length)
+            except PoolExhausted:
+                tree.hit_tokens -= sp.length
+                tree.finish(sp, (), cache=False)
+                return
+            self._waiting.popleft()
+            self._free.pop(0)
+            seq.slot, seq.part, seq.pages = slot, part, sp
+            seq.cache_epoch = self._cache_epoch
+            seq.admitted = next(self._admissions)
             seq.tokens = op.tokens
             if self.trace:
                 seq.trace = DecodeTrace()
                 seq.trace.sync(seq)
             self._groups.pop(seq.slot, None)
-            if len(op.tokens) > 1:
-                self._queue_prefill(seq, op.tokens[:-1], 0)
+            if len(op.tokens) - 1 > sp.length:
+                self._queue_prefill(seq, op.tokens[sp.length:-1], sp.length)
             self._finish(op, seq)
+
+    def _preempted_tokens(self, seq: Seq) -> list[int]:
+        """A preempted sequence's tokens with what its generate op has decoded so far (the last one
+        pending)."""
+        row = self._groups.get(seq.slot, [None])[0]
+        return seq.tokens + (row.gen if row is not None else [])
+
+    def _preempt(self) -> bool:
+        """Free the pages of the most recently admitted run that can be recomputed exactly (a
+        sequence decoding a generate op, no merge join in it, no fork held): its full pages go to
+        the radix tree (evictable; a later admission resumes from what is still cached there) and
+        it is requeued, first in line, to prefill the rest again and decode on with its own key
+        stream. False: no such run, or it is the only live one."""
+        live = [s for s in self._live_seqs() if s.pages is not None]
+        ok = [s for s in live if s.op is not None and s.op.kind == "generate" and s.last_fork is None
+              and s.cache_len >= len(s.tokens) and self._groups.get(s.slot, [None])[0] is not None]
+        if len(live) < 2 or not ok:
+            return False
+        seq = max(ok, key=lambda s: s.admitted)
+        full = self._preempted_tokens(seq)
+        sp = seq.pages
+        sp.length = min(sp.length, len(full) - 1)
+        self._trees[seq.part].finish(sp, full, cache=seq.cache_epoch == self._cache_epoch)
+        seq.pages = None
+        self._prefill_work.pop(seq.id, None)
+        self._preempted.append(seq)
+        self.stats["preemptions"] += 1
+        return True
+
+    def _live_seqs(self) -> list[Seq]:
+        """Every admitted sequence that holds a slot (through its rows' ops)."""
+        return [rows[0].op.seq if rows[0] is not None else next(r.op.seq for r in rows if r is not None)
+                for rows in self._groups.values() if any(r is not None for r in rows)]
+
+    def _part_of(self, slot: int) -> int:
+        """The shard whose pages a sequence in `slot` uses (0 without page shards)."""
+        return slot // (self.max_seqs // self._parts)
 
     def _check_idle(self, seq: Seq, what: str):
         if seq.closed:
@@ -205,6 +283,7 @@ class Engine(Scheduler, Joins):
             # the last token is already in the slot: the first new one is what its logits sampled
             seq.tokens = seq.tokens + tokens[:1]
             tokens = tokens[1:]
+        self._retire_fork(seq)
         op = Op("extend", seq, tokens=tokens, tag=tag)
         seq.op = op
         if tokens:
@@ -234,6 +313,7 @@ class Engine(Scheduler, Joins):
         if len(seq.tokens) + max_new_tokens > self.max_seq_len:
             raise EngineError(f"{len(seq.tokens)} tokens + max_new_tokens={max_new_tokens} exceeds "
                               f"max_seq_len={self.max_seq_len}")
+        self._retire_fork(seq)
         op = Op("generate", seq, limits=[max_new_tokens], stops=[list(stop)], sampling=checked_sampling(sampling),
                 tag=tag, top_logprobs=top_logprobs)
         seq.op = op
@@ -292,6 +372,7 @@ class Engine(Scheduler, Joins):
             if len(p) + 1 + m > self.max_branch_tokens:
                 raise EngineError(f"child {j}: prefix of {len(p)} tokens + max_new_tokens={m} exceeds "
                                   f"max_branch_tokens={self.max_branch_tokens}")
+        self._retire_fork(seq)
         op = Op("fork", seq, prefixes=prefixes, limits=limits, stops=stops, sampling=checked_sampling(sampling),
                 tag=tag, join=join, top_logprobs=top_logprobs)
         seq.op = op
@@ -308,15 +389,45 @@ class Engine(Scheduler, Joins):
             seq.trace.fork(seq, n, join)
         return op
 
+    def split(self, seq: Seq, n: int) -> list[Seq]:
+        """n new sequences, each continuing `seq` as it is now (its tokens, its pending token, a
+        merge join's state), at once: they share its pages (counted references; a partly filled
+        last page is copied when one first writes into it), each in a free slot of `seq`'s pool
+        shard, and each a sequence like any other (extend, generate, fork, split again, close),
+        so forks nest to any depth. `seq` stays as it was. Its queued tokens are written first."""
+        self._check_idle(seq, "split")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise EngineError(f"split needs a positive number of sequences, got {n!r}")
+        free = [s for s in self._free if self._part_of(s) == seq.part]
+        if len(free) < n:
+            raise EngineError(f"split into {n}: {len(free)} free slot(s) in the sequence's shard "
+                              f"(max_seqs={self.max_seqs})")
+        self.flush(seq)
+        seq.pages.length = seq.length + seq.after_join       # after a join the last token is written
+        fork = self._alloc(seq).fork(seq.pages, n)
+        out = []
+        for slot, pages in zip(free, fork.children):
+            child = Seq(list(seq.tokens))
+            self._free.remove(slot)
+            child.slot, child.part, child.pages = slot, seq.part, pages
+            for name in ("pos_offset", "joined", "join_logits", "cache_len", "cache_epoch"):
+                setattr(child, name, getattr(seq, name))
+            if seq.trace is not None:
+                child.trace = copy.deepcopy(seq.trace)
+            out.append(child)
+        return out
+
     def truncate(self, seq: Seq, n: int) -> Seq:
-        """Keep the first n tokens (1 <= n <= its length), at once: the KV past the new length is
-        never read and the next write overwrites it (the orchestrator's token-boundary rollback)."""
+        """Keep the first n tokens (1 <= n <= its length), at once: the pages past the new length
+        are released and the next write goes after it (the orchestrator's token-boundary rollback;
+        a kept page shared with the cache or a fork is copied on that write)."""
         self._check_idle(seq, "truncate")
         if not 1 <= n <= len(seq.tokens):
             raise EngineError(f"truncate to {n} tokens: the sequence holds {len(seq.tokens)}")
         if n < seq.joined:
             raise EngineError(f"truncate to {n} tokens: the first {seq.joined} are fixed by a merge join "
                               "(its branches' KV cannot be rolled back)")
+        self._retire_fork(seq)
         work = self._prefill_work.get(seq.id)
         if work is not None:                  # queued tokens past the new length are not written
             keep = n - 1 - work.base
@@ -324,6 +435,7 @@ class Engine(Scheduler, Joins):
                 del self._prefill_work[seq.id]
             else:
                 work.run = work.run[:keep]
+        self._alloc(seq).truncate(seq.pages, min(seq.pages.length, n - 1))
         seq.tokens = seq.tokens[:n]
         if seq.trace is not None:
             seq.trace.sync(seq)
@@ -334,12 +446,25 @@ class Engine(Scheduler, Joins):
         return self.max_children
 
     def close(self, seq: Seq) -> None:
-        """Free the sequence's slot (immediately; the sequence must be idle)."""
+        """Free the sequence's slot and pages (immediately; the sequence must be idle). Its full
+        pages of plain prefix (before any merge join) stay cached in the radix tree for the next
+        sequence that starts with the same tokens."""
         self._check_idle(seq, "close")
         seq.closed = True
         self._prefill_work.pop(seq.id, None)
         if seq.slot is not None:
-            self._groups.pop(seq.slot, None)
+            self._retire_fork(seq)
+            group = self._groups.pop(seq.slot, None)
+            for row in group or ():                       # an aborted fork's children
+                if row is not None and row.pages is not None and not row.pages.released:
+                    self._alloc(seq).release(row.pages)
+            sp = seq.pages
+            if sp is not None:
+                sp.length = min(sp.length, len(seq.tokens) - 1, seq.cache_len)
+                self._trees[seq.part].finish(sp, seq.tokens, cache=seq.cache_epoch == self._cache_epoch)
+            else:                                          # aborted while preempted
+                self._preempted = deque(s for s in self._preempted if s is not seq)
+            seq.pages = None
             self._free.append(seq.slot)
             self._free.sort(key=sh.slot_order(self.max_seqs, self._parts).index)
             seq.slot = None
@@ -351,8 +476,48 @@ class Engine(Scheduler, Joins):
         op = seq.op
         if op is not None:
             self._waiting = deque(o for o in self._waiting if o is not op)
+            if op.kind == "fork" and op.fork is not None:
+                for child in op.fork.children:
+                    if not child.released:
+                        self._alloc(seq).release(child)
             self._finish(op, None)
         self.close(seq)
+
+    def _alloc(self, seq: Seq) -> PageAllocator:
+        return self._allocs[seq.part]
+
+    def _retire_fork(self, seq: Seq) -> None:
+        """The sequence moves on from its last fork without merging it: the children's pages go."""
+        fork = seq.last_fork
+        if fork is not None:
+            for child in fork.children:
+                if child is not None and child.pages is not None and not child.pages.released:
+                    self._alloc(seq).release(child.pages)
+            seq.last_fork = None
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (new weights make them stale; a test that zeroes the pool);
+        sequences open now are not cached when they close. Returns the pages the cache held."""
+        if not hasattr(self, "_trees"):
+            return 0
+        self._cache_epoch += 1
+        return sum(t.clear() for t in self._trees)
+
+    def page_ids(self, seq: Seq) -> list[int]:
+        """The sequence's page table as pool page ids (token i: page ids[i // page_size])."""
+        return [p + seq.part * self._part_pages for p in seq.pages.pages]
+
+    def page_stats(self) -> dict[str, int]:
+        """The pool now: pages in all, free, held by live sequences or cached only by the radix
+        tree (evictable), the prefix tokens sequences took from the cache instead of prefilling,
+        and the pages evicted so far."""
+        free = sum(a.free_pages for a in self._allocs)
+        cached_only = sum(sum(1 for nd in t.nodes() if a.refcount[nd.page] == 1)
+                          for t, a in zip(self._trees, self._allocs))
+        return dict(pages_total=self.num_pages, pages_free=free, pages_used=self.num_pages - free - cached_only,
+                    pages_cached=cached_only, page_size=self.page_size,
+                    prefix_hit_tokens=sum(t.hit_tokens for t in self._trees),
+                    evicted_pages=sum(t.evicted for t in self._trees))
 
     def progress(self, op: Op) -> list[list[int]]:
         """Tokens generated so far by a generate (one list) or fork (one per child) op, for
@@ -391,7 +556,7 @@ class Engine(Scheduler, Joins):
 
     @property
     def busy(self) -> bool:
-        return bool(self._waiting or self._prefill_work or any(
+        return bool(self._waiting or self._prefill_work or self._preempted or any(
             r is not None for rows in self._groups.values() for r in rows))
 
     @property

@@ -348,7 +348,10 @@ def gather_pages(pool: jax.Array, layer, table: jax.Array) -> jax.Array:
     hkv, _, ps, d = pool.shape[1:]
 
     def take(a):
-        at = jax.lax.dynamic_index_in_dim(a, jnp.asarray(layer, jnp.int32), axis=0, keepdims=False)
-        # mode "clip": padding entries read a valid page, never a filled (masked) gather
-        return jnp.take(at, table, axis=1, mode="clip")                        # [Hkv, R, M, ps, D]
+        # one gather of whole [ps, D] blocks indexed by (layer, KV head, page): no slice of the
+        # layer out of the pool first (a copy of 1/L of the pool that XLA may materialize);
+        # padding entries are clipped to a valid page, never read past the row's length
+        head = jnp.arange(hkv, dtype=jnp.int32)[:, None, None]
+        pages = jnp.clip(table, 0, a.shape[2] - 1)[None]
+        return a[jnp.asarray(layer, jnp.int32), head, pages]                   # [Hkv, R, M, ps, D]
     return as_bits(pool, take).reshape(hkv, r, m * ps, d)

@@ -94,12 +94,12 @@ class RadixTree:
 
     def lock(self, node: RadixNode) -> None:
         """Mark `node` and its ancestors in use (never evicted until `unlock`)."""
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:       # the root (any tree's) is never locked
             node.lock += 1
             node = node.parent
 
     def unlock(self, node: RadixNode) -> None:
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             if node.lock <= 0:
                 raise RuntimeError("radix node unlocked more often than locked")
             node.lock -= 1
@@ -131,6 +131,16 @@ class RadixTree:
         self.cached_pages -= freed
         self.evicted += freed
         return freed
+
+    def clear(self) -> int:
+        """Forget every cached prefix (new weights make its K/V stale): the tree's reference on
+        each page is dropped (pages a live sequence holds stay with it; a sequence's lock on a
+        forgotten path is harmless). Returns the pages the tree held."""
+        held = [nd.page for nd in self.nodes()]
+        self.alloc.decref(held)
+        self.root = RadixNode((), -1, None)
+        self.cached_pages = 0
+        return len(held)
 
     def _leaves(self):
         stack = [self.root]

@@ -61,6 +61,14 @@ class Seq:
         self.join_logits = None
         self.last_fork: ForkRecord | None = None
         self.trace: DecodeTrace | None = None   # how its tokens were computed (Engine(trace=True))
+        # its place in the page pool (`pages.SeqPages`, from admission to close), the pool shard
+        # of its slot, and how many leading tokens' K/V a plain prefill would give (a merge join
+        # places branches side by side: none past the first fork that was merged is cached)
+        self.pages = None
+        self.part = 0
+        self.cache_len = 1 << 62
+        self.cache_epoch = 0
+        self.admitted = 0                 # admission order (the youngest run is preempted first)
 
     @property
     def length(self) -> int:              # the slot of the last token (pending unless after_join)
@@ -178,6 +186,7 @@ class Op:
     queued: list = dataclasses.field(default_factory=list)   # a serial fork's children not yet started
     join: bool = False                    # fork: its children will be merged (they feed their last token)
     top_logprobs: int = 0                 # generate / fork: alternatives per token to report (0 = none)
+    fork: object = None                   # fork: its children's pages (`pages.Fork`), made when they first run
 
 
 class Row:
@@ -198,6 +207,7 @@ class Row:
         self.prefill_pos = 0              # child: how much of run[:-1] is in its suffix slot
         self.fed = False                  # its last token was run (a join fork's child: decode's feed_last)
         self.last_logits = None           # then its logits after that token (device, [V]), if kept
+        self.pages = None                 # child: its page table (`pages.SeqPages`, from the fork)
 
 
 @dataclasses.dataclass
@@ -219,11 +229,12 @@ class PrefillWork:
 @dataclasses.dataclass
 class ForkChild:
     """One finished child of a fork, as a merge join needs it: its tokens from the parent's pending
-    token on (forced prefix, then generated), how many of them its slot holds (`written`), and its
-    logits after the last one (device [V]; None: not kept)."""
+    token on (forced prefix, then generated), how many of them its pages hold (`written`, from
+    the fork point on), its logits after the last one (device [V]; None: not kept) and its pages."""
     tokens: list[int]
     written: int
     logits: object = None
+    pages: object = None                  # its page table (`pages.SeqPages`), held until a merge or the next op
 
 
 @dataclasses.dataclass

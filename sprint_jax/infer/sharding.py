@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sprint_jax.config import ConfigError
 from sprint_jax.model.config import Qwen2Config
@@ -102,6 +102,17 @@ def kv_sharding(config: Qwen2Config, mesh: Mesh, slots: int, notes: list[str] | 
     """The NamedSharding of a KV cache [L, slots, Hkv, tokens, D]."""
     shape = (config.num_hidden_layers, slots, config.num_key_value_heads, 1, config.head_dim)
     return NamedSharding(mesh, mesh_lib.logical_to_spec(KV_AXES, shape, mesh, notes=notes, name=name))
+
+
+def pool_sharding(config: Qwen2Config, mesh: Mesh, slots: NamedSharding, num_pages: int, page_size: int,
+                  notes: list[str] | None = None) -> NamedSharding:
+    """The NamedSharding of the engine's page pool [L, Hkv, pages, page_size, D]: pages split over
+    the mesh axes that split the sequence slots (`slots`, a `kv_sharding`: each shard's sequences
+    keep their pages on it), KV heads as the slot cache's (over tensor where they divide)."""
+    spec = tuple(slots.spec) + (None,) * (5 - len(slots.spec))
+    if spec[1] is not None and num_pages % slot_parts((slots,)):
+        raise ValueError(f"{num_pages} pages do not split over {spec[1]}")
+    return NamedSharding(mesh, P(spec[0], spec[KV_HEAD_AXIS], spec[1], None, None))
 
 
 def place_params(params: Any, shardings: Any) -> Any:
@@ -260,14 +271,15 @@ def shard_model(config: Qwen2Config, params: Any, mesh: Mesh, notes: list[str]) 
 # ---------------------------------------------------------------------------------------------
 # data > 1: each data shard's slots stay on it (the engine steps run per slot shard)
 # ---------------------------------------------------------------------------------------------
-def slot_axes(kv) -> tuple[str, ...]:
-    """The mesh axes that split the slots of a (parent, child) KV sharding pair; () when the
-    slots are whole on every device (or the two are not split alike)."""
+def slot_axes(kv, dim: int = 1) -> tuple[str, ...]:
+    """The mesh axes that split the slots (axis `dim`: 1 for the slot cache [L, slots, ..], 2 for
+    the page pool [L, Hkv, pages, ..]) of a tuple of KV shardings; () when they are whole on every
+    device (or not split alike)."""
     if kv is None:
         return ()
 
     def axes(s):
-        a = s.spec[1] if len(s.spec) > 1 else None
+        a = s.spec[dim] if len(s.spec) > dim else None
         return () if a is None else ((a,) if isinstance(a, str) else tuple(a))
     first = axes(kv[0])
     return first if all(axes(s) == first for s in kv[1:]) else ()
@@ -275,14 +287,13 @@ def slot_axes(kv) -> tuple[str, ...]:
 
 def whole_slots(kv: NamedSharding) -> NamedSharding:
     """A KV sharding with the slot axis whole on every device (KV heads etc. as they were)."""
-    from jax.sharding import PartitionSpec as P
     spec = tuple(kv.spec) + (None,) * (2 - len(kv.spec))
     return NamedSharding(kv.mesh, P(*(None if i == 1 else a for i, a in enumerate(spec))))
 
 
-def slot_parts(kv) -> int:
-    """How many blocks the slots are split into (1: one block, the plain path)."""
-    axes = slot_axes(kv)
+def slot_parts(kv, dim: int = 1) -> int:
+    """How many blocks the slots (or pages, `slot_axes`) are split into (1: one block, the plain path)."""
+    axes = slot_axes(kv, dim)
     return math.prod(kv[0].mesh.shape[a] for a in axes) if axes else 1
 
 
@@ -346,7 +357,8 @@ def traced_on_mesh(kv):
     return jax.sharding.use_abstract_mesh(kv[0].mesh.abstract_mesh)
 
 
-def slot_local(rows: Sequence[str], out: Sequence[str] | str, cache_kv: Sequence[int]):
+def slot_local(rows: Sequence[str], out: Sequence[str] | str, cache_kv: Sequence[int],
+               dims: tuple[int, int] = (1, KV_HEAD_AXIS)):
     """Decorator for an engine step `fn(params, config, cache, ..., kv=None)` (under jax.jit),
     traced under kv's mesh (`traced_on_mesh`). When `kv` splits the slots over mesh axes (data >
     1), `fn` runs once per slot shard (`jax.shard_map` manual over those axes; tensor stays
@@ -356,8 +368,8 @@ def slot_local(rows: Sequence[str], out: Sequence[str] | str, cache_kv: Sequence
     "rows" (leading row axis) or "max" (a scalar, the max over shards); `cache_kv[i]`: which
     sharding of `kv` the cache's i-th leaf carries (pinned after the shard_map). `out` may be a
     function of the bound arguments (a static flag adding an output); a row argument passed as
-    None is left out of the shard_map (the step reads None)."""
-    from jax.sharding import PartitionSpec as P
+    None is left out of the shard_map (the step reads None). `dims`: the cache's (slot, KV head)
+    axes ((2, 1) for the page pool [L, Hkv, pages, page_size, D])."""
 
     def deco(fn):
         sig = inspect.signature(fn)
@@ -372,7 +384,7 @@ def slot_local(rows: Sequence[str], out: Sequence[str] | str, cache_kv: Sequence
 
         def run(a):
             kv = a["kv"]
-            axes = slot_axes(kv)
+            axes = slot_axes(kv, dims[0])
             if not axes:
                 return fn(**a)
             spec = out(a) if callable(out) else out
@@ -382,11 +394,11 @@ def slot_local(rows: Sequence[str], out: Sequence[str] | str, cache_kv: Sequence
             names = ("params",) * ("params" in a) + ("cache",) + present      # a copy step has no params
             arrays = [a.pop(n) for n in names]
             a["kv"] = None
-            row_spec, cache_spec = P(axes), P(None, axes)
+            row_spec, cache_spec = P(axes), P(*(None,) * dims[0], axes)
 
             def local(*xs):
                 spec = tuple(kv[0].spec) + (None,) * 5
-                _LOCAL.heads = spec[KV_HEAD_AXIS]   # see local_head_axes (read while fn is traced)
+                _LOCAL.heads = spec[dims[1]]   # see local_head_axes (read while fn is traced)
                 _LOCAL.slots = axes                 # see any_slot_shard
                 try:
                     res = fn(**a, **dict(zip(names, xs)))

@@ -17,7 +17,6 @@ import numpy as np
 from sprint_jax.infer.engine import Engine
 from sprint_jax.infer.requests import EngineError, Generation, Seq
 from sprint_jax.infer.sampling import Sampling
-from sprint_jax.infer.slot_cache import bucket
 
 
 @dataclasses.dataclass
@@ -25,18 +24,21 @@ class BranchStats:
     """What the last decode_branches call cost (read by benchmarks and the orchestrator)."""
     mode: str
     branches: int
-    cache_bytes: int                  # KV bytes the fork held: the prefix as a step reads it + the child slots
+    cache_bytes: int                  # KV bytes the fork held: its prefix's pages + each child's own
     steps: int                        # decode steps that produced a token (together: the longest; serial: the sum)
     wall_s: float
 
 
-def fork_bytes(engine: Engine, prefix_len: int, n: int) -> int:
-    """KV bytes a fork of n children from a prefix of prefix_len tokens holds, from the cache
-    arrays: the prefix as a step reads it (bucketed) + each child's slot (the prefix is never copied)."""
+def fork_bytes(engine: Engine, seq) -> int:
+    """KV bytes the last fork of `seq` holds in the pool: the pages of its prefix (shared by every
+    child, once) and each child's own pages (its copy of a partly filled last page, its tokens)."""
     c = engine.cache
-    per_slot = 2 * c.pk.shape[0] * c.pk.shape[2] * c.pk.shape[4] * c.pk.dtype.itemsize   # K + V, every layer
-    prefix = min(bucket(max(prefix_len, 1), engine.min_bucket), c.pk.shape[3])
-    return (prefix + n * c.ck.shape[3]) * per_slot
+    page = 2 * c.k.shape[0] * c.k.shape[1] * c.k.shape[3] * c.k.shape[4] * c.k.dtype.itemsize   # K + V, every layer
+    held = set(seq.pages.pages[: -(-seq.length // engine.page_size)])
+    for child in (seq.last_fork.children if seq.last_fork is not None else ()):
+        if child is not None and child.pages is not None:
+            held.update(child.pages.pages)
+    return len(held) * page
 
 
 class SingleRun:
@@ -102,7 +104,7 @@ class SingleRun:
         self.engine.run([op])
         gens = list(op.result)
         steps = (sum if mode == "serial" else max)(g.steps for g in gens)
-        self.last_branch_stats = BranchStats(mode, len(gens), fork_bytes(self.engine, seq.length, len(gens)), steps,
+        self.last_branch_stats = BranchStats(mode, len(gens), fork_bytes(self.engine, seq), steps,
                                              time.perf_counter() - t0)
         return gens
 

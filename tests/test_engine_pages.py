@@ -1,0 +1,190 @@
+"""The engine on the paged pool: prefixes reused across sequences (radix tree), forks nested to any
+depth (`split`), admission and eviction by pages, against independent references (a plain full
+forward, a cold prefill of the same tokens, hand-counted pages)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import greedy_by_full_forward, tiny_vocab_tokenizer
+from sprint_jax.infer.engine import Engine
+from sprint_jax.infer.requests import EngineError
+from sprint_jax.model.qwen2 import forward
+
+CAPS = dict(max_children=4, max_seq_len=96, max_branch_tokens=40, decode_chunk=8, prefill_chunk=32,
+            eos_token_ids=[])
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(3, 307, n)]
+
+
+def _next_logits(model, tokens) -> np.ndarray:
+    """The next token's logits by one plain causal forward (no cache)."""
+    import jax.numpy as jnp
+    return np.asarray(forward(model.params, model.config, jnp.asarray([tokens], jnp.int32)))[0, -1]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model
+
+
+def _open(engine, tokens):
+    op = engine.open(tokens)
+    engine.run([op])
+    engine.flush(op.result)
+    return op.result
+
+
+def test_a_prefix_hit_prefills_only_the_rest_and_gives_the_cold_logits(model):
+    """A sequence that starts with a closed sequence's tokens takes its full pages from the radix
+    tree: only the rest is prefilled (prefix_hit_tokens counts whole pages), and the next token's
+    logits equal a cold engine's and a plain forward's (fp32, 1e-5); the greedy tokens too."""
+    tok = tiny_vocab_tokenizer()
+    warm, cold = Engine(model, tok, max_seqs=2, **CAPS), Engine(model, tok, max_seqs=2, **CAPS)
+    system = _ids(1, 37)                           # 2 whole pages of 16 + 5 tokens
+    first = _open(warm, system + _ids(2, 6))
+    first_ids = warm.page_ids(first)
+    warm.close(first)
+    assert warm.page_stats()["prefix_hit_tokens"] == 0
+    prompt = system + _ids(3, 9)
+    calls = warm.stats["prefill_calls"]
+    seq = _open(warm, prompt)
+    stats = warm.page_stats()
+    assert stats["prefix_hit_tokens"] == 32 and seq.pages.length == len(prompt) - 1
+    assert warm.page_ids(seq)[:2] == first_ids[:2]                       # the closed sequence's own pages
+    assert warm.stats["prefill_calls"] == calls + 1                      # the 13 tokens after the hit
+    got = warm.forced_logits(seq)[0]
+    ref = cold.forced_logits(_open(cold, prompt))[0]
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got, _next_logits(model, prompt), atol=1e-5, rtol=0)
+    op = warm.generate(seq, 10)
+    warm.run([op])
+    assert op.result.tokens == greedy_by_full_forward(model, prompt, 10)
+    # a prompt that is all cached still runs its last token (its logits are the request's)
+    warm.close(seq)
+    again = _open(warm, prompt[:33])
+    assert warm.page_stats()["prefix_hit_tokens"] == 32 + 32 and again.pages.length == 32
+    np.testing.assert_allclose(warm.forced_logits(again)[0], _next_logits(model, prompt[:33]), atol=1e-5, rtol=0)
+    warm.close(again)
+
+
+def test_split_nests_forks_three_levels_deep_each_branch_as_alone(model):
+    """split() gives sequences that share their parent's pages; splitting a split and forking
+    there is a fork three levels deep: every branch's greedy tokens equal a plain forward of that
+    branch alone. Level one shares the root's full pages in place (the same page ids); the partly
+    filled page is copied on first write (a new id)."""
+    engine = Engine(model, tiny_vocab_tokenizer(), max_seqs=6, **CAPS)
+    root_toks = _ids(10, 21)                         # 20 written: one full page + 4 tokens
+    root = _open(engine, root_toks)
+    a, b = engine.split(root, 2)
+    assert engine.page_ids(a) == engine.page_ids(b) == engine.page_ids(root)[:2]
+    ext = {id(a): _ids(11, 5), id(b): _ids(12, 19)}
+    for s in (a, b):
+        engine.extend(s, ext[id(s)])
+    engine.run()
+    for s in (a, b):
+        engine.flush(s)
+    assert engine.page_ids(a)[0] == engine.page_ids(root)[0] != engine.page_ids(b)[1] != engine.page_ids(a)[1]
+    a1, a2 = engine.split(a, 2)
+    deep = {id(a1): _ids(13, 3), id(a2): _ids(14, 12)}
+    for s in (a1, a2):
+        engine.extend(s, deep[id(s)])
+    prefixes = [_ids(15, 2), [], _ids(16, 4)]
+    fork = engine.fork(a1, prefixes, [6, 9, 5])
+    gens = [engine.generate(s, 7) for s in (a2, b, root)]
+    engine.run([fork, *gens])
+    a1_toks = root_toks + ext[id(a)] + deep[id(a1)]
+    for j, (p, m) in enumerate(zip(prefixes, [6, 9, 5])):
+        assert fork.result[j].tokens == greedy_by_full_forward(model, a1_toks + p, m), j
+    for s, op, toks in ((a2, gens[0], root_toks + ext[id(a)] + deep[id(a2)]), (b, gens[1], root_toks + ext[id(b)]),
+                        (root, gens[2], root_toks)):
+        assert op.result.tokens == greedy_by_full_forward(model, toks, 7)
+    for s in (a1, a2, a, b, root):
+        engine.close(s)
+    engine.reset_prefix_cache()
+    assert engine.page_stats()["pages_free"] == engine.num_pages             # nothing leaked
+    with pytest.raises(EngineError, match="free slot"):
+        engine.split(_open(engine, root_toks), 6)
+
+
+def test_a_small_pool_admits_by_pages_evicts_the_cache_and_never_fails_a_request(model):
+    """num_pages below the capacities: opens wait while live sequences hold the pages, cached
+    prefixes are evicted (least recently used first) to admit new ones, and every request's
+    tokens are those of a plain forward."""
+    engine = Engine(model, tiny_vocab_tokenizer(), max_seqs=3, num_pages=8, **CAPS)
+    prompts = [_ids(20 + k, 40) for k in range(4)]            # 39 tokens to write: 3 pages each
+    ops = [engine.open(p) for p in prompts]
+    assert [o.done for o in ops] == [True, True, False, False]          # 2 x 3 pages of 8; the third waits
+    gens = []
+    for o, p in zip(ops[:2], prompts):
+        engine.run([o])
+        gens.append(engine.generate(o.result, 6))
+    engine.run(gens)
+    for g, p in zip(gens, prompts):
+        assert g.result.tokens == greedy_by_full_forward(model, p, 6)
+    engine.close(ops[0].result)                     # its 2 full pages stay cached
+    assert engine.page_stats()["pages_cached"] == 2
+    engine.run([ops[2]])                            # admitted: its pages evict the cached ones
+    assert engine.page_stats()["evicted_pages"] >= 1
+    g = engine.generate(ops[2].result, 6)
+    engine.run([g])
+    assert g.result.tokens == greedy_by_full_forward(model, prompts[2], 6)
+    with pytest.raises(EngineError, match="KV pool"):
+        engine.run([ops[3]])                        # every page held by live sequences: no progress
+    for o in ops[1:3]:
+        engine.close(o.result)
+    engine.run([ops[3]])
+    engine.close(ops[3].result)
+
+
+def test_new_weights_forget_the_cached_prefixes(model):
+    """Setting params (the RL trainer's update) drops the prefix cache: the next sequence with
+    the same tokens prefills them all, with the new weights' logits."""
+    import jax
+    engine = Engine(model, tiny_vocab_tokenizer(), max_seqs=2, **CAPS)
+    toks = _ids(30, 40)
+    engine.close(_open(engine, toks))
+    assert engine.page_stats()["pages_cached"] == 2
+    old = engine.params
+    engine.params = jax.tree.map(lambda x: x * 1.01, old)
+    assert engine.page_stats()["pages_cached"] == 0
+    seq = _open(engine, toks)
+    assert seq.pages.length == 39 and engine.page_stats()["prefix_hit_tokens"] == 0
+    scaled = type(model)(model.config, params=engine.params)
+    np.testing.assert_allclose(engine.forced_logits(seq)[0], _next_logits(scaled, toks), atol=1e-5, rtol=0)
+    engine.close(seq)
+    engine.params = old
+
+
+def test_runs_that_outgrow_the_pool_are_preempted_and_give_their_own_tokens(model):
+    """Three runs whose outputs do not fit the pool together: the youngest decoding run gives its
+    pages back (cached in the radix tree) and is requeued, resumed from what is still cached or
+    recomputed, and decodes on with its own key stream: every run's tokens (greedy and sampled)
+    equal an engine with room for all, greedy ones a plain forward's too. (An idle sequence keeps
+    its pages: one that blocks every other is a clear error, `test_a_small_pool_...`.)"""
+    from sprint_jax.infer.sampling import Sampling
+
+    prompts = [_ids(40 + k, 20) for k in range(3)]
+    samplings = [None, Sampling(temperature=1.0, seed=5), None]
+
+    def run(num_pages):
+        engine = Engine(model, tiny_vocab_tokenizer(), max_seqs=3, num_pages=num_pages, **CAPS)
+        opens = [engine.open(p) for p in prompts]
+        engine.run(opens)
+        gens = [engine.generate(o.result, 44, sampling=s) for o, s in zip(opens, samplings)]
+        while not all(o.result.closed for o in opens):      # each run closed when it ends (a server's way)
+            assert engine.step()
+            for o, g in zip(opens, gens):
+                if g.done and not o.result.closed:
+                    engine.close(o.result)
+        return [g.result.tokens for g in gens], engine
+
+    roomy, _ = run(None)
+    tight, engine = run(9)                  # each run ends at 63 tokens + a chunk: 5 pages; 9 for three
+    assert engine.stats["preemptions"] >= 1
+    assert tight == roomy
+    for k in (0, 2):
+        assert tight[k] == greedy_by_full_forward(model, prompts[k], 44)
+    assert engine.page_stats()["pages_used"] == 0
