@@ -1,7 +1,7 @@
 """Smoke test of `sprint-jax bench decode` at the smallest settings: every JSON field present,
 times positive, step counts and greedy agreement with HF as the model dictates, cache bytes equal
-to the capacities the engine allocated. No timing assertion (benchmarks,
-never timed tests), and no re-derivation of the bench's own arithmetic."""
+to the pages the fork holds (counted by hand), the paged vs slot step section's rows and bytes
+(counted by hand). No timing assertion (benchmarks, never timed tests)."""
 from __future__ import annotations
 
 import argparse
@@ -28,7 +28,8 @@ def _args(*argv: str) -> argparse.Namespace:
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "decode.json"
     args = _args("--preset", "tiny", "--branches", "1,2", "--prefix-lens", str(P), "--new-tokens", str(N_NEW),
-                 "--repeats", "1", "--hf-repeats", "2", "--decode-chunk", "4", "--join-tokens", "5", "--out", str(out))
+                 "--repeats", "1", "--hf-repeats", "2", "--decode-chunk", "4", "--join-tokens", "5",
+                 "--step-repeats", "2", "--out", str(out))
     import torch
     threads = torch.get_num_threads()
     assert run_decode_bench(args) == 0
@@ -38,7 +39,8 @@ def report(tmp_path_factory):
 
 def test_report_fields_and_times(report):
     for key in ("benchmark", "device_kind", "backend", "jax_version", "torch_version", "loadavg_start",
-                "loadavg_end", "model", "settings", "capacities", "timing", "rows", "ratios", "hf", "targets"):
+                "loadavg_end", "model", "settings", "capacities", "timing", "rows", "ratios", "hf", "join",
+                "paged_step", "targets"):
         assert key in report, key
     assert report["model"]["param_count"] > 0 and report["settings"]["dtype"] == "float32"
     assert len(report["rows"]) == len(MODES) * 2
@@ -66,28 +68,88 @@ def test_join_rows(report):
     assert row["merge_host_ms"] == min(row["samples_merge_host_ms"]) > 0
 
 
-def test_cache_bytes_match_allocated_capacities(report):
+def _per_token(report) -> int:
     c = Qwen2Config(**{k: v for k, v in report["model"]["config"].items()})
-    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4   # K and V, fp32
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4   # K and V, fp32, every layer
+
+
+def test_cache_bytes_are_the_pages_held(report):
+    per_token = _per_token(report)
     cap = report["capacities"][0]
-    # the 23 cached context tokens (P - 1; the last is pending) as a step reads them: the slot
-    # engine's used-length bucket (min 64) capped at the parent slot; the copy baseline copies that many
+    assert cap["page_size"] == 16
+    page = 16 * per_token
+    # the context: P - 1 = 23 tokens written (the last one is pending): pages 0 and 1 (16 + 7
+    # tokens), held once whatever the branch count
+    context_pages = 2
+    # a branch (4 forced tokens, N_NEW = 6 generated, decode_chunk 4): its first decode call starts
+    # at position 23 and reserves its pending token + 4 forced - 1 + a chunk of 4 = 8 positions,
+    # 23..30; its second starts at 31 (23 + 4 forced + 4 generated) and reserves 4, 31..34. Its
+    # own pages: its copy of the partly filled page 1, and page 2 (positions 32..47)
+    own_pages = 2
+    # the copy baseline: the context's 23 slots as the slot engine's step read them (its used-length
+    # bucket, min 64, capped at the parent slot), copied into each branch, + each branch's suffix
     prefix_slots = min(64, cap["seq_capacity"])
+    assert cap["seq_capacity"] == 38 and cap["suffix_capacity"] == 15   # max_seq_len 34 / 11 + the chunk 4
     by = {(r["mode"], r["branches"]): r["cache_bytes"] for r in report["rows"]}
     for n in (1, 2):
-        assert by[("shared", n)] == (prefix_slots + n * cap["suffix_capacity"]) * per_token
+        assert by[("shared", n)] == (context_pages + n * own_pages) * page
         assert by[("copy", n)] == n * (prefix_slots + cap["suffix_capacity"]) * per_token
-        assert by[("serial", n)] == by[("shared", n)]   # the same child slots, one after another
-    assert cap["seq_capacity"] >= cap["max_seq_len"] == P + 4 + N_NEW
+        assert by[("serial", n)] == by[("shared", n)]   # the same fork, its branches one after another
+    assert cap["max_seq_len"] == P + 4 + N_NEW
 
 
 def test_ratios_cover_every_point_and_sharing_saves_memory(report):
     by_n = {q["branches"]: q for q in report["ratios"]}
     assert sorted(by_n) == [1, 2] and all(q["prefix_len"] == P for q in by_n.values())
-    assert by_n[1]["shared_over_copy_bytes"] == 1.0          # one branch: a fork is a copy
-    assert by_n[2]["shared_over_copy_bytes"] < 1.0           # two: the prefix is stored once
+    # pages held (see test_cache_bytes_are_the_pages_held) over the copy's slots, in tokens: one
+    # branch holds whole pages past what it uses (4 x 16 vs 38 + 15); at two the context is held once
+    assert by_n[1]["shared_over_copy_bytes"] == pytest.approx(64 / 53)
+    assert by_n[2]["shared_over_copy_bytes"] == pytest.approx(96 / 106)
+    assert by_n[2]["shared_over_copy_bytes"] < 1.0
     for q in by_n.values():
         assert q["shared_over_copy_stage"] > 0 and q["shared_speedup_vs_serial_stage"] > 0
+
+
+def test_paged_vs_slot_step_rows(report):
+    """The side-by-side step section at P = 24 (bytes and read widths counted by hand from the
+    tiny model: 3 layers, 6 query heads, 2 KV heads, head dim 12, fp32; pages of 16 tokens)."""
+    rows = {(r["kind"], r["branches"]): r for r in report["paged_step"]}
+    assert sorted(rows) == [("fork", 1), ("fork", 2), ("generate", 1)]
+    layers, kv_row, q_row = 3, 2 * 2 * 12 * 4, 6 * 12 * 4       # per layer: a token's K + V, a row's query
+    page = 16 * kv_row
+    c = 4                                                        # each child's own tokens: its forced prefix
+    for (kind, n), r in rows.items():
+        assert r["prefix_len"] == P and r["chunk"] == 4 and r["page_size"] == 16
+        for impl in ("paged", "slot"):
+            assert r[f"{impl}_steps"] == [4, 1]                  # a budget of 4 tokens vs 1, same shapes
+            assert len(r[f"{impl}_call_ms_samples"]) == len(r[f"{impl}_one_step_ms_samples"]) == 2
+            assert r[f"{impl}_ms"] is None or r[f"{impl}_ms"] > 0
+        if r["paged_ms"] is not None and r["slot_ms"] is not None:
+            assert r["paged_over_slot"] == pytest.approx(r["paged_ms"] / r["slot_ms"])
+        # the slot cache: a parent slot of 24 + 4 + 6 + 4 = 38, child slots of 4 + 1 + 6 + 4 = 15
+        if kind == "generate":
+            assert r["used_length"] == P
+            # 24 tokens: slots 24 read once (a group of one); pages 0-1 whole (2 pages)
+            assert r["slot_bytes"] == layers * (24 * kv_row + q_row)
+            assert r["paged_bytes"] == layers * (2 * page + q_row)
+            assert r["slot_prefix_kv_bytes"] == layers * 24 * kv_row and r["paged_prefix_kv_bytes"] == layers * 2 * page
+            assert r["slot_widths"]["s_b"] == 38                  # 24 + chunk 4 -> bucket 64, capped at 38
+            assert r["paged_widths"]["ma"] == 4                   # 2 pages -> the 64-token floor, 4 pages
+            continue
+        assert r["used_length"] == P + c
+        # slots: the parent's 24 tokens once for the group, each child its own 4
+        assert r["slot_prefix_bytes"] == layers * (24 * kv_row + n * q_row)
+        assert r["slot_own_bytes"] == layers * n * (c * kv_row + q_row)
+        # pages: the one full page (16 tokens) once for the group, each child its copy of the
+        # partly filled page (8 tokens) and its 4: 12 tokens, one page
+        assert r["paged_prefix_bytes"] == layers * (page + n * q_row)
+        assert r["paged_own_bytes"] == layers * n * (page + q_row)
+        for impl in ("paged", "slot"):
+            assert r[f"{impl}_bytes"] == r[f"{impl}_prefix_bytes"] + r[f"{impl}_own_bytes"]
+        # the prefix's K/V is read once whatever n
+        assert r["slot_prefix_kv_bytes"] == layers * 24 * kv_row and r["paged_prefix_kv_bytes"] == layers * page
+        assert r["slot_widths"] == {"w": n, "s_b": 38, "c_b": 15}
+        assert r["paged_widths"] == {"w": n, "mg": 4, "mr": 4}
 
 
 def test_hf_row_same_weights(report):
@@ -104,11 +166,15 @@ def test_hf_row_same_weights(report):
 
 def test_targets_section(report):
     names = [t["name"] for t in report["targets"]]
-    assert len(names) == 5
+    assert len(names) == 7
     met = {t["name"]: t["met"] for t in report["targets"]}
     # branches 1,2 only: the two 8-branch targets cannot be judged, the others can
     assert met[names[0]] is None and met[names[2]] is None
-    assert met[names[1]] in (True, False) and met[names[3]] in (True, False) and met[names[4]] in (True, False)
+    for i in (1, 3, 4, 5):
+        assert met[names[i]] in (True, False)
+    assert "1.15x" in names[5] and set(report["targets"][5]["figures"]) == {"generate P=24", "fork P=24,n=1",
+                                                                           "fork P=24,n=2"}
+    assert met[names[6]] is True          # the prefix's K/V bytes do not grow with the branch count
 
 
 def test_target_rules():
@@ -119,15 +185,28 @@ def test_target_rules():
     good = [ratio(64, 1, 1.0, 1.0, 1.0, 1.0), ratio(64, 8, 1.5, 0.5, 0.3, 4.0),
             ratio(512, 1, 1.0, 1.0, 1.0, 1.0), ratio(512, 8, 1.9, 0.8, 0.2, 3.5)]
     hf = [dict(prefix_len=64, engine_over_hf_e2e_tokens_per_s=2.0, engine_over_hf_decode_tokens_per_s=3.0)]
-    assert [t["met"] for t in evaluate_targets(good, hf)] == [True, True, True, True, None]
+    assert [t["met"] for t in evaluate_targets(good, hf)] == [True, True, True, True, None, None, None]
     bad = [ratio(64, 1, 1.0, 1.0, 1.0, 1.0), ratio(64, 8, 2.5, 0.5, 0.3, 4.0),
            ratio(512, 1, 1.0, 1.0, 1.0, 1.0), ratio(512, 8, 1.5, 1.2, 0.2, 2.0)]
     hf_bad = [dict(prefix_len=64, engine_over_hf_e2e_tokens_per_s=0.9, engine_over_hf_decode_tokens_per_s=None)]
-    assert [t["met"] for t in evaluate_targets(bad, hf_bad)] == [False, False, False, False, None]
+    assert [t["met"] for t in evaluate_targets(bad, hf_bad)] == [False, False, False, False, None, None, None]
     join = [dict(tokens_per_executor=64, merge_over_reprefill=0.05), dict(tokens_per_executor=512, merge_over_reprefill=0.2)]
     assert evaluate_targets(good, hf, join[:1])[4]["met"] is True
     assert evaluate_targets(good, hf, join)[4]["met"] is False
     assert [t["met"] for t in evaluate_targets(good, [])][3] is None
+
+    def step(kind, n, ratio, prefix_kv=(100, 120)):
+        return dict(kind=kind, prefix_len=64, branches=n, paged_over_slot=ratio,
+                    paged_prefix_kv_bytes=prefix_kv[0], slot_prefix_kv_bytes=prefix_kv[1])
+    steps = [step("generate", 1, 1.1), step("fork", 1, 0.9), step("fork", 8, 1.15)]
+    assert [t["met"] for t in evaluate_targets(good, hf, join[:1], steps)][5:] == [True, True]
+    slow = steps[:2] + [step("fork", 8, 1.2)]
+    assert [t["met"] for t in evaluate_targets(good, hf, join[:1], slow)][5:] == [False, True]
+    swamped = steps[:2] + [step("fork", 8, None)]           # no step time: not met
+    assert evaluate_targets(good, hf, join[:1], swamped)[5]["met"] is False
+    per_branch = steps[:2] + [step("fork", 8, 1.0, (800, 120))]   # a prefix read per branch
+    assert evaluate_targets(good, hf, join[:1], per_branch)[6]["met"] is False
+    assert [t["met"] for t in evaluate_targets(good, hf)][5:] == [None, None]
 
 
 @pytest.mark.parametrize("argv, message", [

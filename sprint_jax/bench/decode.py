@@ -3,10 +3,11 @@
 Why. A SPRINT stage (paper §10) runs its executors at the same time: the engine forks the
 planner's cache and decodes every branch in one batched step. This benchmark measures, in one
 run, what that buys:
-  shared   `decode_branches(mode="shared")`: the engine's fork: the prefix KV stored once and
-           read in place once per step for all branches, a child slot per branch,
+  shared   `decode_branches(mode="shared")`: the engine's fork: the prefix's full pages of the KV
+           pool held once and read in place once per step for all branches; each branch its own
+           pages (its copy of the partly filled page, its tokens),
   copy     the prefix copied into every branch (the baseline to beat: `bench/copy_fork.py`),
-  serial   the same child slots, one branch after another (what a non-parallel runtime does),
+  serial   the same fork, one branch after another (what a non-parallel runtime does),
 for each branch count and context (prefix) length, plus single-sequence `engine.generate` vs
 HF transformers `generate` (PyTorch, `Qwen2ForCausalLM` or `Qwen3ForCausalLM`, eager attention)
 on the same weights, the peer a user would otherwise pick.
@@ -29,6 +30,15 @@ null rather than as a made-up number.
 The HF row times prompt -> N new tokens end to end (engine: prefill + generate; HF: generate;
 engine and HF calls interleaved, best of --hf-repeats) and, by the same N vs 1 difference, the
 decode step alone; it also counts how many leading greedy tokens the two stacks agree on.
+
+cache_bytes: shared / serial: the pages the fork holds (`single.fork_bytes`: the context's written
+tokens in whole pages, once, and each branch's own pages through the last decode call's
+reservation); copy: the copied prefix (as a shared fork's slot read it) + the suffix capacity, per branch.
+
+Paged vs slot step (`sprint_jax.bench.paged_step`): one decode step of the paged engine's program
+vs the slot engine's it replaced (kept as the baseline), at the same used length, for a fork of
+each branch count and a generate row (the planner) per context length, with the bytes each
+reads per step (prefix once per group + each branch's own), best of --step-repeats.
 
 Ratios (same run): shared/copy step time, stage time and cache bytes; batched vs serial stage
 speed-up (serial stage_ms / batched stage_ms) and decode tokens/s ratio; step at n branches vs
@@ -76,6 +86,7 @@ from typing import Any
 
 import numpy as np
 
+from sprint_jax.bench import paged_step
 from sprint_jax.dtypes import DTYPE_NAMES, dtype_of, torch_dtype
 
 DESCRIPTION = __doc__
@@ -100,13 +111,17 @@ MODES = ("shared", "copy", "serial")
 # (backend is an accelerator, --quick) -> defaults of the unset flags
 DEFAULTS: dict[tuple[bool, bool], dict[str, Any]] = {
     (False, False): dict(branches="1,2,4,8,16", prefix_lens="128,512,2048", new_tokens=64, repeats=3,
-                         decode_chunk=32, prefill_chunk=64, branch_prefix_len=4, join_tokens="64,512,2048"),
+                         decode_chunk=32, prefill_chunk=64, branch_prefix_len=4, join_tokens="64,512,2048",
+                         step_repeats=7),
     (False, True): dict(branches="1,8", prefix_lens="128,1024", new_tokens=32, repeats=2,
-                        decode_chunk=32, prefill_chunk=64, branch_prefix_len=4, join_tokens="64,512"),
+                        decode_chunk=32, prefill_chunk=64, branch_prefix_len=4, join_tokens="64,512",
+                        step_repeats=5),
     (True, False): dict(branches="1,2,4,8,16", prefix_lens="1024,4096,16384", new_tokens=128, repeats=3,
-                        decode_chunk=64, prefill_chunk=512, branch_prefix_len=4, join_tokens="64,512,2048"),
+                        decode_chunk=64, prefill_chunk=512, branch_prefix_len=4, join_tokens="64,512,2048",
+                        step_repeats=7),
     (True, True): dict(branches="1,8", prefix_lens="1024,8192", new_tokens=64, repeats=2,
-                       decode_chunk=64, prefill_chunk=512, branch_prefix_len=4, join_tokens="64,512,2048"),
+                       decode_chunk=64, prefill_chunk=512, branch_prefix_len=4, join_tokens="64,512,2048",
+                       step_repeats=5),
 }
 JOIN_EXECUTORS = 8        # executors per stage in the join rows
 JOIN_CONTEXT = 128        # planner tokens before the fork in the join rows
@@ -135,6 +150,9 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
                         help="parameter and compute dtype (activations, KV cache); default float32 on CPU, "
                              "bfloat16 on an accelerator")
     parser.add_argument("--repeats", type=int, help="timed calls per point, best reported (default 3)")
+    parser.add_argument("--step-repeats", type=int,
+                        help="timed calls per point of the paged vs slot step section, best reported "
+                             "(default 7, --quick 5)")
     parser.add_argument("--decode-chunk", type=int,
                         help="decode steps per host round trip (default CPU 32, accelerator 64)")
     parser.add_argument("--prefill-chunk", type=int,
@@ -195,7 +213,7 @@ def _settings(args: argparse.Namespace, on_accel: bool) -> dict[str, Any]:
     s["hf_threads"] = args.hf_threads if args.hf_threads is not None else (0 if on_accel else 1)
     if s["hf_threads"] < 0:
         raise _user_error(f"--hf-threads must be >= 0, got {s['hf_threads']}")
-    for name in ("new_tokens", "repeats", "decode_chunk", "prefill_chunk", "hf_repeats"):
+    for name in ("new_tokens", "repeats", "decode_chunk", "prefill_chunk", "hf_repeats", "step_repeats"):
         if s[name] < 1:
             raise _user_error(f"--{name.replace('_', '-')} must be >= 1, got {s[name]}")
     if s["new_tokens"] < 2:
@@ -569,7 +587,11 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def evaluate_targets(ratios: list[dict], hf_rows: list[dict], join_rows: list[dict] = ()) -> list[dict[str, Any]]:
+PAGED_OVER_SLOT_MAX = 1.15   # a paged decode step may cost this much of the slot engine's
+
+
+def evaluate_targets(ratios: list[dict], hf_rows: list[dict], join_rows: list[dict] = (),
+                     step_rows: list[dict] = ()) -> list[dict[str, Any]]:
     """Each target: met True/False (None = not measured in this run) and the figures behind it."""
     by = {(r["prefix_len"], r["branches"]): r for r in ratios}
     lens = sorted({r["prefix_len"] for r in ratios})
@@ -624,6 +646,28 @@ def evaluate_targets(ratios: list[dict], hf_rows: list[dict], join_rows: list[di
         figures={f"N={r['tokens_per_executor']}": round(r["merge_over_reprefill"], 4) for r in join_rows},
         detail=("merge_ms / reprefill_ms per tokens-per-executor, each until the cache holds the join"
                 if join_rows else "join rows off")))
+
+    def point(r):
+        return f"{r['kind']} P={r['prefix_len']}" + (f",n={r['branches']}" if r["kind"] == "fork" else "")
+    targets.append(dict(
+        name=f"paged decode step <= {PAGED_OVER_SLOT_MAX}x the slot engine's at the same used length",
+        met=(all(r["paged_over_slot"] is not None and r["paged_over_slot"] <= PAGED_OVER_SLOT_MAX
+                 for r in step_rows) if step_rows else None),
+        figures={point(r): round(r["paged_over_slot"], 3) if r["paged_over_slot"] is not None else None
+                 for r in step_rows},
+        detail=("paged_ms / slot_ms per point (a null: noise swamped a step time, not met)" if step_rows
+                else "paged vs slot step section not run")))
+    forks = [r for r in step_rows if r["kind"] == "fork"]
+    once: dict[int, dict[str, set]] = {}
+    for r in forks:
+        for impl in ("paged", "slot"):
+            once.setdefault(r["prefix_len"], {}).setdefault(impl, set()).add(r[f"{impl}_prefix_kv_bytes"])
+    targets.append(dict(
+        name="shared prefix read once per step whatever the branch count (bytes formula, paged and slot)",
+        met=(all(len(v) == 1 for by in once.values() for v in by.values()) if forks else None),
+        figures={f"P={p}": {impl: sorted(v) for impl, v in by.items()} for p, by in once.items()},
+        detail=("prefix K/V bytes per step over every branch count (one value: read once per group)"
+                if forks else "paged vs slot step section not run")))
     return targets
 
 
@@ -711,9 +755,11 @@ def run_decode_bench(args: argparse.Namespace) -> int:
                                    kv_bytes_per_token=kv_bytes_per_token(config),
                                    seq_capacity=int(engine.parent_capacity),
                                    suffix_capacity=int(engine.child_capacity),
+                                   page_size=int(engine.page_size), num_pages=int(engine.num_pages),
                                    prefill_first_call_s=prefill_first_s))
             prefix_sets = {n: [[int(x) for x in rng.integers(0, config.vocab_size, s["branch_prefix_len"])]
                                for _ in range(n)] for n in s["branches"]}
+            page_size = engine.page_size
             points = _bench_context(engine, state, prefix_sets, s)
             for n, point in points.items():
                 for mode in MODES:
@@ -735,6 +781,13 @@ def run_decode_bench(args: argparse.Namespace) -> int:
             print(JOIN_HEADER)
             print("-" * len(JOIN_HEADER))
             join_rows = bench_join(model, tokenizer, s, rng)
+        print()
+        print(f"decode step, paged KV pool (programs.decode) vs slot cache (slot_programs.decode), same rows and "
+              f"used length, chunk {s['decode_chunk']}, random KV, greedy; step = (wall(N) - wall(1)) / (N - 1), "
+              f"best of {s['step_repeats']}; bytes per step by the kernels' formulas (all layers)")
+        print(paged_step.STEP_HEADER)
+        print("-" * len(paged_step.STEP_HEADER))
+        step_rows = paged_step.bench_paged_vs_slot(model.params, config, s, page_size, rng)
         load_end = _loadavg()
 
     print()
@@ -752,7 +805,7 @@ def run_decode_bench(args: argparse.Namespace) -> int:
         print("-" * len(HF_HEADER))
         for h in hf_rows:
             _print_hf(h)
-    targets = evaluate_targets(ratios, hf_rows, join_rows)
+    targets = evaluate_targets(ratios, hf_rows, join_rows, step_rows)
     print()
     print("targets (stated for CPU, tiny model):")
     for t in targets:
@@ -771,7 +824,7 @@ def run_decode_bench(args: argparse.Namespace) -> int:
                 "engine.last_branch_stats; stage_ms = best wall(N); best = minimum over --repeats; "
                 "branch counts and modes of a context interleaved per repeat; "
                 "compile_s = first-call wall - best wall (N and 1)"),
-        rows=rows, ratios=ratios, hf=hf_rows, join=join_rows, targets=targets)
+        rows=rows, ratios=ratios, hf=hf_rows, join=join_rows, paged_step=step_rows, targets=targets)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.out}")
