@@ -188,3 +188,39 @@ def test_runs_that_outgrow_the_pool_are_preempted_and_give_their_own_tokens(mode
     for k in (0, 2):
         assert tight[k] == greedy_by_full_forward(model, prompts[k], 44)
     assert engine.page_stats()["pages_used"] == 0
+
+
+@pytest.mark.slow
+def test_eval_on_a_small_pool_gives_the_default_pools_results(hf_untied, tmp_path, capsys):
+    """`eval --kv-pages N`: a pool far below what the capacities reserve serves the same problems
+    to the same results (timings aside), with runs preempted when their pages run out; a pool of
+    0 pages or a page size of 0 is one line naming the flag, exit 2."""
+    import json
+    import shutil
+
+    from sprint_jax.cli import main
+    from sprint_jax.eval.report import untimed
+
+    model = tmp_path / "model"
+    shutil.copytree(hf_untied, model)
+    tiny_vocab_tokenizer().save(model / "vocab_tokenizer.json")
+    tasks = tmp_path / "t.jsonl"
+    tasks.write_text("".join(json.dumps({"id": f"t{k}", "problem": f"What is {k}+{k}?" * (k + 1), "answer": str(2 * k)})
+                             + "\n" for k in range(4)))
+    caps = ["--max-seq-len", "128", "--decode-chunk", "8", "--prefill-chunk", "32", "--max-prompts", "2",
+            "--max-branch-tokens", "8", "--max-planner-tokens", "12", "--max-total-tokens", "30",
+            "--concurrency", "4", "--mode", "parallel", "--no-progress"]
+    rows = {}
+    for name, extra in (("default", []), ("small", ["--kv-pages", "12"])):
+        out = tmp_path / name
+        assert main(["eval", "--model", str(model), "--data", str(tasks), "--out", str(out), *caps, *extra]) == 0
+        rows[name] = [untimed(json.loads(x)) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert len(rows["default"]) == 4 and rows["small"] == rows["default"]
+    pool = json.loads((tmp_path / "small" / "report.json").read_text())["engine_pool"]
+    assert pool["pages_total"] == 12
+    capsys.readouterr()
+    for flag, value in (("--kv-pages", "0"), ("--page-size", "0")):
+        assert main(["eval", "--model", str(model), "--data", str(tasks), "--out", str(tmp_path / "bad"), *caps,
+                     flag, value]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and flag in err[0], err

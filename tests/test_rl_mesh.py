@@ -101,17 +101,18 @@ def test_rl_on_a_mesh_equals_one_device(runs):
 
 @pytest.mark.slow
 def test_the_rollout_engine_splits_its_cache_over_the_mesh(runs):
-    """The engine's KV cache per device, by hand from config.json: 8 runs (G=4 x 2 prompts) of
-    160 + 16 (one decode chunk) positions, each with 2 branches of 8 + 32 (tag room) + 16 positions,
-    fp32, 1 layer, head_dim 16, K and V. On one device the whole cache (1 KV head); on the mesh the
-    slots split 4 ways (data x fsdp) and the KV head, copied to 2 for tensor=2, one per device."""
+    """The engine's KV pool per device, by hand from config.json: 8 runs (G=4 x 2 prompts) of
+    160 + 16 (one decode chunk) positions (11 pages of 16), each with 2 branches of 8 + 32 (tag
+    room) + 16 positions (4 pages, and a copy of the page the fork splits), fp32, 1 layer, head_dim
+    16, K and V. On one device the whole pool (1 KV head); on the mesh the pages split 4 ways (data
+    x fsdp) and the KV head, copied to 2 for tensor=2, one per device."""
     c = json.loads((runs[2] / "config.json").read_text())
     hd = c["hidden_size"] // c["num_attention_heads"]
     layers, kv_heads = c["num_hidden_layers"], c["num_key_value_heads"]
     assert (layers, kv_heads, hd) == (1, 1, 16)
 
-    def cache(slots, heads):
-        return 2 * 4 * layers * heads * hd * (slots * (160 + 16) + 2 * slots * (8 + 32 + 16))
+    def cache(runs, heads):
+        return 2 * 4 * layers * heads * hd * 16 * runs * (11 + 2 * (4 + 1))
 
     one, mesh = (json.loads((r / "summary.json").read_text())["rollout_engine"] for r in runs[:2])
     assert one == {"mesh": None, "kv_cache_bytes_per_device": cache(8, 1)}

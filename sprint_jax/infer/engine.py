@@ -1,24 +1,28 @@
-"""The engine: many sequences, one decode step, over a two-level slot cache.
+"""The engine: many sequences, one decode step, over a pool of KV pages with a prefix cache.
 
-Requests are operations on sequences (`sprint_jax.infer.requests`): open (prefill a prompt into a
-parent slot; queued while every slot is taken), extend (prefill more tokens), generate (decode on
-the parent), fork (k children with forced prefixes, decoded together, each a child slot reading
-the parent's prefix in place), merge (join a finished fork's children into the parent without
+Requests are operations on sequences (`sprint_jax.infer.requests`): open (take the longest cached
+prefix, prefill the rest; queued while no slot or pages are free), extend (prefill more tokens),
+generate (decode on the sequence), fork (k children with forced prefixes, decoded together, each
+sharing the sequence's pages and reading its prefix in place), split (sequences continuing this
+one: forks nested to any depth), merge (join a finished fork's children into the sequence without
 re-running them), truncate, close. `Engine.step()` serves the queued work of every sequence at
 once (`scheduler.Scheduler`); the jitted programs it calls are in `sprint_jax.infer.programs`, the
-cache in `sprint_jax.infer.slot_cache`, merge joins and teacher forcing in `sprint_jax.infer.joins`.
+pool in `sprint_jax.infer.pages`, the prefix cache in `sprint_jax.infer.radix`, merge joins and
+teacher forcing in `sprint_jax.infer.joins`.
 A single run is an engine with one sequence slot (`max_seqs=1`); `sprint_jax.infer.single.SingleRun`
 drives one with blocking calls.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from collections import deque
 from typing import Sequence
 
 
 from sprint_jax.infer import sharding as sh
+from sprint_jax.infer.engine_config import EngineConfig
 from sprint_jax.infer.joins import Joins
 from sprint_jax.infer.programs import STOP_WIDTH
 from sprint_jax.infer.requests import (DecodeTrace, EngineError, ForkRecord, Generation, Op, PrefillWork, Row,
@@ -38,48 +42,43 @@ def _check_top(n) -> None:
 
 
 class Engine(Scheduler, Joins):
-    """Many sequences, one decode step: the two-level slot cache and its scheduler. A single run
-    is an engine with max_seqs=1.
+    """Many sequences, one decode step: the page pool, its prefix cache and the scheduler. A single
+    run is an engine with max_seqs=1.
 
-    Capacities:
-      max_seqs           parent slots (sequences held at once; more opens queue)    (default 16)
-      max_children       child slots per parent (executors of a stage, n of n>1)     (default 8)
-      max_seq_len        tokens one parent sequence may hold                         (default 2048)
-      max_branch_tokens  forced prefix + generated tokens per child                   (default 512)
-      decode_chunk       decode steps per host round trip                             (default 16)
-      prefill_chunk      tokens per sequence per prefill call                         (default 256)
+    Sizes: an `EngineConfig` (`engine_config`), or its fields as keyword arguments (max_seqs,
+    max_children, max_seq_len, max_branch_tokens, decode_chunk, prefill_chunk, page_size,
+    num_pages, min_bucket; see `sprint_jax.infer.engine_config`), not both.
 
     mesh: a (data, fsdp, tensor) Mesh (`sprint_jax.infer.sharding.mesh_from_flag`): parameters
-    placed by the trainer's rules table, parent and child slots over data, KV heads over tensor
-    (replicated, with a logged note, where they do not divide); None = one device.
+    placed by the trainer's rules table, pages over data like the sequence slots, KV heads over
+    tensor (replicated, with a logged note, where they do not divide); None = one device.
     `sharding_notes` lists what was replicated.
 
-    attention_impl: "xla" or "pallas" for the parent-prefix attention of a decode step ("pallas":
-    `sprint_jax.kernels.grouped_prefix_attention`, all groups in one call, per shard on a mesh;
-    interpret mode on CPU, where it is slow and only a correctness check).
+    attention_impl: "xla" or "pallas" for a decode step's attention to cached keys ("pallas":
+    `sprint_jax.kernels.paged_prefix`, reading pages in place through the page tables, per shard
+    on a mesh; interpret mode on CPU, where it is slow and only a correctness check).
 
     per_layer_weights: run the programs on a second, per-layer copy of the layer weights
     (`qwen2.per_layer`, a `lax.switch` over the layers) instead of the stacked form, whose layer
     scan XLA CPU runs by copying every weight out of the stack at every step. None (default): on
     for a model of at most `UNROLL_MAX_LAYERS` layers on one device (the copy is small there and
     the demo's model decodes faster with it), off for deep models and meshes. `params` stays the
-    stacked form; setting it (the RL trainer's update) renews the copy.
+    stacked form; setting it (the RL trainer's update) renews the copy and forgets the prefix cache.
     """
 
-    def __init__(self, model, tokenizer, *, max_seqs: int = 16, max_children: int = 8, max_seq_len: int = 2048,
-                 max_branch_tokens: int = 512, decode_chunk: int = 16, prefill_chunk: int = 256,
-                 eos_token_ids: Sequence[int] | None = None, min_bucket: int = 64, mesh=None,
-                 attention_impl: str = "xla", per_layer_weights: bool | None = None, trace: bool = False,
-                 page_size: int = 16, num_pages: int | None = None):
+    def __init__(self, model, tokenizer, engine_config: EngineConfig | None = None, *,
+                 eos_token_ids: Sequence[int] | None = None, mesh=None, attention_impl: str = "xla",
+                 per_layer_weights: bool | None = None, trace: bool = False, **sizes):
+        if engine_config is not None and sizes:
+            raise EngineError(f"give an EngineConfig or its fields, not both (got {sorted(sizes)})")
+        unknown = sorted(set(sizes) - {f.name for f in dataclasses.fields(EngineConfig)})
+        if unknown:
+            raise EngineError(f"unknown engine setting(s): {', '.join(unknown)}")
+        ec = self.engine_config = engine_config or EngineConfig(**sizes)
         if attention_impl not in ("xla", "pallas"):
             raise EngineError(f"attention_impl must be 'xla' or 'pallas', got {attention_impl!r}")
         self.attention_impl = attention_impl
         self.trace = trace                # each sequence keeps a DecodeTrace (RL's loss layout)
-        for name, v in (("max_seqs", max_seqs), ("max_children", max_children), ("max_seq_len", max_seq_len),
-                        ("max_branch_tokens", max_branch_tokens), ("decode_chunk", decode_chunk),
-                        ("prefill_chunk", prefill_chunk), ("page_size", page_size), ("num_pages", num_pages or 1)):
-            if v <= 0:
-                raise EngineError(f"{name} must be positive, got {v}")
         self.config: Qwen2Config = model.config
         self.model_config: Qwen2Config = model.config   # as trained (on a mesh `config` is the serving layout's)
         if per_layer_weights is None:
@@ -88,10 +87,10 @@ class Engine(Scheduler, Joins):
         self.mesh = mesh
         self.tokenizer = tokenizer
         self.n_valid = valid_vocab(tokenizer, self.config.vocab_size)   # padded ids are never sampled
-        self.max_seqs, self.max_children = max_seqs, max_children
-        self.max_seq_len, self.max_branch_tokens = max_seq_len, max_branch_tokens
-        self.decode_chunk, self.prefill_chunk = decode_chunk, prefill_chunk
-        self.min_bucket = min_bucket
+        self.max_seqs, self.max_children = ec.max_seqs, ec.max_children
+        self.max_seq_len, self.max_branch_tokens = ec.max_seq_len, ec.max_branch_tokens
+        self.decode_chunk, self.prefill_chunk = ec.decode_chunk, ec.prefill_chunk
+        self.min_bucket, self.page_size = ec.min_bucket, ec.page_size
         if eos_token_ids is None:
             eos_token_ids = list(self.config.eos_token_ids)
             tok_eos = getattr(tokenizer, "eos_token_id", None)
@@ -99,12 +98,8 @@ class Engine(Scheduler, Joins):
                 eos_token_ids.append(tok_eos)
         self.eos_token_ids = [int(e) for e in eos_token_ids][:STOP_WIDTH]
         # the decode chunk may run past a row's last token before the host sees the stop
-        self.parent_capacity = max_seq_len + decode_chunk
-        self.child_capacity = max_branch_tokens + decode_chunk
+        self.parent_capacity, self.child_capacity = ec.parent_capacity, ec.child_capacity
         self.sharding_notes: list[str] = []
-        self.page_size = page_size
-        per_seq = -(-self.parent_capacity // page_size) + max_children * (-(-self.child_capacity // page_size) + 1)
-        pages = max_seqs * per_seq if num_pages is None else num_pages
         self._kv = None
         if mesh is None:
             self.params = model.params
@@ -115,18 +110,17 @@ class Engine(Scheduler, Joins):
             self._set_params(params)
             # pages split over data like the slots (each sequence's pages on its slot's shard),
             # KV heads over tensor; too few slots to split (a single run's one): whole pages
-            slots = sh.kv_sharding(self.config, mesh, max_seqs, notes, "sequence slots")
+            slots = sh.kv_sharding(self.config, mesh, ec.max_seqs, notes, "sequence slots")
             self._parts = sh.slot_parts((slots,))
-            pages = -(-pages // self._parts) * self._parts
-            self._kv = (sh.pool_sharding(self.config, mesh, slots, pages, page_size, notes),)
+            self._kv = (sh.pool_sharding(self.config, mesh, slots, ec.pool_pages(self._parts), ec.page_size, notes),)
             sh.log_notes(notes, "Engine on mesh " + ",".join(f"{k}={v}" for k, v in mesh.shape.items()))
-        self.num_pages = pages
+        self.num_pages = pages = ec.pool_pages(self._parts)
         self._part_pages = pages // self._parts                 # pages per shard (global id = part * this + local)
-        self._allocs = [PageAllocator(self._part_pages, page_size) for _ in range(self._parts)]
+        self._allocs = [PageAllocator(self._part_pages, ec.page_size) for _ in range(self._parts)]
         self._trees = [RadixTree(a) for a in self._allocs]
         self._cache_epoch = 0                 # reset_prefix_cache: sequences opened before are not cached
-        self.cache = KVPages.zeros(self.config, pages, page_size, None if self._kv is None else self._kv[0])
-        self._free = sh.slot_order(max_seqs, self._parts)
+        self.cache = KVPages.zeros(self.config, pages, ec.page_size, None if self._kv is None else self._kv[0])
+        self._free = sh.slot_order(ec.max_seqs, self._parts)
         self._waiting: deque[Op] = deque()             # opens waiting for a slot
         # seq id -> its queued tokens (an open's prompt, extends; queued when submitted, written
         # by the next step)
@@ -591,4 +585,4 @@ class Engine(Scheduler, Joins):
         return self._texts
 
 
-__all__ = ["Engine", "EngineError", "Generation", "Op", "Seq"]
+__all__ = ["Engine", "EngineConfig", "EngineError", "Generation", "Op", "Seq"]

@@ -73,6 +73,11 @@ def add_run_arguments(p) -> None:
                         "max_position_embeddings when smaller; more than that is refused)")
     e.add_argument("--decode-chunk", type=int, default=16, help="decode steps per host round trip")
     e.add_argument("--prefill-chunk", type=int, default=512, help="longest prefill piece")
+    e.add_argument("--page-size", type=int, default=16, help="tokens per page of the KV pool (default 16)")
+    e.add_argument("--kv-pages", type=int, default=None,
+                   help="pages in the KV pool (default: what every run at the capacities would hold; fewer "
+                        "hold as many runs as their real lengths allow, the youngest decoding run giving its "
+                        "pages back when they run out: see `sprint-jax plan engine --lengths`)")
     e.add_argument("--attention-impl", choices=["xla", "pallas"], default="xla",
                    help="shared-prefix attention of a decode step (pallas: the Pallas kernels in "
                         "sprint_jax.kernels, per shard on a mesh; interpret mode on CPU: slow)")
@@ -213,12 +218,13 @@ def load_tokenizer_arg(tokenizer: str | None, model: str):
 
 
 def _checked_load(args, config, seqs: int = 1, mesh=None):
-    """(model, tokenizer, max_seq_len, branch capacity) for `seqs` sequences, each with
-    config.max_prompts branches of the per-branch budget plus room for the forced opening tag.
-    Capacities, the KV-cache memory and the tokenizer are checked against the model's config.json
-    before the weights are read."""
-    from sprint_jax.model.capacity import (BRANCH_TAG_ROOM, check_memory, check_positions, engine_cache_tokens,
-                                           kv_cache_bytes)
+    """(model, tokenizer, EngineConfig) for `seqs` sequences, each with config.max_prompts
+    branches of the per-branch budget plus room for the forced opening tag. Capacities, the KV
+    pool's memory and the tokenizer are checked against the model's config.json before the
+    weights are read."""
+    from sprint_jax.errors import UserError
+    from sprint_jax.infer.engine import EngineConfig, EngineError
+    from sprint_jax.model.capacity import BRANCH_TAG_ROOM, check_memory, check_positions
     from sprint_jax.model.config import Qwen2Config
     from sprint_jax.model.tokenizer import check_tokenizer_fits
 
@@ -230,16 +236,27 @@ def _checked_load(args, config, seqs: int = 1, mesh=None):
     max_seq_len = args.max_seq_len if args.max_seq_len is not None else min(8192, mcfg.max_position_embeddings)
     check_positions(mcfg, max_seq_len, "--max-seq-len")
     branch_tokens = config.max_branch_tokens + BRANCH_TAG_ROOM
-    what = f"{seqs} sequence(s) of --max-seq-len {max_seq_len} with {config.max_prompts} branches of {branch_tokens}"
-    devices = mesh.devices.size if mesh is not None else 1      # the cache is split over the mesh
-    tokens = engine_cache_tokens(seqs, max_seq_len, config.max_prompts, config.max_branch_tokens)
-    check_memory(kv_cache_bytes(mcfg, tokens) // devices,
-                 f"the KV cache ({what})",
-                 "lower --max-seq-len, --max-prompts, --max-branch-tokens" + (" or --concurrency" if seqs > 1 else ""))
+    try:
+        sizes = EngineConfig(max_seqs=seqs, max_children=config.max_prompts, max_seq_len=max_seq_len,
+                             max_branch_tokens=branch_tokens, decode_chunk=args.decode_chunk,
+                             prefill_chunk=args.prefill_chunk, page_size=getattr(args, "page_size", 16),
+                             num_pages=getattr(args, "kv_pages", None))
+    except EngineError as e:
+        raise UserError(str(e).replace("num_pages", "--kv-pages").replace("page_size", "--page-size")
+                        .replace("decode_chunk", "--decode-chunk").replace("prefill_chunk", "--prefill-chunk")
+                        ) from None
+    what = (f"{sizes.pool_pages()} pages of {sizes.page_size} tokens" if sizes.num_pages is not None else
+            f"{seqs} sequence(s) of --max-seq-len {max_seq_len} with {config.max_prompts} branches of {branch_tokens}")
+    if mesh is not None:
+        from sprint_jax.infer.sharding import serving_config
+        mcfg = serving_config(mcfg, mesh)
+    check_memory(sizes.pool_bytes_per_device(mcfg, mesh), f"the KV pool ({what}, per device)",
+                 "lower --kv-pages, --max-seq-len, --max-prompts, --max-branch-tokens"
+                 + (" or --concurrency" if seqs > 1 else ""))
     tok = load_tokenizer_arg(args.tokenizer, args.model)
     check_tokenizer_fits(tok, mcfg.vocab_size, f"the model in {args.model}")
     model = load_model_arg(args.model, args.dtype, mesh)
-    return model, tok, max_seq_len, branch_tokens
+    return model, tok, sizes
 
 
 def build_engine(args, config, concurrency: int = 1):
@@ -251,12 +268,9 @@ def build_engine(args, config, concurrency: int = 1):
     if concurrency < 1:
         raise UserError(f"--concurrency must be >= 1, got {concurrency}")
     mesh = mesh_arg(args)
-    model, tok, max_seq_len, branch_tokens = _checked_load(args, config, concurrency, mesh=mesh)
+    model, tok, sizes = _checked_load(args, config, concurrency, mesh=mesh)
     try:
-        return Engine(model, tok, max_seqs=concurrency, max_children=config.max_prompts,
-                      max_seq_len=max_seq_len, max_branch_tokens=branch_tokens,
-                      decode_chunk=args.decode_chunk, prefill_chunk=args.prefill_chunk, mesh=mesh,
-                      attention_impl=getattr(args, "attention_impl", "xla"))
+        return Engine(model, tok, sizes, mesh=mesh, attention_impl=getattr(args, "attention_impl", "xla"))
     except EngineError as e:
         raise UserError(str(e)) from None
 

@@ -115,6 +115,13 @@ def pool_sharding(config: Qwen2Config, mesh: Mesh, slots: NamedSharding, num_pag
     return NamedSharding(mesh, P(spec[0], spec[KV_HEAD_AXIS], spec[1], None, None))
 
 
+def axes_size(mesh: Mesh, entry) -> int:
+    """The number of shards a PartitionSpec entry (None, an axis name or a tuple of them) makes."""
+    if entry is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry))
+
+
 def place_params(params: Any, shardings: Any) -> Any:
     """Parameters moved onto their shardings (a no-op for arrays already there)."""
     return jax.tree.map(lambda a, s: a if getattr(a, "sharding", None) == s else jax.device_put(a, s),

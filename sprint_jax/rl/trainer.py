@@ -320,16 +320,26 @@ def _open_run(cfg: RLConfig, out: Path, progress: bool, t_start: float) -> _Run:
     seqs = _rollout_seqs(cfg)
     branch_tokens = ro.orchestrator.max_branch_tokens + BRANCH_TAG_ROOM
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
-    # the engine's KV cache on the fullest device (slots over data x fsdp, KV heads over tensor, as
+    # the engine's KV pool on the fullest device (pages over data x fsdp, KV heads over tensor, as
     # the engine places them on the mesh), sized as `sprint-jax eval` sizes it
-    per_device = sh.cache_bytes_per_device(sh.serving_config(model_cfg, mesh), mesh, seqs, ro.orchestrator.max_prompts,
-                                           ro.max_seq_len, branch_tokens)
+    per_device = rollout_engine_config(cfg).pool_bytes_per_device(sh.serving_config(model_cfg, mesh), mesh)
     check_memory(per_device,
-                 f"the rollout KV cache ({seqs} run(s) of rollout.max_seq_len {ro.max_seq_len} with "
+                 f"the rollout KV pool ({seqs} run(s) of rollout.max_seq_len {ro.max_seq_len} with "
                  f"{ro.orchestrator.max_prompts} branches of {branch_tokens}, per device)",
                  "lower rollout.concurrency, rollout.max_seq_len, rollout.orchestrator.max_prompts or "
                  "rollout.orchestrator.max_branch_tokens")
     return _Run(cfg, out, progress, model_cfg, tok, train_tasks, held_tasks, query_of, t_start, mesh)
+
+
+def rollout_engine_config(cfg: RLConfig):
+    """The rollout engine's sizes (`EngineConfig`): the memory check, `plan rl` and the engine."""
+    from sprint_jax.infer.engine_config import EngineConfig
+    from sprint_jax.model.capacity import BRANCH_TAG_ROOM
+
+    ro = cfg.rollout
+    return EngineConfig(max_seqs=_rollout_seqs(cfg), max_children=ro.orchestrator.max_prompts,
+                        max_seq_len=ro.max_seq_len, max_branch_tokens=ro.orchestrator.max_branch_tokens + BRANCH_TAG_ROOM,
+                        decode_chunk=ro.decode_chunk, prefill_chunk=ro.prefill_chunk)
 
 
 def _rollout_seqs(cfg: RLConfig) -> int:
@@ -382,21 +392,18 @@ def _initial_state(run: _Run, setup, ckpt):
 
 def _rollout_engine(run: _Run, params):
     """(engine on the trainer's params and mesh, each rollout traced; orchestrator config; layout):
-    on more than one device the engine's slots split over data x fsdp and its KV heads over tensor,
+    on more than one device the engine's pages split over data x fsdp and its KV heads over tensor,
     the weights staying where the trainer placed them. The layout and the tag format are the
     policy's (its export's sprint_jax.json) unless rollout.layout / rollout.format name them."""
     from sprint_jax.infer.engine import Engine
-    from sprint_jax.model.capacity import BRANCH_TAG_ROOM
     from sprint_jax.model.hf import read_export_meta
 
     ro = run.cfg.rollout
-    engine = Engine(_Policy(run.model_cfg, params), run.tok, max_seqs=_rollout_seqs(run.cfg),
-                    max_children=ro.orchestrator.max_prompts, trace=True,   # each rollout's DecodeTrace: the loss's layout
-                    max_seq_len=ro.max_seq_len, max_branch_tokens=ro.orchestrator.max_branch_tokens + BRANCH_TAG_ROOM,
-                    decode_chunk=ro.decode_chunk, prefill_chunk=ro.prefill_chunk,
+    engine = Engine(_Policy(run.model_cfg, params), run.tok, rollout_engine_config(run.cfg),
+                    trace=True,   # each rollout's DecodeTrace: the loss's layout
                     mesh=run.mesh if run.mesh.devices.size > 1 else None)
     if engine.mesh is not None:
-        run.say(f"rollout engine on the mesh {dict(run.mesh.shape)}: KV cache "
+        run.say(f"rollout engine on the mesh {dict(run.mesh.shape)}: KV pool "
                 f"{_device_bytes(engine.cache) / 2 ** 20:.1f} MiB on each device")
     meta = read_export_meta(run.cfg.policy.path)
     layout = meta.get("layout", "flat") if ro.layout == "auto" else ro.layout
