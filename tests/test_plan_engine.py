@@ -64,18 +64,29 @@ def _errors(err: str) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 def test_7b_weights_and_kv_bytes_are_the_published_figures():
     """R1-Distill-Qwen-7B (Qwen2.5-7B's shapes): 7,615,616,512 parameters (the HF model card's
-    7.62B), bf16; K and V of one token: 2 x 28 layers x 4 KV heads x 128 x 2 bytes = 57,344."""
+    7.62B), bf16; K and V of one token: 2 x 28 layers x 4 KV heads x 128 x 2 bytes = 57,344.
+    The engine's default pool holds every run at its capacities: a run's 16,384 + 16 (a decode
+    chunk) tokens in 1,025 pages of 16, and 8 executors of 16,400 tokens in 1,025 pages + the page
+    a fork copies each: 9,233 pages a run."""
     cfg = resolve_model_config("r1-distill-qwen-7b").replace(dtype="bfloat16")
     shape = pe.EngineShape(cfg, 32, 8, 16384, 16384)
     assert pe.weight_bytes(shape) == 2 * 7_615_616_512
     assert pe.kv_bytes_per_token(cfg) == 57_344
-    # 32 parents and 256 executors of 16384 + 16 (a decode chunk) slots, the KV heads split 4 ways
+    assert shape.pool_pages == 32 * 9_233 and shape.page_size == 16
+    # the pool's pages of 16 tokens, the KV heads split 4 ways
     four = dataclasses.replace(shape, mesh=(1, 1, 4))
-    assert pe.cache_bytes(four) == 57_344 / 4 * (32 + 256) * 16_400
+    assert pe.cache_bytes(four) == 57_344 / 4 * 32 * 9_233 * 16
     # tensor=8 > 4 KV heads: the engine copies each KV head twice, so a chip still holds a quarter
     assert pe.cache_bytes(dataclasses.replace(shape, mesh=(1, 1, 8))) == pe.cache_bytes(four)
-    # data splits the runs (and their executors): 4 ways
-    assert pe.cache_bytes(dataclasses.replace(shape, mesh=(4, 1, 1))) == 57_344 * (8 + 64) * 16_400
+    # data splits the pages (each run's on its shard): 4 ways
+    assert pe.cache_bytes(dataclasses.replace(shape, mesh=(4, 1, 1))) == 57_344 * 8 * 9_233 * 16
+    # a pool of a given size; 30 runs do not split over data=4: the pages are whole on every chip
+    sized = dataclasses.replace(shape, mesh=(4, 1, 1), num_pages=100_001, concurrency=30)
+    assert sized.parts == 1 and pe.cache_bytes(sized) == 57_344 * 100_001 * 16
+    assert dataclasses.replace(sized, concurrency=32).pool_pages == 100_004        # whole pages a shard
+    # the slot engine: 32 parents and 256 executors of 16,384 + 16 slots
+    assert pe.slot_cache_bytes(four) == 57_344 / 4 * (32 + 256) * 16_400
+    assert pe.slot_cache_bytes(dataclasses.replace(shape, mesh=(4, 1, 1))) == 57_344 * (8 + 64) * 16_400
 
 
 def test_the_weights_a_call_holds_by_hand():
@@ -137,7 +148,7 @@ def test_capacity_is_the_largest_that_fits_by_the_estimate():
 
 
 def test_a_config_that_cannot_fit_is_one_line_and_exit_2(capsys):
-    """7B at 64 runs x 8 executors x 16k on one 4-chip v5e host: 542 GB of KV cache against 64 GiB
+    """7B at 64 runs x 8 executors x 16k on one 4-chip v5e host: 542 GB of KV pool against 64 GiB
     of HBM. Refused before compiling, naming the bytes, the overflow and a way out."""
     rc = main(["plan", "engine", "--model", "r1-distill-qwen-7b", "--concurrency", "64", "--executors", "8",
                "--capacity", "16384", "--mesh", "tensor=4", "--topology", "v5e:2x2"])
@@ -146,8 +157,9 @@ def test_a_config_that_cannot_fit_is_one_line_and_exit_2(capsys):
     (line,) = _errors(err)
     assert "Traceback" not in err
     assert "on v5e:2x2 (v5litepod-4, mesh data=1,fsdp=1,tensor=4)" in line
-    # 541,694,361,600 bytes of cache (57,344 x (64 + 512) x 16,400) over 4 chips: 126.1 GiB each
-    assert "KV cache 126.1 GiB" in line and "GiB over the chip's 16 GiB" in line
+    # 64 runs x 9,233 pages of 16 tokens (test_7b_weights_...), 57,344 / 4 bytes a token on each
+    # of 4 chips: 135,540,350,976 bytes, 126.2 GiB each
+    assert "KV pool 126.2 GiB" in line and "GiB over the chip's 16 GiB" in line
     assert "way out:" in line and ("--concurrency" in line or "--capacity" in line or "--topology" in line)
 
 
@@ -288,7 +300,7 @@ def test_records_that_are_not_eval_records_are_refused(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # The TPU compiler: the engine's programs
 # ---------------------------------------------------------------------------------------------
-KERNELS = {"decode_stage": {"grouped_prefix_attention"}, "decode_planner": {"grouped_prefix_attention"},
+KERNELS = {"decode_stage": {"grouped_paged_prefix_attention"}, "decode_planner": {"grouped_paged_prefix_attention"},
            "prefill": {"flash_span_fwd"}, "join_copy": set()}
 
 
@@ -305,9 +317,13 @@ ROW_KEYS = {"program", "topology", "mesh", "compiled", "per_chip_bytes", "hbm_by
 @needs_libtpu
 @pytest.mark.slow
 def test_every_engine_program_compiles_for_v5e_with_its_mosaic_kernels(tmp_path, capsys):
-    """Traced as the engine traces them (under its mesh): the decode calls hold the parent-prefix kernel, the prefill chunk
-    the flash kernel (its prefix and its own keys), each a tpu_custom_call; the estimate is
-    within 20% of the compiler on every row but the prefill, whose temporaries it bounds."""
+    """Traced as the engine traces them (under its mesh): the decode calls hold the paged
+    grouped-prefix kernel (the planner rows' pages, the executors' shared prefix), the prefill
+    chunk the flash kernel (its own keys; the pages before it are the XLA attention), each one
+    tpu_custom_call; every program's arguments are the weights and the pool by the estimate, and
+    the estimate is within 20% of the compiler on the other rows; its temporaries bound the
+    executors' decode call's (the compiler may fuse their gathered pages) and half bound the
+    prefill's (whose fp32 scores the compiler holds twice on a mesh without data)."""
     rc, rows = _plan(tmp_path, NARROW, "--concurrency", "8", "--executors", "4", "--capacity", "16384",
                      "--mesh", "tensor=4", "--topology", "v5e:2x2")
     assert rc == 0, capsys.readouterr().err
@@ -315,16 +331,21 @@ def test_every_engine_program_compiles_for_v5e_with_its_mosaic_kernels(tmp_path,
     for r in rows:
         assert ROW_KEYS <= set(r) and r["compiled"] and r["fits"], r["error"]
         assert set(r["kernels"]) == KERNELS[r["kind"]]
-        assert r["tpu_custom_calls"] == (2 if r["kind"] == "prefill" else len(KERNELS[r["kind"]]))
+        # a page table too large for the kernel's scalar memory is split over calls
+        assert r["tpu_custom_calls"] >= len(KERNELS[r["kind"]])
         mem = r["per_chip_bytes"]
         assert mem["total"] == mem["arguments"] + mem["outputs"] - mem["alias"] + mem["temp"]
+        e = r["estimate"]
+        assert 0 <= mem["arguments"] - e["weights"] - e["cache"] <= 2 ** 20       # + the rows
         if r["kind"] == "prefill":
-            # at this size the TPU compile of the prefill materialises no gathered parent rows
-            # (temp 1.2 MiB): the estimate's temporaries (128 MiB of them here) bound it from above,
-            # its weights and cache are the program's arguments
-            e = r["estimate"]
-            assert e["weights"] + e["cache"] == pytest.approx(mem["total"] - mem["temp"], rel=0.2)
-            assert mem["temp"] <= e["gathered_parents"] + e["activations"]
+            # one fp32 copy of the scores [rows x heads x chunk x table tokens] by the estimate, two
+            # by this compile (761 MiB of temporaries: 96 gathered, 2 x 384 scores, less what it reuses)
+            assert e["scores"] <= mem["temp"] <= e["gathered_pages"] + 2 * e["scores"] + e["activations"]
+            continue
+        if r["kind"] == "decode_stage":
+            # the executors' gathered pages (384 MiB by the estimate) are an upper bound: this
+            # compile fuses the gather into the attention's products
+            assert mem["temp"] <= e["total"] - e["weights"] - e["cache"]
             continue
         assert r["estimate_bytes"] == pytest.approx(mem["total"], rel=0.2), r["program"]
     out = capsys.readouterr().out
@@ -337,7 +358,7 @@ def test_the_prefill_compiles_as_the_engine_traces_it(tmp_path):
     """Under tensor parallelism the prefill's Mosaic flash kernel must run inside a shard_map,
     which attention only builds under an active mesh: the engine's programs enter their mesh
     themselves (`sharding.traced_on_mesh`), so the plain command compiles, one flash kernel
-    per attention part (the parent prefix and the chunk's own keys). With the runs over data too,
+    (the chunk's own keys; the pages before it are XLA's attention). With the runs over data too,
     the prefill already runs per data shard (manual over data), and enough rows per shard
     (32 runs: 16 a shard) that data would divide them again: the kernel's shard_map must split
     heads over tensor only."""
@@ -345,36 +366,39 @@ def test_the_prefill_compiles_as_the_engine_traces_it(tmp_path):
                      "--mesh", "data=2,tensor=2", "--topology", "v5e:2x2", "--programs", "prefill")
     (prefill,) = rows
     assert prefill["compiled"], prefill["error"]
-    assert prefill["kernels"] == ["flash_span_fwd"] and prefill["tpu_custom_calls"] == 2
+    assert prefill["kernels"] == ["flash_span_fwd"] and prefill["tpu_custom_calls"] == 1
 
 
 @needs_libtpu
 @pytest.mark.slow
 def test_the_pallas_decode_compiles_with_runs_over_data(tmp_path):
-    """With the runs split over data the decode step runs per slot shard (a shard_map manual over
-    data only); the Pallas parent-prefix kernel inside it gets a nested shard_map over the other
-    mesh axes (a Mosaic kernel must sit fully inside one), so it compiles, one kernel call."""
+    """With the runs split over data the decode step runs per page shard (a shard_map manual over
+    data only); the paged Pallas prefix kernel inside it gets a nested shard_map over the other
+    mesh axes (a Mosaic kernel must sit fully inside one), so it compiles, its calls all the kernel."""
     rc, rows = _plan(tmp_path, TOY, "--concurrency", "8", "--executors", "4", "--capacity", "1024",
                      "--mesh", "data=4", "--topology", "v5e:2x2", "--programs", "decode_stage")
     (decode,) = rows
     assert decode["compiled"], decode["error"]
-    assert decode["kernels"] == ["grouped_prefix_attention"] and decode["tpu_custom_calls"] == 1
+    assert set(decode["kernels"]) == {"grouped_paged_prefix_attention"}
+    assert decode["tpu_custom_calls"] >= 1
 
 
 @needs_libtpu
 def test_the_engine_compiles_with_the_rl_trainers_fp32_weights(tmp_path):
     """`--weights-dtype float32`, the RL trainer's rollout engine (it reads the trainer's fp32
     master weights, on the update's fsdp x tensor mesh): the executors' decode call compiles, and
-    each chip's arguments are its shard of the fp32 weights and of the bf16 cache, by hand.
+    each chip's arguments are its shard of the fp32 weights and of the bf16 pool, by hand.
     TOY on fsdp=2 x tensor=2 (the width over fsdp; heads, KV heads, MLP and vocab over tensor;
     norms whole), elements per chip:
       embedding [1024, 512] and lm_head [512, 1024]: 131072 each; final norm 512;
       a layer: q, o [512, 4, 128] 65536 each, q bias [4, 128] 256, k, v [512, 2, 128] 32768 each,
       k, v biases [2, 128] 128 each, gate, up, down [512, 1024] 131072 each, two norms 512 each:
       591360; two layers: 1445376 elements, 5,781,504 bytes in fp32.
-    The cache: 8 runs over fsdp=2, 4 parent slots of 1024 + 16 (a decode chunk) tokens and 16 child
-    slots of 256 + 16, one KV head of the two per chip: K and V x 2 layers x 128 x 2 bytes = 1 KiB
-    a token, 8,716,288 bytes. The rest of the arguments are the call's rows (a few KiB)."""
+    The pool: the Engine's default, 8 runs of ceil(1040 / 16) = 65 pages (1024 tokens + a decode
+    chunk) and 4 executors of ceil(272 / 16) + 1 = 18 (256 + 16, and the page a fork copies):
+    1,096 pages of 16 tokens, split over fsdp=2 with the runs, one KV head of the two per chip:
+    K and V x 2 layers x 128 x 2 bytes = 1 KiB a token, 548 x 16 KiB = 8,978,432 bytes. The rest of
+    the arguments are the call's rows (a few KiB)."""
     rc, rows = _plan(tmp_path, TOY, "--concurrency", "8", "--executors", "4", "--capacity", "1024",
                      "--branch-capacity", "256", "--mesh", "fsdp=2,tensor=2", "--weights-dtype", "float32",
                      "--attention", "xla", "--topology", "v5e:2x2", "--programs", "decode_stage")
@@ -382,8 +406,8 @@ def test_the_engine_compiles_with_the_rl_trainers_fp32_weights(tmp_path):
     assert decode["compiled"] and decode["fits"], decode["error"]
     assert decode["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2} and "float32 weights" in decode["engine"]
     weights = 4 * (2 * 131072 + 512 + 2 * (2 * 65536 + 256 + 2 * (32768 + 128) + 3 * 131072 + 2 * 512))
-    cache = 2 * 2 * 128 * 2 * (4 * 1040 + 16 * 272)
-    assert (weights, cache) == (5_781_504, 8_716_288)
+    cache = 2 * 2 * 128 * 2 * 16 * (8 * (65 + 4 * 18) // 2)
+    assert (weights, cache) == (5_781_504, 8_978_432)
     rows_bytes = decode["per_chip_bytes"]["arguments"] - weights - cache
     assert 0 <= rows_bytes <= 64 * 1024, rows_bytes      # bf16 weights would be 2.9 MB fewer
     assert decode["estimate"]["weights"] == weights and decode["estimate"]["cache"] == cache
@@ -392,20 +416,28 @@ def test_the_engine_compiles_with_the_rl_trainers_fp32_weights(tmp_path):
 @needs_libtpu
 @pytest.mark.slow
 # the narrow model under tensor=4 with the Pallas decode is test_every_engine_program_compiles_...'s
-@pytest.mark.parametrize("model, mesh, attention", [(LARGER, "tensor=4", "pallas"), (SMALL, "data=4", "xla")],
-                         ids=["larger-tensor-pallas", "small-data-xla"])
+@pytest.mark.parametrize("model, mesh, attention", [(LARGER, "data=2,tensor=2", "pallas"), (SMALL, "data=4", "xla")],
+                         ids=["larger-data-tensor-pallas", "small-data-xla"])
 def test_estimate_is_within_20_percent_of_the_compiler(tmp_path, capsys, model, mesh, attention):
     """The two largest programs (the executors' decode call and the prefill chunk) of the other
-    size and the other mesh (the runs split over data with the XLA decode attention, tensor with
-    the Pallas one)."""
+    sizes and meshes with the runs over data (the XLA decode attention; the Pallas one with the
+    heads over tensor too), executors of 1,024 tokens: the pool and the prefill's scores dominate,
+    as at the 7B (docs/benchmarks.md: within 5% there; there too the decode's gathers are fused)."""
     rc, rows = _plan(tmp_path, model, "--concurrency", "8", "--executors", "4", "--capacity", "16384",
-                     "--mesh", mesh, "--attention", attention, "--topology", "v5e:2x2",
+                     "--branch-capacity", "1024", "--mesh", mesh, "--attention", attention, "--topology", "v5e:2x2",
                      "--programs", "decode_stage,prefill")
     assert rc == 0, capsys.readouterr().err
     assert sorted(r["kind"] for r in rows) == ["decode_stage", "prefill"]
     for r in rows:
         assert r["compiled"], r["error"]
-        assert r["estimate_bytes"] == pytest.approx(r["per_chip_bytes"]["total"], rel=0.2), r["program"]
+        total, e = r["per_chip_bytes"]["total"], r["estimate"]
+        if r["kind"] == "decode_stage":
+            # the gathered pages are an upper bound (these compiles fuse the gathers into the
+            # attention's products): the estimate bounds the compiler, and without them is within 20%
+            gathered = e["gathered_children"] + e.get("gathered_prefix", 0)
+            assert total <= r["estimate_bytes"] and r["estimate_bytes"] - gathered == pytest.approx(total, rel=0.2)
+            continue
+        assert r["estimate_bytes"] == pytest.approx(total, rel=0.2), r["program"]
 
 
 @needs_libtpu

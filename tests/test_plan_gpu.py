@@ -159,9 +159,9 @@ def test_a_kernel_over_shared_memory_is_named_not_read_as_out_of_memory():
 @needs_plugin
 @pytest.mark.slow
 def test_engine_programs_compile_for_one_gpu(tmp_path):
-    """The engine's four programs for one H100: the decode calls hold the Triton grouped-prefix
-    kernel, each row's bytes add up, the estimate within 10% of the compiler (the 7B at 31 runs:
-    70.57 GiB compiled, 70.42 estimated)."""
+    """The engine's four programs for one H100: the decode calls hold the Triton paged
+    grouped-prefix kernel, each row's bytes add up, the estimate within 10% of the compiler (the 7B
+    at 344 runs on h100:8: 55.61 / 54.88 GiB compiled, 59.25 / 54.65 estimated)."""
     out = tmp_path / "rows.json"
     rc = main(["plan", "engine", "--model", _model_file(tmp_path, TOY), "--concurrency", "8", "--executors", "4",
                "--capacity", "2048", "--topology", "h100:1", "--json", str(out)])
@@ -172,8 +172,10 @@ def test_engine_programs_compile_for_one_gpu(tmp_path):
         mem = r["per_chip_bytes"]
         assert mem["total"] == mem["arguments"] + mem["outputs"] - mem["alias"] + mem["temp"]
         if r["kind"].startswith("decode"):
-            assert r["kernels"] == ["grouped_prefix_attention"]
-            assert abs(r["estimate_bytes"] / mem["total"] - 1) < 0.1
+            assert r["kernels"] == ["grouped_paged_prefix_attention"]
+            # the executors' gathered pages are an upper bound (the compiler fuses the gather)
+            gathered = r["estimate"].get("gathered_children", 0)
+            assert mem["total"] <= 1.1 * r["estimate_bytes"] and abs((r["estimate_bytes"] - gathered) / mem["total"] - 1) < 0.1
 
 
 @needs_plugin

@@ -109,18 +109,20 @@ def test_bytes_held_beside_the_grad_step_by_hand():
 def test_rollout_engine_by_hand():
     """rl_tiny_cpu: 4 prompts x 8 runs = 32 parent slots of 512 + a decode chunk (16) tokens, 4
     executors each of 24 + 32 (the tag room) + 16 tokens; tiny fp32 KV: 2 x 3 x 2 x 12 x 4 bytes
-    per token. On the update's mesh data=2 x fsdp=2 x tensor=2 the slots split 4 ways and the two
-    KV heads 2 ways; beside the engine the chip holds the trainer's two fp32 moments."""
+    per token. The engine's default KV pool holds every run at its capacities in pages of 16
+    tokens: ceil(528 / 16) = 33 pages and 4 x (ceil(72 / 16) + 1 copied page) = 24, 57 pages a
+    run. On the update's mesh data=2 x fsdp=2 x tensor=2 the pages split 4 ways with the runs and
+    the two KV heads 2 ways; beside the engine the chip holds the trainer's two fp32 moments."""
     cfg = load_config(RLConfig, "configs/rl_tiny_cpu.yaml")
     where = chips.parse_slices("v5e:2x4")[0]
     one = prl.rollout_engine(cfg, prl.shape_from_config(cfg, _tiny(), (1, 1, 1)), where, "tiny", "tiny")
-    assert one["cache_bytes_per_chip"] == 576 * (32 * 528 + 32 * 4 * 72)
+    assert one["cache_bytes_per_chip"] == 576 * 32 * 57 * 16
     # the engine's argument is the trainer's weights themselves (in its estimate): beside, the moments
     assert one["beside_bytes"] == {"adam_moments": 8 * TINY_PARAMS}
     assert one["fits"]
     e = prl.rollout_engine(cfg, prl.shape_from_config(cfg, _tiny(), (2, 2, 2)), where, "tiny", "tiny")
     assert e["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
-    assert e["cache_bytes_per_chip"] == 288 * (8 * 528 + 8 * 4 * 72)
+    assert e["cache_bytes_per_chip"] == 288 * 8 * 57 * 16
     assert ("--concurrency 32 --executors 4 --capacity 512 --branch-capacity 56 --decode-chunk 16 "
             "--prefill-chunk 128 --dtype float32 --weights-dtype float32 --topology v5e:2x4 "
             "--mesh data=2,fsdp=2,tensor=2") in e["plan_engine_command"]

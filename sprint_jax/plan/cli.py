@@ -34,13 +34,19 @@ GPU, driver or CUDA): pip install 'jax-cuda12-plugin==<the jax version>'.
 A step that does not fit exits 2 with one line on stderr: what does not fit, by how much, and a
 change that fits by the planner's estimate.
 
-`plan engine` compiles the engine's own programs (a prefill chunk, a decode call of C planner
-rows, one of C runs x K executors, a join's copy) at the capacities an Engine(max_seqs=C,
-max_children=K, max_seq_len=S) holds, sets the planner's estimate (weights under tensor
-parallelism + KV bytes per token x slots x capacity + temporaries) beside the compiler's bytes,
-and gives the roofline ms per decode step at 1 row, K executors and C runs x K, the largest
-concurrency and executor width that fit, and with --records DIR the predicted SPRINT and RFT
-latency of a directory of eval records on that chip.
+`plan engine` compiles the engine's own programs over its paged KV pool (a prefill chunk, a decode
+call of C planner rows, one of C runs x K executors, a merge join's copy) at the capacities an
+Engine(max_seqs=C, max_children=K, max_seq_len=S, page_size=ps, num_pages=P) holds, sets the
+planner's estimate (weights under tensor parallelism + the pool's pages over data and heads over
+tensor + temporaries) beside the compiler's bytes, and gives the roofline ms per decode step at 1
+row, K executors and C runs x K, the largest concurrency and executor width that fit, and with
+--records DIR the predicted SPRINT and RFT latency of a directory of eval records on that chip.
+With --lengths (eval records, or `synthetic`) it reports how many runs of that length distribution
+one slice holds: the paged engine (the pool is what the chips hold beside the weights and the
+programs' temporaries; N runs fit when N runs drawn from the distribution overflow the pool with
+probability < 1%, by a seeded Monte Carlo) against the slot engine (every run reserves
+max_seq_len + K x max_branch_tokens), and compiles the programs at the paged engine's fit
+(--concurrency, when given, instead).
 
 `plan rl CONFIG` compiles an RL config's update as the RL trainer builds it: the grad step of one
 microbatch (loss.rows_per_micro x loss.seq_len, with the old / reference log-prob inputs the
@@ -52,6 +58,7 @@ the `plan engine` command that compiles its programs.
 examples:
   sprint-jax plan engine --model r1-distill-qwen-7b --concurrency 32 --executors 8 --capacity 16384 --topology v5p-8,v5litepod-16 --search
   sprint-jax plan engine --model r1-distill-qwen-7b --concurrency 8 --executors 8 --capacity 8192 --mesh tensor=4 --topology v5e:2x2 --records runs/eval
+  sprint-jax plan engine --model r1-distill-qwen-7b --executors 8 --capacity 32768 --branch-capacity 4096 --prefill-chunk 64 --lengths synthetic --topology v5p-8
   sprint-jax plan train --model r1-distill-qwen-7b --batch 8 --seq-len 8192 --mesh fsdp=8 --topology v5p:2x2x2
   sprint-jax plan train --model r1-distill-qwen-7b --batch 8 --seq-len 8192 --layout trie --topology h100:8
   sprint-jax plan train --config configs/sft_r1_distill_7b_sprint.yaml --topology v5p-16
@@ -60,6 +67,11 @@ examples:
 """
 
 PROGRAMS = ("train", "engine", "rl")
+
+
+def fit_text() -> str:
+    from sprint_jax.plan.fit import SYNTHETIC_TEXT
+    return SYNTHETIC_TEXT.replace("%", "%%")
 
 
 _MEMORY_COLS = [("program", "<"), ("topology", "<"), ("mesh", "<"), ("compiled", "<"), ("compile s", ">"),
@@ -146,6 +158,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                       "join_copy (default all)")
     e.add_argument("--records", help="a directory of eval records (records.jsonl of a SPRINT eval and of its RFT "
                                      "baseline, anywhere under it): predict each problem's latency on the chip")
+    e.add_argument("--page-size", type=int, default=16, help="tokens per page of the KV pool (default 16)")
+    e.add_argument("--pages", type=int, help="pages in the KV pool (default: the Engine's, every run at its "
+                                            "capacity; with --lengths: what the chips hold at the fit)")
+    e.add_argument("--lengths", metavar="RECORDS|synthetic",
+                   help="a length distribution of SPRINT runs: eval records (a records.jsonl or a directory of "
+                        "them; each run's prompt, planner and executor tokens) or 'synthetic': "
+                        + fit_text() + ". Prints the runs that fit the slice, paged vs slot engine")
 
 
 def _request(args: argparse.Namespace) -> tuple[str, dict]:
@@ -315,13 +334,16 @@ def parse_engine_mesh(text: str | None) -> dict[str, int]:
 
 
 def _engine_shape_args(args):
-    for flag, value in (("--concurrency", args.concurrency), ("--executors", args.executors),
-                        ("--capacity", args.capacity)):
+    needed = (("--executors", args.executors), ("--capacity", args.capacity))
+    if not args.lengths:        # with --lengths the runs that fit set it
+        needed = (("--concurrency", args.concurrency),) + needed
+    for flag, value in needed:
         if value is None:
             raise UserError(f"plan engine needs {flag}")
     for flag, value in (("--concurrency", args.concurrency), ("--executors", args.executors),
                         ("--capacity", args.capacity), ("--branch-capacity", args.branch_capacity),
-                        ("--decode-chunk", args.decode_chunk), ("--prefill-chunk", args.prefill_chunk)):
+                        ("--decode-chunk", args.decode_chunk), ("--prefill-chunk", args.prefill_chunk),
+                        ("--page-size", args.page_size), ("--pages", args.pages)):
         if value is not None and value < 1:
             raise UserError(f"{flag} must be >= 1, got {value}")
 
@@ -371,19 +393,43 @@ def run_engine(args: argparse.Namespace) -> int:
     if args.records:
         from sprint_jax.plan.records import load_records
         records = load_records(args.records)
-    compiler_available(slices)
     kinds = None
     if args.programs:
         kinds = tuple(k.strip() for k in args.programs.split(",") if k.strip())
+        if kinds == ("none",) and args.lengths:
+            kinds = ()
         unknown = sorted(set(kinds) - set(pe.KINDS))
-        if unknown or not kinds:
+        if unknown or (not kinds and not args.lengths):
             raise UserError(f"--programs {args.programs!r}: unknown {', '.join(unknown) or 'empty'}; "
-                            f"known: {', '.join(pe.KINDS)}")
+                            f"known: {', '.join(pe.KINDS)} (and none, with --lengths)")
+    runs = _lengths(args, branch) if args.lengths else None
+    if args.lengths and args.search:
+        raise UserError("--lengths fits runs on the named slices and meshes: drop --search")
+    if kinds != ():
+        compiler_available(slices)
     weights = args.weights_dtype if args.weights_dtype not in (None, cfg.dtype) else None
-    base = pe.EngineShape(cfg, args.concurrency, args.executors, args.capacity, branch, (1, 1, 1),
-                          args.decode_chunk, args.prefill_chunk, args.attention, weights)
+    base = pe.EngineShape(cfg, args.concurrency or 1, args.executors, args.capacity, branch, (1, 1, 1),
+                          args.decode_chunk, args.prefill_chunk, args.attention, weights, args.page_size, args.pages)
     rows, failures, accepted = [], [], []
     for where in slices:
+        if runs is not None:
+            shape, fit_row = _fit_slice(base, where, sizes, runs, args, label)
+            rows.append(fit_row)
+            if shape is None:
+                failures.append(f"{pe.shape_label(base, label)} on {where.name}: not one run of --lengths "
+                                f"{args.lengths} fits the chips beside the weights and the programs' temporaries")
+                continue
+            if kinds == ():
+                continue
+            rows_here = pe.engine_rows(shape, where, label, _progress, kinds=kinds)
+            rows.extend(rows_here)
+            accepted.extend(r for r in rows_here if r["fits"])
+            bad = next((r for r in rows_here if not r["fits"]), None)
+            if bad is not None:
+                failures.append(pe.not_fit_line(shape, where, label, rows_here) if bad["compiled"] or bad["compiler_oom"]
+                                else f"{bad['program']} ({bad['engine']}) on {where.name} mesh "
+                                     f"{pe.mesh_text(shape.mesh)}: {bad['error']}")
+            continue
         if args.search:
             found, tried = pe.search(base, where, label, _progress, kinds)
             rows.extend(tried)
@@ -422,7 +468,8 @@ def run_engine(args: argparse.Namespace) -> int:
                             f"{pe.mesh_text(shape.mesh)}: {bad['error']}")
     for r in rows:
         if r.get("kind", "").startswith("decode"):
-            shape = dataclasses.replace(base, mesh=tuple(r["mesh"].values()))
+            shape = dataclasses.replace(base, mesh=tuple(r["mesh"].values()), concurrency=r["concurrency"],
+                                        num_pages=r["pool_pages"])
             r["capacity"] = pe.capacity(shape, r["hbm_bytes"])
     if records is not None:
         from sprint_jax.plan.records import predict
@@ -442,6 +489,55 @@ def run_engine(args: argparse.Namespace) -> int:
     for line in failures:
         print(f"sprint-jax plan: error: {line}", file=sys.stderr)
     return 2 if failures else 0
+
+
+def _lengths(args: argparse.Namespace, branch: int) -> list:
+    """The runs of --lengths: eval records or the synthetic distribution."""
+    from sprint_jax.plan import fit
+
+    if args.lengths == "synthetic":
+        runs = fit.synthetic_runs(args.executors, args.capacity, branch)
+        _progress(f"lengths: synthetic, {len(runs)} runs ({fit.SYNTHETIC_TEXT})")
+        return runs
+    runs = fit.runs_from_records(args.lengths)
+    wide = max(r.widest for r in runs)
+    if wide > args.executors:
+        raise UserError(f"--lengths {args.lengths}: a run forks {wide} executors, more than --executors "
+                        f"{args.executors}")
+    return runs
+
+
+def _fit_slice(base, where, sizes: dict, runs: list, args: argparse.Namespace, label: str):
+    """The runs of `runs` that `where` holds (`plan.fit.fit`), printed; returns (the shape to
+    compile: --concurrency, else the paged engine's fit, with the pool that fits beside it; or
+    None when no run fits) and the row for --json."""
+    from sprint_jax.plan import engine as pe
+    from sprint_jax.plan import fit as pf
+    from sprint_jax.plan.train import resolve_mesh
+
+    mesh = resolve_mesh(sizes, where.chips, where.name)
+    shape = dataclasses.replace(base, mesh=mesh)
+    f = pf.fit(shape, where.chip.hbm_bytes, runs)
+    tr, pg = f["trace_tokens"], f["run_pages"]
+    print(f"lengths {args.lengths}: {f['runs']} runs, trace tokens mean {tr['mean']:.0f}, median {tr['median']:.0f}, "
+          f"p99 {tr['p99']:.0f}, max {tr['max']}; pages a run holds at its peak (of {shape.page_size} tokens) "
+          f"mean {pg['mean']:.0f}, p99 {pg['p99']:.0f}, max {pg['max']}")
+    ratio = "-" if f["ratio"] is None else f"{f['ratio']:.2f}"
+    print(f"runs that fit {where.name} ({where.booking}, mesh {pe.mesh_text(mesh)}, {f['chips']} chips, "
+          f"{where.chip.hbm_gib:g} GiB each, {f['fill']:.0%} used): paged engine {f['paged_runs']} "
+          f"({f['paged_runs_per_chip']:.1f} a chip; a pool of {f['pool_pages']:,} pages, P(overflow) "
+          f"{(f['exceed_probability'] or 0) * 100:.2f}% < {f['p_exceed']:.0%} by {f['trials']} draws); slot engine "
+          f"{f['slot_runs']} ({f['slot_runs_per_chip']:.1f} a chip; {f['slot_tokens_per_run']:,} tokens reserved a "
+          f"run); paged / slot {ratio}")
+    row = {"program": "runs that fit", "topology": where.name, "accelerator_type": where.booking,
+           "mesh": shape.mesh_dict, "engine": pe.shape_label(shape, label), "lengths": args.lengths, **f}
+    n = args.concurrency or f["paged_runs"]
+    if not n:
+        return None, row
+    pages = args.pages or (f["pool_pages"] if not args.concurrency else
+                           pf.pool_pages_for(dataclasses.replace(shape, concurrency=n), where.chip.hbm_bytes,
+                                             pe.FILL) * dataclasses.replace(shape, concurrency=n).parts)
+    return dataclasses.replace(shape, concurrency=n, num_pages=max(pages, 1)), row
 
 
 def _print_prediction(pred: dict, where, tensor: int) -> None:

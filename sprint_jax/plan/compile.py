@@ -29,7 +29,7 @@ from sprint_jax.plan.estimate import StepShape
 
 # Names of the Mosaic kernels in the compiled HLO (the pallas_call names, in op_name metadata).
 KERNEL_NAME = re.compile(r"(flash_span_(?:fwd|dq|dkdv)|splash_mha_\w+?|grouped_prefix_attention|"
-                         r"shared_prefix_ragged_attention)(?:[\"_)/.]|$)")
+                         r"grouped_paged_prefix_attention|shared_prefix_ragged_attention)(?:[\"_)/.]|$)")
 
 
 @functools.lru_cache(maxsize=None)

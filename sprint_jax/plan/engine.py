@@ -1,18 +1,22 @@
 """`plan engine`: the engine's own jitted programs compiled for TPU slices or GPU nodes, memory and roofline.
 
-The programs are `sprint_jax.infer.programs`' own (prefill, decode, copy_join), called on abstract
-arguments built by the same code the engine uses: weights from `qwen2.abstract_params` placed by
-the serving rules table (`infer.sharding`), the cache from `SlotCache.zeros` under `eval_shape`,
-the rows from `PrefillRows.empty` / `DecodeRows.empty(...).pack()`. A change to a program's
+The programs are `sprint_jax.infer.programs`' own (prefill, decode, copy_join over the paged KV
+pool), called on abstract arguments built by the same code the engine uses: weights from
+`qwen2.abstract_params` placed by the serving rules table (`infer.sharding`), the pool from
+`KVPages.zeros` under `eval_shape` placed by `sharding.pool_sharding` (pages over data like the
+sequence slots, KV heads over tensor), the rows from `PrefillRows.empty` / `DecodeRows.empty(...).pack()`
+/ `CopyRows.empty` at the page-table widths the scheduler picks. A change to a program's
 arguments or outputs therefore reaches the planner without an edit here. Nothing is allocated.
 
 An `EngineShape` is what `Engine(max_seqs=C, max_children=K, max_seq_len=S,
-max_branch_tokens=S_c, mesh=...)` would hold; the programs are compiled at their largest shapes
-(every slot busy, reads of the whole capacity): a prefill chunk of every parent, a decode call of
-C planner rows, a decode call of C forks of K executors, and a join's copy.
+max_branch_tokens=S_c, page_size=ps, num_pages=P, mesh=...)` would hold; the programs are compiled
+at their largest shapes (every sequence busy, page tables as wide as a full capacity): a prefill
+chunk of every sequence, a decode call of C planner rows, a decode call of C forks of K executors,
+and a merge join's copy.
 
 The planner's own figures (`memory_estimate`, `decode_step`) are arithmetic on the config and the
-shape, held against the compiler's `memory_analysis()` in tests/test_plan_engine.py.
+shape, held against the compiler's `memory_analysis()` in tests/test_plan_engine.py. How many
+runs of a length distribution fit a chip, paged vs slot engine, is `sprint_jax.plan.fit`.
 """
 from __future__ import annotations
 
@@ -39,6 +43,8 @@ class EngineShape:
     prefill_chunk: int = 256
     attention_impl: str = "pallas"
     weights_dtype: str | None = None   # the weights' dtype when not the compute dtype (the RL trainer's fp32 master)
+    page_size: int = 16           # tokens per page of the KV pool (the Engine's default)
+    num_pages: int | None = None  # the pool's pages; None: the Engine's default (`default_pages`)
 
     @property
     def chips(self) -> int:
@@ -56,6 +62,45 @@ class EngineShape:
     @property
     def child_capacity(self) -> int:
         return self.branch_capacity + self.decode_chunk
+
+    @property
+    def parts(self) -> int:
+        """Page shards: the runs (and their pages) split over data x fsdp where the runs divide."""
+        slots = self.mesh[0] * self.mesh[1]
+        return slots if slots > 1 and self.concurrency % slots == 0 else 1
+
+    def pages_for(self, tokens: float) -> int:
+        return -(-int(tokens) // self.page_size)
+
+    @property
+    def default_pages(self) -> int:
+        """`Engine.__init__`'s pool when num_pages is not given: every run at its worst case (its
+        planner context at full capacity, each executor's full branch and the page a fork copies)."""
+        per_run = self.pages_for(self.parent_capacity) + self.executors * (self.pages_for(self.child_capacity) + 1)
+        return self.concurrency * per_run
+
+    @property
+    def pool_pages(self) -> int:
+        """The pool's pages, rounded up to a multiple of the page shards (as the Engine does)."""
+        pages = self.num_pages or self.default_pages
+        return -(-pages // self.parts) * self.parts
+
+    def page_bucket(self, n_pages: int) -> int:
+        """A page-table width, as `Scheduler._page_bucket` picks it (min_bucket 64 tokens)."""
+        from sprint_jax.infer.slot_cache import bucket_fine
+        return bucket_fine(max(n_pages, 1), max(1, 64 // self.page_size))
+
+    @property
+    def table_widths(self) -> dict[str, int]:
+        """Page-table widths of the largest calls: a sequence at full capacity (prefill, planner
+        rows: 'parent'), a fork's shared full pages ('shared'), a child's own pages (the copied
+        partly filled page, its branch, a decode chunk and a join's fed token: 'child'), and a
+        merge join's table (`Joins._merge_pages`: 'join')."""
+        from sprint_jax.infer.slot_cache import bucket
+        return {"parent": self.page_bucket(self.pages_for(self.parent_capacity)),
+                "shared": self.page_bucket(self.capacity // self.page_size),
+                "child": self.page_bucket(self.pages_for(self.page_size + self.child_capacity)),
+                "join": bucket(self.pages_for(self.parent_capacity), max(1, 64 // self.page_size))}
 
 
 def serving_config(shape: EngineShape) -> Qwen2Config:
@@ -88,15 +133,16 @@ def _abstract(x, sharding):
 
 
 def engine_programs(shape: EngineShape, devices) -> tuple[list[Program], list[str]]:
-    """The programs of an engine of `shape` on a mesh of `devices` (compile-only TPU devices),
-    and the sharding notes (what was replicated)."""
+    """The programs of an engine of `shape` on a mesh of `devices` (compile-only TPU or GPU
+    devices), and the sharding notes (what was replicated)."""
     import jax
     import numpy as np
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from sprint_jax.infer import programs, sharding as sh
-    from sprint_jax.infer.slot_cache import SlotCache, bucket, bucket_fine
+    from sprint_jax.infer.pages import KVPages
+    from sprint_jax.infer.slot_cache import bucket, bucket_fine
     from sprint_jax.model.qwen2 import abstract_params
     from sprint_jax.model.sharding import make_mesh
 
@@ -105,49 +151,53 @@ def engine_programs(shape: EngineShape, devices) -> tuple[list[Program], list[st
     notes: list[str] = []
     cfg = serving_config(shape)
     c, k = shape.concurrency, shape.executors
-    p_cap, c_cap = shape.parent_capacity, shape.child_capacity
-    # as `Engine.__init__` places them
-    kv = (sh.kv_sharding(cfg, mesh, c, notes, "parent slots"),
-          sh.kv_sharding(cfg, mesh, c * k, notes, "child slots"))
-    if not sh.slot_axes(kv[:1]) and sh.slot_axes(kv[1:]):
-        kv = (kv[0], sh.whole_slots(kv[1]))
-    pk, ck = kv
+    pages, ps = shape.pool_pages, shape.page_size
+    # as `Engine.__init__` places them: pages over data like the sequence slots, KV heads over tensor
+    slots = sh.kv_sharding(cfg, mesh, c, notes, "sequence slots")
+    parts = sh.slot_parts((slots,))
+    pages = -(-pages // parts) * parts
+    kv = (sh.pool_sharding(cfg, mesh, slots, pages, ps, notes),)
     params = jax.tree.map(_abstract, abstract_params(cfg), sh.param_shardings(cfg, mesh, notes))
-    cache = jax.eval_shape(lambda: SlotCache.zeros(cfg, c, k, p_cap, c_cap))
-    cache = jax.tree.map(_abstract, cache, SlotCache(pk, pk, ck, ck))
-    parts = sh.slot_parts(kv)
+    pool = jax.eval_shape(lambda: KVPages.zeros(cfg, pages, ps))
+    pool = jax.tree.map(_abstract, pool, KVPages(kv[0], kv[0]))
     whole = NamedSharding(mesh, P())
 
     def rows_of(tree):
         return jax.tree.map(lambda a: _abstract(np.asarray(a), whole), tree)
 
+    widths = shape.table_widths
     every = list(range(c))
     _, r_b = sh.slot_blocks(every, c, parts)
-    prefill_rows = programs.PrefillRows.empty(r_b, bucket_fine(shape.prefill_chunk, 16), c)
-    s_b = p_cap                                  # the largest read: min(bucket(..), capacity)
-    c_b = c_cap
+    prefill_rows = programs.PrefillRows.empty(r_b, bucket_fine(shape.prefill_chunk, 16), widths["parent"])
     out = [Program(f"prefill {r_b}x{prefill_rows.tokens.shape[1]}", lambda: programs.prefill.trace(
-        params, cfg, cache, rows_of(prefill_rows), kind="parent", s_b=s_b, c_b=1, kv=kv),
-        "prefill", r_b * prefill_rows.tokens.shape[1])]
+        params, cfg, pool, rows_of(prefill_rows), kv=kv), "prefill", r_b * prefill_rows.tokens.shape[1])]
 
     _, na = sh.slot_blocks(every, c, parts)
-    planner, layout_p = programs.DecodeRows.empty(na, 0, 1, shape.decode_chunk, c, c * k).pack()
+    planner, layout_p = programs.DecodeRows.empty(na, 0, 1, shape.decode_chunk, widths["parent"]).pack()
     out.append(Program(f"decode {na} planner rows", lambda: programs.decode.trace(
-        params, cfg, cache, rows_of(planner), layout=layout_p, chunk=shape.decode_chunk, s_b=s_b, c_b=1, kv=kv,
+        params, cfg, pool, rows_of(planner), layout=layout_p, chunk=shape.decode_chunk, kv=kv,
         attention_impl=shape.attention_impl, n_valid=cfg.vocab_size), "decode_planner", na))
     _, nf = sh.slot_blocks(every, c, parts)
     w = min(bucket(k, 1), k)
-    stage, layout_s = programs.DecodeRows.empty(0, nf, w, shape.decode_chunk, c, c * k).pack()
+    stage, layout_s = programs.DecodeRows.empty(0, nf, w, shape.decode_chunk, 1, widths["shared"],
+                                                widths["child"]).pack()
     out.append(Program(f"decode {nf}x{w} executor rows", lambda: programs.decode.trace(
-        params, cfg, cache, rows_of(stage), layout=layout_s, chunk=shape.decode_chunk, s_b=s_b, c_b=c_b, kv=kv,
+        params, cfg, pool, rows_of(stage), layout=layout_s, chunk=shape.decode_chunk, kv=kv,
         attention_impl=shape.attention_impl, n_valid=cfg.vocab_size), "decode_stage", nf * w))
-    window = min(bucket(c_cap, 64), c_cap, p_cap)     # `Joins._join_window` at the longest branch
-    meta = np.zeros((parts, 2 + 2 * k), np.int32)
+    # `Joins._join_copy` at the longest branch: K children's rows in one shard's block
+    _, j_b = sh.slot_blocks([0] * k, c, parts, cap=c // parts * k)
+    copy = programs.CopyRows.empty(j_b, join_window(shape), widths["join"], widths["join"])
     out.append(Program(f"join copy {k} children", lambda: programs.copy_join.trace(
-        cache, rows_of(meta), w=window, kv=kv), "join_copy", k))
+        pool, rows_of(copy), kv=kv), "join_copy", k))
     # the decode calls first: the programs a mesh is most likely to refuse (a search stops there)
     order = {"decode_stage": 0, "decode_planner": 1, "prefill": 2, "join_copy": 3}
     return sorted(out, key=lambda p: order[p.kind]), notes
+
+
+def join_window(shape: EngineShape) -> int:
+    """`Joins._join_window` at the longest branch: a length bucket of a child's positions."""
+    from sprint_jax.infer.slot_cache import bucket
+    return min(bucket(shape.branch_capacity + 1, 64), shape.child_capacity)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,58 +253,125 @@ def _split(n: int, ways: int) -> float:
 
 
 def cache_parts(shape: EngineShape) -> dict[str, float]:
-    """Per-chip bytes of the slot cache's parent slots (C x parent capacity) and child slots
-    (C x K x child capacity), K and V: the slots over data x fsdp and the KV heads over tensor
-    where they divide (a child slot stays with its parent when the parents do not split)."""
+    """Per-chip bytes of the KV pool, K and V: `pool_pages` pages of page_size tokens, the pages
+    split over the page shards (data x fsdp where the runs divide) and the KV heads over tensor
+    where they divide."""
+    return {"pool": kv_chip_bytes_per_token(shape) * shape.pool_pages / shape.parts * shape.page_size}
+
+
+def cache_bytes(shape: EngineShape) -> float:
+    """Per-chip bytes of the whole KV pool (`cache_parts`)."""
+    return sum(cache_parts(shape).values())
+
+
+def slot_cache_bytes(shape: EngineShape) -> float:
+    """Per-chip bytes the slot engine's cache would hold at this shape (`sharding.plan_slots`'
+    reservation): C parent slots of the parent capacity and C x K child slots of the child
+    capacity, K and V, the slots over data x fsdp and the KV heads over tensor where they divide
+    (a child slot stays with its parent when the parents do not split)."""
     per_token = kv_chip_bytes_per_token(shape)
     slots = shape.mesh[0] * shape.mesh[1]
     c, k = shape.concurrency, shape.executors
     local = _split(c, slots)
     children = (_split(c * k, slots) if local != c else c * k)
-    return {"parents": per_token * local * shape.parent_capacity,
-            "children": per_token * children * shape.child_capacity}
-
-
-def cache_bytes(shape: EngineShape) -> float:
-    """Per-chip bytes of the whole slot cache (`cache_parts`)."""
-    return sum(cache_parts(shape).values())
+    return per_token * (local * shape.parent_capacity + children * shape.child_capacity)
 
 
 def memory_estimate(shape: EngineShape, kind: str) -> dict[str, float]:
     """Per-chip bytes of one program (`Program.kind`) by component; 'total' their sum: the
-    weights it holds (`weight_parts`), the cache (donated and updated in place: counted once), and
-    temporaries, its largest live arrays: a decode call's rows' fp32 logits and one layer's gathered child rows;
-    a prefill's gathered parent rows (K and V, and the transposed copy flash attention takes) and
-    its [rows x chunk] activations; a join's windows."""
-    cfg = serving_config(shape)
-    item = 2 if cfg.dtype == "bfloat16" else 4
-    t = shape.mesh[2]
-    slots = shape.mesh[0] * shape.mesh[1]
-    local = _split(shape.concurrency, slots)
-    hkv = _split(cfg.num_key_value_heads, t)
+    weights it holds (`weight_parts`), the KV pool ('cache': donated and updated in place, counted
+    once) and its temporaries (`temporaries`)."""
     # a prefill chunk without logits never reads the vocabulary projection: jit drops it
     out = ({"weights": 0.0} if kind == "join_copy" else
            weight_parts(shape, ("lm_head/kernel",) if kind == "prefill" else ()))
     out["cache"] = cache_bytes(shape)
+    out.update(temporaries(shape, kind))
+    out["total"] = sum(out.values())
+    return out
+
+
+def temporaries(shape: EngineShape, kind: str) -> dict[str, float]:
+    """Per-chip bytes of a program's largest live temporaries (they depend on the rows and the
+    page-table widths, not on the pool's size):
+      decode calls: the rows' fp32 logits; the pages one layer's attention gathers (K and V of
+        each executor's own pages, `table_widths`['child'] wide, and its fp32 scores; with the XLA
+        attention also each group's shared pages and each planner row's pages: the Pallas kernel
+        reads those in place);
+      prefill: each row's gathered pages (K and V), its fp32 scores against them ([rows x heads x
+        chunk x table tokens]: the XLA attention to the pages before the chunk) and the [rows x
+        chunk] activations;
+      join copy: the children's copied tokens (one shard's block of K rows x the join window,
+        every layer, K and V).
+    Read off the TPU compiler (v5p, v5e): at the 7B on data=4 the prefill's temporaries are 4.1
+    bytes a score (one fp32 array), the join's the copied tokens (1.74 vs 1.76 GiB); the decode
+    calls hold ~0.7 GiB more that is not modelled. On a mesh without data the compiler keeps a
+    second copy of the prefill's scores (6.8 bytes a score on a toy at tensor=4) and fuses the
+    join's gather (no temporaries); see tests/test_plan_engine.py."""
+    cfg = serving_config(shape)
+    item = 2 if cfg.dtype == "bfloat16" else 4
+    t = shape.mesh[2]
+    local = shape.concurrency // shape.parts
+    hkv, heads = _split(cfg.num_key_value_heads, t), _split(cfg.num_attention_heads, t)
+    v_local = _split(cfg.vocab_size, t)
+    ps, d = shape.page_size, cfg.head_dim
+    widths = shape.table_widths
+    xla = shape.attention_impl == "xla"
+    out: dict[str, float] = {}
+    if kind == "decode_planner":
+        out["logits"] = 2 * FP32 * local * v_local
+        if xla:
+            out["gathered_pages"] = 2 * item * local * hkv * widths["parent"] * ps * d
+    elif kind == "decode_stage":
+        rows = local * min(shape.executors, 1 << max(shape.executors - 1, 0).bit_length())
+        own = widths["child"] * ps
+        out["logits"] = 2 * FP32 * rows * v_local
+        out["gathered_children"] = 2 * item * rows * hkv * own * d
+        out["suffix_scores"] = FP32 * rows * heads * own
+        if xla:
+            out["gathered_prefix"] = 2 * item * local * hkv * widths["shared"] * ps * d
+    elif kind == "prefill":
+        from sprint_jax.infer.slot_cache import bucket_fine
+        chunk = bucket_fine(shape.prefill_chunk, 16)
+        keys = widths["parent"] * ps
+        out["gathered_pages"] = 2 * item * local * hkv * keys * d
+        out["scores"] = FP32 * local * heads * chunk * keys
+        out["activations"] = local * chunk * (4 * item * cfg.hidden_size + 2 * item * cfg.intermediate_size / t)
+    elif kind == "join_copy":
+        rows = min(1 << max(shape.executors - 1, 0).bit_length(), local * shape.executors)
+        out["copied_tokens"] = 2 * item * cfg.num_hidden_layers * rows * join_window(shape) * hkv * d
+    return out
+
+
+def slot_memory_estimate(shape: EngineShape, kind: str) -> dict[str, float]:
+    """Per-chip bytes of one program of the slot engine (`infer.slot_programs`) at this shape, as
+    this planner estimated it before the pool (held against the TPU compiler then: within 2% at
+    the 7B on v5p-8 and v5litepod-32): the weights (`weight_parts`), its slot cache
+    (`slot_cache_bytes`) and temporaries: a decode call's fp32 logits and one layer's gathered
+    child rows and their scores; a prefill's gathered parent rows (K and V, and the transposed copy
+    flash attention takes) and activations; a join's windows (8 windows' worth of K and V)."""
+    cfg = serving_config(shape)
+    item = 2 if cfg.dtype == "bfloat16" else 4
+    t = shape.mesh[2]
+    local = _split(shape.concurrency, shape.mesh[0] * shape.mesh[1])
+    hkv = _split(cfg.num_key_value_heads, t)
+    out = ({"weights": 0.0} if kind == "join_copy" else
+           weight_parts(shape, ("lm_head/kernel",) if kind == "prefill" else ()))
+    out["cache"] = slot_cache_bytes(shape)
     v_local = _split(cfg.vocab_size, t)
     if kind == "decode_planner":
-        rows = local
-        out["logits"] = 2 * FP32 * rows * v_local
+        out["logits"] = 2 * FP32 * local * v_local
     elif kind == "decode_stage":
         rows = local * shape.executors
         out["logits"] = 2 * FP32 * rows * v_local
         out["gathered_children"] = 2 * item * rows * hkv * shape.child_capacity * cfg.head_dim
         out["suffix_scores"] = FP32 * rows * _split(cfg.num_attention_heads, t) * shape.child_capacity
     elif kind == "prefill":
-        tokens = local * shape.prefill_chunk
         out["gathered_parents"] = 2 * 2 * item * local * hkv * shape.parent_capacity * cfg.head_dim
-        out["activations"] = tokens * (4 * item * cfg.hidden_size + 2 * item * cfg.intermediate_size / t)
+        out["activations"] = local * shape.prefill_chunk * (4 * item * cfg.hidden_size
+                                                            + 2 * item * cfg.intermediate_size / t)
     elif kind == "join_copy":
         window = min(1 << max(shape.child_capacity - 1, 0).bit_length(), shape.child_capacity,
                      shape.parent_capacity)
-        # per K and V: the child's window, its zero-padded double-length copy, the shifted slice,
-        # the parent's old rows and the merged ones, alive at once: 8 windows' worth of K and V
-        # (read off the TPU compiler's temporaries of the 7B join at data=16, tensor=4: 1.75 GiB)
         out["windows"] = 2 * 8 * item * cfg.num_hidden_layers * hkv * window * cfg.head_dim
     out["total"] = sum(out.values())
     return out
@@ -352,7 +469,7 @@ def mesh_text(mesh) -> str:
 def shape_label(shape: EngineShape, model: str) -> str:
     weights = f", {shape.weights_dtype} weights" if shape.weights_dtype not in (None, shape.config.dtype) else ""
     return (f"engine {model} {shape.concurrency} runs x {shape.executors} executors, capacity "
-            f"{shape.capacity}/{shape.branch_capacity}{weights}")
+            f"{shape.capacity}/{shape.branch_capacity}, {shape.pool_pages} pages of {shape.page_size}{weights}")
 
 
 def engine_rows(shape: EngineShape, where, model: str, progress: Callable[[str], None] | None = None,
@@ -391,7 +508,8 @@ def engine_rows(shape: EngineShape, where, model: str, progress: Callable[[str],
                "lower_s": round(result.lower_s, 2), "per_chip_bytes": None, "hbm_bytes": chip.hbm_bytes,
                "headroom": None, "kernels": sorted(set(result.kernels)), "tpu_custom_calls": result.custom_calls,
                "error": result.error, "compiler_oom": result.oom, "sharding_notes": result.sharding_notes,
-               "estimate_bytes": memory["total"], "estimate": memory,
+               "estimate_bytes": memory["total"], "estimate": memory, "concurrency": shape.concurrency,
+               "pool_pages": shape.pool_pages, "page_size": shape.page_size,
                **program_figures(shape, prog.kind, chip.peak_flops, chip.hbm_bandwidth)}
         if prog.kind.startswith("decode"):
             row["decode_ms"] = decode_ms(shape, chip.peak_flops, chip.hbm_bandwidth)
@@ -523,7 +641,7 @@ def not_fit_line(shape: EngineShape, where, model: str, rows: list[dict] | None 
     parts = memory_estimate(shape, "decode_stage")
     weights = sum(parts.get(k, 0.0) for k in ("weights", "gathered_weights", "cast_shard"))
     what = (f"{worst[0]} needs {worst[1] / gib:.1f} GiB per chip by {worst[2]}, {(worst[1] - hbm) / gib:.1f} GiB "
-            f"over the chip's {hbm / gib:g} GiB (weights {weights / gib:.1f} GiB, KV cache "
+            f"over the chip's {hbm / gib:g} GiB (weights {weights / gib:.1f} GiB, KV pool "
             f"{parts['cache'] / gib:.1f} GiB)")
     return f"{head}: {what}; {way_out(shape, where)}"
 

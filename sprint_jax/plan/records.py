@@ -34,15 +34,19 @@ RECORDS_FILE = "records.jsonl"
 SPRINT_MODES = ("parallel", "serial")
 
 
-def load_records(directory: str | Path) -> dict[str, dict[str, dict]]:
+def load_records(directory: str | Path, flag: str = "--records") -> dict[str, dict[str, dict]]:
     """{'sprint': {problem key: record}, 'rft': {...}} from every records.jsonl under
-    `directory` (the key: id, and #sample past the first). UserError naming what is wrong."""
+    `directory`, or from one records file (the key: id, and #sample past the first). UserError
+    naming what is wrong (and `flag`, the option that named the path)."""
     root = Path(directory)
-    if not root.is_dir():
-        raise UserError(f"--records {directory}: not a directory")
-    files = sorted(root.rglob(RECORDS_FILE))
+    if root.is_file():
+        files = [root]
+    elif not root.is_dir():
+        raise UserError(f"{flag} {directory}: not a directory (nor a records file)")
+    else:
+        files = sorted(root.rglob(RECORDS_FILE))
     if not files:
-        raise UserError(f"--records {directory}: no {RECORDS_FILE} under it (write one with sprint-jax eval --out)")
+        raise UserError(f"{flag} {directory}: no {RECORDS_FILE} under it (write one with sprint-jax eval --out)")
     out: dict[str, dict[str, dict]] = {"sprint": {}, "rft": {}}
     for path in files:
         for n, raw in enumerate(path.read_bytes().splitlines(), 1):
