@@ -230,3 +230,43 @@ def test_the_7b_runs_per_chip_of_the_benchmark(tmp_path, capsys, topology):
         assert (max(pe.slot_memory_estimate(slot, k)["total"] for k in pe.KINDS) <= 0.9 * where.chip.hbm_bytes) == fits
     text = capsys.readouterr().out
     assert f"runs that fit {where.name}" in text and "paged / slot" in text
+
+
+def test_lengths_from_records_through_the_command(tmp_path, capsys):
+    """`--lengths RECORDS` reads the SPRINT runs (3, not the 2 RFT ones) and fits them; short runs
+    (a page or two) leave the temporaries at N as the limit, so the paged engine holds more runs
+    than the slot engine, whose every run reserves its capacities."""
+    from test_bench_replay import RFT, SPRINT
+    path = _records(tmp_path / "r", SPRINT + RFT)
+    out = tmp_path / "rows.json"
+    rc = main(["plan", "engine", "--model", "r1-distill-qwen-7b", "--executors", "8", "--capacity", "32768",
+               "--branch-capacity", "4096", "--lengths", str(path), "--topology", "v5p-8", "--programs", "none",
+               "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    (row,) = json.loads(out.read_text())
+    # p1's peak: its first join, 20 tokens + a chunk in 3 pages and two executors of 2 pages each
+    assert row["runs"] == 3 and row["run_pages"]["max"] == 7 and row["ratio"] > 1
+    assert row["lengths"] == str(path) and row["exceed_probability"] == 0.0
+
+
+needs_plugin = pytest.mark.skipif(__import__("importlib").util.find_spec("jax_plugins.xla_cuda12") is None,
+                                  reason="compiling for GPUs needs jax-cuda12-plugin")
+
+
+@needs_plugin
+def test_the_programs_compile_at_the_fit(tmp_path, capsys):
+    """Without --concurrency the programs are compiled at the paged engine's fit: the join copy of
+    the 7B on h100:8 at 344 runs (43 a GPU) over the pool that fits, 378,432 pages of 16 tokens
+    split over data=8: 47,304 pages a GPU, 57,344 bytes a token, its argument by hand."""
+    out = tmp_path / "rows.json"
+    rc = main(["plan", "engine", "--model", "r1-distill-qwen-7b", "--executors", "8", "--capacity", "32768",
+               "--branch-capacity", "4096", "--prefill-chunk", "64", "--lengths", "synthetic", "--topology",
+               "h100:8", "--programs", "join_copy", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    fit_row, join = json.loads(out.read_text())
+    assert (fit_row["paged_runs"], fit_row["pool_pages"]) == (344, 378_432)
+    assert join["kind"] == "join_copy" and join["compiled"] and join["fits"]
+    assert (join["concurrency"], join["pool_pages"]) == (344, 378_432)
+    # + the copy's rows: 64 rows' two tables of 4,096 pages and two position rows of 4,112 (int32)
+    assert join["per_chip_bytes"]["arguments"] - 378_432 // 8 * 16 * 57_344 == 64 * (2 * 4096 + 2 * 4112) * 4
+    assert join["per_chip_bytes"]["arguments"] >= 378_432 // 8 * 16 * 57_344
