@@ -50,25 +50,18 @@ def _mesh_devices(spec: str) -> int:
     return math.prod(sizes.values())
 
 
-def pages_per_sequence(max_seq_len: int, max_children: int, max_branch_tokens: int, decode_chunk: int,
-                       page_size: int) -> int:
-    """`Engine.__init__`'s pages a sequence may hold: its capacity, and each executor's branch plus
-    the partly filled page a fork copies (a decode chunk past the last token in both)."""
-    pages = lambda tokens: -(-tokens // page_size)                              # noqa: E731
-    return pages(max_seq_len + decode_chunk) + max_children * (pages(max_branch_tokens + decode_chunk) + 1)
-
-
 def compile_decode_step(preset: str, mesh_spec: str, max_seqs: int, max_children: int, max_seq_len: int,
                         max_branch_tokens: int, decode_chunk: int = 16, dtype: str = "bfloat16",
                         page_size: int = 16, num_pages: int | None = None):
     """Lower + compile the engine's decode call (every sequence's planner row and every fork of
     `max_children` executors, page tables at the capacities) over a pool of `num_pages` pages
-    (default the Engine's) from abstract inputs on fake CPU devices. Returns (compiled, info,
-    serving config, mesh)."""
+    (default the Engine's: `EngineConfig.pool_pages`) from abstract inputs on fake CPU devices.
+    Returns (compiled, info, serving config, mesh)."""
     import jax
     from jax import ShapeDtypeStruct as SDS
 
     from sprint_jax.infer import sharding as sh
+    from sprint_jax.infer.engine_config import EngineConfig
     from sprint_jax.infer.pages import KVPages
     from sprint_jax.infer.programs import DecodeRows, decode
     from sprint_jax.model.config import resolve_model_config
@@ -90,9 +83,10 @@ def compile_decode_step(preset: str, mesh_spec: str, max_seqs: int, max_children
     # as `Engine.__init__` places the pool: pages over data like the sequence slots, KV heads over tensor
     slots = sh.kv_sharding(cfg, mesh, max_seqs, notes, "sequence slots")
     parts = sh.slot_parts((slots,))
-    per_seq = pages_per_sequence(max_seq_len, max_children, max_branch_tokens, decode_chunk, page_size)
-    pages = num_pages or max_seqs * per_seq
-    pages = -(-pages // parts) * parts
+    engine = EngineConfig(max_seqs=max_seqs, max_children=max_children, max_seq_len=max_seq_len,
+                          max_branch_tokens=max_branch_tokens, decode_chunk=decode_chunk, page_size=page_size,
+                          num_pages=num_pages)
+    per_seq, pages = engine.pages_per_seq, engine.pool_pages(parts)
     kv = (sh.pool_sharding(cfg, mesh, slots, pages, page_size, notes),)
     pool = jax.eval_shape(lambda: KVPages.zeros(cfg, pages, page_size))
     pool = KVPages(SDS(pool.k.shape, pool.k.dtype, sharding=kv[0]), SDS(pool.v.shape, pool.v.dtype, sharding=kv[0]))
@@ -145,7 +139,7 @@ def plan_pool(info: dict, hbm_bytes: int, reserve: float = 0.1) -> dict:
     """The pool that fits `hbm_bytes` per device beside the weights and the decode call's
     temporaries (`info` from `compile_decode_step`; the temporaries follow the rows and the
     page-table widths, not the pool's size), keeping `reserve` free: pages (a multiple of the page
-    shards) and the sequences it holds at their capacities (`pages_per_sequence` each)."""
+    shards) and the sequences it holds at their capacities (`EngineConfig.pages_per_seq` each)."""
     mem = info["per_device"]
     page_bytes = info["per_device_pool_bytes"] / (info["num_pages"] / info["page_shards"])   # one shard's page
     free = int(hbm_bytes * (1 - reserve)) - info["per_device_weight_bytes"] - mem["temp_size_in_bytes"]

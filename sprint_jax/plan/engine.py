@@ -69,26 +69,32 @@ class EngineShape:
         slots = self.mesh[0] * self.mesh[1]
         return slots if slots > 1 and self.concurrency % slots == 0 else 1
 
+    @property
+    def engine_config(self):
+        """The `EngineConfig` of an engine of this shape (what `Engine` builds)."""
+        from sprint_jax.infer.engine_config import EngineConfig
+        return EngineConfig(max_seqs=self.concurrency, max_children=self.executors, max_seq_len=self.capacity,
+                            max_branch_tokens=self.branch_capacity, decode_chunk=self.decode_chunk,
+                            prefill_chunk=self.prefill_chunk, page_size=self.page_size, num_pages=self.num_pages)
+
     def pages_for(self, tokens: float) -> int:
         return -(-int(tokens) // self.page_size)
 
     @property
     def default_pages(self) -> int:
-        """`Engine.__init__`'s pool when num_pages is not given: every run at its worst case (its
-        planner context at full capacity, each executor's full branch and the page a fork copies)."""
-        per_run = self.pages_for(self.parent_capacity) + self.executors * (self.pages_for(self.child_capacity) + 1)
-        return self.concurrency * per_run
+        """The Engine's pool when num_pages is not given: every run at its worst case (its planner
+        context at full capacity, each executor's full branch and the page a fork copies)."""
+        return self.concurrency * self.engine_config.pages_per_seq
 
     @property
     def pool_pages(self) -> int:
-        """The pool's pages, rounded up to a multiple of the page shards (as the Engine does)."""
-        pages = self.num_pages or self.default_pages
-        return -(-pages // self.parts) * self.parts
+        """The pool's pages, a multiple of the page shards (`EngineConfig.pool_pages`)."""
+        return self.engine_config.pool_pages(self.parts)
 
     def page_bucket(self, n_pages: int) -> int:
         """A page-table width, as `Scheduler._page_bucket` picks it (min_bucket 64 tokens)."""
         from sprint_jax.infer.slot_cache import bucket_fine
-        return bucket_fine(max(n_pages, 1), max(1, 64 // self.page_size))
+        return bucket_fine(max(n_pages, 1), max(1, self.engine_config.min_bucket // self.page_size))
 
     @property
     def table_widths(self) -> dict[str, int]:
