@@ -286,7 +286,7 @@ from conftest import tiny_vocab_tokenizer
 from test_batch_engine import _copies_of_the_cache
 from sprint_jax.infer import sharding as sh
 from sprint_jax.infer.engine import Engine
-from sprint_jax.infer.programs import DecodeRows, PrefillRows, _decode_body, decode, prefill
+from sprint_jax.infer.programs import DecodeRows, PrefillRows, _decode_body, _prefill_local, decode
 from sprint_jax.model import from_pretrained
 
 assert jax.device_count() == 8, jax.devices()
@@ -312,7 +312,9 @@ def collectives(hlo):
 out = {}
 # the plain function: the program's body without slot_local (decode's returns its results as a tuple)
 for name, fn, body, args, kws in (("decode", decode, _decode_body.__wrapped__, dec, kw),
-                                  ("prefill", prefill, prefill.__wrapped__.__wrapped__, pre, pkw)):
+                                  ("prefill", jax.jit(_prefill_local, static_argnames=("config", "kv"),
+                                                      donate_argnames=("cache",)),
+                                   _prefill_local.__wrapped__, pre, pkw)):
     comp = fn.lower(*args, **kws).compile()
     plain = jax.jit(body, static_argnames=tuple(kws) + ("config",)).lower(*args, **kws).compile()
     ma = comp.memory_analysis()

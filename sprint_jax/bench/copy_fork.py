@@ -147,7 +147,7 @@ def _copy_fork_branches(engine, pk, pv, p0: int, pending: int, prefixes: list[li
     scanners = [StopScanner(engine.decode_text, st) for st in stops]
     done = jnp.zeros((n,), bool)
     remaining = jnp.asarray(limits, jnp.int32)
-    stop_ids = jnp.asarray(np.stack([engine._stop_ids(list(st)) for st in stops]))
+    stop_ids = jnp.asarray(np.stack([engine.stop_ids(list(st)) for st in stops]))
     base = jax.random.key(sampling.seed)
     keys = jax.vmap(lambda r: jax.random.fold_in(base, r))(jnp.arange(n, dtype=jnp.int32))
     pending_a = jnp.asarray(pend, jnp.int32)

@@ -561,7 +561,7 @@ class Engine(Scheduler, Joins):
         op.done, op.result = True, result
         op.seq.op = None
 
-    def _stop_ids(self, stops: list[str]) -> list[int]:
+    def stop_ids(self, stops: list[str]) -> list[int]:
         """The row's device stop ids: EOS, then every token whose own text contains one of the stop
         strings (" </Plan_1>" for "</Plan_1>"): emitting it completes that stop, so the row ends on
         device in the step it is written instead of at the end of the chunk. The host scanner

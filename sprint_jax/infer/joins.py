@@ -121,11 +121,11 @@ class Joins:
                 rows_.start[i] = p0 + 1 + keep[j] + pos
                 rows_.n_valid[i] = len(p)
             if k + 1 < len(pieces_at):
-                self.cache, logits = programs.prefill(self._step_params, self.config, self.cache, rows_, kv=self._kv,
-                                                      return_logits=True)
+                out = programs.prefill(self._step_params, self.config, self.cache, rows_, kv=self._kv,
+                                       return_logits=True)
             else:
-                self.cache, logits = programs.merge(self._step_params, self.config, self.cache, rows_, copy,
-                                                    kv=self._kv)
+                out = programs.merge(self._step_params, self.config, self.cache, rows_, copy, kv=self._kv)
+            self.cache, logits = out.pool, out.logits
             self.stats["prefill_calls"] += 1
             if pieces[-1]:
                 last = logits[at[n - 1]]
@@ -211,8 +211,9 @@ class Joins:
         for pos in range(0, len(run), self.prefill_chunk):
             piece = run[pos: pos + self.prefill_chunk]
             r = self._write_rows(seq, seq.pages, i, r_b, piece, seq.length + pos)
-            self.cache, logits = programs.prefill(self._step_params, self.config, self.cache, r, kv=self._kv,
-                                                  return_logits=True, all_logits=True)
+            out = programs.prefill(self._step_params, self.config, self.cache, r, kv=self._kv, return_logits=True,
+                                   all_logits=True)
+            self.cache, logits = out.pool, out.logits
             seq.pages.length = seq.length + pos + len(piece)
             self.stats["prefill_calls"] += 1
             rows.append(np.asarray(logits[i, : len(piece)]))
@@ -253,10 +254,10 @@ class Joins:
                 rows.start[i] = p0 + pos
                 rows.n_valid[i] = len(p)
             self._run_copies(copies)
-            self.cache, logits = programs.prefill(self._step_params, self.config, self.cache, rows, kv=self._kv,
-                                                  return_logits=True, all_logits=True)
+            res = programs.prefill(self._step_params, self.config, self.cache, rows, kv=self._kv,
+                                   return_logits=True, all_logits=True)
+            self.cache, logits = res.pool, np.asarray(res.logits)
             self.stats["prefill_calls"] += 1
-            logits = np.asarray(logits)
             for j, (i, p) in enumerate(zip(at, pieces)):
                 if p:
                     children[j].length = p0 + pos + len(p)
@@ -321,7 +322,7 @@ class Joins:
             shapes += 1
             for t_b in sorted({bucket(t, 1) for t in tails}):
                 rows = PrefillRows.empty(r_b, t_b, pages)
-                self.cache, _ = programs.merge(self._step_params, self.config, self.cache, rows, copy, kv=self._kv)
+                self.cache = programs.merge(self._step_params, self.config, self.cache, rows, copy, kv=self._kv).pool
                 shapes += 1
         jax.block_until_ready(self.cache)
         return shapes

@@ -113,14 +113,34 @@ def _prefill_body(params, config: Qwen2Config, pool: KVPages, rows: PrefillRows,
     return out, unembed(params, config, last)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kv", "return_logits", "all_logits"), donate_argnames=("cache",))
-@sh.slot_local(rows=("rows",), out=lambda a: ("cache", "rows") if a["return_logits"] else "cache",
-               cache_kv=(0, 0), dims=POOL_DIMS)
-def prefill(params, config: Qwen2Config, cache: KVPages, rows: PrefillRows, kv=None, return_logits: bool = False,
-            all_logits: bool = False):
-    """Write `rows` (see PrefillRows) into the pool `cache`. return_logits: also each row's logits
-    at its last valid token [R, V] (a merge join's last); with all_logits, at every token [R, T, V]."""
-    return _prefill_body(params, config, cache, rows, kv, return_logits, all_logits)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PrefillOut:
+    """What `prefill` and `merge` return: the pool, and the logits asked for (None: none): [R, V]
+    at each row's last valid token, or with all_logits [R, T, V] at every token."""
+    pool: KVPages
+    logits: jax.Array | None = None
+
+
+@sh.slot_local(rows=("rows",), out=("cache", "rows"), cache_kv=(0, 0), dims=POOL_DIMS)
+def _prefill_local(params, config: Qwen2Config, cache: KVPages, rows: PrefillRows, kv=None, all_logits: bool = False):
+    return _prefill_body(params, config, cache, rows, kv, True, all_logits)
+
+
+@sh.slot_local(rows=("rows",), out="cache", cache_kv=(0, 0), dims=POOL_DIMS)
+def _prefill_write(params, config: Qwen2Config, cache: KVPages, rows: PrefillRows, kv=None):
+    return _prefill_body(params, config, cache, rows, kv)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "kv", "return_logits", "all_logits"), donate_argnames=("pool",))
+def prefill(params, config: Qwen2Config, pool: KVPages, rows: PrefillRows, kv=None, return_logits: bool = False,
+            all_logits: bool = False) -> PrefillOut:
+    """Write `rows` (see PrefillRows) into the pool; a `PrefillOut`. return_logits: with each row's
+    logits at its last valid token [R, V] (a merge join's last); with all_logits, at every token
+    [R, T, V] (teacher forcing)."""
+    if not return_logits:
+        return PrefillOut(_prefill_write(params, config, pool, rows, kv=kv))
+    return PrefillOut(*_prefill_local(params, config, pool, rows, kv=kv, all_logits=all_logits))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,14 +186,18 @@ def copy_join(cache: KVPages, copy: CopyRows, kv=None) -> KVPages:
     return _copy_body(cache, copy, kv)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kv"), donate_argnames=("cache",))
 @sh.slot_local(rows=("rows", "copy"), out=("cache", "rows"), cache_kv=(0, 0), dims=POOL_DIMS)
-def merge(params, config: Qwen2Config, cache: KVPages, rows: PrefillRows, copy: CopyRows, kv=None):
-    """A merge join in one call: the children's never-computed tail tokens (prefill rows through
-    the children's tables, with logits) then the copy (`copy_join`'s body). Returns (pool, logits
-    [R, V] at each row's last tail token)."""
+def _merge_local(params, config: Qwen2Config, cache: KVPages, rows: PrefillRows, copy: CopyRows, kv=None):
     pool, logits = _prefill_body(params, config, cache, rows, kv, return_logits=True)
     return _copy_body(pool, copy, kv), logits
+
+
+@functools.partial(jax.jit, static_argnames=("config", "kv"), donate_argnames=("pool",))
+def merge(params, config: Qwen2Config, pool: KVPages, rows: PrefillRows, copy: CopyRows, kv=None) -> PrefillOut:
+    """A merge join in one call: the children's never-computed tail tokens (prefill rows through
+    the children's tables, with logits) then the copy (`copy_join`'s body). A `PrefillOut` with
+    the logits [R, V] at each row's last tail token."""
+    return PrefillOut(*_merge_local(params, config, pool, rows, copy, kv=kv))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -79,6 +79,16 @@ class Seq:
         return self.join_logits is not None and len(self.tokens) == self.joined
 
 
+@dataclasses.dataclass
+class _TraceFork:
+    """The fork a `DecodeTrace` follows: the parent's pending node, the children's stage tag,
+    whether it will be merged, and each child's nodes (None until it finished)."""
+    pending: int
+    stage: int
+    join: bool
+    kids: list
+
+
 class DecodeTrace:
     """How a sequence's tokens were computed, as the engine ran them (kept when the engine is built
     with `trace=True`; RL lays its loss out from it). One node per token that was run or sampled:
@@ -103,7 +113,7 @@ class DecodeTrace:
         self.planner: list[int] = []          # the nodes of the sequence's tokens, in slot order
         self.merges = 0
         self.exact = True
-        self._fork: tuple | None = None       # (pending node, stage, join, children's nodes)
+        self._fork: _TraceFork | None = None
 
     def __len__(self) -> int:
         return len(self.token)
@@ -131,14 +141,15 @@ class DecodeTrace:
     def fork(self, seq: "Seq", n: int, join: bool) -> None:
         self.sync(seq)
         stage = 2 * self.merges + 1 if join else 2 * self.merges
-        self._fork = (self.planner[-1], stage, join, [None] * n)
+        self._fork = _TraceFork(self.planner[-1], stage, join, [None] * n)
 
     def child(self, j: int, tokens: Sequence[int], generated: int, logprobs: Sequence[float]) -> None:
         """Child j's tokens after the parent's pending one (forced prefix, then `generated` sampled)."""
         if self._fork is None:
             self.exact = False
             return
-        pending, stage, join, kids = self._fork
+        f = self._fork
+        pending, stage, join, kids = f.pending, f.stage, f.join, f.kids
         lps = [None] * (len(tokens) - generated) + [float(x) for x in logprobs]
         prev, nodes = pending, []
         for k, t in enumerate(tokens):
@@ -149,10 +160,11 @@ class DecodeTrace:
     def merged(self, branches: Sequence[Sequence[int]]) -> None:
         """The fork's children joined into the sequence (`Joins.merge`): branch j keeps child j's
         nodes over their common prefix; tokens the child never ran are new nodes in its chain."""
-        if self._fork is None or any(k is None for k in self._fork[3]) or len(branches) != len(self._fork[3]):
+        if self._fork is None or any(k is None for k in self._fork.kids) or len(branches) != len(self._fork.kids):
             self.exact = False
             return
-        pending, stage, join, kids = self._fork
+        f = self._fork
+        pending, stage, join, kids = f.pending, f.stage, f.join, f.kids
         prev_end = None
         for j, (b, nodes) in enumerate(zip(branches, kids)):
             k = common_prefix([self.token[x] for x in nodes], b)

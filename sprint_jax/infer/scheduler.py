@@ -10,6 +10,7 @@ the same tokens whichever other requests share its steps.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -17,11 +18,56 @@ import numpy as np
 
 from sprint_jax.infer import programs
 from sprint_jax.infer import sharding as sh
-from sprint_jax.infer.pages import PageCopy, PoolExhausted, copy_args, copy_pages
+from sprint_jax.infer.pages import PageCopy, PoolExhausted, SeqPages, copy_args, copy_pages
 from sprint_jax.infer.programs import DecodeRows, PrefillRows
 from sprint_jax.infer.requests import EngineError, ForkChild, Generation, Op, PrefillWork, Row
 from sprint_jax.infer.sampling import TOP_LOGPROBS
 from sprint_jax.infer.slot_cache import bucket, bucket_fine
+
+
+@dataclasses.dataclass
+class _Piece:
+    """Tokens one prefill call writes for a sequence's queued work or a child's forced prefix: its
+    owner (the `PrefillWork` or the child's `Row`), its slot (the shard block it is placed in),
+    the pages and pool shard it writes, the tokens, where they start, the position shift."""
+    owner: PrefillWork | Row
+    slot: int
+    pages: SeqPages
+    part: int
+    tokens: list[int]
+    start: int
+    pos_off: int
+
+
+@dataclasses.dataclass
+class _RowRun:
+    """A row's part in a decode call: the row, whether it is a fork's child, its sequence's slot,
+    the tokens of K/V its pages hold before the call, the tokens it runs (the pending one first,
+    then forced ones) and, once placed, its row in the call."""
+    row: Row
+    child: bool
+    slot: int
+    start: int
+    feed: list[int]
+    at: int = -1
+
+    @property
+    def seq(self):
+        return self.row.op.seq
+
+    @property
+    def pages(self) -> SeqPages:
+        return self.row.pages if self.child else self.row.op.seq.pages
+
+    @property
+    def shared(self) -> int:
+        """Tokens it reads as its sibling group's shared prefix (0: a generate row)."""
+        return self.row.op.fork.shared_len if self.child else 0
+
+    def writes(self, chunk: int) -> int:
+        """The most tokens of K/V the call may write for it: its forced tokens, a chunk, and a fed
+        last token (a join fork's child)."""
+        return len(self.feed) - 1 + chunk + (self.child and self.row.op.join)
 
 
 class Scheduler:
@@ -123,64 +169,56 @@ class Scheduler:
         return True
 
     def _prefill_parents(self) -> None:
-        rows, copies = [], []
+        pieces, copies = [], []
         for work in self._prefill_work.values():
             if self._forced_in_decode(work) or work.seq.pages is None:
                 continue
-            seq, start = work.seq, work.base + work.done
-            piece = work.run[work.done: work.done + self.prefill_chunk]
-            if self._reserve(seq.part, seq.pages, start, len(piece), copies):
-                rows.append((work, piece, start))
-        if not rows:
-            return
-        at, r_b = sh.slot_blocks([work.seq.slot for work, _, _ in rows], self.max_seqs, self._parts)
-        width = self._page_bucket(max(self._pages_for(start + len(p)) for _, p, start in rows))
-        r = PrefillRows.empty(r_b, bucket_fine(max(len(p) for _, p, _ in rows), 16), width)
-        for i, (work, piece, start) in zip(at, rows):
-            r.tokens[i, : len(piece)] = piece
-            r.table[i] = self._table(work.seq.pages, work.seq.part, width)
-            r.start[i] = start
-            r.n_valid[i] = len(piece)
-            r.pos_off[i] = work.seq.pos_offset
-        self._run_copies(copies)
-        # host arrays go to the jitted call as they are (jnp.asarray / jnp.zeros would each be a
-        # dispatched op: ~0.1-0.4 ms of host time per prefill call on a small model)
-        self.cache = programs.prefill(self._step_params, self.config, self.cache, r, kv=self._kv)
-        self.stats["prefill_calls"] += 1
-        for work, piece, start in rows:
-            work.done += len(piece)
-            work.seq.pages.length = start + len(piece)
+            seq = work.seq
+            piece = _Piece(work, seq.slot, seq.pages, seq.part, work.run[work.done: work.done + self.prefill_chunk],
+                           work.base + work.done, seq.pos_offset)
+            if self._reserve(seq.part, seq.pages, piece.start, len(piece.tokens), copies):
+                pieces.append(piece)
+        if pieces:
+            self._prefill_call(pieces, copies, cap=None)
+        for piece in pieces:
+            work = piece.owner
+            work.done += len(piece.tokens)
             if work.left <= 0:
                 del self._prefill_work[work.seq.id]
 
     def _prefill_children(self) -> None:
-        work, copies = [], []
+        pieces, copies = [], []
         for slot, rows in self._groups.items():
             for row in rows[1:]:
                 if (row is not None and len(row.run) - 1 - row.prefill_pos > self.decode_chunk
                         and row.op.seq.id not in self._prefill_work and self._child_pages(row)):
-                    piece = row.run[row.prefill_pos: len(row.run) - 1][: self.prefill_chunk]
-                    start = row.op.seq.length + row.prefill_pos
-                    if self._reserve(row.op.seq.part, row.pages, start, len(piece), copies):
-                        work.append((slot, row, piece, start))
-        if not work:
-            return
-        at, r_b = sh.slot_blocks([slot for slot, _, _, _ in work], self.max_seqs, self._parts,
-                                 cap=self.max_seqs // self._parts * self.max_children)
-        width = self._page_bucket(max(self._pages_for(start + len(p)) for _, _, p, start in work))
-        r = PrefillRows.empty(r_b, bucket_fine(max(len(p) for _, _, p, _ in work), 16), width)
-        for i, (_, row, piece, start) in zip(at, work):
-            r.tokens[i, : len(piece)] = piece
-            r.table[i] = self._table(row.pages, row.op.seq.part, width)
-            r.start[i] = start
-            r.n_valid[i] = len(piece)
-            r.pos_off[i] = row.op.seq.pos_offset
+                    seq = row.op.seq
+                    piece = _Piece(row, slot, row.pages, seq.part,
+                                   row.run[row.prefill_pos: len(row.run) - 1][: self.prefill_chunk],
+                                   seq.length + row.prefill_pos, seq.pos_offset)
+                    if self._reserve(seq.part, row.pages, piece.start, len(piece.tokens), copies):
+                        pieces.append(piece)
+        if pieces:
+            self._prefill_call(pieces, copies, cap=self.max_seqs // self._parts * self.max_children)
+        for piece in pieces:
+            piece.owner.prefill_pos += len(piece.tokens)
+
+    def _prefill_call(self, pieces: list[_Piece], copies: list, cap: int | None) -> None:
+        """One prefill call writing every piece (each placed in its sequence's shard block)."""
+        at, r_b = sh.slot_blocks([p.slot for p in pieces], self.max_seqs, self._parts, cap=cap)
+        width = self._page_bucket(max(self._pages_for(p.start + len(p.tokens)) for p in pieces))
+        r = PrefillRows.empty(r_b, bucket_fine(max(len(p.tokens) for p in pieces), 16), width)
+        for i, p in zip(at, pieces):
+            r.tokens[i, : len(p.tokens)] = p.tokens
+            r.table[i] = self._table(p.pages, p.part, width)
+            r.start[i], r.n_valid[i], r.pos_off[i] = p.start, len(p.tokens), p.pos_off
         self._run_copies(copies)
-        self.cache = programs.prefill(self._step_params, self.config, self.cache, r, kv=self._kv)
+        # host arrays go to the jitted call as they are (jnp.asarray / jnp.zeros would each be a
+        # dispatched op: ~0.1-0.4 ms of host time per prefill call on a small model)
+        self.cache = programs.prefill(self._step_params, self.config, self.cache, r, kv=self._kv).pool
         self.stats["prefill_calls"] += 1
-        for _, row, piece, start in work:
-            row.prefill_pos += len(piece)
-            row.pages.length = start + len(piece)
+        for p in pieces:
+            p.pages.length = p.start + len(p.tokens)
 
     def _decoding(self, row: Row | None, child: bool) -> bool:
         """Whether the row decodes in this step: its context is written, but for at most
@@ -212,70 +250,70 @@ class Scheduler:
         and, grouped by fork, the children of running forks (rows F x w, w = the most children
         alive in one fork, bucketed). A read-only parent and a finished child take no row; a row
         the pool has no pages for waits for a later step."""
-        gen_rows: list[tuple[int, Row, int, list[int]]] = []
-        forks: list[tuple[int, list[tuple[Row, int, list[int]]]]] = []
+        gen_rows: list[_RowRun] = []
+        forks: list[list[_RowRun]] = []
         copies: list = []
         for slot, rows in sorted(self._groups.items()):
             if self._decoding(rows[0], False):
-                start, feed = self._feed(rows[0], False)
-                seq = rows[0].op.seq
-                if self._reserve(seq.part, seq.pages, start, len(feed) - 1 + self.decode_chunk, copies):
-                    gen_rows.append((slot, rows[0], start, feed))
+                run = _RowRun(rows[0], False, slot, *self._feed(rows[0], False))
+                if self._reserve(run.seq.part, run.pages, run.start, run.writes(self.decode_chunk), copies):
+                    gen_rows.append(run)
             kids = []
             for r in rows[1:]:
                 if self._decoding(r, True):
-                    start, feed = self._feed(r, True)
-                    n = len(feed) - 1 + self.decode_chunk + r.op.join
-                    if self._reserve(r.op.seq.part, r.pages, start, n, copies):
-                        kids.append((r, start, feed))
+                    run = _RowRun(r, True, slot, *self._feed(r, True))
+                    if self._reserve(run.seq.part, run.pages, run.start, run.writes(self.decode_chunk), copies):
+                        kids.append(run)
             if kids:
-                forks.append((slot, kids))
+                forks.append(kids)
         if not gen_rows and not forks:
             return
         # Rows in `parts` equal blocks (page shards, data > 1; one block otherwise): block j holds
         # its wa generate rows, then its wf fork groups of w rows, all of shard j's sequences
         # (`sh.slot_blocks`), so each shard's `programs.decode` body reads and writes only its pages.
-        parts, chunk = self._parts, self.decode_chunk
-        at_a, na = sh.slot_blocks([slot for slot, *_ in gen_rows], self.max_seqs, parts) if gen_rows else ([], 0)
-        at_f, nf = sh.slot_blocks([slot for slot, _ in forks], self.max_seqs, parts) if forks else ([], 0)
+        parts, chunk, ps = self._parts, self.decode_chunk, self.page_size
+        at_a, na = sh.slot_blocks([g.slot for g in gen_rows], self.max_seqs, parts) if gen_rows else ([], 0)
+        at_f, nf = sh.slot_blocks([k[0].slot for k in forks], self.max_seqs, parts) if forks else ([], 0)
         wa, wf = na // parts, nf // parts
-        w = min(bucket(max(len(k) for _, k in forks), 1), self.max_children) if forks else 1
-        ps = self.page_size
-        ma = self._page_bucket(max((self._pages_for(st + len(f) - 1 + chunk) for _, _, st, f in gen_rows), default=1))
-        mg = self._page_bucket(max((k[0][0].op.fork.shared_len // ps for _, k in forks), default=1))
-        mr = self._page_bucket(max((self._pages_for(st + len(f) + chunk + r.op.join - r.op.fork.shared_len)
-                                    for _, k in forks for r, st, f in k), default=1))
+        w = min(bucket(max(len(k) for k in forks), 1), self.max_children) if forks else 1
+        ma = self._page_bucket(max((self._pages_for(g.start + g.writes(chunk)) for g in gen_rows), default=1))
+        mg = self._page_bucket(max((k[0].shared // ps for k in forks), default=1))
+        mr = self._page_bucket(max((self._pages_for(c.start + c.writes(chunk) - c.shared) for k in forks for c in k),
+                                   default=1))
         r = DecodeRows.empty(na, nf, w, chunk, ma, mg, mr)
-        placed: list[tuple[int, Row, bool, int, list[int]]] = []
+        placed: list[_RowRun] = []
         block = wa + wf * w                                           # rows per shard
-        for p, (slot, row, start, feed) in zip(at_a, gen_rows):
-            r.a_table[p] = self._table(row.op.seq.pages, row.op.seq.part, ma)
-            placed.append(((p // wa) * block + p % wa, row, False, start, feed))
-        for q, (slot, kids) in zip(at_f, forks):
-            seq, fork = kids[0][0].op.seq, kids[0][0].op.fork
+        for p, g in zip(at_a, gen_rows):
+            r.a_table[p] = self._table(g.pages, g.seq.part, ma)
+            g.at = (p // wa) * block + p % wa
+            placed.append(g)
+        for q, kids in zip(at_f, forks):
+            seq, shared = kids[0].seq, kids[0].shared
             r.b_gtable[q] = self._table(seq.pages, seq.part, mg)[:mg]
-            r.b_gtable[q, fork.shared_len // ps:] = -1                   # the shared full pages only
-            r.b_glen[q] = fork.shared_len
-            for c, (row, start, feed) in enumerate(kids):
-                r.b_table[q * w + c] = self._table(row.pages, seq.part, mr, first=fork.shared_len // ps)
-                placed.append(((q // wf) * block + wa + (q % wf) * w + c, row, True, start, feed))
-        for i, row, child, start, feed in placed:
-            r.lengths[i] = start - (row.op.fork.shared_len if child else 0)
-            r.pending[i] = feed[0]
-            r.forced[i, : len(feed) - 1] = feed[1:]
-            r.n_forced[i] = len(feed) - 1
-            r.pos_off[i] = row.op.seq.pos_offset
-            r.feed_last[i] = child and row.op.join
+            r.b_gtable[q, shared // ps:] = -1                            # the shared full pages only
+            r.b_glen[q] = shared
+            for c, kid in enumerate(kids):
+                r.b_table[q * w + c] = self._table(kid.pages, seq.part, mr, first=shared // ps)
+                kid.at = (q // wf) * block + wa + (q % wf) * w + c
+                placed.append(kid)
+        for run in placed:
+            i, row = run.at, run.row
+            r.lengths[i] = run.start - run.shared
+            r.pending[i] = run.feed[0]
+            r.forced[i, : len(run.feed) - 1] = run.feed[1:]
+            r.n_forced[i] = len(run.feed) - 1
+            r.pos_off[i] = run.seq.pos_offset
+            r.feed_last[i] = run.child and row.op.join
             r.active[i] = True
             r.remaining[i] = row.limit - len(row.gen)
-            r.stop_ids[i] = self._stop_ids(row.stops)
+            r.stop_ids[i] = self.stop_ids(row.stops)
             s = row.op.sampling
             r.seeds[i], r.branch[i], r.steps[i] = s.seed, row.key_branch, len(row.gen)
             r.temperature[i], r.top_k[i], r.top_p[i] = s.temperature, s.top_k, s.top_p
         fed_rows, n_forced = r.feed_last, r.n_forced
         feeding = bool(fed_rows.any())
         # the alternatives per token, only when a request asks (a second compiled variant)
-        top_n = TOP_LOGPROBS if any(row.op.top_logprobs for _, row, *_ in placed) else 0
+        top_n = TOP_LOGPROBS if any(run.row.op.top_logprobs for run in placed) else 0
         packed, layout = r.pack()
         self._run_copies(copies)
         res = programs.decode(
@@ -285,7 +323,8 @@ class Scheduler:
         out, reason, lps, tops = jax.device_get((res.tokens, res.reason, res.logprobs,
                                                  (res.top_ids, res.top_logprobs) if top_n else None))
         self.stats["decode_calls"] += 1
-        for i, row, child, start, feed in placed:
+        for run in placed:
+            i, row, child = run.at, run.row, run.child
             if n_forced[i]:                   # all taken: a row forces before it can finish
                 if child:
                     row.prefill_pos = len(row.run) - 1
@@ -295,8 +334,7 @@ class Scheduler:
             new = [int(t) for t in out[i, cols]]
             # K/V written: the forced tokens, the pending token of every sampling step, and a fed
             # last token
-            (row.pages if child else row.op.seq.pages).length = (start + int(n_forced[i]) + len(new)
-                                                                 + bool(fed_rows[i] and reason[i]))
+            run.pages.length = run.start + int(n_forced[i]) + len(new) + bool(fed_rows[i] and reason[i])
             self.stats["tokens"] += len(new)
             row.gen.extend(new)
             row.lps.extend(float(x) for x in lps[i, cols])
