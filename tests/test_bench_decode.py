@@ -122,10 +122,12 @@ def test_paged_vs_slot_step_rows(report):
         assert r["prefix_len"] == P and r["chunk"] == 4 and r["page_size"] == 16
         for impl in ("paged", "slot"):
             assert r[f"{impl}_steps"] == [4, 1]                  # a budget of 4 tokens vs 1, same shapes
-            assert len(r[f"{impl}_call_ms_samples"]) == len(r[f"{impl}_one_step_ms_samples"]) == 2
-            assert r[f"{impl}_ms"] is None or r[f"{impl}_ms"] > 0
-        if r["paged_ms"] is not None and r["slot_ms"] is not None:
-            assert r["paged_over_slot"] == pytest.approx(r["paged_ms"] / r["slot_ms"])
+            for clock in ("", "cpu_"):
+                assert len(r[f"{impl}_call_{clock}ms_samples"]) == len(r[f"{impl}_one_step_{clock}ms_samples"]) == 2
+                assert r[f"{impl}_{clock}ms"] is None or r[f"{impl}_{clock}ms"] > 0
+        for clock in ("", "_cpu"):
+            a, b = r[f"paged{clock}_ms"], r[f"slot{clock}_ms"]
+            assert r[f"paged_over_slot{clock}"] == (pytest.approx(a / b) if a is not None and b is not None else None)
         # the slot cache: a parent slot of 24 + 4 + 6 + 4 = 38, child slots of 4 + 1 + 6 + 4 = 15
         if kind == "generate":
             assert r["used_length"] == P

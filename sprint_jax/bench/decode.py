@@ -33,12 +33,14 @@ decode step alone; it also counts how many leading greedy tokens the two stacks 
 
 cache_bytes: shared / serial: the pages the fork holds (`single.fork_bytes`: the context's written
 tokens in whole pages, once, and each branch's own pages through the last decode call's
-reservation); copy: the copied prefix (as a shared fork's slot read it) + the suffix capacity, per branch.
+reservation); copy: per branch, the copied prefix (its used length in the slot engine's read bucket,
+min 64, capped at the sequence's capacity) + the branch's suffix capacity.
 
 Paged vs slot step (`sprint_jax.bench.paged_step`): one decode step of the paged engine's program
 vs the slot engine's it replaced (kept as the baseline), at the same used length, for a fork of
 each branch count and a generate row (the planner) per context length, with the bytes each
-reads per step (prefix once per group + each branch's own), best of --step-repeats.
+reads per step (prefix once per group + each branch's own), best of --step-repeats, wall clock
+and process CPU time.
 
 Ratios (same run): shared/copy step time, stage time and cache bytes; batched vs serial stage
 speed-up (serial stage_ms / batched stage_ms) and decode tokens/s ratio; step at n branches vs
@@ -57,7 +59,8 @@ id), so random weights can emit any id and text decoding stays negligible.
 
 Capacities (documented because attention cost follows them): per context length P the engine
 is built with max_seq_len = P + branch prefix + N, max_branch_tokens = branch prefix + 1 + N,
-so no mode attends over slots it can never use; the JSON records the resulting capacities.
+so no mode reads past what it can use; the JSON records the resulting capacities and the pool
+(page size, pages).
 
 Defaults: CPU full = branches 1,2,4,8,16 x contexts 128,512,2048 x 64 new tokens, 3 repeats,
 decode_chunk 32; CPU --quick = branches 1,8 x contexts 128,1024 x 32 new tokens, 2 repeats.

@@ -23,6 +23,8 @@ compiled shapes, and step_ms = (wall(N) - wall(1)) / (N - 1), as the rest of `be
 every call rewrites the same positions, so every repeat runs at the same used length. Each
 repeat runs every point's four calls in turn (paged N, paged 1, slot N, slot 1) so load on a
 shared machine hits both alike; the best of the repeats is kept and every sample is in the JSON.
+The same difference of the process CPU time (`*_cpu_ms`, XLA's threads included) stands beside
+it: on a machine other processes hold, a call that loses its core gains wall time, not CPU time.
 
 Bytes. Per step, by the kernels' formulas (`sprint_jax.kernels.parent_prefix.group_bytes_read` for slots,
 `sprint_jax.kernels.paged_prefix.paged_group_bytes_read` for pages; both per layer, times the layers): the
@@ -213,7 +215,7 @@ def bench_paged_vs_slot(params, config, s: dict[str, Any], page_size: int, rng) 
 
         def call(kind, n, impl, budget):
             packed, layout = calls[(kind, n, impl, budget)]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if impl == "paged":
                 res = programs.decode(step_params, config, state["pool"], packed, layout=layout, chunk=chunk)
                 state["pool"] = res.pool
@@ -224,17 +226,19 @@ def bench_paged_vs_slot(params, config, s: dict[str, Any], page_size: int, rng) 
                 state["slots"] = res.cache
             _, steps = jax.device_get((res.tokens, res.steps))      # what the engine reads back
             jax.block_until_ready(state["pool"] if impl == "paged" else state["slots"])
-            return time.perf_counter() - t0, int(steps)
+            return time.perf_counter() - t0, time.process_time() - c0, int(steps)
 
         keys = [(kind, n, impl, budget) for kind, _, n in step_points([p], s["branches"])
                 for impl in ("paged", "slot") for budget in (chunk, 1)]
         first = {k: call(*k)[0] for k in keys}
         samples: dict[tuple, list[float]] = {k: [] for k in keys}
+        cpu: dict[tuple, list[float]] = {k: [] for k in keys}
         steps: dict[tuple, int] = {}
         for _ in range(s["step_repeats"]):
             for k in keys:
-                dt_s, steps[k] = call(*k)
+                dt_s, dc_s, steps[k] = call(*k)
                 samples[k].append(dt_s)
+                cpu[k].append(dc_s)
         for kind, _, n in step_points([p], s["branches"]):
             row: dict[str, Any] = dict(kind=kind, prefix_len=p, branches=n,
                                        own_tokens=0 if kind == "generate" else c, chunk=chunk, page_size=ps,
@@ -242,15 +246,20 @@ def bench_paged_vs_slot(params, config, s: dict[str, Any], page_size: int, rng) 
             for impl in ("paged", "slot"):
                 long, short = samples[(kind, n, impl, chunk)], samples[(kind, n, impl, 1)]
                 extra = steps[(kind, n, impl, chunk)] - steps[(kind, n, impl, 1)]
-                d = (min(long) - min(short)) / extra if extra > 0 else 0.0    # chunk 1: nothing to difference
-                row[f"{impl}_ms"] = d * 1e3 if d > 0 else None
+                for suffix, (a, b) in (("ms", (long, short)),
+                                       ("cpu_ms", (cpu[(kind, n, impl, chunk)], cpu[(kind, n, impl, 1)]))):
+                    d = (min(a) - min(b)) / extra if extra > 0 else 0.0    # chunk 1: nothing to difference
+                    row[f"{impl}_{suffix}"] = d * 1e3 if d > 0 else None
                 row[f"{impl}_steps"] = (steps[(kind, n, impl, chunk)], steps[(kind, n, impl, 1)])
                 row[f"{impl}_call_ms_samples"] = [x * 1e3 for x in long]
                 row[f"{impl}_one_step_ms_samples"] = [x * 1e3 for x in short]
+                row[f"{impl}_call_cpu_ms_samples"] = [x * 1e3 for x in cpu[(kind, n, impl, chunk)]]
+                row[f"{impl}_one_step_cpu_ms_samples"] = [x * 1e3 for x in cpu[(kind, n, impl, 1)]]
                 row[f"{impl}_compile_s"] = max(0.0, first[(kind, n, impl, chunk)] - min(long)) + max(
                     0.0, first[(kind, n, impl, 1)] - min(short))
-            row["paged_over_slot"] = (row["paged_ms"] / row["slot_ms"]
-                                      if row["paged_ms"] is not None and row["slot_ms"] else None)
+            for suffix in ("", "_cpu"):
+                a, b = row[f"paged{suffix}_ms"], row[f"slot{suffix}_ms"]
+                row[f"paged_over_slot{suffix}"] = a / b if a is not None and b else None
             row.update(step_bytes(config, kind, p, n, c, ps))
             rows_out.append(row)
             _print_step(row)
@@ -258,7 +267,7 @@ def bench_paged_vs_slot(params, config, s: dict[str, Any], page_size: int, rng) 
     return rows_out
 
 
-STEP_HEADER = (f"{'kind':>8} {'P':>6} {'n':>3} {'paged_ms':>9} {'slot_ms':>8} {'paged/slot':>10} "
+STEP_HEADER = (f"{'kind':>8} {'P':>6} {'n':>3} {'paged_ms':>9} {'slot_ms':>8} {'paged/slot':>10} {'cpu ratio':>9} "
                f"{'paged KiB':>10} {'slot KiB':>9} {'prefix KV KiB (paged/slot)':>26}")
 
 
@@ -266,7 +275,8 @@ def _print_step(r: dict) -> None:
     def f(x, spec):
         return "-" if x is None else format(x, spec)
     print(f"{r['kind']:>8} {r['prefix_len']:>6} {r['branches']:>3} {f(r['paged_ms'], '.3f'):>9} "
-          f"{f(r['slot_ms'], '.3f'):>8} {f(r['paged_over_slot'], '.3f'):>10} {r['paged_bytes'] / 1024:>10.1f} "
+          f"{f(r['slot_ms'], '.3f'):>8} {f(r['paged_over_slot'], '.3f'):>10} {f(r['paged_over_slot_cpu'], '.3f'):>9} "
+          f"{r['paged_bytes'] / 1024:>10.1f} "
           f"{r['slot_bytes'] / 1024:>9.1f} "
           f"{str(round(r['paged_prefix_kv_bytes'] / 1024, 1)) + ' / ' + str(round(r['slot_prefix_kv_bytes'] / 1024, 1)):>26}",
           flush=True)
