@@ -322,8 +322,7 @@ def test_every_engine_program_compiles_for_v5e_with_its_mosaic_kernels(tmp_path,
     chunk the flash kernel (its own keys; the pages before it are the XLA attention), each one
     tpu_custom_call; every program's arguments are the weights and the pool by the estimate, and
     the estimate is within 20% of the compiler on the other rows; its temporaries bound the
-    executors' decode call's (the compiler may fuse their gathered pages) and half bound the
-    prefill's (whose fp32 scores the compiler holds twice on a mesh without data)."""
+    executors' decode call's (the compiler may fuse their gathered pages)."""
     rc, rows = _plan(tmp_path, NARROW, "--concurrency", "8", "--executors", "4", "--capacity", "16384",
                      "--mesh", "tensor=4", "--topology", "v5e:2x2")
     assert rc == 0, capsys.readouterr().err
@@ -337,11 +336,6 @@ def test_every_engine_program_compiles_for_v5e_with_its_mosaic_kernels(tmp_path,
         assert mem["total"] == mem["arguments"] + mem["outputs"] - mem["alias"] + mem["temp"]
         e = r["estimate"]
         assert 0 <= mem["arguments"] - e["weights"] - e["cache"] <= 2 ** 20       # + the rows
-        if r["kind"] == "prefill":
-            # one fp32 copy of the scores [rows x heads x chunk x table tokens] by the estimate, two
-            # by this compile (761 MiB of temporaries: 96 gathered, 2 x 384 scores, less what it reuses)
-            assert e["scores"] <= mem["temp"] <= e["gathered_pages"] + 2 * e["scores"] + e["activations"]
-            continue
         if r["kind"] == "decode_stage":
             # the executors' gathered pages (384 MiB by the estimate) are an upper bound: this
             # compile fuses the gather into the attention's products
@@ -421,7 +415,7 @@ def test_the_engine_compiles_with_the_rl_trainers_fp32_weights(tmp_path):
 def test_estimate_is_within_20_percent_of_the_compiler(tmp_path, capsys, model, mesh, attention):
     """The two largest programs (the executors' decode call and the prefill chunk) of the other
     sizes and meshes with the runs over data (the XLA decode attention; the Pallas one with the
-    heads over tensor too), executors of 1,024 tokens: the pool and the prefill's scores dominate,
+    heads over tensor too), executors of 1,024 tokens: the pool and the gathered pages dominate,
     as at the 7B (docs/benchmarks.md: within 5% there; there too the decode's gathers are fused)."""
     rc, rows = _plan(tmp_path, model, "--concurrency", "8", "--executors", "4", "--capacity", "16384",
                      "--branch-capacity", "1024", "--mesh", mesh, "--attention", attention, "--topology", "v5e:2x2",

@@ -205,19 +205,20 @@ def test_lengths_flags_that_do_not_go_together(tmp_path, capsys):
 @pytest.mark.parametrize("topology", ["v5p-8", "h100:8"])
 def test_the_7b_runs_per_chip_of_the_benchmark(tmp_path, capsys, topology):
     """docs/benchmarks.md's figures: the 7B with traces to 32k (the synthetic distribution), 8
-    executors of branches to 4,096 tokens, prefill chunks of 64, on v5p-8 and one 8 x H100 node:
+    executors of branches to 4,096 tokens, the default prefill chunk (256), on v5p-8 and one 8 x H100 node:
     the paged engine holds at least twice the slot engine's runs, its pool pages hold the drawn
     runs but for < 1% of draws, and both engines' bytes stay within 90% of HBM by the estimate."""
     out = tmp_path / "rows.json"
     rc = main(["plan", "engine", "--model", "r1-distill-qwen-7b", "--executors", "8", "--capacity", "32768",
-               "--branch-capacity", "4096", "--prefill-chunk", "64", "--lengths", "synthetic", "--topology",
+               "--branch-capacity", "4096", "--lengths", "synthetic", "--topology",
                topology, "--programs", "none", "--json", str(out)])
     assert rc == 0, capsys.readouterr().err
     (row,) = json.loads(out.read_text())
     assert row["ratio"] >= 2 and row["exceed_probability"] < 0.01
     where = chips.parse_slices(topology)[0]
     shape = dataclasses.replace(_tiny_7b(tuple(row["mesh"].values())), executors=8, capacity=32768,
-                                branch_capacity=4096, concurrency=row["paged_runs"], num_pages=row["pool_pages"])
+                                branch_capacity=4096, concurrency=row["paged_runs"], num_pages=row["pool_pages"],
+                                prefill_chunk=256)
     assert pe.peak_estimate(shape) <= 0.9 * where.chip.hbm_bytes
     # one step of runs more and the pool's pages overflow too often (or do not fit beside)
     more = dataclasses.replace(shape, concurrency=row["paged_runs"] + shape.parts)
@@ -256,17 +257,17 @@ needs_plugin = pytest.mark.skipif(__import__("importlib").util.find_spec("jax_pl
 @needs_plugin
 def test_the_programs_compile_at_the_fit(tmp_path, capsys):
     """Without --concurrency the programs are compiled at the paged engine's fit: the join copy of
-    the 7B on h100:8 at 344 runs (43 a GPU) over the pool that fits, 378,432 pages of 16 tokens
-    split over data=8: 47,304 pages a GPU, 57,344 bytes a token, its argument by hand."""
+    the 7B on h100:8 at 416 runs (52 a GPU) over the pool that fits, 447,376 pages of 16 tokens
+    split over data=8: 55,922 pages a GPU, 57,344 bytes a token, its argument by hand."""
     out = tmp_path / "rows.json"
     rc = main(["plan", "engine", "--model", "r1-distill-qwen-7b", "--executors", "8", "--capacity", "32768",
-               "--branch-capacity", "4096", "--prefill-chunk", "64", "--lengths", "synthetic", "--topology",
+               "--branch-capacity", "4096", "--lengths", "synthetic", "--topology",
                "h100:8", "--programs", "join_copy", "--json", str(out)])
     assert rc == 0, capsys.readouterr().err
     fit_row, join = json.loads(out.read_text())
-    assert (fit_row["paged_runs"], fit_row["pool_pages"]) == (344, 378_432)
+    assert (fit_row["paged_runs"], fit_row["pool_pages"]) == (416, 447_376)
     assert join["kind"] == "join_copy" and join["compiled"] and join["fits"]
-    assert (join["concurrency"], join["pool_pages"]) == (344, 378_432)
+    assert (join["concurrency"], join["pool_pages"]) == (416, 447_376)
     # + the copy's rows: 64 rows' two tables of 4,096 pages and two position rows of 4,112 (int32)
-    assert join["per_chip_bytes"]["arguments"] - 378_432 // 8 * 16 * 57_344 == 64 * (2 * 4096 + 2 * 4112) * 4
-    assert join["per_chip_bytes"]["arguments"] >= 378_432 // 8 * 16 * 57_344
+    assert join["per_chip_bytes"]["arguments"] - 447_376 // 8 * 16 * 57_344 == 64 * (2 * 4096 + 2 * 4112) * 4
+    assert join["per_chip_bytes"]["arguments"] >= 447_376 // 8 * 16 * 57_344

@@ -245,14 +245,15 @@ def test_rl_refuses_a_max_seq_len_without_room_after_the_prompts(sft_model, tmp_
 def test_rl_refuses_a_kv_cache_larger_than_free_memory(sft_model, tmp_path, capsys, monkeypatch, no_engine):
     """`rollout.concurrency=100000` was killed by the kernel; now the KV cache `eval` would allocate
     for it is checked against the free memory first. The estimate, from config.json by hand: K and V
-    of every layer and KV head for 100000 runs of 160 planner positions plus 2 branches of
-    8 + 32 tokens, fp32."""
+    of every layer and KV head for 100000 runs, each 160 + 16 (a decode chunk) planner positions
+    in 11 pages of 16 and 2 branches of 8 + 32 + 16 positions in 4 pages and a copy of the page
+    the fork splits, fp32."""
     from sprint_jax.cli import main
     from sprint_jax.model import capacity
 
     c = json.loads((sft_model / "config.json").read_text())
     per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * (c["hidden_size"] // c["num_attention_heads"]) * 4
-    need = per_token * 100_000 * (160 + 2 * (8 + 32))
+    need = per_token * 100_000 * 16 * (11 + 2 * (4 + 1))
     monkeypatch.setattr(capacity, "available_memory_bytes", lambda: need)
     with pytest.raises(_EngineReached):                               # exactly enough: it goes on
         main(_argv(sft_model, tmp_path / "a", "rollout.concurrency=100000"))

@@ -250,8 +250,8 @@ def _checked_load(args, config, seqs: int = 1, mesh=None):
     if mesh is not None:
         from sprint_jax.infer.sharding import serving_config
         mcfg = serving_config(mcfg, mesh)
-    check_memory(sizes.pool_bytes_per_device(mcfg, mesh), f"the KV pool ({what}, per device)",
-                 "lower --kv-pages, --max-seq-len, --max-prompts, --max-branch-tokens"
+    check_memory(sizes.pool_bytes_per_device(mcfg, mesh), f"the KV cache ({what}, per device)",
+                 "lower --max-seq-len, --max-prompts, --max-branch-tokens, --kv-pages"
                  + (" or --concurrency" if seqs > 1 else ""))
     tok = load_tokenizer_arg(args.tokenizer, args.model)
     check_tokenizer_fits(tok, mcfg.vocab_size, f"the model in {args.model}")

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sprint_jax.infer import sharding as sh
-from sprint_jax.infer.pages import KVPages, constrain_pool, scatter_pages, token_slots
+from sprint_jax.infer.pages import KVPages, constrain_pool, gather_pages, scatter_pages, token_slots
 from sprint_jax.infer.paged_attention import paged_partial
 from sprint_jax.infer.prefix_attention import pallas_paged_prefix_attention
 from sprint_jax.infer.sampling import advance_rows, filtered_logits, mask_padded
@@ -68,6 +68,17 @@ def _self_flash(q, k, v, n_valid):
     return flash_attention(q, k, v, span_end, return_lse=True)
 
 
+def _prefix_flash(q, pool: KVPages, layer, table, n):
+    """A prefill chunk's attention to the first n[r] tokens of each row's pages (all before its
+    queries q [R, T, H, D]): the pages gathered in token order, then the blockwise flash attention
+    with the queries placed after the keys (q_offset = n), so the scores are never held whole (a
+    7B chunk of 256 tokens over 32k cached tokens would hold ~1.4 GB of fp32 scores per row).
+    flash_attention takes [R, S, Hkv, D]: the gathered pages are transposed (prefill calls are few)."""
+    k, v = (jnp.transpose(gather_pages(a, layer, table), (1, 2, 0, 3)) for a in (pool.k, pool.v))
+    span_end = jnp.where(jnp.arange(k.shape[1])[None] < n[:, None], jnp.int32(_NEVER), 0)
+    return flash_attention(q, k, v, span_end, q_offset=n, return_lse=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # Prefill: tokens [R, T] written through R page tables
 # ---------------------------------------------------------------------------------------------
@@ -97,7 +108,7 @@ def _prefill_body(params, config: Qwen2Config, pool: KVPages, rows: PrefillRows,
     offs = rows.start[:, None] + jnp.arange(t, dtype=jnp.int32)[None]                 # [R, T]
 
     def attend(q, k, v, layer):
-        prefix = paged_partial(q, pool.k, pool.v, layer, table, rows.start)
+        prefix = _prefix_flash(q, pool, layer, table, rows.start)
         return merge_partials([prefix, _self_flash(q, k, v, rows.n_valid)])[0], (k, v)
 
     x = embed(params, config, rows.tokens)

@@ -303,9 +303,9 @@ def temporaries(shape: EngineShape, kind: str) -> dict[str, float]:
         each executor's own pages, `table_widths`['child'] wide, and its fp32 scores; with the XLA
         attention also each group's shared pages and each planner row's pages: the Pallas kernel
         reads those in place);
-      prefill: each row's gathered pages (K and V), its fp32 scores against them ([rows x heads x
-        chunk x table tokens]: the XLA attention to the pages before the chunk) and the [rows x
-        chunk] activations;
+      prefill: each row's gathered pages (K and V, and the transposed copy the blockwise flash
+        attention to the pages before the chunk takes: its scores are never held whole) and the
+        [rows x chunk] activations;
       join copy: the children's copied tokens (one shard's block of K rows x the join window,
         every layer, K and V).
     Read off the TPU compiler (v5p, v5e): at the 7B on data=4 the prefill's temporaries are 4.1
@@ -339,8 +339,7 @@ def temporaries(shape: EngineShape, kind: str) -> dict[str, float]:
         from sprint_jax.infer.slot_cache import bucket_fine
         chunk = bucket_fine(shape.prefill_chunk, 16)
         keys = widths["parent"] * ps
-        out["gathered_pages"] = 2 * item * local * hkv * keys * d
-        out["scores"] = FP32 * local * heads * chunk * keys
+        out["gathered_pages"] = 2 * 2 * item * local * hkv * keys * d
         out["activations"] = local * chunk * (4 * item * cfg.hidden_size + 2 * item * cfg.intermediate_size / t)
     elif kind == "join_copy":
         rows = min(1 << max(shape.executors - 1, 0).bit_length(), local * shape.executors)
@@ -551,7 +550,7 @@ def fits(shape: EngineShape, hbm_bytes: float, fill: float = FILL) -> bool:
     return peak_estimate(shape) <= hbm_bytes * fill
 
 
-def _largest(ok: Callable[[int], bool], step: int = 1, limit: int = 1 << 20) -> int:
+def largest(ok: Callable[[int], bool], step: int = 1, limit: int = 1 << 20) -> int:
     """The largest multiple n of `step` with ok(n) (ok monotone decreasing in n); 0 if none."""
     if not ok(step):
         return 0
@@ -571,9 +570,9 @@ def capacity(shape: EngineShape, hbm_bytes: float) -> dict[str, int]:
     """By the planner's estimate on chips of `hbm_bytes` (10% kept free): the largest concurrency
     at the shape's executor width, and the largest executor width at its concurrency."""
     slots = shape.mesh[0] * shape.mesh[1]
-    return {"max_concurrency": _largest(lambda c: fits(dataclasses.replace(shape, concurrency=c), hbm_bytes),
+    return {"max_concurrency": largest(lambda c: fits(dataclasses.replace(shape, concurrency=c), hbm_bytes),
                                         step=slots),
-            "max_executors": _largest(lambda k: fits(dataclasses.replace(shape, executors=k), hbm_bytes))}
+            "max_executors": largest(lambda k: fits(dataclasses.replace(shape, executors=k), hbm_bytes))}
 
 
 def meshes(chips: int, shape: EngineShape, node: int | None = None) -> list[tuple[int, int, int]]:
@@ -610,7 +609,7 @@ def way_out(shape: EngineShape, where) -> str:
         options.append(f"--concurrency {cap['max_concurrency']}")
     if 0 < cap["max_executors"] < shape.executors:
         options.append(f"--executors {cap['max_executors']}")
-    s = _largest(lambda n: fits(dataclasses.replace(shape, capacity=n, branch_capacity=min(n, shape.branch_capacity)),
+    s = largest(lambda n: fits(dataclasses.replace(shape, capacity=n, branch_capacity=min(n, shape.branch_capacity)),
                                 hbm), step=1024, limit=shape.capacity)
     if 0 < s < shape.capacity:
         options.append(f"--capacity {s}")

@@ -176,7 +176,7 @@ def exceed_probability(pages: Sequence[int], n_runs: int, parts: int, shard_page
 
 def _largest(ok, step: int, limit: int = 1 << 17) -> int:
     """The largest multiple n of `step` with ok(n), ok decreasing in n; 0 if none."""
-    from sprint_jax.plan.engine import _largest as largest
+    from sprint_jax.plan.engine import largest
     return largest(ok, step=step, limit=limit)
 
 

@@ -324,8 +324,8 @@ def _open_run(cfg: RLConfig, out: Path, progress: bool, t_start: float) -> _Run:
     # the engine places them on the mesh), sized as `sprint-jax eval` sizes it
     per_device = rollout_engine_config(cfg).pool_bytes_per_device(sh.serving_config(model_cfg, mesh), mesh)
     check_memory(per_device,
-                 f"the rollout KV pool ({seqs} run(s) of rollout.max_seq_len {ro.max_seq_len} with "
-                 f"{ro.orchestrator.max_prompts} branches of {branch_tokens}, per device)",
+                 f"the rollout KV cache ({seqs} run(s) of rollout.max_seq_len {ro.max_seq_len} with "
+                 f"{ro.orchestrator.max_prompts} branches of {branch_tokens}, in pages, per device)",
                  "lower rollout.concurrency, rollout.max_seq_len, rollout.orchestrator.max_prompts or "
                  "rollout.orchestrator.max_branch_tokens")
     return _Run(cfg, out, progress, model_cfg, tok, train_tasks, held_tasks, query_of, t_start, mesh)
