@@ -136,7 +136,8 @@ def test_paged_vs_slot_step_rows(report):
             assert r["paged_bytes"] == layers * (2 * page + q_row)
             assert r["slot_prefix_kv_bytes"] == layers * 24 * kv_row and r["paged_prefix_kv_bytes"] == layers * 2 * page
             assert r["slot_widths"]["s_b"] == 38                  # 24 + chunk 4 -> bucket 64, capped at 38
-            assert r["paged_widths"]["ma"] == 4                   # 2 pages -> the 64-token floor, 4 pages
+            # 2 pages -> the 64-token floor, 4 pages, capped at the parent's 38 tokens: 3 pages
+            assert r["paged_widths"]["ma"] == 3
             continue
         assert r["used_length"] == P + c
         # slots: the parent's 24 tokens once for the group, each child its own 4
@@ -151,7 +152,9 @@ def test_paged_vs_slot_step_rows(report):
         # the prefix's K/V is read once whatever n
         assert r["slot_prefix_kv_bytes"] == layers * 24 * kv_row and r["paged_prefix_kv_bytes"] == layers * page
         assert r["slot_widths"] == {"w": n, "s_b": 38, "c_b": 15}
-        assert r["paged_widths"] == {"w": n, "mg": 4, "mr": 4}
+        # the 64-token floor (4 pages) capped: the shared prefix at the parent's 38 tokens (3
+        # pages), a child's own pages at a page + its 15 tokens (2 pages)
+        assert r["paged_widths"] == {"w": n, "mg": 3, "mr": 2}
 
 
 def test_hf_row_same_weights(report):

@@ -234,9 +234,9 @@ def test_the_7b_runs_per_chip_of_the_benchmark(tmp_path, capsys, topology):
 
 
 def test_lengths_from_records_through_the_command(tmp_path, capsys):
-    """`--lengths RECORDS` reads the SPRINT runs (3, not the 2 RFT ones) and fits them; short runs
-    (a page or two) leave the temporaries at N as the limit, so the paged engine holds more runs
-    than the slot engine, whose every run reserves its capacities."""
+    """`--lengths RECORDS` reads the SPRINT runs (3, not the 2 RFT ones) and fits them (overflow
+    under 1% of draws); runs of a few pages leave room for far more runs than the slot engine,
+    whose every run reserves its capacities."""
     from test_bench_replay import RFT, SPRINT
     path = _records(tmp_path / "r", SPRINT + RFT)
     out = tmp_path / "rows.json"
@@ -247,7 +247,7 @@ def test_lengths_from_records_through_the_command(tmp_path, capsys):
     (row,) = json.loads(out.read_text())
     # p1's peak: its first join, 20 tokens + a chunk in 3 pages and two executors of 2 pages each
     assert row["runs"] == 3 and row["run_pages"]["max"] == 7 and row["ratio"] > 1
-    assert row["lengths"] == str(path) and row["exceed_probability"] == 0.0
+    assert row["lengths"] == str(path) and row["exceed_probability"] < 0.01
 
 
 needs_plugin = pytest.mark.skipif(__import__("importlib").util.find_spec("jax_plugins.xla_cuda12") is None,
@@ -257,17 +257,17 @@ needs_plugin = pytest.mark.skipif(__import__("importlib").util.find_spec("jax_pl
 @needs_plugin
 def test_the_programs_compile_at_the_fit(tmp_path, capsys):
     """Without --concurrency the programs are compiled at the paged engine's fit: the join copy of
-    the 7B on h100:8 at 416 runs (52 a GPU) over the pool that fits, 447,376 pages of 16 tokens
-    split over data=8: 55,922 pages a GPU, 57,344 bytes a token, its argument by hand."""
+    the 7B on h100:8 at 440 runs (55 a GPU) over the pool that fits, 473,560 pages of 16 tokens
+    split over data=8: 59,195 pages a GPU, 57,344 bytes a token, its argument by hand."""
     out = tmp_path / "rows.json"
     rc = main(["plan", "engine", "--model", "r1-distill-qwen-7b", "--executors", "8", "--capacity", "32768",
                "--branch-capacity", "4096", "--lengths", "synthetic", "--topology",
                "h100:8", "--programs", "join_copy", "--json", str(out)])
     assert rc == 0, capsys.readouterr().err
     fit_row, join = json.loads(out.read_text())
-    assert (fit_row["paged_runs"], fit_row["pool_pages"]) == (416, 447_376)
+    assert (fit_row["paged_runs"], fit_row["pool_pages"]) == (440, 473_560)
     assert join["kind"] == "join_copy" and join["compiled"] and join["fits"]
-    assert (join["concurrency"], join["pool_pages"]) == (416, 447_376)
+    assert (join["concurrency"], join["pool_pages"]) == (440, 473_560)
     # + the copy's rows: 64 rows' two tables of 4,096 pages and two position rows of 4,112 (int32)
-    assert join["per_chip_bytes"]["arguments"] - 447_376 // 8 * 16 * 57_344 == 64 * (2 * 4096 + 2 * 4112) * 4
-    assert join["per_chip_bytes"]["arguments"] >= 447_376 // 8 * 16 * 57_344
+    assert join["per_chip_bytes"]["arguments"] - 473_560 // 8 * 16 * 57_344 == 64 * (2 * 4096 + 2 * 4112) * 4
+    assert join["per_chip_bytes"]["arguments"] >= 473_560 // 8 * 16 * 57_344

@@ -48,10 +48,12 @@ def _pages(tokens: int, ps: int) -> int:
     return -(-tokens // ps)
 
 
-def page_bucket(n_pages: int, page_size: int, min_bucket: int = SLOT_MIN_BUCKET) -> int:
-    """A page table width as the paged scheduler picks it (`Scheduler._page_bucket`)."""
+def page_bucket(n_pages: int, page_size: int, cap_tokens: int | None = None, min_bucket: int = SLOT_MIN_BUCKET) -> int:
+    """A page table width as the paged scheduler picks it (`Scheduler._page_bucket`: capped at the
+    pages of cap_tokens, never below n_pages)."""
     from sprint_jax.infer.slot_cache import bucket_fine
-    return bucket_fine(max(n_pages, 1), max(1, min_bucket // page_size))
+    width = bucket_fine(max(n_pages, 1), max(1, min_bucket // page_size))
+    return width if cap_tokens is None else max(min(width, _pages(cap_tokens, page_size)), n_pages)
 
 
 def _fill(rows, budget: int, pending: np.ndarray) -> None:
@@ -69,15 +71,17 @@ def group_width(n: int, max_children: int) -> int:
 
 
 def paged_rows(kind: str, p: int, n: int, c: int, chunk: int, page_size: int, max_children: int,
-               perm: np.ndarray, budget: int, pending: np.ndarray):
+               perm: np.ndarray, budget: int, pending: np.ndarray, parent_cap: int | None = None,
+               child_cap: int | None = None):
     """`programs.DecodeRows` of one point (kind "fork": n children with c own tokens over a P-token
     context; "generate": one row of P tokens) over the pool pages `perm` (a permutation of the
     pool's page ids), `budget` tokens per row, pending tokens `pending` [rows]. Returns (packed,
-    layout, widths)."""
+    layout, widths). parent_cap / child_cap: the engine's capacities, which cap the widths as the
+    scheduler caps them."""
     from sprint_jax.infer.programs import DecodeRows
     ps = page_size
     if kind == "generate":
-        ma = page_bucket(_pages(p + chunk, ps), ps)                  # start + len(feed) - 1 + chunk
+        ma = page_bucket(_pages(p + chunk, ps), ps, parent_cap)      # start + len(feed) - 1 + chunk
         r = DecodeRows.empty(1, 0, 1, chunk, ma, 1, 1)
         held = _pages(p + chunk, ps)
         r.a_table[0, :held] = perm[:held]
@@ -86,9 +90,10 @@ def paged_rows(kind: str, p: int, n: int, c: int, chunk: int, page_size: int, ma
     else:
         w = group_width(n, max_children)
         shared = p // ps * ps                                        # the context's full pages
-        mg = page_bucket(shared // ps, ps)
+        mg = page_bucket(shared // ps, ps, parent_cap)
         own = p + c - shared                                         # the copied partial page + c
-        mr = page_bucket(_pages(own + 1 + chunk, ps), ps)            # start + len(feed) + chunk - shared
+        mr = page_bucket(_pages(own + 1 + chunk, ps), ps,            # start + len(feed) + chunk - shared
+                         None if child_cap is None else ps + child_cap)
         r = DecodeRows.empty(0, 1, w, chunk, 1, mg, mr)
         r.b_gtable[0, : shared // ps] = perm[: shared // ps]
         r.b_glen[0] = shared
@@ -207,7 +212,8 @@ def bench_paged_vs_slot(params, config, s: dict[str, Any], page_size: int, rng) 
             b = 1 if kind == "generate" else group_width(n, children)
             pending = rng.integers(2, config.vocab_size, b)
             for budget in (chunk, 1):
-                pk, pl, pw = paged_rows(kind, p, n, c, chunk, ps, children, perm, budget, pending)
+                pk, pl, pw = paged_rows(kind, p, n, c, chunk, ps, children, perm, budget, pending, parent_cap,
+                                        child_cap)
                 sk, sl, sw = slot_rows(kind, p, n, c, chunk, parent_cap, child_cap, children, budget, pending)
                 calls[(kind, n, "paged", budget)] = (pk, pl)
                 calls[(kind, n, "slot", budget)] = (sk, sl)

@@ -126,10 +126,12 @@ class Scheduler:
         row[: len(pages)] = np.asarray(pages, np.int32) + part * self._part_pages
         return row
 
-    def _page_bucket(self, n_pages: int) -> int:
+    def _page_bucket(self, n_pages: int, cap_tokens: int) -> int:
         """A table width for n_pages pages: few shapes compile (1x, 1.5x powers of two from
-        min_bucket tokens' pages)."""
-        return bucket_fine(max(n_pages, 1), max(1, self.min_bucket // self.page_size))
+        min_bucket tokens' pages), capped at the pages of `cap_tokens` (the most such a table can
+        need: a read past them is pure over-read), never below n_pages."""
+        width = bucket_fine(max(n_pages, 1), max(1, self.min_bucket // self.page_size))
+        return max(min(width, self._pages_for(cap_tokens)), n_pages)
 
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -179,7 +181,7 @@ class Scheduler:
             if self._reserve(seq.part, seq.pages, piece.start, len(piece.tokens), copies):
                 pieces.append(piece)
         if pieces:
-            self._prefill_call(pieces, copies, cap=None)
+            self._prefill_call(pieces, copies, cap=None, cap_tokens=self.parent_capacity)
         for piece in pieces:
             work = piece.owner
             work.done += len(piece.tokens)
@@ -199,14 +201,16 @@ class Scheduler:
                     if self._reserve(seq.part, row.pages, piece.start, len(piece.tokens), copies):
                         pieces.append(piece)
         if pieces:
-            self._prefill_call(pieces, copies, cap=self.max_seqs // self._parts * self.max_children)
+            self._prefill_call(pieces, copies, cap=self.max_seqs // self._parts * self.max_children,
+                               cap_tokens=self.parent_capacity + self.child_capacity)
         for piece in pieces:
             piece.owner.prefill_pos += len(piece.tokens)
 
-    def _prefill_call(self, pieces: list[_Piece], copies: list, cap: int | None) -> None:
-        """One prefill call writing every piece (each placed in its sequence's shard block)."""
+    def _prefill_call(self, pieces: list[_Piece], copies: list, cap: int | None, cap_tokens: int) -> None:
+        """One prefill call writing every piece (each placed in its sequence's shard block; `cap`:
+        rows per block, `cap_tokens`: the longest table such pieces can have)."""
         at, r_b = sh.slot_blocks([p.slot for p in pieces], self.max_seqs, self._parts, cap=cap)
-        width = self._page_bucket(max(self._pages_for(p.start + len(p.tokens)) for p in pieces))
+        width = self._page_bucket(max(self._pages_for(p.start + len(p.tokens)) for p in pieces), cap_tokens)
         r = PrefillRows.empty(r_b, bucket_fine(max(len(p.tokens) for p in pieces), 16), width)
         for i, p in zip(at, pieces):
             r.tokens[i, : len(p.tokens)] = p.tokens
@@ -276,10 +280,11 @@ class Scheduler:
         at_f, nf = sh.slot_blocks([k[0].slot for k in forks], self.max_seqs, parts) if forks else ([], 0)
         wa, wf = na // parts, nf // parts
         w = min(bucket(max(len(k) for k in forks), 1), self.max_children) if forks else 1
-        ma = self._page_bucket(max((self._pages_for(g.start + g.writes(chunk)) for g in gen_rows), default=1))
-        mg = self._page_bucket(max((k[0].shared // ps for k in forks), default=1))
+        ma = self._page_bucket(max((self._pages_for(g.start + g.writes(chunk)) for g in gen_rows), default=1),
+                               self.parent_capacity)
+        mg = self._page_bucket(max((k[0].shared // ps for k in forks), default=1), self.parent_capacity)
         mr = self._page_bucket(max((self._pages_for(c.start + c.writes(chunk) - c.shared) for k in forks for c in k),
-                                   default=1))
+                                   default=1), ps + self.child_capacity)
         r = DecodeRows.empty(na, nf, w, chunk, ma, mg, mr)
         placed: list[_RowRun] = []
         block = wa + wf * w                                           # rows per shard

@@ -91,10 +91,12 @@ class EngineShape:
         """The pool's pages, a multiple of the page shards (`EngineConfig.pool_pages`)."""
         return self.engine_config.pool_pages(self.parts)
 
-    def page_bucket(self, n_pages: int) -> int:
-        """A page-table width, as `Scheduler._page_bucket` picks it (min_bucket 64 tokens)."""
+    def page_bucket(self, n_pages: int, cap_tokens: int) -> int:
+        """A page-table width, as `Scheduler._page_bucket` picks it (min_bucket 64 tokens; capped
+        at the pages of cap_tokens, never below n_pages)."""
         from sprint_jax.infer.slot_cache import bucket_fine
-        return bucket_fine(max(n_pages, 1), max(1, self.engine_config.min_bucket // self.page_size))
+        width = bucket_fine(max(n_pages, 1), max(1, self.engine_config.min_bucket // self.page_size))
+        return max(min(width, self.pages_for(cap_tokens)), n_pages)
 
     @property
     def table_widths(self) -> dict[str, int]:
@@ -103,9 +105,11 @@ class EngineShape:
         partly filled page, its branch, a decode chunk and a join's fed token: 'child'), and a
         merge join's table (`Joins._merge_pages`: 'join')."""
         from sprint_jax.infer.slot_cache import bucket
-        return {"parent": self.page_bucket(self.pages_for(self.parent_capacity)),
-                "shared": self.page_bucket(self.capacity // self.page_size),
-                "child": self.page_bucket(self.pages_for(self.page_size + self.child_capacity)),
+        pcap = self.parent_capacity
+        return {"parent": self.page_bucket(self.pages_for(pcap), pcap),
+                "shared": self.page_bucket(self.capacity // self.page_size, pcap),
+                "child": self.page_bucket(self.pages_for(self.page_size + self.child_capacity),
+                                          self.page_size + self.child_capacity),
                 "join": bucket(self.pages_for(self.parent_capacity), max(1, 64 // self.page_size))}
 
 
