@@ -33,7 +33,7 @@ Key blocks past a group's used length (the max of its lens) are never read:
 On CPU either body runs with interpret=True (tests); `jax.export` lowers both at 7B sizes.
 
 heads_first=True takes the cache as [N, Hkv, S, D] (the batched engine's slot cache layout since
-the decode step reads whole [Hkv, S, D] slices: `sprint_jax.infer.slot_cache.SlotCache`): the GPU body
+the decode step reads whole [Hkv, S, D] slices: `sprint_jax.bench.slot_cache.SlotCache`): the GPU body
 addresses (row, head, keys) instead of (row, keys, head); the TPU body takes (bk, D) blocks of
 (row, head) directly, so it needs no [S, Hkv*D] view and no D % 128 == 0.
 

@@ -63,7 +63,7 @@ def _block_softmax(s: jax.Array, mask: jax.Array, d: int):
 
 def attend_partial_heads(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array):
     """`attend_partial` with keys and values heads-first: k, v [B, Hkv, S, D] (the batched engine's
-    slot cache layout, sprint_jax/infer/slot_cache.py), so that neither einsum needs K or V transposed
+    slot cache layout, sprint_jax/bench/slot_cache.py), so that neither einsum needs K or V transposed
     (each (b, kv head) is one [S, D] matrix). q [B, T, H, D]; mask [B, T, S]; returns the same
     (out [B, T, H, D], lse [B, T, H])."""
     b, t, h, d = q.shape

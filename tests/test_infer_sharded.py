@@ -351,17 +351,18 @@ def test_slot_blocks_place_rows_in_their_shards_block():
 
 
 def test_bf16_cache_moves_as_bits_on_cpu_exactly():
-    """On CPU a 16-bit cache is gathered / scattered as uint16 bits (slot_cache._on_bits: XLA CPU
+    """On CPU a 16-bit cache is gathered / scattered as uint16 bits (pages._on_bits: XLA CPU
     would widen the whole cache to f32 each step): the result equals numpy indexing of the same array."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from sprint_jax.infer import slot_cache as batch
+    from sprint_jax.infer import pages
+    from sprint_jax.bench import slot_cache as batch
 
     rng = np.random.default_rng(0)
     cache = jnp.asarray(rng.standard_normal((3, 5, 2, 7, 4)), jnp.bfloat16)     # [L, N, Hkv, C, D]
-    assert batch._on_bits(cache) == (jax.default_backend() == "cpu")
+    assert pages._on_bits(cache) == (jax.default_backend() == "cpu")
     rows = jnp.asarray([4, 0, 4], jnp.int32)
     got = jax.jit(batch.gather_rows, static_argnums=3)(cache, 1, rows, 6)      # [R, Hkv, 6, D]
     ref = np.asarray(cache)[1][np.asarray(rows)][:, :, :6]

@@ -207,7 +207,7 @@ def test_readme_plan_engine_command_fits_and_reaches_the_compile(monkeypatch, ca
     """The plan engine synopsis's required part, as written, goes through the CLI (flags, model,
     mesh, the planner's fit check) up to the TPU compile, which is stopped here (minutes of compile
     on a CPU host; tests/test_plan_engine.py compiles engine programs for v5e). Without a --mesh it
-    does not fit by the estimate (279.6 GiB per chip: 32 runs do not split over data=64, so every
+    does not fit by the estimate (275.4 GiB per chip: 32 runs do not split over data=64, so every
     chip holds the whole 252.5 GiB KV pool)."""
     from sprint_jax.plan import engine as pe
 
@@ -234,7 +234,7 @@ def test_readme_plan_engine_command_fits_and_reaches_the_compile(monkeypatch, ca
     without_mesh = [a for a in argv if a not in ("--mesh", "tensor=2")]
     capsys.readouterr()
     assert main(without_mesh) == 2                             # the command as the README wrote it before
-    assert "279.6 GiB per chip by the planner's estimate" in capsys.readouterr().err
+    assert "275.4 GiB per chip by the planner's estimate" in capsys.readouterr().err
 
 
 @pytest.mark.slow

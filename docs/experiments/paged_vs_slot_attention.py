@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sprint_jax.infer.paged_attention import grouped_paged_attention
-from sprint_jax.infer.slot_programs import parent_prefix_attention
-from sprint_jax.infer.slot_cache import gather_rows
+from sprint_jax.bench.slot_programs import parent_prefix_attention
+from sprint_jax.bench.slot_cache import gather_rows
 from sprint_jax.model.attention import attend_partial_heads
 from sprint_jax.model.qwen2 import merge_partials
 

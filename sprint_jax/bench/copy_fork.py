@@ -23,7 +23,7 @@ import numpy as np
 from sprint_jax.infer.requests import EngineError, Generation, checked_sampling
 from sprint_jax.infer.sampling import advance_rows, mask_padded, sample_tokens
 from sprint_jax.infer.single import BranchStats, SingleRun
-from sprint_jax.infer.slot_cache import bucket
+from sprint_jax.infer.buckets import bucket
 from sprint_jax.infer.stops import StopScanner
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.model.qwen2 import attend_partial, decoder, dtype_of, embed, flash_attention, unembed

@@ -235,7 +235,7 @@ def _engine_xla_prefix(q, kc, vc, rows, lens, s_b: int):
     """The engine's XLA parent-prefix attention, its own code (`programs.parent_prefix_attention`:
     gather each group's first s_b slots of the heads-first cache kc, vc [N, Hkv, S, D], seen as
     one layer)."""
-    from sprint_jax.infer.slot_programs import parent_prefix_attention
+    from sprint_jax.bench.slot_programs import parent_prefix_attention
     return parent_prefix_attention(kc[None], vc[None], 0, rows, q, lens, s_b)
 
 
@@ -247,7 +247,7 @@ def _bench_grouped_point(groups: int, p: int, s: dict[str, Any], interpret: bool
     cap = p + 16
     keys = jax.random.split(jax.random.PRNGKey(seed), 3)
     q = jax.random.normal(keys[0], (groups, w, h, d), dtype)
-    # the batched engine's slot layout, heads first: [N, Hkv, S, D] (sprint_jax.infer.slot_cache.SlotCache)
+    # the batched engine's slot layout, heads first: [N, Hkv, S, D] (sprint_jax.bench.slot_cache.SlotCache)
     kc = jax.random.normal(keys[1], (groups, hkv, cap, d), dtype)
     vc = jax.random.normal(keys[2], (groups, hkv, cap, d), dtype)
     glens = [max(1, p - g * p // (2 * groups)) for g in range(groups)]

@@ -51,7 +51,7 @@ def _pages(tokens: int, ps: int) -> int:
 def page_bucket(n_pages: int, page_size: int, cap_tokens: int | None = None, min_bucket: int = SLOT_MIN_BUCKET) -> int:
     """A page table width as the paged scheduler picks it (`Scheduler._page_bucket`: capped at the
     pages of cap_tokens, never below n_pages)."""
-    from sprint_jax.infer.slot_cache import bucket_fine
+    from sprint_jax.infer.buckets import bucket_fine
     width = bucket_fine(max(n_pages, 1), max(1, min_bucket // page_size))
     return width if cap_tokens is None else max(min(width, _pages(cap_tokens, page_size)), n_pages)
 
@@ -66,7 +66,7 @@ def _fill(rows, budget: int, pending: np.ndarray) -> None:
 
 def group_width(n: int, max_children: int) -> int:
     """Rows of a sibling group of n children, as both schedulers pick it (padding rows idle)."""
-    from sprint_jax.infer.slot_cache import bucket
+    from sprint_jax.infer.buckets import bucket
     return min(bucket(n, 1), max_children)
 
 
@@ -115,8 +115,8 @@ def slot_rows(kind: str, p: int, n: int, c: int, chunk: int, parent_cap: int, ch
               budget: int, pending: np.ndarray):
     """`slot_programs.DecodeRows` of the same point on the slot cache (one parent slot, its
     children's slots 0..w-1). Returns (packed, layout, widths with s_b and c_b)."""
-    from sprint_jax.infer.slot_cache import bucket_fine
-    from sprint_jax.infer.slot_programs import DecodeRows
+    from sprint_jax.infer.buckets import bucket_fine
+    from sprint_jax.bench.slot_programs import DecodeRows
     if kind == "generate":
         r = DecodeRows.empty(1, 0, 1, chunk, 1, 1)
         r.a_slot[0] = 0
@@ -181,9 +181,10 @@ def bench_paged_vs_slot(params, config, s: dict[str, Any], page_size: int, rng) 
     """Rows of the side-by-side section (see the module docstring), one per `step_points`."""
     import jax
 
-    from sprint_jax.infer import programs, slot_programs
+    from sprint_jax.bench import slot_programs
+    from sprint_jax.infer import programs
     from sprint_jax.infer.pages import KVPages
-    from sprint_jax.infer.slot_cache import SlotCache
+    from sprint_jax.bench.slot_cache import SlotCache
     from sprint_jax.model.qwen2 import UNROLL_MAX_LAYERS, dtype_of, per_layer
 
     # the weights as the engine runs them on one device (`Engine`'s per_layer_weights default)

@@ -19,7 +19,7 @@ from sprint_jax.infer import sharding as sh
 from sprint_jax.infer.pages import PoolExhausted
 from sprint_jax.infer.programs import CopyRows, PrefillRows
 from sprint_jax.infer.requests import EngineError, ForkChild, ForkRecord, Seq, common_prefix
-from sprint_jax.infer.slot_cache import bucket, bucket_fine
+from sprint_jax.infer.buckets import bucket, bucket_fine
 
 
 class Joins:

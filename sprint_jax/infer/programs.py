@@ -30,11 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from sprint_jax.infer import sharding as sh
-from sprint_jax.infer.pages import KVPages, constrain_pool, gather_pages, scatter_pages, token_slots
+from sprint_jax.infer.pages import KVPages, as_bits, constrain_pool, gather_pages, scatter_pages, token_slots
 from sprint_jax.infer.paged_attention import paged_partial
 from sprint_jax.infer.prefix_attention import pallas_paged_prefix_attention
 from sprint_jax.infer.sampling import advance_rows, filtered_logits, mask_padded
-from sprint_jax.infer.slot_cache import as_bits
 from sprint_jax.model.attention import attend_partial, flash_attention
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.model.qwen2 import decoder, embed, merge_partials, unembed

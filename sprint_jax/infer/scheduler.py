@@ -22,7 +22,7 @@ from sprint_jax.infer.pages import PageCopy, PoolExhausted, SeqPages, copy_args,
 from sprint_jax.infer.programs import DecodeRows, PrefillRows
 from sprint_jax.infer.requests import EngineError, ForkChild, Generation, Op, PrefillWork, Row
 from sprint_jax.infer.sampling import TOP_LOGPROBS
-from sprint_jax.infer.slot_cache import bucket, bucket_fine
+from sprint_jax.infer.buckets import bucket, bucket_fine
 
 
 @dataclasses.dataclass

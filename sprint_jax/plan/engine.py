@@ -94,7 +94,7 @@ class EngineShape:
     def page_bucket(self, n_pages: int, cap_tokens: int) -> int:
         """A page-table width, as `Scheduler._page_bucket` picks it (min_bucket 64 tokens; capped
         at the pages of cap_tokens, never below n_pages)."""
-        from sprint_jax.infer.slot_cache import bucket_fine
+        from sprint_jax.infer.buckets import bucket_fine
         width = bucket_fine(max(n_pages, 1), max(1, self.engine_config.min_bucket // self.page_size))
         return max(min(width, self.pages_for(cap_tokens)), n_pages)
 
@@ -104,7 +104,7 @@ class EngineShape:
         rows: 'parent'), a fork's shared full pages ('shared'), a child's own pages (the copied
         partly filled page, its branch, a decode chunk and a join's fed token: 'child'), and a
         merge join's table (`Joins._merge_pages`: 'join')."""
-        from sprint_jax.infer.slot_cache import bucket
+        from sprint_jax.infer.buckets import bucket
         pcap = self.parent_capacity
         return {"parent": self.page_bucket(self.pages_for(pcap), pcap),
                 "shared": self.page_bucket(self.capacity // self.page_size, pcap),
@@ -152,7 +152,7 @@ def engine_programs(shape: EngineShape, devices) -> tuple[list[Program], list[st
 
     from sprint_jax.infer import programs, sharding as sh
     from sprint_jax.infer.pages import KVPages
-    from sprint_jax.infer.slot_cache import bucket, bucket_fine
+    from sprint_jax.infer.buckets import bucket, bucket_fine
     from sprint_jax.model.qwen2 import abstract_params
     from sprint_jax.model.sharding import make_mesh
 
@@ -206,7 +206,7 @@ def engine_programs(shape: EngineShape, devices) -> tuple[list[Program], list[st
 
 def join_window(shape: EngineShape) -> int:
     """`Joins._join_window` at the longest branch: a length bucket of a child's positions."""
-    from sprint_jax.infer.slot_cache import bucket
+    from sprint_jax.infer.buckets import bucket
     return min(bucket(shape.branch_capacity + 1, 64), shape.child_capacity)
 
 
@@ -340,7 +340,7 @@ def temporaries(shape: EngineShape, kind: str) -> dict[str, float]:
         if xla:
             out["gathered_prefix"] = 2 * item * local * hkv * widths["shared"] * ps * d
     elif kind == "prefill":
-        from sprint_jax.infer.slot_cache import bucket_fine
+        from sprint_jax.infer.buckets import bucket_fine
         chunk = bucket_fine(shape.prefill_chunk, 16)
         keys = widths["parent"] * ps
         out["gathered_pages"] = 2 * 2 * item * local * hkv * keys * d
@@ -352,7 +352,7 @@ def temporaries(shape: EngineShape, kind: str) -> dict[str, float]:
 
 
 def slot_memory_estimate(shape: EngineShape, kind: str) -> dict[str, float]:
-    """Per-chip bytes of one program of the slot engine (`infer.slot_programs`) at this shape, as
+    """Per-chip bytes of one program of the slot engine (`bench/slot_programs.py`) at this shape, as
     this planner estimated it before the pool (held against the TPU compiler then: within 2% at
     the 7B on v5p-8 and v5litepod-32): the weights (`weight_parts`), its slot cache
     (`slot_cache_bytes`) and temporaries: a decode call's fp32 logits and one layer's gathered

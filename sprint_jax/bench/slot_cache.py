@@ -1,4 +1,5 @@
-"""The engine's two-level KV cache and the helpers that read and write it in place.
+"""The slot engine's two-level KV cache (the baseline `bench decode` measures the page pool
+against) and the helpers that read and write it in place.
 
 `SlotCache` holds P parent slots (a planner, a prompt; capacity max_seq_len) and, for each
 parent slot, G child slots (an executor, one of n samples; capacity max_branch_tokens). Child
@@ -12,27 +13,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from sprint_jax.infer.pages import as_bits, put_dropping
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.model.qwen2 import dtype_of
-
-
-def bucket(n: int, lo: int) -> int:
-    """The smallest lo * 2^k >= n (few shapes compile)."""
-    b = lo
-    while b < n:
-        b *= 2
-    return b
-
-
-def bucket_fine(n: int, lo: int) -> int:
-    """The smallest of lo * 2^k and 1.5 * lo * 2^k >= n: prefill lengths and attention reads
-    (padding <= 1/3: 80 used slots read as 96, not 128)."""
-    b = lo
-    while b < n:
-        if b * 3 // 2 >= n and (b * 3) % 2 == 0:
-            return b * 3 // 2
-        b *= 2
-    return b
 
 
 @jax.tree_util.register_dataclass
@@ -83,31 +66,6 @@ def gather_rows(cache: jax.Array, layer, rows: jax.Array, size: int) -> jax.Arra
         return jax.vmap(lambda r: jax.lax.dynamic_slice(
             c, (jnp.asarray(layer, jnp.int32), r.astype(jnp.int32), zero, zero, zero), shape)[0, 0])(rows)
     return as_bits(cache, take)
-
-
-def _on_bits(cache: jax.Array) -> bool:
-    """XLA CPU has no bf16 gather / scatter: it widens the whole operand to f32 and, the cache being
-    loop-invariant in the layer scan, hoists that copy out: a full f32 copy of the cache per decode
-    step (qwen3-0.6b, 2.7 GiB bf16 cache: temporaries 6.9 GiB, 3.7 as bits; 7B at tensor=4: 8.9 ->
-    7.4 GiB). On CPU a 16-bit cache is gathered and scattered as uint16 bits (GPU/TPU: as is)."""
-    return cache.dtype.itemsize == 2 and jax.default_backend() == "cpu"
-
-
-def as_bits(cache: jax.Array, fn) -> jax.Array:
-    """fn(cache), run on the cache's uint16 bits on CPU (`_on_bits`); fn only moves elements."""
-    if not _on_bits(cache):
-        return fn(cache)
-    bits = jax.lax.bitcast_convert_type
-    return bits(fn(bits(cache, jnp.uint16)), cache.dtype)
-
-
-def put_dropping(cache: jax.Array, index, new: jax.Array) -> jax.Array:
-    """cache.at[index].set(new, mode="drop") (as bits on CPU: `_on_bits`)."""
-    new = new.astype(cache.dtype)
-    if not _on_bits(cache):
-        return cache.at[index].set(new, mode="drop")
-    bits = jax.lax.bitcast_convert_type
-    return bits(bits(cache, jnp.uint16).at[index].set(bits(new, jnp.uint16), mode="drop"), cache.dtype)
 
 
 def put_slots(cache: jax.Array, slot: jax.Array, pos: jax.Array, new: jax.Array) -> jax.Array:

@@ -1,5 +1,8 @@
-"""The engine's jitted programs over the slot cache: a prefill chunk, a merge join's copy (alone
-or fused after the join's tail tokens), and a decode call of `chunk` steps for the active rows.
+"""The slot engine's jitted programs, kept as the baseline the page pool is measured against
+(`bench decode`'s paged vs slot step, `bench kernels`): a prefill chunk, a merge join's copy
+(alone or fused after the join's tail tokens), and a decode call of `chunk` steps for the active
+rows, over the two-level slot cache (`bench/slot_cache.py`). The engine runs on pages
+(`sprint_jax.infer.programs`).
 
 Each program takes its per-row arguments as one pytree (`PrefillRows`, `DecodeRows`: host numpy
 arrays with a leading row axis, built by the scheduler in `sprint_jax.infer.engine`) and donates
@@ -24,15 +27,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from sprint_jax.infer import sharding as sh
-from sprint_jax.infer.prefix_attention import pallas_parent_prefix_attention
+from sprint_jax.infer.prefix_attention import axes_of
 from sprint_jax.infer.sampling import advance_rows, filtered_logits, mask_padded
-from sprint_jax.infer.slot_cache import SlotCache, constrain, gather_rows, put_slots
+from sprint_jax.bench.slot_cache import SlotCache, constrain, gather_rows, put_slots
 from sprint_jax.model.attention import attend_partial_heads, flash_attention
 from sprint_jax.model.config import Qwen2Config
 from sprint_jax.model.qwen2 import attend_partial, decoder, embed, merge_partials, unembed
@@ -487,3 +492,82 @@ def decode(params, config: Qwen2Config, cache: SlotCache, rows, layout: tuple, c
 def row_of(x: jax.Array, i) -> jax.Array:
     """x[i] as one jitted call (eager indexing dispatches several ops: ~0.2 ms on the latency path)."""
     return x[i]
+
+
+# ---------------------------------------------------------------------------------------------
+# The slot cache's parent-prefix attention on the Pallas path, per shard under a mesh
+# ---------------------------------------------------------------------------------------------
+def _kernel(q, pk, pv, layer, pslot, plen, slot_axes: tuple[str, ...] = ()):
+    """The kernel on (a shard of) the parent cache pk, pv [L, P, Hkv, S, D]."""
+    from sprint_jax.kernels.parent_prefix import grouped_prefix_attention, lowers_for
+
+    n_layers, slots = pk.shape[:2]
+    if slot_axes:   # this shard holds slots [index * slots, (index + 1) * slots)
+        local = pslot - jax.lax.axis_index(slot_axes) * slots
+        here = (local >= 0) & (local < slots)
+        plen = jnp.where(here[:, None], plen, 0)
+        pslot = jnp.clip(local, 0, slots - 1)
+    rows = layer * slots + jnp.clip(pslot, 0, slots - 1)
+    flat = (n_layers * slots,) + pk.shape[2:]                      # a view: [L*P, Hkv, S, D]
+    body = lambda platform, interpret: lambda *a: grouped_prefix_attention(  # noqa: E731
+        *a, platform=platform, interpret=interpret, heads_first=True)
+    # Chosen when the step is lowered: Triton on GPUs, Mosaic on TPUs, the interpreter elsewhere,
+    # so one jitted step also lowers (e.g. under jax.export) for a platform it does not run on.
+    # A platform whose kernel does not take this head layout is left out unless it is the one we
+    # run on (there the kernel's own error names the problem; no silent interpreter on a GPU).
+    backend = jax.default_backend()
+    runs_on = {"gpu": backend in ("gpu", "cuda", "rocm"), "tpu": backend == "tpu"}
+    d, hkv = q.shape[-1], pk.shape[2]
+    branches = {name: body(plat, False) for name, plat in (("cuda", "gpu"), ("rocm", "gpu"), ("tpu", "tpu"))
+                if lowers_for(plat, d, hkv, heads_first=True) or runs_on[plat]}
+    o, lse = jax.lax.platform_dependent(q, pk.reshape(flat), pv.reshape(flat), rows, plen,
+                                        default=body("gpu", True), **branches)
+    if slot_axes:
+        o = jax.lax.psum(o.astype(jnp.float32), slot_axes).astype(q.dtype)
+        lse = jax.lax.pmax(lse, slot_axes)
+    return o, lse
+
+
+def pallas_parent_prefix_attention(q, pk, pv, layer, pslot, plen, kv=None):
+    """q [Rg, W, H, D] (the rows of each group); pk, pv [L, P, Hkv, S, D] (the parent cache);
+    layer: the layer index; pslot [Rg]: each group's parent slot (out of range = a padding group,
+    with plen 0); plen [Rg, W]: keys each row sees. kv: the engine's (parent, child)
+    NamedShardings on a mesh (None: one device). Returns (out [Rg, W, H, D], lse [Rg, W, H])."""
+    if kv is None:
+        from sprint_jax.infer.sharding import local_head_axes
+        mesh = jax.sharding.get_abstract_mesh()
+        auto = frozenset(n for n, t in zip(mesh.axis_names, mesh.axis_types)
+                         if t != jax.sharding.AxisType.Manual)
+        if mesh.empty or not auto:
+            return _kernel(q, pk, pv, layer, pslot, plen)
+        # Traced per slot shard (`sharding.slot_local`, the slot axes manual): the other mesh
+        # axes are still automatic there, and a Mosaic kernel must sit fully inside a shard_map
+        # (one XLA would partition is refused, and the interpreter's loops would hold
+        # collectives). So a nested shard_map over every remaining axis: per KV head shard
+        # where the heads are split (`local_head_axes`), a replicated call on each device else.
+        head = local_head_axes()
+        axes = axes_of(head)
+        if q.shape[2] % math.prod(mesh.shape[a] for a in axes):
+            raise ValueError(f"{q.shape[2]} query heads do not split over {axes} like the KV heads")
+        run = jax.shard_map(
+            lambda q, pk, pv, layer, pslot, plen: _kernel(q, pk, pv, layer, pslot, plen),
+            mesh=mesh, axis_names=auto,
+            in_specs=(P(None, None, head, None), P(None, None, head, None, None), P(None, None, head, None, None),
+                      P(), P(None), P(None, None)),
+            out_specs=(P(None, None, head, None), P(None, None, head)), check_vma=False)
+        return run(q, pk, pv, jnp.asarray(layer, jnp.int32), pslot, plen)
+    sharding = kv[0]
+    mesh, spec = sharding.mesh, tuple(sharding.spec) + (None,) * (5 - len(sharding.spec))
+    slot_axes = axes_of(spec[1])
+    head_axes = axes_of(spec[2])
+    heads = math.prod(mesh.shape[a] for a in head_axes)
+    hq = head_axes if head_axes and q.shape[2] % heads == 0 else ()
+    if head_axes and not hq:
+        raise ValueError(f"{q.shape[2]} query heads do not split over {head_axes} like the KV heads")
+    head = (hq if len(hq) > 1 else hq[0]) if hq else None
+    run = jax.shard_map(
+        lambda q, pk, pv, layer, pslot, plen: _kernel(q, pk, pv, layer, pslot, plen, slot_axes),
+        mesh=mesh,
+        in_specs=(P(None, None, head, None), P(*spec), P(*spec), P(), P(None), P(None, None)),
+        out_specs=(P(None, None, head, None), P(None, None, head)), check_vma=False)
+    return run(q, pk, pv, jnp.asarray(layer, jnp.int32), pslot, plen)
