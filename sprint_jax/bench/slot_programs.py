@@ -36,7 +36,8 @@ from jax.sharding import PartitionSpec as P
 
 from sprint_jax.infer import sharding as sh
 from sprint_jax.infer.prefix_attention import axes_of
-from sprint_jax.infer.sampling import advance_rows, filtered_logits, mask_padded
+from sprint_jax.infer.programs import PackedRows, decode_loop, sample_rows
+from sprint_jax.infer.sampling import mask_padded
 from sprint_jax.bench.slot_cache import SlotCache, constrain, gather_rows, put_slots
 from sprint_jax.model.attention import attend_partial_heads, flash_attention
 from sprint_jax.model.config import Qwen2Config
@@ -196,7 +197,7 @@ def merge(params, config: Qwen2Config, cache: SlotCache, rows: PrefillRows, meta
 # ---------------------------------------------------------------------------------------------
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class DecodeRows:
+class DecodeRows(PackedRows):
     """A decode call's rows: A generate rows (each on its parent slot a_slot), then F fork groups
     of w rows (group i: children of parent slot b_pslot[i], read-only, forked at b_fork[i], in
     child slots b_cslot), B = A + F*w. Per row: lengths = KV entries of its own slot (parent slot
@@ -241,59 +242,6 @@ class DecodeRows:
             temperature=np.zeros(b, np.float32), top_k=z(), top_p=np.ones(b, np.float32),
             forced=np.zeros((b, forced_width), np.int32), n_forced=z(), pos_off=z(), feed_last=np.zeros(b, bool))
 
-    def pack(self) -> tuple[tuple[np.ndarray, ...], tuple]:
-        """((a_slot, b_pslot, b_fork, b_cslot, ints [B, *], floats [B, *]), layout): the per-row
-        fields side by side in field order, integer and bool ones in `ints`, float ones in
-        `floats`; `layout` (static, hashable) is what `unpack` needs to take them apart."""
-        b = self.lengths.shape[0]
-        ints, floats, layout = [], [], []
-        for f in dataclasses.fields(self)[4:]:
-            a = np.asarray(getattr(self, f.name))
-            (floats if a.dtype == np.float32 else ints).append(a.reshape(b, -1))
-            layout.append((f.name, a.shape[1:], a.dtype.str))
-        cat = lambda xs, dt: np.concatenate(xs, axis=1).astype(dt, copy=False)     # noqa: E731
-        return (self.a_slot, self.b_pslot, self.b_fork, self.b_cslot, cat(ints, np.int32),
-                cat(floats, np.float32)), tuple(layout)
-
-    @staticmethod
-    def unpack(packed, layout: tuple) -> "DecodeRows":
-        """The DecodeRows `pack` packed (on device, inside a program)."""
-        *slots, ints, floats = packed
-        fields, at = {}, {"i": 0, "f": 0}
-        for name, shape, dt in layout:
-            width = int(np.prod(shape)) if shape else 1
-            src, key = (floats, "f") if np.dtype(dt) == np.float32 else (ints, "i")
-            col = src[:, at[key]: at[key] + width].reshape((src.shape[0],) + tuple(shape))
-            at[key] += width
-            fields[name] = col > 0 if np.dtype(dt) == np.bool_ else col
-        return DecodeRows(*slots, **fields)
-
-
-def _sample_rows(logits, base, steps, temperature, top_k, top_p, top_n: int = 0):
-    """Per-row sampling (temperature 0 = argmax); the sorting path, and the per-step keys
-    fold_in(base, steps), run only when a row samples. Returns (tokens [B], their log-probs [B]
-    fp32, and with top_n > 0 the top_n ids [B, n] and log-probs [B, n] of the same distribution).
-    The distribution is the one the token was drawn from: log softmax of logits / temperature after
-    top-k / top-p for a sampled row (what an importance ratio needs); a greedy row's is the model's
-    own at temperature 1 (the argmax is a point mass, whose log-prob 0 says nothing)."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    plain = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-
-    def sampled():
-        keys = jax.vmap(jax.random.fold_in)(base, steps)
-        dist = jax.vmap(lambda lg, t, tk, tp: filtered_logits(lg[None], t, tk, tp)[0])(
-            logits, temperature, top_k, top_p)
-        tok = jax.vmap(lambda k, lg: jax.random.categorical(k, lg))(keys, dist).astype(jnp.int32)
-        drawn = temperature > 0
-        lp = dist - jax.nn.logsumexp(dist, axis=-1, keepdims=True)
-        return jnp.where(drawn, tok, greedy), jnp.where(drawn[:, None], lp, plain)
-    # the same branch on every slot shard: the sampled one gathers the vocabulary over tensor
-    tok, dist_lp = jax.lax.cond(sh.any_slot_shard(jnp.any(temperature > 0)), sampled, lambda: (greedy, plain))
-    lp = jnp.take_along_axis(dist_lp, tok[:, None], axis=-1)[:, 0]
-    if not top_n:
-        return tok, lp, None, None
-    top_lp, top_ids = jax.lax.top_k(dist_lp, top_n)
-    return tok, lp, top_ids.astype(jnp.int32), top_lp
 
 
 @jax.tree_util.register_dataclass
@@ -319,30 +267,6 @@ def _decode_fields(feeding: bool, top_logprobs: int) -> tuple[tuple[str, str], .
     maps it by under slot shards ("cache", "rows", "max")."""
     return ((("cache", "cache"), ("tokens", "rows"), ("reason", "rows"), ("steps", "max"), ("logprobs", "rows"))
             + (("kept", "rows"),) * bool(feeding) + (("top_ids", "rows"), ("top_logprobs", "rows")) * bool(top_logprobs))
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class _DecodeCarry:
-    """The decode loop's state (`jax.lax.while_loop`'s carry), per row [B, ...] but `i` (the step)
-    and `cache`: each row's KV entries in its own slot, pending token, whether it still decodes,
-    its token budget and sampled steps, the emitted tokens and reason codes so far, whether it
-    feeds its last token this step (`fed`), the logits kept from such a step, and the emitted
-    tokens' log-probs (with the top ids / log-probs, [.., 0] wide when not asked for)."""
-    i: jax.Array
-    cache: SlotCache
-    lengths: jax.Array
-    pending: jax.Array
-    active: jax.Array
-    remaining: jax.Array
-    steps: jax.Array
-    out: jax.Array
-    reason: jax.Array
-    fed: jax.Array
-    kept: jax.Array
-    lps: jax.Array
-    top_ids: jax.Array
-    top_lps: jax.Array
 
 
 def parent_prefix_attention(pk: jax.Array, pv: jax.Array, layer, pslot: jax.Array, q: jax.Array,
@@ -384,7 +308,6 @@ def _decode_body(params, config: Qwen2Config, cache: SlotCache, rows, layout: tu
     r = DecodeRows.unpack(rows, layout)
     na, nf = r.a_slot.shape[0], r.b_pslot.shape[0]
     w = r.b_cslot.shape[0] // max(nf, 1)
-    b = na + nf * w
     a_slot = r.a_slot % cache.pk.shape[1]              # global slot ids -> this call's
     b_pslot = r.b_pslot % cache.pk.shape[1]
     b_cslot = r.b_cslot % cache.ck.shape[1]
@@ -428,51 +351,10 @@ def _decode_body(params, config: Qwen2Config, cache: SlotCache, rows, layout: tu
             cv = put_slots(cv, b_cslot, pos[na:], nv[:, na:])
         raw = unembed(params, config, hidden)[:, 0]
         logits = mask_padded(raw, n_valid)                                        # no padded ids
-        tok, lp, top_ids, top_lp = _sample_rows(logits, base, steps, r.temperature, r.top_k, r.top_p, top_logprobs)
+        tok, lp, top_ids, top_lp = sample_rows(logits, base, steps, r.temperature, r.top_k, r.top_p, top_logprobs)
         return constrain(SlotCache(pk, pv, ck, cv), kv), tok, raw, (lp, top_ids, top_lp)
 
-    forced, n_forced = r.forced, r.n_forced
-    out = jnp.full((b, chunk + forced.shape[1]), -1, jnp.int32)     # step i's token in column i
-    steps_cap = chunk + n_forced                      # a row's forced steps do not count against the chunk
-    top_shape = out.shape + (top_logprobs,)
-    kept0 = jnp.zeros((b, config.vocab_size if feeding else 0), jnp.float32)
-    lps0, top_ids0, top_lps0 = (jnp.zeros(out.shape, jnp.float32), jnp.zeros(top_shape, jnp.int32),
-                                jnp.zeros(top_shape, jnp.float32))
-
-    def cond(c: _DecodeCarry):          # the same trip count on every slot shard (see any_slot_shard)
-        return sh.any_slot_shard(jnp.any(c.active & (c.i < steps_cap)) | jnp.any(c.fed))
-
-    def body(c: _DecodeCarry) -> _DecodeCarry:
-        i = c.i
-        cache, tok, raw, (lp, top_ids, top_lp) = one_step(c.cache, c.lengths, c.pending, c.active, c.steps, c.fed)
-        lps, tids, tlps = c.lps.at[:, i].set(lp, mode="drop"), c.top_ids, c.top_lps
-        if top_logprobs:
-            tids, tlps = tids.at[:, i].set(top_ids, mode="drop"), tlps.at[:, i].set(top_lp, mode="drop")
-        kept = c.kept
-        if feeding:                   # the rows fed their last token this step: its logits kept
-            kept = jnp.where(c.fed[:, None], raw.astype(jnp.float32), kept)
-        active = c.active & (i < steps_cap)           # a step past the chunk only feeds
-        forcing = active & (i < n_forced)
-        sampling = active & ~forcing
-        tok, finished, remaining, reason, lengths, pending = advance_rows(
-            tok, sampling, r.stop_ids, c.remaining, c.reason, c.lengths, c.pending)
-        nxt = forced[:, jnp.minimum(i, forced.shape[1] - 1)]
-        lengths = jnp.where(forcing, lengths + 1, lengths)
-        pending = jnp.where(forcing, nxt, pending)
-        out = c.out.at[:, i].set(tok, mode="drop")
-        steps = jnp.where(sampling, c.steps + 1, c.steps)
-        active = active & ~finished
-        fed = (finished & r.feed_last) if feeding else c.fed
-        return _DecodeCarry(i=i + 1, cache=cache, lengths=lengths, pending=pending, active=active, remaining=remaining,
-                            steps=steps, out=out, reason=reason, fed=fed, kept=kept, lps=lps, top_ids=tids,
-                            top_lps=tlps)
-
-    init = _DecodeCarry(i=jnp.int32(0), cache=cache, lengths=r.lengths, pending=r.pending, active=r.active,
-                        remaining=r.remaining, steps=r.steps, out=out, reason=jnp.zeros((b,), jnp.int32),
-                        fed=jnp.zeros((b,), bool), kept=kept0, lps=lps0, top_ids=top_ids0, top_lps=top_lps0)
-    c = jax.lax.while_loop(cond, body, init)
-    return ((c.cache, c.out, c.reason, c.i, c.lps) + ((c.kept,) if feeding else ())
-            + ((c.top_ids, c.top_lps) if top_logprobs else ()))
+    return decode_loop(one_step, cache, r, chunk, config.vocab_size, feeding, top_logprobs)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "layout", "chunk", "s_b", "c_b", "kv", "attention_impl",

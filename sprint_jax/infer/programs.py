@@ -213,9 +213,45 @@ def merge(params, config: Qwen2Config, pool: KVPages, rows: PrefillRows, copy: C
 # ---------------------------------------------------------------------------------------------
 # Decode: `chunk` steps for the active rows only, on device
 # ---------------------------------------------------------------------------------------------
+class PackedRows:
+    """Rows that travel to a decode call packed: their first `LEAD` fields (tables or slot ids)
+    as they are, the per-row [B, ...] fields after them as one int32 and one float32 array
+    (`pack`), because every array argument of a jitted call is a host-to-device transfer of its
+    own at dispatch (fifteen of them cost ~0.3 ms more per decode call than two on the demo's model
+    on CPU)."""
+    LEAD = 4
+
+    def pack(self) -> tuple[tuple[np.ndarray, ...], tuple]:
+        """((the lead fields..., ints [B, *], floats [B, *]), layout): the per-row fields side by
+        side in field order, integer and bool ones in `ints`, float ones in `floats`; `layout`
+        (static, hashable) is what `unpack` needs to take them apart."""
+        b = self.lengths.shape[0]
+        ints, floats, layout = [], [], []
+        for f in dataclasses.fields(self)[self.LEAD:]:
+            a = np.asarray(getattr(self, f.name))
+            (floats if a.dtype == np.float32 else ints).append(a.reshape(b, -1))
+            layout.append((f.name, a.shape[1:], a.dtype.str))
+        cat = lambda xs, dt: np.concatenate(xs, axis=1).astype(dt, copy=False)     # noqa: E731
+        lead = tuple(getattr(self, f.name) for f in dataclasses.fields(self)[:self.LEAD])
+        return lead + (cat(ints, np.int32), cat(floats, np.float32)), tuple(layout)
+
+    @classmethod
+    def unpack(cls, packed, layout: tuple):
+        """The rows `pack` packed (on device, inside a program)."""
+        *lead, ints, floats = packed
+        fields, at = {}, {"i": 0, "f": 0}
+        for name, shape, dt in layout:
+            width = int(np.prod(shape)) if shape else 1
+            src, key = (floats, "f") if np.dtype(dt) == np.float32 else (ints, "i")
+            col = src[:, at[key]: at[key] + width].reshape((src.shape[0],) + tuple(shape))
+            at[key] += width
+            fields[name] = col > 0 if np.dtype(dt) == np.bool_ else col
+        return cls(*lead, **fields)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class DecodeRows:
+class DecodeRows(PackedRows):
     """A decode call's rows: A generate rows (row a reads and writes pages a_table[a]), then F
     sibling groups of w rows (group i shares the first b_glen[i] tokens, pages b_gtable[i], read
     once for its rows; its row c reads and writes its own pages after them, b_table[i*w + c]),
@@ -224,12 +260,8 @@ class DecodeRows:
     token budget, device stop ids, sampling (seed, key branch, steps so far, temperature, top_k,
     top_p), forced tokens taken before it samples (forced[:, :n_forced]), the position shift
     pos_off (model position = shared + lengths + pos_off), and feed_last (a merge join follows:
-    see `decode`). `empty` gives neutral values (padding rows write nothing).
-
-    The rows travel to `decode` packed (`pack`): the per-row [B, ...] fields as one int32 and one
-    float32 array, because every array argument of a jitted call is a host-to-device transfer of
-    its own at dispatch (fifteen of them cost ~0.3 ms more per decode call than two on the demo's
-    model on CPU)."""
+    see `decode`). `empty` gives neutral values (padding rows write nothing). Packed for the call
+    (`PackedRows`)."""
     a_table: np.ndarray       # [A, Ma]
     b_gtable: np.ndarray      # [F, Mg]
     b_glen: np.ndarray        # [F]
@@ -262,35 +294,9 @@ class DecodeRows:
             temperature=np.zeros(b, np.float32), top_k=z(), top_p=np.ones(b, np.float32),
             forced=np.zeros((b, forced_width), np.int32), n_forced=z(), pos_off=z(), feed_last=np.zeros(b, bool))
 
-    def pack(self) -> tuple[tuple[np.ndarray, ...], tuple]:
-        """((a_table, b_gtable, b_glen, b_table, ints [B, *], floats [B, *]), layout): the per-row
-        fields side by side in field order, integer and bool ones in `ints`, float ones in
-        `floats`; `layout` (static, hashable) is what `unpack` needs to take them apart."""
-        b = self.lengths.shape[0]
-        ints, floats, layout = [], [], []
-        for f in dataclasses.fields(self)[4:]:
-            a = np.asarray(getattr(self, f.name))
-            (floats if a.dtype == np.float32 else ints).append(a.reshape(b, -1))
-            layout.append((f.name, a.shape[1:], a.dtype.str))
-        cat = lambda xs, dt: np.concatenate(xs, axis=1).astype(dt, copy=False)     # noqa: E731
-        return (self.a_table, self.b_gtable, self.b_glen, self.b_table, cat(ints, np.int32),
-                cat(floats, np.float32)), tuple(layout)
-
-    @staticmethod
-    def unpack(packed, layout: tuple) -> "DecodeRows":
-        """The DecodeRows `pack` packed (on device, inside a program)."""
-        *tables, ints, floats = packed
-        fields, at = {}, {"i": 0, "f": 0}
-        for name, shape, dt in layout:
-            width = int(np.prod(shape)) if shape else 1
-            src, key = (floats, "f") if np.dtype(dt) == np.float32 else (ints, "i")
-            col = src[:, at[key]: at[key] + width].reshape((src.shape[0],) + tuple(shape))
-            at[key] += width
-            fields[name] = col > 0 if np.dtype(dt) == np.bool_ else col
-        return DecodeRows(*tables, **fields)
 
 
-def _sample_rows(logits, base, steps, temperature, top_k, top_p, top_n: int = 0):
+def sample_rows(logits, base, steps, temperature, top_k, top_p, top_n: int = 0):
     """Per-row sampling (temperature 0 = argmax); the sorting path, and the per-step keys
     fold_in(base, steps), run only when a row samples. Returns (tokens [B], their log-probs [B]
     fp32, and with top_n > 0 the top_n ids [B, n] and log-probs [B, n] of the same distribution).
@@ -344,14 +350,15 @@ def _decode_fields(feeding: bool, top_logprobs: int) -> tuple[tuple[str, str], .
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class _DecodeCarry:
+class DecodeCarry:
     """The decode loop's state (`jax.lax.while_loop`'s carry), per row [B, ...] but `i` (the step)
-    and `pool`: each row's tokens in its own table, pending token, whether it still decodes, its
-    token budget and sampled steps, the emitted tokens and reason codes so far, whether it feeds
-    its last token this step (`fed`), the logits kept from such a step, and the emitted tokens'
-    log-probs (with the top ids / log-probs, [.., 0] wide when not asked for)."""
+    and `state` (the KV store the steps write: the pool, or the slot baseline's cache): each row's
+    tokens of K/V, pending token, whether it still decodes, its token budget and sampled steps, the
+    emitted tokens and reason codes so far, whether it feeds its last token this step (`fed`), the
+    logits kept from such a step, and the emitted tokens' log-probs (with the top ids / log-probs,
+    [.., 0] wide when not asked for)."""
     i: jax.Array
-    pool: KVPages
+    state: object
     lengths: jax.Array
     pending: jax.Array
     active: jax.Array
@@ -364,6 +371,57 @@ class _DecodeCarry:
     lps: jax.Array
     top_ids: jax.Array
     top_lps: jax.Array
+
+
+def decode_loop(one_step, state, r, chunk: int, vocab_size: int, feeding: bool, top_logprobs: int) -> tuple:
+    """Up to `chunk` decode steps of every active row of `r` (a DecodeRows-like pytree with
+    lengths, pending, active, remaining, stop_ids, steps, forced, n_forced, feed_last), as
+    `_decode_body` documents them; `one_step(state, lengths, pending, active, steps, fed)` runs one
+    model step of every row and returns (state, sampled tokens, raw logits, (log-probs, top ids,
+    top log-probs)). Returns the flat tuple `_decode_fields` names (state first)."""
+    b = r.lengths.shape[0]
+    forced, n_forced = r.forced, r.n_forced
+    out = jnp.full((b, chunk + forced.shape[1]), -1, jnp.int32)     # step i's token in column i
+    steps_cap = chunk + n_forced                      # a row's forced steps do not count against the chunk
+    top_shape = out.shape + (top_logprobs,)
+    kept0 = jnp.zeros((b, vocab_size if feeding else 0), jnp.float32)
+    lps0, top_ids0, top_lps0 = (jnp.zeros(out.shape, jnp.float32), jnp.zeros(top_shape, jnp.int32),
+                                jnp.zeros(top_shape, jnp.float32))
+
+    def cond(c: DecodeCarry):           # the same trip count on every shard (see any_slot_shard)
+        return sh.any_slot_shard(jnp.any(c.active & (c.i < steps_cap)) | jnp.any(c.fed))
+
+    def body(c: DecodeCarry) -> DecodeCarry:
+        i = c.i
+        state, tok, raw, (lp, top_ids, top_lp) = one_step(c.state, c.lengths, c.pending, c.active, c.steps, c.fed)
+        lps, tids, tlps = c.lps.at[:, i].set(lp, mode="drop"), c.top_ids, c.top_lps
+        if top_logprobs:
+            tids, tlps = tids.at[:, i].set(top_ids, mode="drop"), tlps.at[:, i].set(top_lp, mode="drop")
+        kept = c.kept
+        if feeding:                   # the rows fed their last token this step: its logits kept
+            kept = jnp.where(c.fed[:, None], raw.astype(jnp.float32), kept)
+        active = c.active & (i < steps_cap)           # a step past the chunk only feeds
+        forcing = active & (i < n_forced)
+        sampling = active & ~forcing
+        tok, finished, remaining, reason, lengths, pending = advance_rows(
+            tok, sampling, r.stop_ids, c.remaining, c.reason, c.lengths, c.pending)
+        nxt = forced[:, jnp.minimum(i, forced.shape[1] - 1)]
+        lengths = jnp.where(forcing, lengths + 1, lengths)
+        pending = jnp.where(forcing, nxt, pending)
+        out = c.out.at[:, i].set(tok, mode="drop")
+        steps = jnp.where(sampling, c.steps + 1, c.steps)
+        active = active & ~finished
+        fed = (finished & r.feed_last) if feeding else c.fed
+        return DecodeCarry(i=i + 1, state=state, lengths=lengths, pending=pending, active=active, remaining=remaining,
+                           steps=steps, out=out, reason=reason, fed=fed, kept=kept, lps=lps, top_ids=tids,
+                           top_lps=tlps)
+
+    init = DecodeCarry(i=jnp.int32(0), state=state, lengths=r.lengths, pending=r.pending, active=r.active,
+                       remaining=r.remaining, steps=r.steps, out=out, reason=jnp.zeros((b,), jnp.int32),
+                       fed=jnp.zeros((b,), bool), kept=kept0, lps=lps0, top_ids=top_ids0, top_lps=top_lps0)
+    c = jax.lax.while_loop(cond, body, init)
+    return ((c.state, c.out, c.reason, c.i, c.lps) + ((c.kept,) if feeding else ())
+            + ((c.top_ids, c.top_lps) if top_logprobs else ()))
 
 
 def grouped_prefix(q: jax.Array, pool: KVPages, layer, table: jax.Array, n: jax.Array, attention_impl: str = "xla",
@@ -395,7 +453,7 @@ def _decode_body(params, config: Qwen2Config, cache: KVPages, rows, layout: tupl
     merge join's children so hold their close tag's KV, and the last one its join logits.
     Returns a flat tuple, the `DecodeOut` fields `_decode_fields` lists (`decode` names them): the
     pool, the emitted tokens [B, chunk + F] (-1 = none), per-row reason codes (1 stop id / EOS, 2
-    length), the steps run, each emitted token's log-prob [B, chunk + F] fp32 (`_sample_rows`),
+    length), the steps run, each emitted token's log-prob [B, chunk + F] fp32 (`sample_rows`),
     with feeding the kept logits [B, V], and with top_logprobs = n (static) the n most likely ids
     and their log-probs per emitted token [B, chunk + F, n] (a second compiled variant, used only
     when a request asks)."""
@@ -403,7 +461,6 @@ def _decode_body(params, config: Qwen2Config, cache: KVPages, rows, layout: tupl
     r = DecodeRows.unpack(rows, layout)
     na, nf = r.a_table.shape[0], r.b_gtable.shape[0]
     w = r.b_table.shape[0] // max(nf, 1)
-    b = na + nf * w
     n_pages = pool.num_pages
     a_table, b_gtable, b_table = (local_pages(t, n_pages) for t in (r.a_table, r.b_gtable, r.b_table))
     shared = jnp.concatenate([jnp.zeros(na, jnp.int32), jnp.repeat(r.b_glen, w)])          # [B]
@@ -440,51 +497,10 @@ def _decode_body(params, config: Qwen2Config, cache: KVPages, rows, layout: tupl
             pv = scatter_pages(pv, b_table, pos[na:], nv[:, na:])
         raw = unembed(params, config, hidden)[:, 0]
         logits = mask_padded(raw, n_valid)                                        # no padded ids
-        tok, lp, top_ids, top_lp = _sample_rows(logits, base, steps, r.temperature, r.top_k, r.top_p, top_logprobs)
+        tok, lp, top_ids, top_lp = sample_rows(logits, base, steps, r.temperature, r.top_k, r.top_p, top_logprobs)
         return _pin(KVPages(pk, pv), kv), tok, raw, (lp, top_ids, top_lp)
 
-    forced, n_forced = r.forced, r.n_forced
-    out = jnp.full((b, chunk + forced.shape[1]), -1, jnp.int32)     # step i's token in column i
-    steps_cap = chunk + n_forced                      # a row's forced steps do not count against the chunk
-    top_shape = out.shape + (top_logprobs,)
-    kept0 = jnp.zeros((b, config.vocab_size if feeding else 0), jnp.float32)
-    lps0, top_ids0, top_lps0 = (jnp.zeros(out.shape, jnp.float32), jnp.zeros(top_shape, jnp.int32),
-                                jnp.zeros(top_shape, jnp.float32))
-
-    def cond(c: _DecodeCarry):          # the same trip count on every page shard (see any_slot_shard)
-        return sh.any_slot_shard(jnp.any(c.active & (c.i < steps_cap)) | jnp.any(c.fed))
-
-    def body(c: _DecodeCarry) -> _DecodeCarry:
-        i = c.i
-        pool, tok, raw, (lp, top_ids, top_lp) = one_step(c.pool, c.lengths, c.pending, c.active, c.steps, c.fed)
-        lps, tids, tlps = c.lps.at[:, i].set(lp, mode="drop"), c.top_ids, c.top_lps
-        if top_logprobs:
-            tids, tlps = tids.at[:, i].set(top_ids, mode="drop"), tlps.at[:, i].set(top_lp, mode="drop")
-        kept = c.kept
-        if feeding:                   # the rows fed their last token this step: its logits kept
-            kept = jnp.where(c.fed[:, None], raw.astype(jnp.float32), kept)
-        active = c.active & (i < steps_cap)           # a step past the chunk only feeds
-        forcing = active & (i < n_forced)
-        sampling = active & ~forcing
-        tok, finished, remaining, reason, lengths, pending = advance_rows(
-            tok, sampling, r.stop_ids, c.remaining, c.reason, c.lengths, c.pending)
-        nxt = forced[:, jnp.minimum(i, forced.shape[1] - 1)]
-        lengths = jnp.where(forcing, lengths + 1, lengths)
-        pending = jnp.where(forcing, nxt, pending)
-        out = c.out.at[:, i].set(tok, mode="drop")
-        steps = jnp.where(sampling, c.steps + 1, c.steps)
-        active = active & ~finished
-        fed = (finished & r.feed_last) if feeding else c.fed
-        return _DecodeCarry(i=i + 1, pool=pool, lengths=lengths, pending=pending, active=active, remaining=remaining,
-                            steps=steps, out=out, reason=reason, fed=fed, kept=kept, lps=lps, top_ids=tids,
-                            top_lps=tlps)
-
-    init = _DecodeCarry(i=jnp.int32(0), pool=pool, lengths=r.lengths, pending=r.pending, active=r.active,
-                        remaining=r.remaining, steps=r.steps, out=out, reason=jnp.zeros((b,), jnp.int32),
-                        fed=jnp.zeros((b,), bool), kept=kept0, lps=lps0, top_ids=top_ids0, top_lps=top_lps0)
-    c = jax.lax.while_loop(cond, body, init)
-    return ((c.pool, c.out, c.reason, c.i, c.lps) + ((c.kept,) if feeding else ())
-            + ((c.top_ids, c.top_lps) if top_logprobs else ()))
+    return decode_loop(one_step, pool, r, chunk, config.vocab_size, feeding, top_logprobs)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "layout", "chunk", "kv", "attention_impl", "n_valid", "feeding",
