@@ -24,8 +24,15 @@ def _untimed(x):
 
 
 def _run_files(d):
+    """results, records and report of an eval directory, timings aside; of the report's engine_pool
+    only what the runs did (prompt tokens, prefix hits, prefilled, evictions): a pool's state at
+    the end (pages free / cached) is each engine's own, one per shard after a merge."""
     lines = lambda name: [_untimed(json.loads(x)) for x in (d / name).read_text().splitlines()]  # noqa: E731
-    return lines("results.jsonl"), lines("records.jsonl"), _untimed(json.loads((d / "report.json").read_text()))
+    report = _untimed(json.loads((d / "report.json").read_text()))
+    pool = report.pop("engine_pool")
+    report["engine_pool_counts"] = {k: pool[k] for k in ("prompt_tokens", "prefix_hit_tokens",
+                                                           "prompt_tokens_prefilled", "evicted_pages")}
+    return lines("results.jsonl"), lines("records.jsonl"), report
 
 
 def test_shard_spec_and_positions():
