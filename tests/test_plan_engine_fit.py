@@ -16,6 +16,7 @@ from sprint_jax.cli import main
 from sprint_jax.errors import UserError
 from sprint_jax.model.config import resolve_model_config
 from sprint_jax.plan import chips
+from sprint_jax.plan.compile import cuda_plugin_available
 from sprint_jax.plan import engine as pe
 from sprint_jax.plan import fit as pf
 
@@ -250,7 +251,7 @@ def test_lengths_from_records_through_the_command(tmp_path, capsys):
     assert row["lengths"] == str(path) and row["exceed_probability"] < 0.01
 
 
-needs_plugin = pytest.mark.skipif(__import__("importlib").util.find_spec("jax_plugins.xla_cuda12") is None,
+needs_plugin = pytest.mark.skipif(not cuda_plugin_available(),
                                   reason="compiling for GPUs needs jax-cuda12-plugin")
 
 

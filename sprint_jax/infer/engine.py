@@ -102,7 +102,7 @@ class Engine(Scheduler, Joins):
         self.sharding_notes: list[str] = []
         self._kv = None
         if mesh is None:
-            self.params = model.params
+            self._set_params(model.params)
             self._parts = 1
         else:
             notes = self.sharding_notes
@@ -184,13 +184,8 @@ class Engine(Scheduler, Joins):
         while self._preempted and not self._page_waits:   # preempted runs come back first, once no row waits
             seq = self._preempted[0]
             full = self._preempted_tokens(seq)
-            tree, alloc = self._trees[seq.part], self._allocs[seq.part]
-            sp = tree.acquire(full)              # resumed from what the cache still holds
-            try:
-                alloc.prepare_write(sp, len(full) - 1 - sp.length)
-            except PoolExhausted:
-                tree.hit_tokens -= sp.length
-                tree.finish(sp, (), cache=False)
+            sp = self._take_pages(seq.part, full)  # resumed from what the cache still holds
+            if sp is None:
                 return
             self._preempted.popleft()
             seq.pages = sp
@@ -201,13 +196,8 @@ class Engine(Scheduler, Joins):
             seq = op.seq
             slot = self._free[0]
             part = self._part_of(slot)
-            tree, alloc = self._trees[part], self._allocs[part]
-            sp = tree.acquire(op.tokens)
-            try:
-                alloc.prepare_write(sp, len(op.tokens) - 1 - sp.length)
-            except PoolExhausted:
-                tree.hit_tokens -= sp.length
-                tree.finish(sp, (), cache=False)
+            sp = self._take_pages(part, op.tokens)
+            if sp is None:
                 return
             self._waiting.popleft()
             self._free.pop(0)
@@ -222,6 +212,19 @@ class Engine(Scheduler, Joins):
             if len(op.tokens) - 1 > sp.length:
                 self._queue_prefill(seq, op.tokens[sp.length:-1], sp.length)
             self._finish(op, seq)
+
+    def _take_pages(self, part: int, tokens: list[int]):
+        """A sequence's pages for `tokens` in pool shard `part`: its longest cached prefix and
+        fresh pages for the rest but the last token (evicting cached pages no sequence holds), or
+        None when the pool has no room (nothing taken)."""
+        tree = self._trees[part]
+        sp = tree.acquire(tokens)
+        try:
+            self._allocs[part].prepare_write(sp, len(tokens) - 1 - sp.length)
+        except PoolExhausted:
+            tree.cancel(sp)
+            return None
+        return sp
 
     def _preempted_tokens(self, seq: Seq) -> list[int]:
         """A preempted sequence's tokens with what its generate op has decoded so far (the last one
@@ -492,8 +495,6 @@ class Engine(Scheduler, Joins):
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (new weights make them stale; a test that zeroes the pool);
         sequences open now are not cached when they close. Returns the pages the cache held."""
-        if not hasattr(self, "_trees"):
-            return 0
         self._cache_epoch += 1
         return sum(t.clear() for t in self._trees)
 

@@ -335,22 +335,28 @@ def copy_pages(pool: KVPages, src: jax.Array, dst: jax.Array, sharding=None) -> 
     return constrain_pool(KVPages(one(pool.k), one(pool.v)), sharding)
 
 
+def move_tokens(array: jax.Array, src_table: jax.Array, src_pos: jax.Array, dst_table: jax.Array,
+                dst_pos: jax.Array) -> jax.Array:
+    """array [L, Hkv, N, ps, D] (K or V) with row r's token at src_pos[r, t] of src_table[r] copied
+    to dst_pos[r, t] of dst_table[r] (every layer and KV head); dst_pos < 0 or a destination page
+    out of range: padding, dropped. Every source is read before any destination is written."""
+    n_layers, n_kv, n_pages, ps = array.shape[:4]
+    page, slot = token_slots(src_table, jnp.maximum(src_pos, 0), ps, n_pages)
+    layer = jnp.arange(n_layers)[:, None, None, None]              # [L, R, T, Hkv]
+    head = jnp.arange(n_kv)[None, None, None, :]
+    rows = as_bits(array, lambda b: b[layer, head, jnp.minimum(page, n_pages - 1)[None, :, :, None],
+                                       slot[None, :, :, None]])   # [L, R, T, Hkv, D]
+    return scatter_pages(array, dst_table, dst_pos, rows)
+
+
 @functools.partial(jax.jit, static_argnames=("sharding",), donate_argnames=("pool",))
 def copy_tokens(pool: KVPages, src_table: jax.Array, src_pos: jax.Array, dst_table: jax.Array, dst_pos: jax.Array,
                 sharding=None) -> KVPages:
-    """Copy single tokens' K/V through page tables, in place: row r's token at src_pos[r, t] of
-    src_table[r] to dst_pos[r, t] of dst_table[r] (every layer and KV head); dst_pos < 0: padding,
-    dropped. A merge join's placement of the children's tokens after the parent's prefix (the
-    destination pages must be held by the parent alone, `PageAllocator.prepare_write`)."""
-    def one(a):
-        n_layers, n_kv, n_pages, ps = a.shape[:4]
-        page, slot = token_slots(src_table, jnp.maximum(src_pos, 0), ps, n_pages)
-        layer = jnp.arange(n_layers)[:, None, None, None]              # [L, R, T, Hkv]
-        head = jnp.arange(n_kv)[None, None, None, :]
-        rows = as_bits(a, lambda b: b[layer, head, jnp.minimum(page, n_pages - 1)[None, :, :, None],
-                                       slot[None, :, :, None]])       # [L, R, T, Hkv, D]
-        return scatter_pages(a, dst_table, dst_pos, rows)
-    return constrain_pool(KVPages(one(pool.k), one(pool.v)), sharding)
+    """Copy single tokens' K/V through page tables, in place (`move_tokens` on K and V): a merge
+    join's placement of the children's tokens after the parent's prefix (the destination pages
+    must be held by the parent alone, `PageAllocator.prepare_write`)."""
+    return constrain_pool(KVPages(*(move_tokens(a, src_table, src_pos, dst_table, dst_pos)
+                                    for a in (pool.k, pool.v))), sharding)
 
 
 def copy_args(copies: list[PageCopy], num_pages: int, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:

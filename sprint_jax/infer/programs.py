@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sprint_jax.infer import sharding as sh
-from sprint_jax.infer.pages import KVPages, as_bits, constrain_pool, gather_pages, scatter_pages, token_slots
+from sprint_jax.infer.pages import KVPages, constrain_pool, gather_pages, move_tokens, scatter_pages
 from sprint_jax.infer.paged_attention import paged_partial
 from sprint_jax.infer.prefix_attention import pallas_paged_prefix_attention
 from sprint_jax.infer.sampling import advance_rows, filtered_logits, mask_padded
@@ -175,16 +175,7 @@ class CopyRows:
 def _copy_body(pool: KVPages, copy: CopyRows, kv=None) -> KVPages:
     n_pages = pool.num_pages
     src, dst = local_pages(copy.src_table, n_pages), local_pages(copy.dst_table, n_pages)
-
-    def one(a):
-        n_layers, n_kv, _, ps = a.shape[:4]
-        page, slot = token_slots(src, jnp.maximum(copy.src_pos, 0), ps, n_pages)
-        layer = jnp.arange(n_layers)[:, None, None, None]              # [L, R, T, Hkv]
-        head = jnp.arange(n_kv)[None, None, None, :]
-        moved = as_bits(a, lambda b: b[layer, head, jnp.minimum(page, n_pages - 1)[None, :, :, None],
-                                       slot[None, :, :, None]])      # [L, R, T, Hkv, D]
-        return scatter_pages(a, dst, copy.dst_pos, moved)
-    return _pin(KVPages(one(pool.k), one(pool.v)), kv)
+    return _pin(KVPages(*(move_tokens(a, src, copy.src_pos, dst, copy.dst_pos) for a in (pool.k, pool.v))), kv)
 
 
 @functools.partial(jax.jit, static_argnames=("kv",), donate_argnames=("cache",))

@@ -170,6 +170,12 @@ class RadixTree:
         self.hit_tokens += seq.length
         return seq
 
+    def cancel(self, seq: SeqPages) -> None:
+        """Undo an `acquire` whose sequence never ran (its pages could not all be had): the lock
+        and the references dropped, its hit tokens not counted, nothing cached."""
+        self.hit_tokens -= seq.length
+        self.finish(seq, (), cache=False)
+
     def finish(self, seq: SeqPages, tokens: Sequence[int], cache: bool = True) -> None:
         """The sequence ends: its full pages cached under `tokens` (its token ids; with cache),
         its lock dropped and its pages released (the tree keeps what it cached)."""
