@@ -66,6 +66,36 @@ def test_lru_eviction_and_the_cache_never_fails_a_request():
         a.prepare_write(s, 6)                           # 2 pages: doc 1 evicted, 1 free
 
 
+def _lru_reference(tree: RadixTree, a: PageAllocator, n: int) -> list[int]:
+    """The pages evict(n) frees, by a walk of the whole tree: repeatedly the least recently used
+    leaf that is unlocked and held by the tree alone (a parent whose children all went joins)."""
+    gone, out = set(), []
+    while len(out) < n:
+        leaves = [nd for nd in tree.nodes() if id(nd) not in gone and nd.lock == 0
+                  and a.refcount[nd.page] == 1 and all(id(c) in gone for c in nd.children.values())]
+        if not leaves:
+            break
+        node = min(leaves, key=lambda nd: nd.last_used)
+        gone.add(id(node))
+        out.append(node.page)
+    return out
+
+
+def test_the_eviction_heap_stays_bounded_without_evictions():
+    """Every hit pushes a heap entry; with no eviction to prune them, stale entries are rebuilt
+    away, so a long-lived server's tree stays the size of its cache."""
+    a = PageAllocator(64, 2)
+    tree = RadixTree(a)
+    docs = [[d, d, d + 1, d + 1] for d in range(0, 20, 2)]
+    for doc in docs:
+        tree.finish(_written(a, doc), doc)
+    for i in range(5000):
+        tree.match(docs[i % len(docs)])
+    assert len(tree._heap) <= 4 * tree.cached_pages + 65     # the module's own bound
+    tree.match(docs[3])                                       # used last: evicted last
+    assert tree.evict(18) == 18 and tree.match(docs[3])[0] != [] and tree.cached_pages == 2
+
+
 def _path_pages(tree: RadixTree) -> dict:
     out = {}
     for node in tree.nodes():
@@ -89,8 +119,10 @@ class _Model:
         self.content = np.full((n_pages, ps), -1)       # each page's tokens
         docs = [list(rng.integers(0, 3, 24)) for _ in range(3)]   # few symbols: shared prefixes
         self.docs = docs
+        self.evicted: list[int] = []
 
     def _evicted(self, page, depth):
+        self.evicted.append(page)
         assert all(page not in s.pages for s, _ in self.live), "an evicted page is in a live table"
         paths = [p for p, pg in self.cached.items() if pg == page]
         assert len(paths) == 1 and len(paths[0]) == depth * self.ps
@@ -158,8 +190,12 @@ class _Model:
             self.tree.finish(seq, tokens, cache=False)
         elif op == 5:                                    # a live sequence caches its prefix
             self.insert(*pick())
-        else:                                            # evict
-            self.tree.evict(int(rng.integers(1, 4)))
+        else:                                            # evict: least recently used first
+            n = int(rng.integers(1, 4))
+            want = _lru_reference(self.tree, self.a, n)
+            before = len(self.evicted)
+            assert self.tree.evict(n) == len(want)
+            assert self.evicted[before:] == want
 
     def check(self):
         a, tree = self.a, self.tree
@@ -182,6 +218,7 @@ class _Model:
                 locks[id(n)] += 1
                 n = n.parent
         assert all(node.lock == locks[id(node)] for node in tree.nodes())
+        assert tree.cached_only() == sum(1 for node in tree.nodes() if a.refcount[node.page] == 1)
         for doc in self.docs:
             q = doc[:int(self.rng.integers(0, 24))]
             assert tree.match(q)[0] == self.longest(q)

@@ -507,8 +507,7 @@ class Engine(Scheduler, Joins):
         tree (evictable), the prefix tokens sequences took from the cache instead of prefilling,
         and the pages evicted so far."""
         free = sum(a.free_pages for a in self._allocs)
-        cached_only = sum(sum(1 for nd in t.nodes() if a.refcount[nd.page] == 1)
-                          for t, a in zip(self._trees, self._allocs))
+        cached_only = sum(t.cached_only() for t in self._trees)
         return dict(pages_total=self.num_pages, pages_free=free, pages_used=self.num_pages - free - cached_only,
                     pages_cached=cached_only, page_size=self.page_size,
                     prefix_hit_tokens=sum(t.hit_tokens for t in self._trees),

@@ -15,12 +15,20 @@ The tree holds one reference on each of its pages (`PageAllocator` counts it as 
 - `evict(n)`: frees up to n pages, least recently used leaves first, among nodes that are unlocked
   and whose page only the tree holds. The allocator calls it when its free list is short, so the
   cache never makes a request fail: a miss or an eviction, never an error.
+
+Eviction keeps a heap of the leaves by last use across calls (an entry is pushed when a node
+becomes a leaf or a leaf is used; entries a later use or a new child made stale are skipped when
+popped), so an eviction costs O((n + leaves in use) log leaves), not a walk of the tree: a pool of
+a million pages stays cheap to admit into. `held` marks the pages the tree holds (a numpy mask,
+for counts over the whole pool without a walk).
 """
 from __future__ import annotations
 
 import heapq
 import itertools
 from typing import Callable, Sequence
+
+import numpy as np
 
 from sprint_jax.infer.pages import PageAllocator, SeqPages
 
@@ -50,7 +58,22 @@ class RadixTree:
         self.cached_pages = 0
         self.hit_tokens = 0
         self.evicted = 0
+        self.held = np.zeros(alloc.num_pages, bool)         # pages the tree holds
+        self._heap: list[tuple[int, int, RadixNode]] = []  # (last_used, tiebreak, leaf), lazily pruned
+        self._tie = itertools.count()
         alloc.evictor = self.evict
+
+    def _touch(self, node: RadixNode, now: int) -> None:
+        """node used at `now`; a leaf gets a heap entry at its new time (the older one is stale)."""
+        node.last_used = now
+        if not node.children:
+            self._push(node)
+
+    def _push(self, leaf: RadixNode) -> None:
+        heapq.heappush(self._heap, (leaf.last_used, next(self._tie), leaf))
+        if len(self._heap) > 4 * self.cached_pages + 64:     # mostly stale entries: rebuild
+            self._heap = [(nd.last_used, next(self._tie), nd) for nd in self._leaves() if nd is not self.root]
+            heapq.heapify(self._heap)
 
     def _keys(self, tokens: Sequence[int]):
         ps = self.page_size
@@ -63,8 +86,9 @@ class RadixTree:
             node = node.children.get(key)
             if node is None:
                 break
-            node.last_used = now
             path.append(node)
+        for nd in path:
+            self._touch(nd, now)
         return path
 
     def match(self, tokens: Sequence[int]) -> tuple[list[int], RadixNode]:
@@ -80,15 +104,18 @@ class RadixTree:
         keys = list(self._keys(tokens))
         if len(pages) < len(keys):
             raise ValueError(f"{len(keys)} full pages of tokens, {len(pages)} pages")
-        node, now, added = self.root, next(self._clock), 0
+        node, now, added, path = self.root, next(self._clock), 0, []
         for key, page in zip(keys, pages):
             child = node.children.get(key)
             if child is None:
                 self.alloc.incref([page])
                 child = node.children[key] = RadixNode(key, int(page), node)
+                self.held[child.page] = True
                 added += 1
-            child.last_used = now
+            path.append(child)
             node = child
+        for nd in path:
+            self._touch(nd, now)
         self.cached_pages += added
         return added
 
@@ -105,32 +132,37 @@ class RadixTree:
             node.lock -= 1
             node = node.parent
 
-    def _evictable(self, node: RadixNode) -> bool:
-        return (node is not self.root and not node.children and node.lock == 0
-                and self.alloc.refcount[node.page] == 1)
-
     def evict(self, n: int) -> int:
         """Free up to n pages: least recently used evictable leaves first (a parent that becomes
         an evictable leaf joins them). Returns the number freed."""
-        heap = [(nd.last_used, id(nd), nd) for nd in self._leaves() if self._evictable(nd)]
-        heapq.heapify(heap)
-        freed = 0
+        heap, kept, freed = self._heap, [], 0
         while heap and freed < n:
-            _, _, node = heapq.heappop(heap)
-            if not self._evictable(node):
+            entry = heapq.heappop(heap)
+            used, _, node = entry
+            if node.parent is None or node.children or used != node.last_used:
+                continue                     # evicted or forgotten, no longer a leaf, or used since
+            if node.lock or self.alloc.refcount[node.page] != 1:
+                kept.append(entry)           # a leaf in use: back in the heap once this call is done
                 continue
             parent = node.parent
             del parent.children[node.key]
             node.parent = None
+            self.held[node.page] = False
             self.alloc.decref([node.page])
             freed += 1
             if self.on_evict is not None:
                 self.on_evict(node.page, node.depth)
-            if self._evictable(parent):
-                heapq.heappush(heap, (parent.last_used, id(parent), parent))
+            if parent is not self.root and not parent.children:
+                heapq.heappush(heap, (parent.last_used, next(self._tie), parent))
+        for entry in kept:
+            heapq.heappush(heap, entry)
         self.cached_pages -= freed
         self.evicted += freed
         return freed
+
+    def cached_only(self) -> int:
+        """Pages only the tree holds (evictable unless a sequence's lock covers them)."""
+        return int(np.count_nonzero(self.held & (self.alloc.refcount == 1)))
 
     def clear(self) -> int:
         """Forget every cached prefix (new weights make its K/V stale): the tree's reference on
@@ -139,6 +171,8 @@ class RadixTree:
         held = [nd.page for nd in self.nodes()]
         self.alloc.decref(held)
         self.root = RadixNode((), -1, None)
+        self.held[:] = False
+        self._heap = []
         self.cached_pages = 0
         return len(held)
 
