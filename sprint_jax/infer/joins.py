@@ -39,8 +39,12 @@ class Joins:
                               cap=self.max_seqs // self._parts * self.max_children)
 
     def _merge_pages(self, tokens: int) -> int:
-        """A merge's table width (pages; powers of two from min_bucket tokens: few shapes)."""
-        return bucket(-(-tokens // self.page_size), max(1, self.min_bucket // self.page_size))
+        """A merge's table width for `tokens` positions (pages; powers of two from min_bucket
+        tokens: few shapes), capped at the pages of the parent capacity (no merged sequence holds
+        more: a wider table is pure over-read), never below the pages `tokens` need."""
+        need = self._pages_for(tokens)
+        return max(min(bucket(need, max(1, self.min_bucket // self.page_size)), self._pages_for(self.parent_capacity)),
+                   need)
 
     def merge(self, seq: Seq, branches: Sequence[Sequence[int]]) -> Seq:
         """Join the children of the fork just finished on `seq` into it without re-running them:
@@ -313,7 +317,7 @@ class Joins:
                     return out
                 b = step(b)
 
-        widths = ladder(self._merge_pages(1), top_pages, lambda b: 2 * b)
+        widths = ladder(self._merge_pages(1), top_pages, lambda b: min(2 * b, top_pages))
         windows = ladder(self._join_window(0), self.child_capacity, lambda b: self._join_window(2 * b - 1))
         shapes = 0
         for pages, win in itertools.product(widths, windows):
