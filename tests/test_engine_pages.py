@@ -190,11 +190,72 @@ def test_runs_that_outgrow_the_pool_are_preempted_and_give_their_own_tokens(mode
     assert engine.page_stats()["pages_used"] == 0
 
 
+def test_forks_that_outgrow_the_pool_start_again_and_give_their_own_tokens(model):
+    """Two runs fork three children each; the pool holds one fork's pages, not both: the youngest
+    fork gives its pages back (children and parent) and starts again once the older one has what
+    it needs, so every child's tokens (greedy and sampled) equal an engine with room for all, the
+    greedy ones each branch alone by a plain forward."""
+    from sprint_jax.infer.sampling import Sampling
+
+    prompts = [_ids(60 + k, 20) for k in range(2)]                  # 2 pages each (16 + 4)
+    prefixes = [[_ids(70 + 3 * k + j, 2) for j in range(3)] for k in range(2)]
+    samplings = [None, Sampling(temperature=1.0, seed=9)]
+
+    def run(num_pages):
+        engine = Engine(model, tiny_vocab_tokenizer(), max_seqs=2, num_pages=num_pages, **CAPS)
+        opens = [engine.open(p) for p in prompts]
+        engine.run(opens)
+        forks = [engine.fork(o.result, pre, 30, sampling=s) for o, pre, s in zip(opens, prefixes, samplings)]
+        while not all(o.result.closed for o in opens):             # each run closed when it ends
+            engine.step_or_raise()
+            for o, f in zip(opens, forks):
+                if f.done and not o.result.closed:
+                    engine.close(o.result)
+        return [[g.tokens for g in f.result] for f in forks], engine
+
+    roomy, _ = run(None)
+    tight, engine = run(14)        # a fork: its parent's 2 pages + 3 x (the copied page + 2 more)
+    assert engine.stats["preemptions"] >= 1
+    assert tight == roomy
+    for pre, toks in zip(prefixes[0], tight[0]):
+        assert toks == greedy_by_full_forward(model, prompts[0] + pre, 30)
+    assert engine.page_stats()["pages_used"] == 0
+
+
+def test_a_merge_join_short_of_pages_preempts_a_younger_run_and_both_give_their_own_tokens(model):
+    """A merge join needs pages for the joined branches now (it cannot wait for a later step): on
+    a full pool the youngest decoding run gives its pages back (requeued, as a step would), the
+    join goes through, and both the joined planner's next tokens and the preempted run's equal an
+    engine with room for all (the join's logits too)."""
+    prompts = [_ids(80, 20), _ids(81, 20)]
+    prefixes = [_ids(82 + j, 2) for j in range(3)]
+
+    def run(num_pages):
+        engine = Engine(model, tiny_vocab_tokenizer(), max_seqs=2, num_pages=num_pages, **CAPS)
+        a, b = (_open(engine, p) for p in prompts)
+        fork = engine.fork(a, prefixes, 12, join=True)
+        gen = engine.generate(b, 40)
+        engine.run([fork])
+        engine.merge(a, [p + g.tokens for p, g in zip(prefixes, fork.result)])
+        logits = np.asarray(a.join_logits)
+        after = engine.generate(a, 6)
+        engine.run([after, gen])
+        return logits, after.result.tokens, gen.result.tokens, engine
+
+    roomy = run(None)
+    tight = run(11)
+    assert tight[3].stats["preemptions"] >= 1
+    np.testing.assert_allclose(tight[0], roomy[0], atol=1e-5, rtol=0)
+    assert tight[1:3] == roomy[1:3]
+    assert tight[2] == greedy_by_full_forward(model, prompts[1], 40)
+
+
 @pytest.mark.slow
 def test_eval_on_a_small_pool_gives_the_default_pools_results(hf_untied, tmp_path, capsys):
     """`eval --kv-pages N`: a pool far below what the capacities reserve serves the same problems
     to the same results (timings aside), with runs preempted when their pages run out; a pool of
-    0 pages or a page size of 0 is one line naming the flag, exit 2."""
+    0 pages or a page size of 0 is one line naming the flag, exit 2, and so is a pool no run fits
+    (the engine can make no progress: more --kv-pages or a lower --concurrency)."""
     import json
     import shutil
 
@@ -219,7 +280,7 @@ def test_eval_on_a_small_pool_gives_the_default_pools_results(hf_untied, tmp_pat
     pool = json.loads((tmp_path / "small" / "report.json").read_text())["engine_pool"]
     assert pool["pages_total"] == 12
     capsys.readouterr()
-    for flag, value in (("--kv-pages", "0"), ("--page-size", "0")):
+    for flag, value in (("--kv-pages", "0"), ("--page-size", "0"), ("--kv-pages", "1")):   # 1: no prompt fits
         assert main(["eval", "--model", str(model), "--data", str(tasks), "--out", str(tmp_path / "bad"), *caps,
                      flag, value]) == 2
         err = capsys.readouterr().err.strip().splitlines()

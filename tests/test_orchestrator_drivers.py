@@ -101,6 +101,9 @@ class ScriptedBatch:
             op.result, op.done = op.run(), True
             self.ops.remove(op)
 
+    def step_or_raise(self):                 # run_many's step (the engine's raises when stuck)
+        self.step()
+
 
 def _variant(k: int):
     """The drug-discovery script with run-specific words, and a few runs that go wrong."""

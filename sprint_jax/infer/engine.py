@@ -132,6 +132,8 @@ class Engine(Scheduler, Joins):
         self._preempted: deque[Seq] = deque()      # runs whose pages were taken back, waiting for pages
         self._admissions = itertools.count()
         self._page_waits = 0                       # rows the last step could not give pages
+        self._wait_min = None                      # the oldest run (admission order) among them
+        self._oldest_wait = None                   # ... as this step found it
         self.last_join_tokens = 0           # tokens the last merge ran (in the children's slots)
 
     @property
@@ -191,7 +193,7 @@ class Engine(Scheduler, Joins):
             seq.pages = sp
             if len(full) - 1 > sp.length:        # recomputed: the rest is prefilled again
                 self._prefill_work[seq.id] = PrefillWork(seq, full[sp.length:-1], 0, sp.length)
-        while self._waiting and self._free:
+        while self._waiting and self._free and self._oldest_wait is None:   # no new run while one waits
             op = self._waiting[0]
             seq = op.seq
             slot = self._free[0]
@@ -232,18 +234,41 @@ class Engine(Scheduler, Joins):
         row = self._groups.get(seq.slot, [None])[0]
         return seq.tokens + (row.gen if row is not None else [])
 
-    def _preempt(self) -> bool:
-        """Free the pages of the most recently admitted run that can be recomputed exactly (a
-        sequence decoding a generate op, no merge join in it, no fork held): its full pages go to
-        the radix tree (evictable; a later admission resumes from what is still cached there) and
-        it is requeued, first in line, to prefill the rest again and decode on with its own key
-        stream. False: no such run, or it is the only live one."""
-        live = [s for s in self._live_seqs() if s.pages is not None]
-        ok = [s for s in live if s.op is not None and s.op.kind == "generate" and s.last_fork is None
-              and s.cache_len >= len(s.tokens) and self._groups.get(s.slot, [None])[0] is not None]
-        if len(live) < 2 or not ok:
+    def _preempt(self, part: int | None = None) -> bool:
+        """Free the pages of the most recently admitted run that can be recomputed exactly, so the
+        older runs go on. A sequence decoding a generate op (no merge join in it, no fork held), or
+        a fork whose parent is a plain prefix and none of whose children has finished, gives its
+        pages back whole: its full pages go to the radix tree (evictable; a later admission resumes
+        from what is still cached there), a fork's children release theirs, and it is requeued,
+        first in line once no row waits for pages, to prefill the rest again and decode on with
+        its own key streams (a fork's children from their prefixes), so the same tokens come out.
+        Otherwise a fork's unfinished children alone give back their pages and start again (the
+        parent's pages, with merge joins in them, stay). False: no such run, or it is the only live
+        one. part: only runs of that pool shard, even the only live one (for a call that cannot
+        wait: the run making it is not live)."""
+        live = [s for s in self._live_seqs() if s.pages is not None and (part is None or s.part == part)]
+        whole = [s for s in live if s.op is not None and s.cache_len >= len(s.tokens)
+                 and ((s.op.kind == "generate" and s.last_fork is None
+                       and self._groups.get(s.slot, [None])[0] is not None)
+                      or (s.op.kind == "fork" and s.op.fork is not None
+                          and (s.trace is None or all(c is None for c in s.last_fork.children))))]
+        children = [s for s in live if s not in whole and s.op is not None and s.op.kind == "fork"
+                    and s.op.fork is not None
+                    and any(self._restartable(r) for r in self._groups.get(s.slot, [None])[1:])]
+        if (len(live) < 2 and part is None) or not (whole or children):
             return False
-        seq = max(ok, key=lambda s: s.admitted)
+        seq = max(whole + children, key=lambda s: s.admitted)
+        self.stats["preemptions"] += 1
+        if seq.op.kind == "fork":
+            self._restart_children(seq, finished=seq in whole)
+            if seq in children:
+                return True
+            for child in seq.op.fork.children:            # the children's shares of the parent's pages
+                if not child.released:
+                    self._alloc(seq).release(child)
+            for row in self._groups[seq.slot][1:] + list(seq.op.queued):
+                if row is not None:
+                    row.pages, row.restarted = None, True
         full = self._preempted_tokens(seq)
         sp = seq.pages
         sp.length = min(sp.length, len(full) - 1)
@@ -251,8 +276,33 @@ class Engine(Scheduler, Joins):
         seq.pages = None
         self._prefill_work.pop(seq.id, None)
         self._preempted.append(seq)
-        self.stats["preemptions"] += 1
         return True
+
+    @staticmethod
+    def _restartable(row: Row | None) -> bool:
+        """A fork child still decoding that holds pages of its own."""
+        return row is not None and row.reason is None and row.pages is not None and not row.pages.released
+
+    def _restart_children(self, seq: Seq, finished: bool = False) -> None:
+        """The unfinished children of seq's fork release their pages and start over: fresh rows
+        with the same prefixes, limits, stops and key streams (`_child_pages` gives each a new share
+        of the parent's pages). finished: the finished ones too (their results and pages dropped;
+        they decode the same tokens again); else they keep theirs."""
+        group, op = self._groups[seq.slot], seq.op
+        for j, row in enumerate(group[1:]):
+            if self._restartable(row):
+                self._alloc(seq).release(row.pages)
+            elif not (finished and row is None and j < len(op.prefixes) and op.result[j] is not None):
+                continue
+            else:                                          # finished: its result and pages go
+                kid = seq.last_fork.children[j]
+                if kid is not None and kid.pages is not None and not kid.pages.released:
+                    self._alloc(seq).release(kid.pages)
+                seq.last_fork.children[j], op.result[j] = None, None
+            fresh = Row(op, j, [seq.tokens[-1]] + op.prefixes[j], op.limits[j], op.stops[j],
+                        StopScanner(self.decode_text, op.stops[j]))
+            fresh.restarted = True
+            group[1 + j] = fresh
 
     def _live_seqs(self) -> list[Seq]:
         """Every admitted sequence that holds a slot (through its rows' ops)."""

@@ -97,11 +97,11 @@ class Joins:
         while pos < longest:
             pieces = [t[pos: pos + self.prefill_chunk] for t in tails]
             for j, p in enumerate(pieces):
-                if p and not self._reserve(seq.part, kids[j].pages, p0 + 1 + keep[j] + pos, len(p), copies):
+                if p and not self._reserve_now(seq, kids[j].pages, p0 + 1 + keep[j] + pos, len(p), copies):
                     raise PoolExhausted(f"merge: the KV pool has no page for child {j}'s last tokens")
             pieces_at.append((pos, pieces))
             pos += self.prefill_chunk
-        if not self._reserve(seq.part, seq.pages, p0, sum(lens) + 1, copies):
+        if not self._reserve_now(seq, seq.pages, p0, sum(lens) + 1, copies):
             raise PoolExhausted("merge: the KV pool has no pages for the joined branches")
         self._run_copies(copies)
         copy = self._join_copy(seq, at, kids, p0, lens, pages)      # the tables as reserved
@@ -179,13 +179,13 @@ class Joins:
     def flush(self, seq: Seq) -> None:
         """Write the sequence's queued tokens (an open's prompt, extends) into its pages now."""
         while seq.id in self._prefill_work:
-            self._step_or_raise()
+            self.step_or_raise()
 
     def _write_rows(self, seq: Seq, sp, i: int, r_b: int, piece: list[int], start: int) -> PrefillRows:
         """One prefill row (at row i of r_b) writing `piece` at positions start.. of `sp` (pages
         reserved, copies on write run)."""
         copies: list = []
-        if not self._reserve(seq.part, sp, start, len(piece), copies):
+        if not self._reserve_now(seq, sp, start, len(piece), copies):
             raise PoolExhausted("the KV pool has no pages for these tokens")
         self._run_copies(copies)
         width = self._merge_pages(start + len(piece))
@@ -251,7 +251,7 @@ class Joins:
             at, rows = self._child_rows(seq, n, bucket_fine(max(len(p) for p in pieces), 16), pages)
             copies: list = []
             for i, p, sp in zip(at, pieces, children):
-                if p and not self._reserve(seq.part, sp, p0 + pos, len(p), copies):
+                if p and not self._reserve_now(seq, sp, p0 + pos, len(p), copies):
                     raise PoolExhausted("fork_logits: the KV pool has no pages for the branches")
                 rows.tokens[i, : len(p)] = p
                 rows.table[i] = self._table(sp, seq.part, pages)

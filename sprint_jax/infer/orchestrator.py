@@ -935,8 +935,7 @@ def run_many(engine: Any, queries: list[str], mode: str = "parallel", config: Or
             driver.advance(runs[i])
         if not runs:
             continue
-        if engine.step() is False:
-            raise EngineError("no progress: every sequence slot is held by a run that waits for a slot")
+        engine.step_or_raise()
         for run in [r for r in runs.values() if r.op is not None and r.op.done]:
             driver.poll(run)
     return records

@@ -166,9 +166,8 @@ class PageAllocator:
         self._live(seq)
         if n <= 0:
             return []
-        first, end = seq.length // self.page_size, self.pages_for(seq.length + n)
-        shared = [j for j in range(first, min(end, len(seq.pages))) if self.refcount[seq.pages[j]] > 1]
-        fresh = self.alloc(len(shared) + max(end - len(seq.pages), 0))       # raises before any change
+        shared, grow = self._write_needs(seq, n)
+        fresh = self.alloc(len(shared) + grow)                               # raises before any change
         copies = []
         for j in shared:
             dst = fresh.pop()
@@ -178,6 +177,21 @@ class PageAllocator:
             seq.pages[j] = dst
         seq.pages.extend(fresh)
         return copies
+
+    def fresh_pages(self, seq: SeqPages, n: int) -> int:
+        """Pages `prepare_write(seq, n)` would take from the pool (copies of shared pages and
+        pages past the table)."""
+        if n <= 0:
+            return 0
+        shared, grow = self._write_needs(seq, n)
+        return len(shared) + grow
+
+    def _write_needs(self, seq: SeqPages, n: int) -> tuple[list[int], int]:
+        """(table indices of the shared pages that positions length..length+n-1 fall in, pages to
+        add past the table)."""
+        first, end = seq.length // self.page_size, self.pages_for(seq.length + n)
+        shared = [j for j in range(first, min(end, len(seq.pages))) if self.refcount[seq.pages[j]] > 1]
+        return shared, max(end - len(seq.pages), 0)
 
     def advance(self, seq: SeqPages, n: int) -> None:
         """n tokens of K/V written (after `prepare_write` made room for them)."""

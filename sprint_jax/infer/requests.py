@@ -220,6 +220,7 @@ class Row:
         self.fed = False                  # its last token was run (a join fork's child: decode's feed_last)
         self.last_logits = None           # then its logits after that token (device, [V]), if kept
         self.pages = None                 # child: its page table (`pages.SeqPages`, from the fork)
+        self.restarted = False            # child: preempted, takes a new share of the parent's pages
 
 
 @dataclasses.dataclass

@@ -83,6 +83,11 @@ class Scheduler:
         moved = lambda: (len(self._waiting), len(self._preempted), self.stats["prefill_calls"],  # noqa: E731
                          self.stats["decode_calls"])
         before = moved()
+        # the oldest run that waited for pages last step, while it still holds pages (not since
+        # preempted, closed or aborted): no younger run takes a fresh page this step
+        w, self._wait_min = self._wait_min, None
+        self._oldest_wait = w if w is not None and any(
+            s.admitted == w and s.pages is not None for s in self._live_seqs()) else None
         self._admit()
         self._page_waits = 0
         self._prefill_parents()
@@ -100,9 +105,10 @@ class Scheduler:
         """Step until the given operations are done (or, without ops, until idle). Raises
         EngineError instead of waiting forever when no step can make progress."""
         while (not all(o.done for o in ops)) if ops else self.busy:
-            self._step_or_raise()
+            self.step_or_raise()
 
-    def _step_or_raise(self) -> None:
+    def step_or_raise(self) -> None:
+        """`step`, raising EngineError that names what blocks it instead of returning False."""
         if not self.step():
             if self.live_rows or (self._waiting and self._free) or self._prefill_work:
                 raise EngineError(f"no progress: live sequences hold the KV pool's {self.num_pages} pages of "
@@ -133,19 +139,41 @@ class Scheduler:
         width = bucket_fine(max(n_pages, 1), max(1, self.min_bucket // self.page_size))
         return max(min(width, self._pages_for(cap_tokens)), n_pages)
 
+    def _reserve_now(self, seq, sp, start: int, n: int, copies: list) -> bool:
+        """`_reserve` for a call that cannot wait for a later step (a merge join, teacher forcing):
+        when the pool has no room, runs are preempted (`_preempt`, youngest first) until it has.
+        False: nothing left to preempt."""
+        while not self._reserve(seq, sp, start, n, copies, wait=False):
+            if not self._preempt(seq.part):
+                return False
+        return True
+
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
-    def _reserve(self, part: int, sp, start: int, n: int, copies: list) -> bool:
-        """Pages for n tokens written at positions start.. of `sp` (copy on write of a shared page:
-        its copy appended to `copies`). False when the pool has no room (the row waits)."""
+    def _reserve(self, seq, sp, start: int, n: int, copies: list, wait: bool = True) -> bool:
+        """Pages for n tokens of run `seq` written at positions start.. of `sp` (copy on write of a
+        shared page: its copy appended to `copies`). False when the pool has no room: the row
+        waits, and until it has them no younger run takes a fresh page (the oldest waiting run
+        gets the pages others free, so it always gets on: a run younger than it is preempted when
+        nothing moves). wait=False: a call that cannot wait (no such hold)."""
+        part = seq.part
         sp.length = start
+        alloc = self._allocs[part]
+        if (wait and self._oldest_wait is not None and seq.admitted > self._oldest_wait
+                and alloc.fresh_pages(sp, n)):
+            self._waits(seq)
+            return False
         try:
-            copies.extend((part, c) for c in self._allocs[part].prepare_write(sp, n))
+            copies.extend((part, c) for c in alloc.prepare_write(sp, n))
         except PoolExhausted:
-            self._page_waits += 1
+            self._waits(seq)
             return False
         return True
+
+    def _waits(self, seq) -> None:
+        self._page_waits += 1
+        self._wait_min = seq.admitted if self._wait_min is None else min(self._wait_min, seq.admitted)
 
     def _run_copies(self, copies: list) -> None:
         """The copies on write of this call's rows, before it (one call)."""
@@ -167,6 +195,13 @@ class Scheduler:
                 sp = op.seq.pages
                 sp.length = op.seq.length
                 op.fork = self._allocs[op.seq.part].fork(sp, len(op.prefixes))
+            elif row.restarted:               # preempted: a new share of the parent's pages
+                if op.seq.pages is None or op.seq.id in self._prefill_work:
+                    return False
+                sp = op.seq.pages
+                sp.length = op.seq.length
+                op.fork.children[row.j] = self._allocs[op.seq.part].fork(sp, 1).children[0]
+                row.restarted = False
             row.pages = op.fork.children[row.j]
         return True
 
@@ -178,7 +213,7 @@ class Scheduler:
             seq = work.seq
             piece = _Piece(work, seq.slot, seq.pages, seq.part, work.run[work.done: work.done + self.prefill_chunk],
                            work.base + work.done, seq.pos_offset)
-            if self._reserve(seq.part, seq.pages, piece.start, len(piece.tokens), copies):
+            if self._reserve(seq, seq.pages, piece.start, len(piece.tokens), copies):
                 pieces.append(piece)
         if pieces:
             self._prefill_call(pieces, copies, cap=None, cap_tokens=self.parent_capacity)
@@ -198,7 +233,7 @@ class Scheduler:
                     piece = _Piece(row, slot, row.pages, seq.part,
                                    row.run[row.prefill_pos: len(row.run) - 1][: self.prefill_chunk],
                                    seq.length + row.prefill_pos, seq.pos_offset)
-                    if self._reserve(seq.part, row.pages, piece.start, len(piece.tokens), copies):
+                    if self._reserve(seq, row.pages, piece.start, len(piece.tokens), copies):
                         pieces.append(piece)
         if pieces:
             self._prefill_call(pieces, copies, cap=self.max_seqs // self._parts * self.max_children,
@@ -260,13 +295,13 @@ class Scheduler:
         for slot, rows in sorted(self._groups.items()):
             if self._decoding(rows[0], False):
                 run = _RowRun(rows[0], False, slot, *self._feed(rows[0], False))
-                if self._reserve(run.seq.part, run.pages, run.start, run.writes(self.decode_chunk), copies):
+                if self._reserve(run.seq, run.pages, run.start, run.writes(self.decode_chunk), copies):
                     gen_rows.append(run)
             kids = []
             for r in rows[1:]:
                 if self._decoding(r, True):
                     run = _RowRun(r, True, slot, *self._feed(r, True))
-                    if self._reserve(run.seq.part, run.pages, run.start, run.writes(self.decode_chunk), copies):
+                    if self._reserve(run.seq, run.pages, run.start, run.writes(self.decode_chunk), copies):
                         kids.append(run)
             if kids:
                 forks.append(kids)
