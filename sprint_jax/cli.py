@@ -112,7 +112,7 @@ def _run_command(name: str, argv: list[str]) -> int:
         return 0
     except Exception as e:  # noqa: BLE001 -- a full disk or a denied write is turned into a line; the rest re-raises
         requests = sys.modules.get("sprint_jax.infer.requests")     # loaded when an engine ran
-        if requests is not None and isinstance(e, requests.EngineError) and str(e).startswith("no progress"):
+        if requests is not None and isinstance(e, requests.NoProgress):
             # a pool or slot count the runs cannot share (e.g. --kv-pages far below --concurrency's needs)
             print(f"sprint-jax {name}: error: {e}; rerun with more --kv-pages or a lower --concurrency "
                   f"(eval keeps the records it wrote and resumes)", file=sys.stderr)

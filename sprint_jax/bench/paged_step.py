@@ -51,9 +51,10 @@ def _pages(tokens: int, ps: int) -> int:
 def page_bucket(n_pages: int, page_size: int, cap_tokens: int | None = None, min_bucket: int = SLOT_MIN_BUCKET) -> int:
     """A page table width as the paged scheduler picks it (`Scheduler._page_bucket`: capped at the
     pages of cap_tokens, never below n_pages)."""
-    from sprint_jax.infer.buckets import bucket_fine
-    width = bucket_fine(max(n_pages, 1), max(1, min_bucket // page_size))
-    return width if cap_tokens is None else max(min(width, _pages(cap_tokens, page_size)), n_pages)
+    from sprint_jax.infer.buckets import bucket_fine, page_bucket as bucket_of
+    if cap_tokens is None:
+        return bucket_fine(max(n_pages, 1), max(1, min_bucket // page_size))
+    return bucket_of(n_pages, page_size, min_bucket, cap_tokens)
 
 
 def _fill(rows, budget: int, pending: np.ndarray) -> None:

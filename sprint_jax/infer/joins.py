@@ -19,7 +19,7 @@ from sprint_jax.infer import sharding as sh
 from sprint_jax.infer.pages import PoolExhausted
 from sprint_jax.infer.programs import CopyRows, PrefillRows
 from sprint_jax.infer.requests import EngineError, ForkChild, ForkRecord, Seq, common_prefix
-from sprint_jax.infer.buckets import bucket, bucket_fine
+from sprint_jax.infer.buckets import bucket, bucket_fine, merge_pages
 
 
 class Joins:
@@ -39,12 +39,9 @@ class Joins:
                               cap=self.max_seqs // self._parts * self.max_children)
 
     def _merge_pages(self, tokens: int) -> int:
-        """A merge's table width for `tokens` positions (pages; powers of two from min_bucket
-        tokens: few shapes), capped at the pages of the parent capacity (no merged sequence holds
-        more: a wider table is pure over-read), never below the pages `tokens` need."""
-        need = self._pages_for(tokens)
-        return max(min(bucket(need, max(1, self.min_bucket // self.page_size)), self._pages_for(self.parent_capacity)),
-                   need)
+        """A merge's table width for `tokens` positions (`buckets.merge_pages`, capped at the
+        parent capacity)."""
+        return merge_pages(tokens, self.page_size, self.min_bucket, self.parent_capacity)
 
     def merge(self, seq: Seq, branches: Sequence[Sequence[int]]) -> Seq:
         """Join the children of the fork just finished on `seq` into it without re-running them:

@@ -26,6 +26,11 @@ class EngineError(ValueError):
     message says which limit."""
 
 
+class NoProgress(EngineError):
+    """No step can move: the KV pool or the sequence slots are held by what waits on them (a pool
+    or slot count the queued work cannot share)."""
+
+
 @dataclasses.dataclass
 class Generation:
     tokens: list[int]                 # generated tokens only, up to and including the stop

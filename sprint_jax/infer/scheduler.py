@@ -20,9 +20,9 @@ from sprint_jax.infer import programs
 from sprint_jax.infer import sharding as sh
 from sprint_jax.infer.pages import PageCopy, PoolExhausted, SeqPages, copy_args, copy_pages
 from sprint_jax.infer.programs import DecodeRows, PrefillRows
-from sprint_jax.infer.requests import EngineError, ForkChild, Generation, Op, PrefillWork, Row
+from sprint_jax.infer.requests import ForkChild, Generation, NoProgress, Op, PrefillWork, Row
 from sprint_jax.infer.sampling import TOP_LOGPROBS
-from sprint_jax.infer.buckets import bucket, bucket_fine
+from sprint_jax.infer.buckets import bucket, bucket_fine, page_bucket
 
 
 @dataclasses.dataclass
@@ -108,12 +108,12 @@ class Scheduler:
             self.step_or_raise()
 
     def step_or_raise(self) -> None:
-        """`step`, raising EngineError that names what blocks it instead of returning False."""
+        """`step`, raising `NoProgress` (an EngineError) that names what blocks it instead of returning False."""
         if not self.step():
             if self.live_rows or (self._waiting and self._free) or self._prefill_work:
-                raise EngineError(f"no progress: live sequences hold the KV pool's {self.num_pages} pages of "
+                raise NoProgress(f"no progress: live sequences hold the KV pool's {self.num_pages} pages of "
                                   f"{self.page_size} tokens (close one, or give the engine more num_pages)")
-            raise EngineError(f"no progress: {len(self._waiting)} open(s) wait for a slot and all "
+            raise NoProgress(f"no progress: {len(self._waiting)} open(s) wait for a slot and all "
                               f"{self.max_seqs} slots hold idle sequences (close one)")
 
     def _forced_in_decode(self, work: PrefillWork) -> bool:
@@ -133,11 +133,8 @@ class Scheduler:
         return row
 
     def _page_bucket(self, n_pages: int, cap_tokens: int) -> int:
-        """A table width for n_pages pages: few shapes compile (1x, 1.5x powers of two from
-        min_bucket tokens' pages), capped at the pages of `cap_tokens` (the most such a table can
-        need: a read past them is pure over-read), never below n_pages."""
-        width = bucket_fine(max(n_pages, 1), max(1, self.min_bucket // self.page_size))
-        return max(min(width, self._pages_for(cap_tokens)), n_pages)
+        """A table width for n_pages pages (`buckets.page_bucket`)."""
+        return page_bucket(n_pages, self.page_size, self.min_bucket, cap_tokens)
 
     def _reserve_now(self, seq, sp, start: int, n: int, copies: list) -> bool:
         """`_reserve` for a call that cannot wait for a later step (a merge join, teacher forcing):

@@ -92,11 +92,9 @@ class EngineShape:
         return self.engine_config.pool_pages(self.parts)
 
     def page_bucket(self, n_pages: int, cap_tokens: int) -> int:
-        """A page-table width, as `Scheduler._page_bucket` picks it (min_bucket 64 tokens; capped
-        at the pages of cap_tokens, never below n_pages)."""
-        from sprint_jax.infer.buckets import bucket_fine
-        width = bucket_fine(max(n_pages, 1), max(1, self.engine_config.min_bucket // self.page_size))
-        return max(min(width, self.pages_for(cap_tokens)), n_pages)
+        """A page-table width, as `Scheduler._page_bucket` picks it (`buckets.page_bucket`)."""
+        from sprint_jax.infer.buckets import page_bucket
+        return page_bucket(n_pages, self.page_size, self.engine_config.min_bucket, cap_tokens)
 
     @property
     def table_widths(self) -> dict[str, int]:
